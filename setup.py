@@ -1,0 +1,21 @@
+"""Install tfpipe: GPipe pipeline parallelism for TensorFlow 2 and Keras 3."""
+
+from setuptools import find_packages, setup
+
+setup(
+    name="tfpipe",
+    version="0.1.0",
+    description="GPipe pipeline parallelism for TensorFlow 2 and Keras 3",
+    packages=find_packages(include=["tfpipe", "tfpipe.*"]),
+    python_requires=">=3.10",
+    install_requires=[
+        "tensorflow>=2.21,<2.22",
+        "keras>=3.15,<3.16",
+        "numpy>=1.26",
+        "absl-py>=2.1",
+    ],
+    extras_require={
+        "test": ["pytest>=8"],
+        "data": ["tensorflow-datasets>=4.9"],
+    },
+)
