@@ -92,7 +92,7 @@ def merge(parts: Sequence[Any]) -> Any:
     if len(parts) == 1:
         return parts[0]
     flat = [tf.nest.flatten(p) for p in parts]
-    merged = [tf.concat(list(leaves), axis=0) for leaves in zip(*flat)]
+    merged = [None if leaves[0] is None else tf.concat(list(leaves), axis=0) for leaves in zip(*flat)]
     return tf.nest.pack_sequence_as(parts[0], merged)
 
 

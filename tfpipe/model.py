@@ -56,6 +56,10 @@ def _is_shape(s: Any) -> bool:
 
 
 def _spec(input_shape: Any) -> Any:
+    """Symbolic inputs from shapes (as Keras passes them to ``build``) or from tensors."""
+    if isinstance(input_shape, (tf.Tensor, np.ndarray, keras.KerasTensor)):
+        dtype = keras.backend.standardize_dtype(input_shape.dtype)
+        return keras.KerasTensor((None,) + tuple(input_shape.shape[1:]), dtype=dtype)
     if _is_shape(input_shape):
         return keras.KerasTensor(tuple(input_shape))
     if isinstance(input_shape, dict):
@@ -137,7 +141,10 @@ class PipelineModel(keras.Model):
 
     # Building and calling ------------------------------------------------------------------
     def build(self, input_shape: Any) -> None:
-        """Build every cell on its device, feeding each the output spec of the previous one."""
+        """Build every cell on its device, feeding each the output spec of the previous one.
+
+        ``input_shape`` is a shape, a nested structure of shapes, or a batch of tensors.
+        """
         x = _spec(input_shape)
         for cell in self._pipeline.cells:
             x = cell.build(x)
@@ -186,6 +193,8 @@ class PipelineModel(keras.Model):
     def train_step(self, data: Any) -> dict[str, Any]:
         """One optimizer step over a mini-batch, pipelined over micro-batches."""
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+        if not self.built:
+            self.build(x)
         sizes = microbatch.sizes(x, self.num_micro_batches)
         xs, ys, sws = (microbatch.split(s, sizes) for s in (x, y, sample_weight))
         weights: list[tf.Tensor] = []

@@ -112,8 +112,11 @@ class Pipeline:
                              for v, s in zip(cell.non_trainable_variables, other)] if training else other
                     with_reg = backward and j == 0
 
-                    def fn(x_in, *w, cell=cell, seeds=seeds, with_reg=with_reg):
+                    share = fractions[j] if fractions is not None else 1.0
+
+                    def fn(x_in, *w, cell=cell, seeds=seeds, with_reg=with_reg, share=share):
                         y, ns, extra = cell(list(w), seeds, x_in, training=training)
+                        extra = extra * share  # add_loss terms are batch means, as Keras normalizes them
                         if with_reg:
                             extra = extra + cell.regularization_loss(list(w))
                         return y, ns, extra

@@ -1,0 +1,71 @@
+"""GPipe's promise: the same training result whatever the number of cells and micro-batches."""
+
+import keras
+import numpy as np
+import pytest
+
+import tfpipe
+from tests.util import cpu_devices, max_rel_error, mlp_layers
+
+OPTIMIZERS = {"sgd": lambda: keras.optimizers.SGD(0.1), "adam": lambda: keras.optimizers.Adam(0.01)}
+
+
+def _data(n, seed=0):
+    rng = np.random.default_rng(seed)
+    return rng.normal(size=(n, 8)).astype("float32"), rng.normal(size=(n, 3)).astype("float32")
+
+
+def _one_step_each(make_layers, k, m, optimizer, n, remat="except_last", loss="mse", **fit_kwargs):
+    """Weights after one fit step of a PipelineModel and of a Sequential from the same initial weights."""
+    x, y = _data(n)
+    keras.utils.set_random_seed(0)
+    reference = keras.Sequential([keras.Input((8,))] + make_layers())
+    start = reference.get_weights()
+    model = tfpipe.PipelineModel(make_layers(), num_partitions=k, devices=cpu_devices(k),
+                                 num_micro_batches=m, remat=remat)
+    model.build((None, 8))
+    model.set_weights(start)
+    for net in (reference, model):
+        net.compile(optimizer=OPTIMIZERS[optimizer](), loss=loss)
+        net.fit(x, y, batch_size=n, epochs=1, shuffle=False, verbose=0, **fit_kwargs)
+    assert max_rel_error(start, reference.get_weights()) > 1e-3  # the step did change the weights
+    return model.get_weights(), reference.get_weights()
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
+@pytest.mark.parametrize("m", [1, 2, 4])
+@pytest.mark.parametrize("k", [1, 2, 4])
+def test_one_step_matches_sequential(k, m, optimizer):
+    got, want = _one_step_each(mlp_layers, k, m, optimizer, n=8)
+    assert max_rel_error(got, want) < 1e-5
+
+
+@pytest.mark.parametrize("m", [3, 4])
+def test_uneven_micro_batches_match_sequential(m):
+    got, want = _one_step_each(mlp_layers, 2, m, "adam", n=10)
+    assert max_rel_error(got, want) < 1e-5
+
+
+def test_sample_weights_and_regularizers_match_sequential():
+    def layers():
+        return [keras.layers.Dense(16, activation="tanh", kernel_regularizer=keras.regularizers.L2(0.01)),
+                keras.layers.Dense(16, activity_regularizer=keras.regularizers.L1(0.001)),
+                keras.layers.LayerNormalization(), keras.layers.Dense(3)]
+    weights = np.linspace(0.2, 2.0, 10).astype("float32")
+    got, want = _one_step_each(layers, 4, 3, "sgd", n=10, sample_weight=weights)
+    assert max_rel_error(got, want) < 1e-5
+
+
+def test_reported_loss_and_metrics_match_sequential():
+    x, y = _data(12)
+    keras.utils.set_random_seed(0)
+    reference = keras.Sequential([keras.Input((8,))] + mlp_layers())
+    model = tfpipe.PipelineModel(mlp_layers(), num_partitions=2, num_micro_batches=4)
+    model.build((None, 8))
+    model.set_weights(reference.get_weights())
+    histories = []
+    for net in (reference, model):
+        net.compile(optimizer="sgd", loss="mse", metrics=["mae"])
+        histories.append(net.fit(x, y, batch_size=6, epochs=2, shuffle=False, verbose=0).history)
+    for key in ("loss", "mae"):
+        np.testing.assert_allclose(histories[1][key], histories[0][key], rtol=1e-5)

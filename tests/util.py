@@ -1,0 +1,45 @@
+"""Shared helpers for the tests: reference models, weight comparison, running a snippet in a fresh process."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import keras
+import numpy as np
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def cpu_devices(k: int) -> list[str]:
+    """The first k logical CPU devices."""
+    return [f"/CPU:{i}" for i in range(k)]
+
+
+def mlp_layers(width: int = 16, out: int = 3, depth: int = 4) -> list[keras.layers.Layer]:
+    """Batch-independent layers: Dense, LayerNormalization and activations, ``depth`` Dense blocks."""
+    layers: list[keras.layers.Layer] = []
+    for _ in range(depth - 1):
+        layers += [keras.layers.Dense(width), keras.layers.LayerNormalization(), keras.layers.Activation("tanh")]
+    layers.append(keras.layers.Dense(out))
+    return layers
+
+
+def max_rel_error(a: list[np.ndarray], b: list[np.ndarray]) -> float:
+    """Largest relative difference between two weight lists (relative to each tensor's scale)."""
+    assert len(a) == len(b)
+    worst = 0.0
+    for x, y in zip(a, b):
+        scale = max(float(np.max(np.abs(y))), 1e-12)
+        worst = max(worst, float(np.max(np.abs(x - y))) / scale)
+    return worst
+
+
+def run_fresh(code: str, env: dict | None = None, timeout: int = 300) -> subprocess.CompletedProcess:
+    """Run Python code in a fresh process (TensorFlow's device setup happens once per process)."""
+    full_env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", PYTHONPATH=REPO)
+    full_env.update(env or {})
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
+                          env=full_env, timeout=timeout)
