@@ -67,6 +67,34 @@ def _spec(input_shape: Any) -> Any:
     return type(input_shape)(_spec(s) for s in input_shape)
 
 
+def _device_of(variable: Any) -> str:
+    return (variable.value if isinstance(variable, keras.Variable) else variable).device
+
+
+def _place_on_variable_devices(optimizer: keras.optimizers.Optimizer) -> None:
+    """Create each optimizer slot, and run each variable's update, on that variable's device.
+
+    Keras asks tf.distribute to colocate them, which does nothing for slots built
+    eagerly and leaves the update math unplaced in the graph.
+    """
+    for opt in (optimizer, getattr(optimizer, "inner_optimizer", None)):
+        if opt is None or getattr(opt, "_tfpipe_placed", False):
+            continue
+        create, update = opt.add_variable_from_reference, opt.update_step
+
+        def add_variable_from_reference(reference_variable, *args, _create=create, **kwargs):
+            with tf.device(_device_of(reference_variable)):
+                return _create(reference_variable, *args, **kwargs)
+
+        def update_step(gradient, variable, learning_rate, _update=update):
+            with tf.device(_device_of(variable)):
+                return _update(gradient, variable, learning_rate)
+
+        opt.add_variable_from_reference = add_variable_from_reference
+        opt.update_step = update_step
+        opt._tfpipe_placed = True
+
+
 class PipelineModel(keras.Model):
     """A sequence of Keras layers cut into cells on devices and trained as a GPipe pipeline.
 
@@ -177,6 +205,8 @@ class PipelineModel(keras.Model):
                 "the cells' devices; leave jit_compile unset (tfpipe turns it off)."
             )
         super().compile(*args, jit_compile=False, **kwargs)
+        if self.optimizer is not None:
+            _place_on_variable_devices(self.optimizer)
 
     def _loss_reduction(self) -> str:
         compiled = self._compile_loss

@@ -21,6 +21,9 @@ from tfpipe.stage import Cell
 LossFn = Callable[[int, Any], tf.Tensor]
 
 
+TASK_START = "task_start"
+
+
 def task_scope_name(task: schedule.Task) -> str:
     """The name scope of a task's ops in the graph."""
     return f"{task.kind}_{task.cell}_{task.micro_batch}"
@@ -55,6 +58,9 @@ class _Chain:
         produced: list[tf.Tensor] = []
         deps = [t for t in list(self._last.get(device, [])) + list(extra_deps) if t is not None]
         with tf.device(device), tf.name_scope(task_scope_name(task)), tf.control_dependencies(deps):
+            # Marks where the task's ops begin in the graph; tape gradients are named
+            # after their forward ops, so names alone cannot attribute them to a task.
+            tf.no_op(name=TASK_START)
             yield produced
         if produced:
             self._last[device] = produced
@@ -157,7 +163,7 @@ class Pipeline:
                     dx, dw = src_grads[:n_x], src_grads[n_x:]
                     if i > 0:
                         dys[(i - 1, j)] = dx
-                    grads[i] = dw if grads[i] is None else [a + b for a, b in zip(grads[i], dw)]
+                    grads[i] = dw if grads[i] is None else [_add(a, b) for a, b in zip(grads[i], dw)]
                     produced.extend([g for g in dx if g is not None] + grads[i])
 
         result = StepResult(outputs=[acts[(k_cells - 1, j)] for j in range(m)])
@@ -173,6 +179,14 @@ class Pipeline:
                         cell.non_trainable_variables, weights[i][1],
                         [new_state[(i, j)] for j in range(m)], fractions))
         return result
+
+
+def _add(a: Any, b: Any) -> Any:
+    """Sum two gradients; sparse ones (embeddings) stay sparse by concatenating their slices."""
+    if isinstance(a, tf.IndexedSlices) and isinstance(b, tf.IndexedSlices):
+        return tf.IndexedSlices(tf.concat([a.values, b.values], 0), tf.concat([a.indices, b.indices], 0),
+                                a.dense_shape)
+    return tf.convert_to_tensor(a) + tf.convert_to_tensor(b)
 
 
 def _unflat(structure: Any, sources: Sequence[tf.Tensor]) -> list[Any]:

@@ -1,0 +1,116 @@
+"""The built graph realizes the schedule: each device's tasks are chained in clock-cycle order."""
+
+import re
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tfpipe
+from tfpipe import schedule
+from tfpipe.pipeline import TASK_START, task_scope_name
+from tests.util import cpu_devices, mlp_layers
+
+
+def _train_graph(model, x, y):
+    step = tf.function(model.train_step)
+    return step.get_concrete_function((tf.constant(x), tf.constant(y))).graph
+
+
+def _task_ops(graph):
+    """Ops of each task: those created after its start marker and before the next task's.
+
+    Tape gradients are named after their forward ops ("gradient_tape/F_0_1/..."), so
+    the ops of a task are found by creation order, which follows the schedule.
+    """
+    tasks, current = {}, None
+    for op in graph.get_operations():
+        found = re.match(rf"^([FB]_\d+_\d+)/{TASK_START}$", op.name)
+        if found:
+            current = found.group(1)
+        elif current and (op.name.startswith(current + "/") or op.name.startswith("gradient_tape/")):
+            tasks.setdefault(current, []).append(op)
+        elif current and not re.match(r"^[FB]_\d+_\d+/", op.name):
+            current = None  # an op outside any task ends the current one
+    return tasks
+
+
+def _ancestors(op):
+    seen, stack = set(), [op]
+    while stack:
+        node = stack.pop()
+        for parent in [t.op for t in node.inputs] + list(node.control_inputs):
+            if parent.name not in seen:
+                seen.add(parent.name)
+                stack.append(parent)
+    return seen
+
+
+@pytest.mark.parametrize("k,m,devices", [(2, 3, None), (3, 2, ["/CPU:0", "/CPU:1", "/CPU:0"])])
+def test_each_device_runs_its_tasks_in_schedule_order(k, m, devices):
+    devices = devices or cpu_devices(k)
+    model = tfpipe.PipelineModel(mlp_layers(depth=3), num_partitions=k, devices=devices,
+                                 num_micro_batches=m, remat="except_last")
+    model.compile(optimizer="sgd", loss="mse")
+    x, y = np.ones((6, 8), "float32"), np.ones((6, 3), "float32")
+    model.build((None, 8))
+    model.optimizer.build(model.trainable_variables)
+    tasks = _task_ops(_train_graph(model, x, y))
+    order = schedule.device_order(schedule.gpipe(k, m), devices)
+    assert sum(len(v) for v in order.values()) == 2 * k * m
+    for device, device_tasks in order.items():
+        names = [task_scope_name(t) for t in device_tasks]
+        for earlier, later in zip(names, names[1:]):
+            earlier_ops = {op.name for op in tasks[earlier]}
+            for op in tasks[later]:
+                assert _ancestors(op) & earlier_ops, f"{op.name} of {later} can start before {earlier} ends"
+
+
+def test_task_ops_are_placed_on_their_cells_device():
+    model = tfpipe.PipelineModel(mlp_layers(depth=2), num_partitions=2, devices=["/CPU:2", "/CPU:3"],
+                                 num_micro_batches=2)
+    model.compile(optimizer="sgd", loss="mse")
+    model.build((None, 8))
+    model.optimizer.build(model.trainable_variables)
+    tasks = _task_ops(_train_graph(model, np.ones((4, 8), "float32"), np.ones((4, 3), "float32")))
+    for name, ops in tasks.items():
+        cell = int(name.split("_")[1])
+        want = tf.DeviceSpec.from_string(model.devices[cell])
+        for op in ops:
+            got = tf.DeviceSpec.from_string(op.device)
+            assert (got.device_type, got.device_index) == (want.device_type, want.device_index), op.name
+
+
+def test_recomputation_runs_in_the_backward_task_and_only_when_asked():
+    def matmuls_in_backward(remat):
+        model = tfpipe.PipelineModel([keras.layers.Dense(4), keras.layers.Dense(3)], num_partitions=2,
+                                     num_micro_batches=2, remat=remat)
+        model.compile(optimizer="sgd", loss="mse")
+        model.build((None, 8))
+        model.optimizer.build(model.trainable_variables)
+        tasks = _task_ops(_train_graph(model, np.ones((4, 8), "float32"), np.ones((4, 3), "float32")))
+        # a recomputed forward MatMul has the layer's own name; gradient MatMuls live under gradient_tape
+        return {name: sum(1 for op in ops if op.type == "MatMul" and not op.name.startswith("gradient_tape/"))
+                for name, ops in tasks.items() if name.startswith("B")}
+
+    assert matmuls_in_backward("never") == {"B_0_0": 0, "B_0_1": 0, "B_1_0": 0, "B_1_1": 0}
+    assert matmuls_in_backward("except_last") == {"B_0_0": 1, "B_0_1": 0, "B_1_0": 1, "B_1_1": 0}
+    assert matmuls_in_backward("always") == {"B_0_0": 1, "B_0_1": 1, "B_1_0": 1, "B_1_1": 1}
+
+
+def test_weight_updates_run_on_each_cells_device():
+    model = tfpipe.PipelineModel(mlp_layers(depth=2), num_partitions=2, devices=["/CPU:2", "/CPU:3"],
+                                 num_micro_batches=2)
+    model.compile(optimizer="adam", loss="mse")
+    model.build((None, 8))
+    model.optimizer.build(model.trainable_variables)
+    graph = _train_graph(model, np.ones((4, 8), "float32"), np.ones((4, 3), "float32"))
+    inside = {id(outer): inner for outer, inner in graph.captures}
+    for cell in model.cells:
+        for variable in cell.trainable_variables:
+            handle = inside[id(variable.value.handle)]
+            updates = [op for op in handle.consumers() if op.type == "AssignSubVariableOp"]
+            assert updates, variable.path
+            for op in updates:
+                assert tf.DeviceSpec.from_string(op.device).device_index == int(cell.device[-1]), op.name

@@ -1,0 +1,164 @@
+"""PipelineModel as a keras.Model: fit/evaluate/predict, datasets, callbacks, weights, placement, summary."""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tfpipe
+from tests.util import cpu_devices, mlp_layers
+
+
+def _classification(n=64, seed=0):
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(n, 8)).astype("float32")
+    y = (x[:, 0] + x[:, 1] > 0).astype("int64")
+    return x, y
+
+
+def _classifier(**kwargs):
+    layers = [keras.layers.Dense(32, activation="relu"), keras.layers.Dense(32, activation="relu"),
+              keras.layers.Dense(2)]
+    kwargs.setdefault("num_partitions", 3)
+    kwargs.setdefault("num_micro_batches", 4)
+    return tfpipe.PipelineModel(layers, **kwargs)
+
+
+def test_fit_evaluate_predict_with_metrics_and_dataset():
+    x, y = _classification()
+    model = _classifier()
+    model.compile(optimizer=keras.optimizers.Adam(0.01),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True), metrics=["accuracy"])
+    dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(16)
+    history = model.fit(dataset, epochs=8, verbose=0)
+    assert history.history["loss"][-1] < 0.5 * history.history["loss"][0]
+    assert history.history["accuracy"][-1] > 0.9
+    loss, accuracy = model.evaluate(x, y, batch_size=16, verbose=0)
+    assert accuracy > 0.9
+    logits = model.predict(x, batch_size=10, verbose=0)  # last batch of 4 = M
+    assert logits.shape == (64, 2)
+    reference = keras.Sequential([keras.Input((8,))] + model.pipeline_layers)
+    np.testing.assert_allclose(logits, reference.predict(x, verbose=0), rtol=1e-5, atol=1e-6)
+    # inference accepts batches smaller than M
+    np.testing.assert_allclose(model.predict(x[:3], verbose=0), logits[:3], rtol=1e-5, atol=1e-6)
+
+
+def test_callbacks_history_and_early_stopping():
+    x, y = _classification()
+    model = _classifier()
+    model.compile(optimizer="sgd", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    stop = keras.callbacks.EarlyStopping(monitor="loss", min_delta=10.0, patience=1)
+    history = model.fit(x, y, batch_size=16, epochs=20, callbacks=[stop], verbose=0)
+    assert len(history.history["loss"]) == 2  # no improvement of 10.0 after the first epoch
+
+
+def test_progress_bar_is_shown(capsys):
+    x, y = _classification(32)
+    model = _classifier()
+    model.compile(optimizer="sgd", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    model.fit(x, y, batch_size=8, epochs=1, verbose=1)
+    assert "4/4" in capsys.readouterr().out
+
+
+def test_weights_are_ordered_as_in_sequential():
+    layers = [keras.layers.Dense(5), keras.layers.BatchNormalization(), keras.layers.Dense(2)]
+    model = tfpipe.PipelineModel(layers, balance=[2, 1], num_micro_batches=2)
+    model.build((None, 3))
+    reference = keras.Sequential([keras.Input((3,)), keras.layers.Dense(5), keras.layers.BatchNormalization(),
+                                  keras.layers.Dense(2)])
+    assert [w.shape for w in model.get_weights()] == [w.shape for w in reference.get_weights()]
+    reference.set_weights(model.get_weights())
+    x = np.random.default_rng(0).normal(size=(6, 3)).astype("float32")
+    np.testing.assert_allclose(model.predict(x, verbose=0), reference.predict(x, verbose=0), rtol=1e-5)
+
+
+def test_variables_and_optimizer_slots_live_on_their_cells_device():
+    model = _classifier(devices=["/CPU:1", "/CPU:2", "/CPU:3"])
+    model.compile(optimizer="adam", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    x, y = _classification(16)
+    model.fit(x, y, batch_size=8, verbose=0)
+    for cell in model.cells:
+        for variable in cell.trainable_variables:
+            assert variable.value.device.endswith(cell.device.replace("/", "device:")), variable.path
+    optimizer = model.optimizer
+    for variable, m, v in zip(optimizer._trainable_variables, optimizer._momentums, optimizer._velocities):
+        assert m.value.device == v.value.device == variable.value.device, variable.path
+
+
+def test_nested_inputs_flow_between_cells():
+    class Pair(keras.layers.Layer):
+        def __init__(self, units, **kwargs):
+            super().__init__(**kwargs)
+            self.a, self.b = keras.layers.Dense(units), keras.layers.Dense(units)
+
+        def call(self, inputs):
+            left, right = inputs
+            return self.a(left) + self.b(right), left
+
+    class Merge(keras.layers.Layer):
+        def call(self, inputs):
+            return inputs[0]
+
+    def layers():
+        return [Pair(4), Pair(4), Merge(), keras.layers.Dense(1)]
+
+    rng = np.random.default_rng(0)
+    x = (rng.normal(size=(8, 4)).astype("float32"), rng.normal(size=(8, 4)).astype("float32"))
+    y = rng.normal(size=(8, 1)).astype("float32")
+    model = tfpipe.PipelineModel(layers(), balance=[1, 1, 2], num_micro_batches=2)
+    model.build(((None, 4), (None, 4)))
+    reference = keras.Sequential(layers())
+    reference(x)
+    reference.set_weights(model.get_weights())
+    for net in (model, reference):
+        net.compile(optimizer="sgd", loss="mse")
+        net.fit(x, y, batch_size=8, verbose=0, shuffle=False)
+    for got, want in zip(model.get_weights(), reference.get_weights()):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-7)
+
+
+def test_dict_inputs_and_integer_tokens():
+    class Pick(keras.layers.Layer):
+        def call(self, inputs):
+            return inputs["tokens"]
+
+    model = tfpipe.PipelineModel([Pick(), keras.layers.Embedding(10, 4), keras.layers.GlobalAveragePooling1D(),
+                                  keras.layers.Dense(2)], balance=[2, 2], num_micro_batches=2)
+    x = {"tokens": np.random.default_rng(0).integers(0, 10, size=(8, 5))}
+    y = np.arange(8) % 2
+    model.compile(optimizer="adam", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    before = [w.copy() for w in model.get_weights()] if model.built else None
+    history = model.fit(x, y, batch_size=4, epochs=2, verbose=0)
+    assert np.isfinite(history.history["loss"]).all()
+    assert before is None and model.built
+
+
+def test_summary_lists_cells_devices_layers_and_params():
+    model = _classifier(devices=["/CPU:0", "/CPU:2", "/CPU:3"])
+    model.build((None, 8))
+    lines = []
+    model.summary(print_fn=lines.append)
+    text = "\n".join(lines)
+    assert "3 cells" in text and "num_micro_batches=4" in text and "remat='except_last'" in text
+    for cell in model.cells:
+        row = next(line for line in lines if line.startswith(f"{cell.index} "))
+        assert cell.device in row and cell.layers[0].name in row and f"{cell.count_params():,}" in row
+    assert f"Total params: {model.count_params():,}" in text
+
+
+def test_read_only_attributes():
+    model = _classifier(devices=["/CPU:0", "/CPU:1", "/CPU:2"], remat="never")
+    assert model.balance == [1, 1, 1] and model.devices == ["/CPU:0", "/CPU:1", "/CPU:2"]
+    assert model.num_micro_batches == 4 and model.remat == "never"
+    model.balance.append(9)
+    assert model.balance == [1, 1, 1]
+    with pytest.raises(AttributeError):
+        model.num_micro_batches = 2
+
+
+def test_accepts_a_sequential_and_keeps_jit_off():
+    sequential = keras.Sequential(mlp_layers(depth=2))
+    model = tfpipe.PipelineModel(sequential, num_partitions=2, devices=cpu_devices(2), num_micro_batches=2)
+    assert model.pipeline_layers == sequential.layers
+    model.compile(optimizer="sgd", loss="mse")
+    assert model.jit_compile is False
