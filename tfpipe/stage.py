@@ -103,8 +103,11 @@ class Cell:
         return x, new_state, added
 
     def describe(self) -> str:
-        """Comma-separated layer names."""
-        return ", ".join(layer.name for layer in self.layers)
+        """The cell's layers: all names when few, else first and last with the count."""
+        names = [layer.name for layer in self.layers]
+        if len(names) <= 3:
+            return ", ".join(names)
+        return f"{names[0]} .. {names[-1]} ({len(names)} layers)"
 
 
 def check_no_shared_variables(cells: Sequence[Cell]) -> None:

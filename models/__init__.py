@@ -1,0 +1,1 @@
+"""Reference models written as sequences of Keras layers, ready for tfpipe.PipelineModel."""
