@@ -3,7 +3,6 @@
 import re
 
 import keras
-import numpy as np
 import pytest
 import tensorflow as tf
 
@@ -13,9 +12,13 @@ from tfpipe.pipeline import TASK_START, task_scope_name
 from tests.util import cpu_devices, mlp_layers
 
 
-def _train_graph(model, x, y):
-    step = tf.function(model.train_step)
-    return step.get_concrete_function((tf.constant(x), tf.constant(y))).graph
+def _train_graph(model, batch=4, optimizer="sgd"):
+    """The graph of one training step of ``model`` (inputs of width 8, targets of width 3)."""
+    model.compile(optimizer=optimizer, loss="mse")
+    model.build((None, 8))
+    model.optimizer.build(model.trainable_variables)
+    x, y = tf.ones((batch, 8)), tf.ones((batch, 3))
+    return tf.function(model.train_step).get_concrete_function((x, y)).graph
 
 
 def _task_ops(graph):
@@ -52,11 +55,7 @@ def test_each_device_runs_its_tasks_in_schedule_order(k, m, devices):
     devices = devices or cpu_devices(k)
     model = tfpipe.PipelineModel(mlp_layers(depth=3), num_partitions=k, devices=devices,
                                  num_micro_batches=m, remat="except_last")
-    model.compile(optimizer="sgd", loss="mse")
-    x, y = np.ones((6, 8), "float32"), np.ones((6, 3), "float32")
-    model.build((None, 8))
-    model.optimizer.build(model.trainable_variables)
-    tasks = _task_ops(_train_graph(model, x, y))
+    tasks = _task_ops(_train_graph(model, batch=6))
     order = schedule.device_order(schedule.gpipe(k, m), devices)
     assert sum(len(v) for v in order.values()) == 2 * k * m
     for device, device_tasks in order.items():
@@ -70,10 +69,7 @@ def test_each_device_runs_its_tasks_in_schedule_order(k, m, devices):
 def test_task_ops_are_placed_on_their_cells_device():
     model = tfpipe.PipelineModel(mlp_layers(depth=2), num_partitions=2, devices=["/CPU:2", "/CPU:3"],
                                  num_micro_batches=2)
-    model.compile(optimizer="sgd", loss="mse")
-    model.build((None, 8))
-    model.optimizer.build(model.trainable_variables)
-    tasks = _task_ops(_train_graph(model, np.ones((4, 8), "float32"), np.ones((4, 3), "float32")))
+    tasks = _task_ops(_train_graph(model))
     for name, ops in tasks.items():
         cell = int(name.split("_")[1])
         want = tf.DeviceSpec.from_string(model.devices[cell])
@@ -86,10 +82,7 @@ def test_recomputation_runs_in_the_backward_task_and_only_when_asked():
     def matmuls_in_backward(remat):
         model = tfpipe.PipelineModel([keras.layers.Dense(4), keras.layers.Dense(3)], num_partitions=2,
                                      num_micro_batches=2, remat=remat)
-        model.compile(optimizer="sgd", loss="mse")
-        model.build((None, 8))
-        model.optimizer.build(model.trainable_variables)
-        tasks = _task_ops(_train_graph(model, np.ones((4, 8), "float32"), np.ones((4, 3), "float32")))
+        tasks = _task_ops(_train_graph(model))
         # a recomputed forward MatMul has the layer's own name; gradient MatMuls live under gradient_tape
         return {name: sum(1 for op in ops if op.type == "MatMul" and not op.name.startswith("gradient_tape/"))
                 for name, ops in tasks.items() if name.startswith("B")}
@@ -102,10 +95,7 @@ def test_recomputation_runs_in_the_backward_task_and_only_when_asked():
 def test_weight_updates_run_on_each_cells_device():
     model = tfpipe.PipelineModel(mlp_layers(depth=2), num_partitions=2, devices=["/CPU:2", "/CPU:3"],
                                  num_micro_batches=2)
-    model.compile(optimizer="adam", loss="mse")
-    model.build((None, 8))
-    model.optimizer.build(model.trainable_variables)
-    graph = _train_graph(model, np.ones((4, 8), "float32"), np.ones((4, 3), "float32"))
+    graph = _train_graph(model, optimizer="adam")
     inside = {id(outer): inner for outer, inner in graph.captures}
     for cell in model.cells:
         for variable in cell.trainable_variables:
