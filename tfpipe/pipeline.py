@@ -93,92 +93,116 @@ class Pipeline:
         return self._run(inputs, training=True, loss_fn=loss_fn, fractions=fractions, loss_scale=loss_scale)
 
     def _run(self, inputs, training, loss_fn, fractions, loss_scale=1.0) -> StepResult:
-        cells, m = self.cells, self.num_micro_batches
-        k_cells = len(cells)
-        backward = loss_fn is not None
-        chain = _Chain(cells)
-        weights = [cell.read() for cell in cells]  # once per step, on each cell's device
-        acts: dict[tuple[int, int], Any] = {}  # (cell, j) -> cell output
-        records: dict[tuple[int, int], checkpoint.Checkpoint] = {}
-        new_state: dict[tuple[int, int], list[tf.Tensor]] = {}
-        losses: dict[int, tf.Tensor] = {}
-        dys: dict[tuple[int, int], list[tf.Tensor]] = {}
-        grads: list[Optional[list[tf.Tensor]]] = [None] * k_cells
-        added: list[tf.Tensor] = []
-
-        for task in self._schedule(backward):
-            i, j = task.cell, task.micro_batch
-            cell = cells[i]
-            trainable, other = weights[i]
+        step = _Step(inputs=inputs, training=training, loss_fn=loss_fn, fractions=fractions,
+                     loss_scale=loss_scale, weights=[cell.read() for cell in self.cells])  # read once per step
+        chain = _Chain(self.cells)
+        for task in self._schedule(backward=loss_fn is not None):
             if task.kind == "F":
-                x = inputs[j] if i == 0 else acts[(i - 1, j)]
-                with chain.task(task) as produced:
-                    x = tf.nest.map_structure(lambda t: None if t is None else tf.identity(t), x)
-                    seeds = [state.micro_batch_seed(s, j) if state.is_seed_state(v) else s
-                             for v, s in zip(cell.non_trainable_variables, other)] if training else other
-                    with_reg = backward and j == 0
-
-                    share = fractions[j] if fractions is not None else 1.0
-
-                    def fn(x_in, *w, cell=cell, seeds=seeds, with_reg=with_reg, share=share):
-                        y, ns, extra = cell(list(w), seeds, x_in, training=training)
-                        extra = extra * share  # add_loss terms are batch means, as Keras normalizes them
-                        if with_reg:
-                            extra = extra + cell.regularization_loss(list(w))
-                        return y, ns, extra
-
-                    if backward:
-                        rec = checkpoint.Checkpoint(
-                            lambda *src, fn=fn, x=x: fn(tf.nest.pack_sequence_as(x, _unflat(x, src)), *src[len(_flat(x)):]),
-                            _flat(x) + list(trainable),
-                            recompute=checkpoint.recomputes(self.remat, j, m),
-                            constant=len(_flat(x)) if i == 0 else 0)
-                        records[(i, j)] = rec
-                        y, ns, extra = rec.outputs
-                    else:
-                        y, ns, extra = fn(x, *trainable)
-                    acts[(i, j)] = y
-                    new_state[(i, j)] = ns
-                    added.append(extra)
-                    produced.extend(_flat(y) + [extra])
-                    if backward and i == k_cells - 1:
-                        ys = _flat(y)
-                        floating = [t for t in ys if t.dtype.is_floating]
-                        with tf.GradientTape(watch_accessed_variables=False) as tape:
-                            tape.watch(floating)
-                            loss_j = tf.cast(loss_fn(j, y), tf.float32)
-                            scaled = loss_j * loss_scale
-                        dy = iter(tape.gradient(scaled, floating,
-                                                unconnected_gradients=tf.UnconnectedGradients.ZERO))
-                        dys[(i, j)] = [next(dy) if t.dtype.is_floating else None for t in ys]
-                        losses[j] = loss_j
-                        produced.append(loss_j)
+                self._forward_task(task, step, chain)
             else:
-                rec = records.pop((i, j))
-                dy = dys.pop((i, j))
-                with chain.task(task, extra_deps=[g for g in dy if g is not None]) as produced:
-                    scale = tf.cast(loss_scale, tf.float32)
-                    src_grads = rec.vjp(lambda out: _flat(out[0]) + [out[2]], list(dy) + [scale])
-                    n_x = len(src_grads) - len(trainable)
-                    dx, dw = src_grads[:n_x], src_grads[n_x:]
-                    if i > 0:
-                        dys[(i - 1, j)] = dx
-                    grads[i] = dw if grads[i] is None else [_add(a, b) for a, b in zip(grads[i], dw)]
-                    produced.extend([g for g in dx if g is not None] + grads[i])
+                self._backward_task(task, step, chain)
 
-        result = StepResult(outputs=[acts[(k_cells - 1, j)] for j in range(m)])
-        if backward:
-            result.loss = tf.add_n([losses[j] for j in range(m)] + added)
-            for cell, g in zip(cells, grads):
+        last, m = len(self.cells) - 1, self.num_micro_batches
+        result = StepResult(outputs=[step.acts[(last, j)] for j in range(m)])
+        if loss_fn is not None:
+            result.loss = tf.add_n([step.losses[j] for j in range(m)] + step.added)
+            for cell, g in zip(self.cells, step.grads):
                 result.variables.extend(cell.trainable_variables)
                 result.gradients.extend(g or [])
         if training:
-            for i, cell in enumerate(cells):
+            for i, cell in enumerate(self.cells):
                 with tf.device(cell.device):
                     result.state_updates.extend(cell.merger.merge(
-                        cell.non_trainable_variables, weights[i][1],
-                        [new_state[(i, j)] for j in range(m)], fractions))
+                        cell.non_trainable_variables, step.weights[i][1],
+                        [step.new_state[(i, j)] for j in range(m)], fractions))
         return result
+
+    def _forward_task(self, task: schedule.Task, step: "_Step", chain: _Chain) -> None:
+        """F(i, j): run cell i on micro-batch j; on the last cell also the loss and its gradient."""
+        i, j = task.cell, task.micro_batch
+        cell, (trainable, other) = self.cells[i], step.weights[i]
+        backward, training = step.loss_fn is not None, step.training
+        x = step.inputs[j] if i == 0 else step.acts[(i - 1, j)]
+        with chain.task(task) as produced:
+            x = tf.nest.map_structure(lambda t: None if t is None else tf.identity(t), x)  # arrive on this device
+            seeds = [state.micro_batch_seed(s, j) if state.is_seed_state(v) else s
+                     for v, s in zip(cell.non_trainable_variables, other)] if training else other
+            share = step.fractions[j] if step.fractions is not None else 1.0
+            with_reg = backward and j == 0  # weight regularizers count once per step
+
+            def fn(x_in, *w):
+                y, new_state, added = cell(list(w), seeds, x_in, training=training)
+                added = added * share  # add_loss terms are batch means, as Keras normalizes them
+                if with_reg:
+                    added = added + cell.regularization_loss(list(w))
+                return y, new_state, added
+
+            if backward:
+                n_x = len(_flat(x))
+                record = checkpoint.Checkpoint(
+                    lambda *src: fn(tf.nest.pack_sequence_as(x, _unflat(x, src)), *src[n_x:]),
+                    _flat(x) + list(trainable), recompute=checkpoint.recomputes(self.remat, j, self.num_micro_batches),
+                    constant=n_x if i == 0 else 0)
+                step.records[(i, j)] = record
+                y, new_state, added = record.outputs
+            else:
+                y, new_state, added = fn(x, *trainable)
+            step.acts[(i, j)], step.new_state[(i, j)] = y, new_state
+            step.added.append(added)
+            produced.extend(_flat(y) + [added])
+            if backward and i == len(self.cells) - 1:
+                produced.append(self._loss_task(j, y, step))
+
+    @staticmethod
+    def _loss_task(j: int, y: Any, step: "_Step") -> tf.Tensor:
+        """Micro-batch j's weighted loss and its gradient for the last cell's outputs."""
+        ys = _flat(y)
+        floating = [t for t in ys if t.dtype.is_floating]
+        with tf.GradientTape(watch_accessed_variables=False) as tape:
+            tape.watch(floating)
+            loss = tf.cast(step.loss_fn(j, y), tf.float32)
+            scaled = loss * step.loss_scale
+        grads = iter(tape.gradient(scaled, floating, unconnected_gradients=tf.UnconnectedGradients.ZERO))
+        step.dys[(len(step.weights) - 1, j)] = [next(grads) if t.dtype.is_floating else None for t in ys]
+        step.losses[j] = loss
+        return loss
+
+    def _backward_task(self, task: schedule.Task, step: "_Step", chain: _Chain) -> None:
+        """B(i, j): the VJP of cell i on micro-batch j (recomputing it if so recorded); sum weight gradients."""
+        i, j = task.cell, task.micro_batch
+        record, dy = step.records.pop((i, j)), step.dys.pop((i, j))
+        n_w = len(step.weights[i][0])
+        with chain.task(task, extra_deps=[g for g in dy if g is not None]) as produced:
+            scale = tf.cast(step.loss_scale, tf.float32)  # the gradient of the added losses
+            grads = record.vjp(lambda out: _flat(out[0]) + [out[2]], list(dy) + [scale])
+            dx, dw = grads[:len(grads) - n_w], grads[len(grads) - n_w:]
+            if i > 0:
+                step.dys[(i - 1, j)] = dx
+            total = step.grads[i]
+            step.grads[i] = dw if total is None else [_add(a, b) for a, b in zip(total, dw)]
+            produced.extend([g for g in dx if g is not None] + step.grads[i])
+
+
+@dataclasses.dataclass
+class _Step:
+    """Everything one step's tasks hand to each other, keyed by (cell, micro-batch)."""
+
+    inputs: Sequence[Any]
+    training: bool
+    loss_fn: Optional[LossFn]
+    fractions: Optional[Sequence[tf.Tensor]]
+    loss_scale: Any
+    weights: list[tuple[list[tf.Tensor], list[tf.Tensor]]]
+    acts: dict = dataclasses.field(default_factory=dict)  # cell outputs
+    records: dict = dataclasses.field(default_factory=dict)  # checkpoints awaiting their backward
+    new_state: dict = dataclasses.field(default_factory=dict)  # non-trainable values after each forward
+    dys: dict = dataclasses.field(default_factory=dict)  # gradients arriving at each cell's outputs
+    losses: dict = dataclasses.field(default_factory=dict)  # weighted loss per micro-batch
+    added: list = dataclasses.field(default_factory=list)  # add_loss and regularization terms
+    grads: list = dataclasses.field(default_factory=list)  # summed weight gradients per cell
+
+    def __post_init__(self):
+        self.grads = [None] * len(self.weights)
 
 
 def _add(a: Any, b: Any) -> Any:
