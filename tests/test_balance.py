@@ -1,5 +1,8 @@
 """Checking a user's balance and the uniform split."""
 
+import itertools
+
+import numpy as np
 import pytest
 
 from tfpipe import balance
@@ -30,3 +33,82 @@ def test_check_errors():
         balance.check(3, 3)
     with pytest.raises(ValueError, match="balance is empty"):
         balance.check([], 3)
+
+
+def _brute_force(costs, k, crossing=None):
+    """The best split by exhaustive search, compared as (max cost, sum of squares, crossing bytes)."""
+    n = len(costs)
+    crossing = crossing or [0.0] * n
+    best = None
+    for cuts in itertools.combinations(range(1, n), k - 1):
+        bounds = (0, *cuts, n)
+        cells = [sum(costs[a:b]) for a, b in zip(bounds[:-1], bounds[1:])]
+        key = (max(cells), sum(c * c for c in cells), sum(crossing[c - 1] for c in cuts))
+        if best is None or _better(key, best[0]):
+            best = (key, [b - a for a, b in zip(bounds[:-1], bounds[1:])])
+    return best
+
+
+def _better(a, b):
+    for x, y in zip(a, b):
+        if abs(x - y) > 1e-9 * max(1.0, abs(y)):
+            return x < y
+    return False
+
+
+def _key(costs, crossing, split):
+    bounds = np.cumsum([0] + split)
+    cells = [sum(costs[a:b]) for a, b in zip(bounds[:-1], bounds[1:])]
+    return (max(cells), sum(c * c for c in cells), sum(crossing[c - 1] for c in bounds[1:-1]))
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_partition_is_optimal_against_brute_force(seed):
+    rng = np.random.default_rng(seed)
+    n = int(rng.integers(1, 13))
+    k = int(rng.integers(1, min(n, 5) + 1))
+    # integer costs from a small range make many ties, so the tie-breaks are exercised
+    costs = [float(c) for c in (rng.integers(0, 4, n) if seed % 2 else rng.uniform(0, 10, n))]
+    crossing = [float(c) for c in rng.integers(1, 100, n)]
+    split = balance.partition(costs, k, boundary_bytes=crossing)
+    assert len(split) == k and sum(split) == n and min(split) >= 1
+    want_key, _ = _brute_force(costs, k, crossing)
+    got_key = _key(costs, crossing, split)
+    assert not _better(want_key, got_key), (costs, k, split, got_key, want_key)
+
+
+def test_partition_of_a_large_model_balances_its_bottleneck():
+    costs = np.random.default_rng(0).uniform(0, 1, 1000)
+    split = balance.partition(costs, 64)
+    assert len(split) == 64 and sum(split) == 1000
+    bounds = np.cumsum([0] + split)
+    worst = max(costs[a:b].sum() for a, b in zip(bounds[:-1], bounds[1:]))
+    # no contiguous split can beat the average, nor the largest single layer
+    assert worst >= max(costs.sum() / 64, costs.max()) - 1e-9
+    assert worst <= costs.sum() / 64 + costs.max() + 1e-9  # the greedy bound a heuristic guarantees
+
+
+def test_partition_errors():
+    with pytest.raises(ValueError, match="integer >= 1, got 0"):
+        balance.partition([1, 2], 0)
+    with pytest.raises(ValueError, match="Cannot cut 2 layers into 3 non-empty cells"):
+        balance.partition([1, 2], 3)
+    with pytest.raises(ValueError, match=r"costs\[1\] = -1.0; every per-layer cost must be finite and >= 0"):
+        balance.partition([1, -1], 1)
+    with pytest.raises(ValueError, match=r"costs\[0\] = nan"):
+        balance.partition([float("nan")], 1)
+    with pytest.raises(ValueError, match="boundary_bytes has 1 entries for 2 layers"):
+        balance.partition([1, 2], 2, boundary_bytes=[3])
+
+
+def test_benchmark_script_runs_in_its_smallest_mode():
+    import subprocess
+    import sys
+
+    from tests.util import REPO
+
+    proc = subprocess.run([sys.executable, f"{REPO}/scripts/benchmark_balance.py", "--sizes=12:3", "--repeats=1"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    row = proc.stdout.strip().splitlines()[-1].split()
+    assert row[:2] == ["12", "3"] and float(row[3]) >= 1.0

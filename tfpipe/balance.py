@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Optional, Sequence
+
+import numpy as np
 
 
 def check(balance: Sequence[int], num_layers: int) -> list[int]:
@@ -36,3 +38,85 @@ def uniform(num_layers: int, num_partitions: int) -> list[int]:
         )
     base, extra = divmod(num_layers, num_partitions)
     return [base + (1 if k < extra else 0) for k in range(num_partitions)]
+
+
+def _check_costs(costs: Sequence[float], k: int, name: str = "costs") -> np.ndarray:
+    values = np.asarray(list(costs), dtype=np.float64)
+    if values.ndim != 1 or values.size == 0:
+        raise ValueError(f"{name} must be a non-empty list of numbers, one per layer; got {list(costs)!r}.")
+    bad = np.flatnonzero(~np.isfinite(values) | (values < 0))
+    if bad.size:
+        raise ValueError(f"{name}[{bad[0]}] = {float(values[bad[0]])}; every per-layer cost must be finite and >= 0.")
+    if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k < 1:
+        raise ValueError(f"The number of cells must be an integer >= 1, got {k!r}.")
+    if k > values.size:
+        raise ValueError(f"Cannot cut {values.size} layers into {k} non-empty cells; use at most {values.size} cells.")
+    return values
+
+
+def _fits(prefix: np.ndarray, limit: float, k: int) -> bool:
+    """Whether the layers split into at most k contiguous cells each costing at most ``limit``."""
+    n, start, cells = prefix.size - 1, 0, 0
+    while start < n:
+        end = int(np.searchsorted(prefix, prefix[start] + limit, side="right")) - 1
+        while end > start and prefix[end] - prefix[start] > limit:
+            end -= 1
+        while end < n and prefix[end + 1] - prefix[start] <= limit:
+            end += 1
+        if end == start:
+            return False  # one layer alone exceeds the limit
+        start, cells = end, cells + 1
+        if cells > k:
+            return False
+    return True
+
+
+def partition(costs: Sequence[float], k: int, boundary_bytes: Optional[Sequence[float]] = None) -> list[int]:
+    """The contiguous split of layers into k cells that minimizes the most expensive cell, exactly.
+
+    Ties are broken by the smaller sum of squared deviations of the cell costs from
+    their mean (GPipe's variance criterion), then by fewer bytes crossing cell
+    boundaries, where ``boundary_bytes[i]`` is the size of layer i's output.
+    """
+    values = _check_costs(costs, k)
+    n = values.size
+    crossing = np.zeros(n + 1)
+    if boundary_bytes is not None:
+        crossing[1:] = _check_costs(boundary_bytes, 1, "boundary_bytes")
+        if len(boundary_bytes) != n:
+            raise ValueError(f"boundary_bytes has {len(boundary_bytes)} entries for {n} layers; give one per layer.")
+    prefix = np.concatenate([[0.0], np.cumsum(values)])
+    # The optimal bottleneck is the cost of some contiguous run: binary search over those candidates.
+    segment = prefix[None, :] - prefix[:, None]  # segment[s, e] = cost of layers s..e-1
+    candidates = np.unique(segment[np.triu_indices(n + 1, 1)])
+    lo, hi = 0, candidates.size - 1
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if _fits(prefix, candidates[mid], k):
+            hi = mid
+        else:
+            lo = mid + 1
+    limit = candidates[lo]
+
+    # Among splits within the bottleneck: minimize the sum of squared cell costs (the mean is fixed),
+    # then the bytes crossing boundaries. squares[k][e] covers the first e layers with k cells.
+    cost_to = segment.T  # cost_to[e, s] = cost of layers s..e-1
+    allowed = (np.tril(np.ones((n + 1, n + 1), bool), -1)) & (cost_to <= limit)
+    squares = np.where(allowed[:, 0], cost_to[:, 0] ** 2, np.inf)
+    moved = np.zeros(n + 1)
+    choices = []
+    for _ in range(1, k):
+        total = np.where(allowed, squares[None, :] + cost_to ** 2, np.inf)
+        best = total.min(axis=1)
+        tied = total <= best[:, None] + 1e-12 * np.maximum(np.abs(best[:, None]), 1.0)
+        traffic = np.where(tied, moved[None, :] + crossing[None, :], np.inf)
+        choice = traffic.argmin(axis=1)
+        rows = np.arange(n + 1)
+        squares, moved = total[rows, choice], traffic[rows, choice]
+        choices.append(choice)
+    ends, end = [n], n
+    for choice in reversed(choices):
+        end = int(choice[end])
+        ends.append(end)
+    bounds = [0] + ends[::-1]
+    return [b - a for a, b in zip(bounds[:-1], bounds[1:])]
