@@ -54,6 +54,8 @@ def test_batch_smaller_than_micro_batches():
         _compiled().fit(x, y, batch_size=2, verbose=0)
     with pytest.raises(ValueError, match=r"leave a last batch of 2, smaller than num_micro_batches=4"):
         _compiled().fit(x[:10], y[:10], batch_size=8, verbose=0)
+    with pytest.raises(ValueError, match=r"8 samples in batches of 6 leave a last batch of 2"):
+        _compiled().fit(x[:10], y[:10], batch_size=6, validation_split=0.2, verbose=0)
     with pytest.raises(ValueError, match=r"A batch of 3 samples cannot be split into num_micro_batches=4"):
         _compiled().fit(tf.data.Dataset.from_tensor_slices((x, y)).batch(3, drop_remainder=True), verbose=0)
 

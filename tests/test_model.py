@@ -162,3 +162,11 @@ def test_accepts_a_sequential_and_keeps_jit_off():
     assert model.pipeline_layers == sequential.layers
     model.compile(optimizer="sgd", loss="mse")
     assert model.jit_compile is False
+
+
+def test_validation_split_with_small_validation_batches():
+    x, y = _classification(42)
+    model = _classifier()
+    model.compile(optimizer="sgd", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    history = model.fit(x, y, batch_size=8, validation_split=0.05, epochs=1, verbose=0)  # 3 validation samples < M
+    assert np.isfinite(history.history["val_loss"]).all()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any, Callable, Optional, Sequence
 
 import keras
@@ -251,10 +252,10 @@ class PipelineModel(keras.Model):
 
     def fit(self, x: Any = None, y: Any = None, batch_size: Optional[int] = None, *args: Any, **kwargs: Any):
         """Keras ``fit``; checks first that no training batch will be smaller than num_micro_batches."""
-        self._check_training_batches(x, batch_size)
+        self._check_training_batches(x, batch_size, kwargs.get("validation_split") or 0.0)
         return super().fit(x, y, batch_size, *args, **kwargs)
 
-    def _check_training_batches(self, x: Any, batch_size: Optional[int]) -> None:
+    def _check_training_batches(self, x: Any, batch_size: Optional[int], validation_split: float) -> None:
         m = self.num_micro_batches
         if batch_size is not None and batch_size < m:
             raise ValueError(
@@ -264,9 +265,9 @@ class PipelineModel(keras.Model):
         leaves = [leaf for leaf in tf.nest.flatten(x) if isinstance(leaf, (np.ndarray, tf.Tensor))]
         if not leaves or len(leaves) != len(tf.nest.flatten(x)):
             return  # a dataset or generator: its batches are checked when the step is traced
-        n = int(leaves[0].shape[0])
+        n = int(math.floor(int(leaves[0].shape[0]) * (1.0 - validation_split)))  # as Keras splits
         size = batch_size or 32
-        last = n % size if n >= size else n
+        last = n % size
         if 0 < last < m:
             raise ValueError(
                 f"{n} samples in batches of {size} leave a last batch of {last}, smaller than num_micro_batches={m}. "
