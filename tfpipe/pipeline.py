@@ -138,10 +138,11 @@ class Pipeline:
                 return y, new_state, added
 
             if backward:
-                n_x = len(_flat(x))
+                flat_x = _flat(x)
+                n_x = len(flat_x)
                 record = checkpoint.Checkpoint(
                     lambda *src: fn(tf.nest.pack_sequence_as(x, _unflat(x, src)), *src[n_x:]),
-                    _flat(x) + list(trainable), recompute=checkpoint.recomputes(self.remat, j, self.num_micro_batches),
+                    flat_x + list(trainable), recompute=checkpoint.recomputes(self.remat, j, self.num_micro_batches),
                     constant=n_x if i == 0 else 0)
                 step.records[(i, j)] = record
                 y, new_state, added = record.outputs
@@ -151,11 +152,11 @@ class Pipeline:
             step.added.append(added)
             produced.extend(_flat(y) + [added])
             if backward and i == len(self.cells) - 1:
-                produced.append(self._loss_task(j, y, step))
+                produced.append(self._loss_task(i, j, y, step))
 
     @staticmethod
-    def _loss_task(j: int, y: Any, step: "_Step") -> tf.Tensor:
-        """Micro-batch j's weighted loss and its gradient for the last cell's outputs."""
+    def _loss_task(i: int, j: int, y: Any, step: "_Step") -> tf.Tensor:
+        """Micro-batch j's weighted loss and its gradient for the outputs ``y`` of the last cell i."""
         ys = _flat(y)
         floating = [t for t in ys if t.dtype.is_floating]
         with tf.GradientTape(watch_accessed_variables=False) as tape:
@@ -163,7 +164,7 @@ class Pipeline:
             loss = tf.cast(step.loss_fn(j, y), tf.float32)
             scaled = loss * step.loss_scale
         grads = iter(tape.gradient(scaled, floating, unconnected_gradients=tf.UnconnectedGradients.ZERO))
-        step.dys[(len(step.weights) - 1, j)] = [next(grads) if t.dtype.is_floating else None for t in ys]
+        step.dys[(i, j)] = [next(grads) if t.dtype.is_floating else None for t in ys]
         step.losses[j] = loss
         return loss
 
