@@ -24,7 +24,8 @@ flags.DEFINE_integer("heads", 4, "Attention heads (A).", lower_bound=1)
 flags.DEFINE_integer("seq_len", 8, "Length of the sequence to copy.", lower_bound=1)
 flags.DEFINE_integer("vocab", 12, "Vocabulary size (token 0 is the separator).", lower_bound=3)
 flags.DEFINE_integer("examples", 4096, "Generated training examples.", lower_bound=1)
-flags.DEFINE_integer("partitions", 2, "Number of cells K (layers split near-equally).", lower_bound=1)
+flags.DEFINE_integer("partitions", 2, "Number of cells K, balanced by --cost.", lower_bound=1)
+flags.DEFINE_enum("cost", "flops", ["flops", "params", "time"], "Per-layer cost that --partitions balances.")
 flags.DEFINE_list("balance", None, "Layers per cell, e.g. 2,2,3; overrides --partitions.")
 flags.DEFINE_integer("micro_batches", 4, "Micro-batches per mini-batch (M).", lower_bound=1)
 flags.DEFINE_integer("batch_size", 32, "Mini-batch size.", lower_bound=1)
@@ -91,7 +92,7 @@ def run() -> dict:
     layers = transformer_lm(FLAGS.vocab, x.shape[1], FLAGS.blocks, FLAGS.dim, FLAGS.hidden, FLAGS.heads)
     try:
         model = tfpipe.PipelineModel(
-            layers, balance=balance, num_partitions=None if balance else partitions, devices=devices,
+            layers, balance=balance, num_partitions=None if balance else partitions, cost=FLAGS.cost, devices=devices,
             num_micro_batches=FLAGS.micro_batches, remat=FLAGS.remat)
     except (ValueError, TypeError) as err:
         raise UsageError(f"--balance/--partitions/--devices/--micro_batches: {err}") from None

@@ -112,3 +112,80 @@ def test_benchmark_script_runs_in_its_smallest_mode():
     assert proc.returncode == 0, proc.stderr[-2000:]
     row = proc.stdout.strip().splitlines()[-1].split()
     assert row[:2] == ["12", "3"] and float(row[3]) >= 1.0
+
+
+# Balancing by estimated costs -------------------------------------------------------------------------
+def _uneven_layers():
+    """A wide first layer, then narrow ones: FLOPs put the cut right after the first layer."""
+    import keras
+
+    return [keras.layers.Dense(256), keras.layers.Dense(4), keras.layers.Dense(4), keras.layers.Dense(4)]
+
+
+def test_by_flops_and_by_params_split_at_the_expensive_layer():
+    x = np.ones((8, 64), "float32")
+    split, costs = balance.by_flops(_uneven_layers(), 2, x, return_costs=True)
+    assert split == [1, 3] and costs[0] == 2 * 64 * 256 + 256
+    assert balance.by_params(_uneven_layers(), 2, sample=x) == [1, 3]
+    assert balance.by_flops(_uneven_layers(), 1, x) == [4]
+
+
+def test_by_params_of_built_layers_needs_no_sample():
+    import keras
+
+    model = keras.Sequential([keras.Input((64,)), *_uneven_layers()])
+    split, costs = balance.by_params(model, 2, return_costs=True)
+    assert split == [1, 3] and costs == [64 * 256 + 256, 256 * 4 + 4, 20, 20]
+    with pytest.raises(ValueError, match=r"not built, so they have no parameters yet; pass sample="):
+        balance.by_params(_uneven_layers(), 2)
+
+
+def test_by_flops_breaks_ties_by_the_bytes_crossing_the_cut():
+    import keras
+
+    # 64 FLOPs each; cutting after layer 0 sends 8 floats, after layer 1 only 4: the narrow cut wins
+    layers = [keras.layers.Dense(8, use_bias=False), keras.layers.Dense(4, use_bias=False),
+              keras.layers.Dense(8, use_bias=False)]
+    split, costs = balance.by_flops(layers, 2, np.ones((2, 4), "float32"), return_costs=True)
+    assert costs == [64.0, 64.0, 64.0] and split == [2, 1]
+
+
+def test_by_time_leaves_weights_optimizer_and_state_unchanged():
+    import keras
+
+    model = keras.Sequential([keras.Input((16,)), keras.layers.Dense(32), keras.layers.BatchNormalization(),
+                              keras.layers.Dropout(0.3), keras.layers.Dense(2)])
+    model.compile(optimizer="adam", loss="mse")
+    x, y = np.random.default_rng(0).normal(size=(2, 32, 16)).astype("float32")[0], np.zeros((32, 2), "float32")
+    model.fit(x, y, batch_size=8, epochs=1, verbose=0)
+    before = [v.numpy().copy() for v in model.variables + model.optimizer.variables]
+    split, costs = balance.by_time(model, 2, x[:8], return_costs=True, repeats=2)
+    after = [v.numpy() for v in model.variables + model.optimizer.variables]
+    assert len(split) == 2 and sum(split) == 4 and len(costs) == 4 and all(c > 0 for c in costs)
+    for a, b in zip(before, after):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_by_memory_is_refused_without_a_reporting_allocator():
+    with pytest.raises(ValueError, match="TF_CPU_ALLOCATOR_USE_BFC=true"):
+        balance.by_memory(_uneven_layers(), 2, np.ones((4, 64), "float32"))
+
+
+def test_by_cost_errors():
+    x = np.ones((4, 64), "float32")
+    with pytest.raises(ValueError, match="integer >= 1, got 0"):
+        balance.by_flops(_uneven_layers(), 0, x)
+    with pytest.raises(ValueError, match="Cannot cut 4 layers into 5 non-empty cells"):
+        balance.by_flops(_uneven_layers(), 5, x)
+    with pytest.raises(ValueError, match=r"Layer 0 \(.*\) cannot take the input .* from the sample"):
+        import keras
+
+        balance.by_flops([keras.layers.Conv2D(2, 3)], 1, x)
+
+
+def test_efficiency_is_the_bubble_share_times_the_evenness():
+    assert balance.cell_costs([1.0, 2.0, 3.0, 4.0], [2, 2]) == [3.0, 7.0]
+    assert balance.evenness([3.0, 7.0]) == pytest.approx(5.0 / 7.0)
+    assert balance.efficiency([3.0, 7.0], 4) == pytest.approx(4 / 5 * 5 / 7)
+    assert balance.efficiency([2.0, 2.0, 2.0], 1) == pytest.approx(1 / 3)
+    assert balance.evenness([0.0, 0.0]) == 1.0

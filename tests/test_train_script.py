@@ -23,7 +23,7 @@ def test_small_default_run_lowers_the_loss():
     assert found, proc.stdout
     start, final = float(found.group(1)), float(found.group(2))
     assert final < 0.5 * start
-    assert "balance [3, 2] on ['/CPU:0', '/CPU:1'], 4 micro-batches" in proc.stdout
+    assert "balance [2, 3] on ['/CPU:0', '/CPU:1'], 4 micro-batches" in proc.stdout
     assert "examples/s" in proc.stdout
 
 

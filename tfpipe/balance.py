@@ -1,10 +1,14 @@
-"""How many layers go into each cell: checking a given balance and computing one."""
+"""How many layers go into each cell: checking a given balance, or computing the best one from per-layer costs."""
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence, Union
 
 import numpy as np
+
+from tfpipe import cost as cost_lib
+from tfpipe import schedule
+from tfpipe.sequence import layer_list
 
 
 def check(balance: Sequence[int], num_layers: int) -> list[int]:
@@ -120,3 +124,62 @@ def partition(costs: Sequence[float], k: int, boundary_bytes: Optional[Sequence[
         ends.append(end)
     bounds = [0] + ends[::-1]
     return [b - a for a, b in zip(bounds[:-1], bounds[1:])]
+
+
+Balance = Union[list[int], tuple[list[int], list[float]]]
+
+
+def _by(kind: str, layers: Any, k: int, sample: Any, return_costs: bool, **options: Any) -> Balance:
+    estimate = cost_lib.estimate(layers, sample, kind, **options)
+    split = partition(estimate.costs, k, boundary_bytes=estimate.output_bytes)
+    return (split, estimate.costs) if return_costs else split
+
+
+def by_params(layers: Any, k: int, sample: Any = None, return_costs: bool = False) -> Balance:
+    """Balance by parameter count; ``sample`` (a batch) is needed only when the layers are not built yet."""
+    if sample is None:
+        layers = layer_list(layers)
+        unbuilt = [layer.name for layer in layers if not layer.built]
+        if unbuilt:
+            raise ValueError(f"Layers {unbuilt[:3]} are not built, so they have no parameters yet; pass sample= "
+                             "(a batch of inputs) to build copies of them.")
+        costs = [float(layer.count_params()) for layer in layers]
+        split = partition(costs, k)
+        return (split, costs) if return_costs else split
+    return _by("params", layers, k, sample, return_costs)
+
+
+def by_flops(layers: Any, k: int, sample: Any, return_costs: bool = False) -> Balance:
+    """Balance by forward FLOPs per sample, counted on copies of the layers fed with ``sample``."""
+    return _by("flops", layers, k, sample, return_costs)
+
+
+def by_time(layers: Any, k: int, sample: Any, return_costs: bool = False, device: Optional[str] = None,
+            repeats: int = 5) -> Balance:
+    """Balance by measured forward+backward time of each layer on ``sample`` (ideally one micro-batch)."""
+    return _by("time", layers, k, sample, return_costs, device=device, repeats=repeats)
+
+
+def by_memory(layers: Any, k: int, sample: Any, return_costs: bool = False, device: Optional[str] = None) -> Balance:
+    """Balance by measured peak memory of each layer's forward+backward on ``sample``, plus its weights.
+
+    Needs an allocator that reports peaks: a GPU, or on a CPU ``TF_CPU_ALLOCATOR_USE_BFC=true``.
+    """
+    return _by("memory", layers, k, sample, return_costs, device=device)
+
+
+def cell_costs(costs: Sequence[float], balance: Sequence[int]) -> list[float]:
+    """The summed cost of each cell for per-layer ``costs`` split as ``balance``."""
+    bounds = np.cumsum([0] + list(balance))
+    return [float(sum(costs[a:b])) for a, b in zip(bounds[:-1], bounds[1:])]
+
+
+def evenness(cells: Sequence[float]) -> float:
+    """Mean cell cost over the most expensive cell's: 1.0 when the cells are perfectly balanced."""
+    worst = max(cells)
+    return (sum(cells) / len(cells)) / worst if worst > 0 else 1.0
+
+
+def efficiency(cells: Sequence[float], num_micro_batches: int) -> float:
+    """Predicted pipeline efficiency: GPipe's M / (M + K - 1), scaled by the cells' evenness."""
+    return (1.0 - schedule.bubble_fraction(len(cells), num_micro_batches)) * evenness(cells)

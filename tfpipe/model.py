@@ -10,38 +10,10 @@ import numpy as np
 import tensorflow as tf
 
 from tfpipe import balance as balance_lib
-from tfpipe import checkpoint, devices as devices_lib, microbatch
+from tfpipe import checkpoint, cost as cost_lib, devices as devices_lib, microbatch, schedule
+from tfpipe.sequence import layer_list
 from tfpipe.pipeline import Pipeline
 from tfpipe.stage import Cell, check_no_shared_variables
-
-
-def _layer_list(layers: Any) -> list[keras.layers.Layer]:
-    if isinstance(layers, keras.Sequential):
-        layers = layers.layers
-    elif isinstance(layers, keras.layers.Layer):
-        raise TypeError(
-            f"layers must be a list of Keras layers or a keras.Sequential, got the single layer {layers.name!r}; "
-            "wrap it in a list."
-        )
-    if isinstance(layers, (str, bytes)) or not hasattr(layers, "__iter__"):
-        raise TypeError(f"layers must be a list of Keras layers or a keras.Sequential, got {type(layers).__name__}.")
-    layers = list(layers)
-    if not layers:
-        raise ValueError("layers is empty; give at least one Keras layer.")
-    seen: dict[int, int] = {}
-    for k, layer in enumerate(layers):
-        if not isinstance(layer, keras.layers.Layer):
-            raise TypeError(
-                f"layers[{k}] is a {type(layer).__name__} ({layer!r:.60}), not a keras.layers.Layer; "
-                "wrap functions in keras.layers.Lambda or a Layer subclass."
-            )
-        if id(layer) in seen:
-            raise ValueError(
-                f"Layer {layer.name!r} appears twice in layers (positions {seen[id(layer)]} and {k}); a layer object "
-                "can sit in only one place of the pipeline. Create a separate layer for each position."
-            )
-        seen[id(layer)] = k
-    return layers
 
 
 def _check_micro_batches(num_micro_batches: Any) -> int:
@@ -102,7 +74,13 @@ class PipelineModel(keras.Model):
     Args:
       layers: a list of Keras layers, or a ``keras.Sequential``; each layer feeds the next.
       balance: layers per cell, summing to ``len(layers)``.
-      num_partitions: instead of ``balance``, the number of cells (near-equal layer counts).
+      num_partitions: instead of ``balance``, the number of cells K; the layers are then
+        split to minimize the most expensive cell under ``cost``.
+      cost: per-layer cost for ``num_partitions`` (and shown by ``summary``): ``"flops"``
+        (forward FLOPs, the default), ``"params"``, ``"time"`` (measured forward and
+        backward), or a callable ``layer -> float``. String costs need the input shape,
+        so the split is made when the model is built (first fit/evaluate/predict or
+        ``build``), on copies of the layers, before any variable is created.
       devices: one device string per cell; default: all GPUs, else the logical CPU
         devices, else ``/CPU:0`` for every cell.
       num_micro_batches: M, the number of micro-batches each mini-batch is split into.
@@ -116,37 +94,63 @@ class PipelineModel(keras.Model):
         *,
         balance: Optional[Sequence[int]] = None,
         num_partitions: Optional[int] = None,
+        cost: cost_lib.Cost = "flops",
         devices: Optional[Sequence[str]] = None,
         num_micro_batches: int = 1,
         remat: str = "except_last",
         **kwargs: Any,
     ):
-        layer_list = _layer_list(layers)
+        layers_ = layer_list(layers)
         if (balance is None) == (num_partitions is None):
             raise ValueError(
                 "Give exactly one of balance=[layers per cell] or num_partitions=K; got "
                 f"balance={balance!r}, num_partitions={num_partitions!r}."
             )
-        if balance is not None:
-            cell_sizes = balance_lib.check(balance, len(layer_list))
-        else:
-            cell_sizes = balance_lib.uniform(len(layer_list), num_partitions)
+        cost = cost_lib.check_kind(cost)
+        if cost == "memory":
+            raise ValueError("cost='memory' needs a measurement outside the training graph; compute "
+                             "balance=tfpipe.balance.by_memory(layers, K, sample) first and pass it as balance=.")
+        cell_sizes = balance_lib.check(balance, len(layers_)) if balance is not None else None
+        num_cells = len(cell_sizes) if cell_sizes else len(balance_lib.uniform(len(layers_), num_partitions))
         m = _check_micro_batches(num_micro_batches)
         remat = checkpoint.check_mode(remat)
-        cell_devices = devices_lib.resolve(devices, len(cell_sizes))
+        cell_devices = devices_lib.resolve(devices, num_cells)
         super().__init__(**kwargs)
-        self.pipeline_layers = layer_list  # tracked first, so weights are ordered as in keras.Sequential
-        starts = np.cumsum([0] + cell_sizes)
-        cells = [Cell(k, layer_list[starts[k]:starts[k + 1]], d) for k, d in enumerate(cell_devices)]
-        self._balance = list(cell_sizes)
-        self._devices = list(cell_devices)
-        self._pipeline = Pipeline(cells, m, remat)
+        self.pipeline_layers = layers_  # tracked first, so weights are ordered as in keras.Sequential
+        self._cost = cost
+        self._num_cells, self._m, self._remat, self._devices = num_cells, m, remat, list(cell_devices)
+        self._estimate: Optional[cost_lib.Estimate] = None
+        self._build_spec: Any = None  # symbolic inputs (batch dimension None), known once built
+        self._build_batch: Optional[int] = None
+        self._pipeline: Optional[Pipeline] = None
+        if cell_sizes is None and num_cells in (1, len(layers_)):
+            cell_sizes = balance_lib.uniform(len(layers_), num_cells)  # the only split there is
+        elif cell_sizes is None and callable(cost):
+            costs = [float(cost(layer)) for layer in layers_]
+            self._estimate = cost_lib.Estimate("custom", costs, output_bytes=[])
+            cell_sizes = balance_lib.partition(costs, num_cells)
+        elif cell_sizes is None and isinstance(layers, keras.Sequential) and layers.built and layers.inputs:
+            cell_sizes = self._split_by_cost(layers.inputs[0] if len(layers.inputs) == 1 else layers.inputs)
+        if cell_sizes is not None:
+            self._make_pipeline(cell_sizes)
+
+    def _make_pipeline(self, cell_sizes: Sequence[int]) -> None:
+        starts = np.cumsum([0] + list(cell_sizes))
+        layers = self.pipeline_layers
+        cells = [Cell(k, layers[starts[k]:starts[k + 1]], d) for k, d in enumerate(self._devices)]
+        self._pipeline = Pipeline(cells, self._m, self._remat)
+
+    def _split_by_cost(self, input_shape: Any) -> list[int]:
+        """Estimate every layer's cost on copies fed with a generated batch; return the optimal balance."""
+        sample = _estimation_sample(_spec(input_shape), _first_batch_dim(input_shape), self._m)
+        self._estimate = cost_lib.estimate(self.pipeline_layers, sample, self._cost)
+        return balance_lib.partition(self._estimate.costs, self._num_cells, boundary_bytes=self._estimate.output_bytes)
 
     # Read-only configuration --------------------------------------------------------------
     @property
-    def balance(self) -> list[int]:
-        """Layers per cell."""
-        return list(self._balance)
+    def balance(self) -> Optional[list[int]]:
+        """Layers per cell; ``None`` until built when ``num_partitions`` splits by an estimated cost."""
+        return [len(cell.layers) for cell in self._pipeline.cells] if self._pipeline else None
 
     @property
     def devices(self) -> list[str]:
@@ -156,25 +160,33 @@ class PipelineModel(keras.Model):
     @property
     def num_micro_batches(self) -> int:
         """M, the number of micro-batches per mini-batch."""
-        return self._pipeline.num_micro_batches
+        return self._m
 
     @property
     def remat(self) -> str:
         """The re-materialization mode."""
-        return self._pipeline.remat
+        return self._remat
+
+    @property
+    def cost(self) -> cost_lib.Cost:
+        """The per-layer cost used to balance the cells and shown by ``summary``."""
+        return self._cost
 
     @property
     def cells(self) -> list[Cell]:
-        """The cells, in pipeline order."""
-        return list(self._pipeline.cells)
+        """The cells, in pipeline order (empty until the balance is known)."""
+        return list(self._pipeline.cells) if self._pipeline else []
 
     # Building and calling ------------------------------------------------------------------
     def build(self, input_shape: Any) -> None:
-        """Build every cell on its device, feeding each the output spec of the previous one.
+        """Split by cost if still to do, then build every cell on its device, feeding each the previous one's output.
 
         ``input_shape`` is a shape, a nested structure of shapes, or a batch of tensors.
         """
-        x = _spec(input_shape)
+        x = self._build_spec = _spec(input_shape)
+        self._build_batch = _first_batch_dim(input_shape)
+        if self._pipeline is None:
+            self._make_pipeline(self._split_by_cost(input_shape))
         for cell in self._pipeline.cells:
             x = cell.build(x)
         check_no_shared_variables(self._pipeline.cells)
@@ -275,25 +287,56 @@ class PipelineModel(keras.Model):
             )
 
     # Presentation -------------------------------------------------------------------------------
+    def cell_costs(self) -> Optional[cost_lib.Estimate]:
+        """Per-layer costs under ``cost``: those the split used, else estimated now (needs a built model)."""
+        if self._estimate is None and callable(self._cost):
+            self._estimate = cost_lib.Estimate("custom", [float(self._cost(l)) for l in self.pipeline_layers], [])
+        if self._estimate is None and self._build_spec is not None:
+            sample = _estimation_sample(self._build_spec, self._build_batch, self._m)
+            self._estimate = cost_lib.estimate(self.pipeline_layers, sample, self._cost)
+        return self._estimate
+
     def summary(self, line_length: Optional[int] = None, positions: Any = None,
                 print_fn: Optional[Callable[[str], None]] = None, **kwargs: Any) -> None:
-        """Print each cell with its device, layers and parameter count."""
+        """Print each cell: device, layers, parameters, estimated cost and its share, bytes handed on.
+
+        Ends with the predicted pipeline efficiency: M / (M + K - 1) times mean / max cell cost.
+        """
         print_fn = print_fn or print
-        width = line_length or 98
-        rows = [("Cell", "Device", "Layers", "Params")]
-        for cell in self._pipeline.cells:
+        width = line_length or 120
+        cost_name = self._cost if isinstance(self._cost, str) else "custom"
+        try:
+            estimate = self.cell_costs() if self.built or callable(self._cost) else None
+            problem = None
+        except ValueError as err:
+            estimate, problem = None, str(err)
+        balance = self.balance
+        per_cell = balance_lib.cell_costs(estimate.costs, balance) if estimate and balance else None
+        rows = [("Cell", "Device", "Layers", "Params", f"Cost ({cost_lib.UNITS.get(cost_name, 'cost')})", "Share",
+                 "Out bytes/sample")]
+        for cell in self.cells:
+            k = cell.index
             params = f"{cell.count_params():,}" if self.built else "unbuilt"
-            rows.append((str(cell.index), cell.device, cell.describe(), params))
-        cols = [4, 24, width - 4 - 24 - 14 - 6, 14]
+            cost = share = out = "-"
+            if per_cell is not None:
+                total = sum(per_cell) or 1.0
+                cost, share = _si(per_cell[k]), f"{100.0 * per_cell[k] / total:.1f}%"
+                if estimate.output_bytes:
+                    out = _si(estimate.output_bytes[sum(balance[:k + 1]) - 1]) + "B"
+            rows.append((str(k), cell.device, cell.describe(), params, cost, share, out))
+        fixed = [4, 24, 0, 12, 20, 6, 16]
+        fixed[2] = max(12, width - sum(fixed) - 2 * (len(fixed) - 1))
 
         def fmt(row):
-            return "  ".join(str(c)[:w].ljust(w) for c, w in zip(row, cols)).rstrip()
+            return "  ".join(str(c)[:w].ljust(w) for c, w in zip(row, fixed)).rstrip()
 
-        print_fn(f'PipelineModel "{self.name}": {len(self._balance)} cells, balance={self._balance}, '
-                 f"num_micro_batches={self.num_micro_batches}, remat={self.remat!r}")
+        print_fn(f'PipelineModel "{self.name}": {self._num_cells} cells, balance={balance}, '
+                 f"num_micro_batches={self.num_micro_batches}, remat={self.remat!r}, cost={cost_name!r}")
         print_fn("=" * width)
         print_fn(fmt(rows[0]))
         print_fn("-" * width)
+        if len(rows) == 1:
+            print_fn(f"(the balance is decided at build, from cost={cost_name!r})")
         for row in rows[1:]:
             print_fn(fmt(row))
         print_fn("=" * width)
@@ -303,3 +346,50 @@ class PipelineModel(keras.Model):
             print_fn(f"Total params: {total:,}")
             print_fn(f"Trainable params: {trainable:,}")
             print_fn(f"Non-trainable params: {total - trainable:,}")
+        if per_cell is not None:
+            bubble_free = 1.0 - schedule.bubble_fraction(self._num_cells, self._m)
+            print_fn(f"Predicted pipeline efficiency: {100 * balance_lib.efficiency(per_cell, self._m):.1f}% "
+                     f"= M/(M+K-1) {100 * bubble_free:.1f}% x mean/max cell cost "
+                     f"{100 * balance_lib.evenness(per_cell):.1f}%")
+        elif problem:
+            print_fn(f"Costs not estimated: {problem}")
+
+
+def _si(value: float) -> str:
+    """A number with an SI prefix: 1234567 -> '1.23 M'."""
+    for factor, prefix in ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k"), (1.0, ""), (1e-3, "m"), (1e-6, "u")):
+        if abs(value) >= factor:
+            return f"{value / factor:.3g} {prefix}"
+    return f"{value:.3g}"
+
+
+ESTIMATION_BATCH = 8  # samples per estimation batch when the model's batch size is not known
+
+
+def _first_batch_dim(input_shape: Any) -> Optional[int]:
+    if _is_shape(input_shape):
+        return input_shape[0] if len(input_shape) else None
+    if hasattr(input_shape, "shape"):
+        return input_shape.shape[0] if len(input_shape.shape) else None
+    leaves = list(input_shape.values()) if isinstance(input_shape, dict) else list(input_shape)
+    return _first_batch_dim(leaves[0]) if leaves else None
+
+
+def _estimation_sample(spec: Any, batch: Optional[int], num_micro_batches: int) -> Any:
+    """Generated data shaped like one micro-batch of a batch of ``batch`` inputs (or of ESTIMATION_BATCH)."""
+    n = -(-int(batch) // num_micro_batches) if batch else ESTIMATION_BATCH
+    rng = np.random.default_rng(0)
+
+    def make(spec: keras.KerasTensor) -> np.ndarray:
+        shape = (n,) + tuple(spec.shape[1:])
+        if any(d is None for d in shape):
+            raise ValueError(
+                f"Estimating layer costs needs the input's full shape but one sample is {tuple(spec.shape[1:])}; "
+                "build the model with a full shape, e.g. model.build((None, 128)), or pass balance=[...]."
+            )
+        dtype = keras.backend.standardize_dtype(spec.dtype)
+        if "float" in dtype:
+            return rng.standard_normal(shape).astype(dtype if dtype != "bfloat16" else "float32")
+        return np.zeros(shape, dtype if dtype != "string" else object)
+
+    return tf.nest.map_structure(make, spec)

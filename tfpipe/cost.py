@@ -1,0 +1,337 @@
+"""Per-layer cost estimates (parameters, FLOPs, time, memory), measured on working copies of the layers.
+
+Every estimate walks the layer sequence with a sample batch: each layer is
+copied (``from_config``), the copy is built for the output of the previous one
+and measured, and the copy is dropped. The user's layers are never built, run
+or changed here, so estimating before the cells exist leaves every variable to
+be created later on its cell's device.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+import random
+import timeit
+import warnings
+from typing import Any, Callable, Iterator, Optional, Sequence, Union
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from tfpipe.sequence import layer_list
+
+KINDS = ("flops", "params", "time", "memory")
+Cost = Union[str, Callable[[keras.layers.Layer], float]]
+UNITS = {"flops": "FLOPs/sample", "params": "params", "time": "s/batch", "memory": "bytes/batch"}
+
+
+class CostEstimateWarning(UserWarning):
+    """A layer's cost was estimated by a fallback rule rather than measured or counted."""
+
+
+@dataclasses.dataclass
+class Estimate:
+    """Costs of a layer sequence: one value per layer, with the size of what each layer hands on."""
+
+    kind: str
+    costs: list[float]
+    output_bytes: list[float]  # bytes per sample of each layer's output (what crosses a cell boundary)
+    notes: dict[int, str] = dataclasses.field(default_factory=dict)  # layer index -> fallback used
+
+
+def check_kind(cost: Any) -> Cost:
+    """Validate a cost: one of KINDS or a callable ``layer -> float``."""
+    if callable(cost) or cost in KINDS:
+        return cost
+    raise ValueError(f"Unknown cost={cost!r}; use one of {', '.join(map(repr, KINDS))} or a callable layer -> float.")
+
+
+def estimate(layers: Any, sample: Any, cost: Cost = "flops", device: Optional[str] = None,
+             repeats: int = 5) -> Estimate:
+    """Estimate every layer's cost on copies of the layers fed with ``sample`` (a batch, possibly nested).
+
+    ``"flops"``: forward FLOPs per sample, counted from the traced graph (a
+    multiply-add is 2 FLOPs). ``"params"``: parameter count. ``"time"``: median
+    seconds of a forward and backward of the sample batch on ``device``.
+    ``"memory"``: peak bytes a forward and backward of the sample batch adds on
+    ``device``, plus the layer's weights. A callable is applied to each layer.
+    """
+    layers = layer_list(layers)
+    cost = check_kind(cost)
+    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
+        raise ValueError(f"repeats must be an integer >= 1, got {repeats!r}.")
+    batch = _batch_size(sample)
+    device = device or _default_device()
+    measure = _measure_fn(cost, batch, device, repeats)
+    run = cost in ("time", "memory")
+    result = Estimate(kind=cost if isinstance(cost, str) else "custom", costs=[], output_bytes=[])
+    seeds = random.getstate(), np.random.get_state()  # copies draw initializer seeds; leave the user's stream as it was
+    # Run eagerly even while Keras traces a step; but only then: allocations made under
+    # init_scope do not show in get_memory_info (measured with TF 2.21).
+    eager = contextlib.nullcontext() if tf.executing_eagerly() else tf.init_scope()
+    if cost == "memory" and not tf.executing_eagerly():
+        raise ValueError("cost='memory' is measured eagerly only; call tfpipe.balance.by_memory outside tf.function.")
+    with eager, tf.device(device), _restoring(seeds):
+        x = tf.nest.map_structure(tf.convert_to_tensor, sample)
+        for index, layer, copy, x_in, y in _walk(layers, x, run):
+            value, note = (float(cost(layer)), None) if callable(cost) else measure(copy, x_in)
+            _check_value(value, index, layer)
+            result.costs.append(value)
+            result.output_bytes.append(_bytes(y) / batch)
+            if note:
+                result.notes[index] = note
+    if result.notes:
+        lines = "; ".join(f"layer {i} ({layers[i].name}): {n}" for i, n in result.notes.items())
+        warnings.warn(f"Some {result.kind} costs are estimates by a fallback rule: {lines}", CostEstimateWarning,
+                      stacklevel=2)
+    return result
+
+
+@contextlib.contextmanager
+def _restoring(seeds: tuple) -> Iterator[None]:
+    try:
+        yield
+    finally:
+        random.setstate(seeds[0])
+        np.random.set_state(seeds[1])
+
+
+# Walking the sequence ----------------------------------------------------------------------
+def _walk(layers: Sequence[keras.layers.Layer], x: Any, run: bool) -> Iterator[tuple]:
+    """For each layer: (index, layer, a built copy, its input, its output); inputs are values if ``run``."""
+    spec = _spec(x)
+    for index, layer in enumerate(layers):
+        copy = _copy(layer)
+        try:
+            out_spec = copy(spec)
+        except Exception as err:  # noqa: BLE001 - any failure here means the shapes do not fit
+            origin = "the sample" if index == 0 else f"layer {index - 1} ({layers[index - 1].name})"
+            raise ValueError(
+                f"Layer {index} ({layer.name}) cannot take the input {_describe(spec)} from {origin}: "
+                f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}. Give a sample shaped like "
+                "the model's real input batch."
+            ) from None
+        y = copy(x, training=False) if run else out_spec
+        yield index, layer, copy, (x if run else spec), y
+        x, spec = y, out_spec
+
+
+def _copy(layer: keras.layers.Layer) -> keras.layers.Layer:
+    """An unbuilt copy of a layer made from its config."""
+    try:
+        return type(layer).from_config(layer.get_config())
+    except Exception as err:  # noqa: BLE001 - report whatever stops the copy, with the fix
+        raise ValueError(
+            f"Cannot copy layer {layer.name!r} ({type(layer).__name__}) to estimate its cost: {type(err).__name__}: "
+            f"{err}. Give the layer a get_config() that returns its constructor arguments, or pass balance=[...] "
+            "or a cost callable instead."
+        ) from None
+
+
+def _spec(x: Any) -> Any:
+    return tf.nest.map_structure(lambda t: keras.KerasTensor(tuple(t.shape), dtype=t.dtype.name), x)
+
+
+def _describe(spec: Any) -> str:
+    return str(tf.nest.map_structure(lambda t: f"{t.dtype}{list(t.shape)}", spec))
+
+
+def _bytes(structure: Any) -> float:
+    total = 0
+    for t in tf.nest.flatten(structure):
+        total += math.prod(int(d) for d in t.shape) * np.dtype(keras.backend.standardize_dtype(t.dtype)).itemsize
+    return float(total)
+
+
+def _batch_size(sample: Any) -> int:
+    leaves = tf.nest.flatten(sample)
+    shapes = [getattr(leaf, "shape", None) for leaf in leaves]
+    if not leaves or any(s is None or len(s) == 0 or s[0] is None for s in shapes):
+        raise ValueError(
+            f"sample must be a batch of data (arrays or tensors with a leading batch dimension, possibly nested), "
+            f"got {sample!r:.80}."
+        )
+    return int(shapes[0][0])
+
+
+def _check_value(value: float, index: int, layer: keras.layers.Layer) -> None:
+    if not math.isfinite(value) or value < 0:
+        raise ValueError(f"The cost of layer {index} ({layer.name}) is {value}; costs must be finite and >= 0.")
+
+
+def _default_device() -> str:
+    return "/GPU:0" if tf.config.list_logical_devices("GPU") else "/CPU:0"
+
+
+def _measure_fn(cost: Cost, batch: int, device: str, repeats: int) -> Callable[[Any, Any], tuple[float, Optional[str]]]:
+    if cost == "flops":
+        return lambda copy, spec: _flops(copy, spec, batch)
+    if cost == "params":
+        return lambda copy, spec: (float(copy.count_params()), None)
+    if cost == "time":
+        return lambda copy, x: (_seconds(copy, x, repeats), None)
+    if cost == "memory":
+        return lambda copy, x: (_peak_bytes(copy, x, device), None)
+    return lambda copy, x: (0.0, None)  # a callable is applied to the user's layer instead
+
+
+# FLOPs -------------------------------------------------------------------------------------------
+def _flops(copy: keras.layers.Layer, spec: Any, batch: int) -> tuple[float, Optional[str]]:
+    """Forward FLOPs per sample of a built layer, counted op by op in its traced training graph."""
+    signature = tf.nest.map_structure(lambda t: tf.TensorSpec(t.shape, t.dtype), spec)
+
+    def forward(x):
+        return copy(x, training=True)
+
+    try:
+        graph = tf.function(forward).get_concrete_function(signature).graph
+    except Exception as err:  # noqa: BLE001 - untraceable layer: documented fallback
+        params = copy.count_params()
+        return 2.0 * params, f"not traceable ({type(err).__name__}); counted 2 x {params} parameters per sample"
+    total, unknown = 0.0, set()
+    for op in graph.get_operations():
+        flops = op_flops(op)
+        if flops is None:
+            unknown.add(op.type)
+            flops = sum(_elements(o.shape) or 0 for o in op.outputs)
+        total += flops
+    note = f"ops {sorted(unknown)} counted as one FLOP per output element" if unknown else None
+    return total / batch, note
+
+
+def _elements(shape: tf.TensorShape) -> Optional[int]:
+    if shape.rank is None or any(d is None for d in shape):
+        return None
+    return math.prod(shape)
+
+
+# Ops that move or describe data: no arithmetic.
+_FREE = {
+    "Const", "Placeholder", "ReadVariableOp", "Identity", "IdentityN", "NoOp", "Reshape", "Shape", "ShapeN", "Size",
+    "Rank", "StridedSlice", "Slice", "Pack", "Unpack", "ConcatV2", "Concat", "Split", "SplitV", "Transpose",
+    "ExpandDims", "Squeeze", "GatherV2", "ResourceGather", "GatherNd", "Fill", "ZerosLike", "OnesLike",
+    "StopGradient", "AssignVariableOp", "AssignAddVariableOp", "AssignSubVariableOp", "VarHandleOp", "Cast",
+    "Tile", "BroadcastTo", "BroadcastArgs", "Range", "Pad", "PadV2", "MirrorPad", "OneHot", "MatrixBandPart",
+    "StatelessRandomUniformV2", "StatelessRandomNormalV2", "StatelessRandomGetKeyCounter",
+    "StatelessRandomGetKeyCounterAlg", "StatelessRandomUniformIntV2", "RandomUniform", "RandomStandardNormal",
+    "StatelessRandomUniform", "StatelessRandomNormal", "Bitcast", "LogicalAnd", "LogicalOr", "LogicalNot",
+    "Equal", "NotEqual", "Less", "LessEqual", "Greater", "GreaterEqual", "PreventGradient", "EnsureShape",
+    "CheckNumerics", "Assert", "ArgMax", "ArgMin", "Where",
+}
+# One FLOP per output element.
+_ELEMENTWISE = {
+    "Add", "AddV2", "AddN", "Sub", "Mul", "RealDiv", "Div", "DivNoNan", "FloorDiv", "FloorMod", "Mod", "Maximum",
+    "Minimum", "Neg", "Abs", "Sign", "Square", "SquaredDifference", "Sqrt", "Rsqrt", "Reciprocal", "Inv", "Exp",
+    "Expm1", "Log", "Log1p", "Pow", "Tanh", "Sigmoid", "Relu", "Relu6", "Elu", "Selu", "LeakyRelu", "Softplus",
+    "Softsign", "Erf", "Erfc", "BiasAdd", "Select", "SelectV2", "Floor", "Ceil", "Round", "ClipByValue", "Sin",
+    "Cos", "Softmax", "LogSoftmax", "Gelu",
+}
+_REDUCTIONS = {"Sum", "Mean", "Max", "Min", "Prod", "All", "Any", "EuclideanNorm"}
+_POOLS = {"MaxPool", "MaxPoolV2", "AvgPool", "MaxPool3D", "AvgPool3D"}
+
+
+def op_flops(op: tf.Operation) -> Optional[float]:
+    """Floating-point operations of one graph op from its static shapes; ``None`` if it cannot count them.
+
+    Integer and boolean ops (index arithmetic, masks) count nothing.
+    """
+    kind = op.type
+    if kind in _FREE or not any(o.dtype.is_floating or o.dtype.is_complex for o in op.outputs):
+        return 0.0
+    out = _elements(op.outputs[0].shape) if op.outputs else 0
+    if out is None:
+        return None
+    if kind in _ELEMENTWISE:
+        return float(out)
+    if kind in _REDUCTIONS:
+        return float(_elements(op.inputs[0].shape) or 0)
+    if kind == "MatMul":
+        a = op.inputs[0].shape
+        return 2.0 * out * int(a[0] if op.get_attr("transpose_a") else a[1])
+    if kind in ("BatchMatMul", "BatchMatMulV2", "BatchMatMulV3"):
+        a = op.inputs[0].shape
+        return 2.0 * out * int(a[-2] if op.get_attr("adj_x") else a[-1])
+    if kind == "Einsum":
+        return _einsum_flops(op)
+    if kind in ("Conv2D", "Conv3D"):  # Conv1D is a Conv2D in the graph
+        return 2.0 * out * math.prod(op.inputs[1].shape[:-1])  # spatial kernel x input channels per group
+    if kind == "DepthwiseConv2dNative":
+        return 2.0 * out * math.prod(op.inputs[1].shape[:2])
+    if kind in ("Conv2DBackpropInput", "Conv3DBackpropInputV2"):  # transposed convolution
+        kernel, x = op.inputs[1].shape, op.inputs[2].shape  # kernel: spatial x out x in
+        return 2.0 * _elements(x) * math.prod(kernel[:-1])
+    if kind in _POOLS:
+        size = op.get_attr("ksize") if "ksize" in op.node_def.attr else op.inputs[1].shape
+        return float(out * math.prod(size))
+    if kind == "FusedBatchNormV3":
+        return 4.0 * out
+    return None
+
+
+def _einsum_flops(op: tf.Operation) -> Optional[float]:
+    equation = op.get_attr("equation").decode()
+    inputs = equation.split("->")[0].split(",")
+    sizes: dict[str, int] = {}
+    for letters, tensor in zip(inputs, op.inputs):
+        if "." in letters or len(letters) != tensor.shape.rank:
+            return None
+        for letter, dim in zip(letters, tensor.shape):
+            if dim is None:
+                return None
+            sizes[letter] = int(dim)
+    product = math.prod(sizes.values())
+    return 2.0 * product if len(inputs) > 1 else float(product)
+
+
+# Time and memory -------------------------------------------------------------------------------
+def _forward_backward(copy: keras.layers.Layer) -> Callable[[Any], Any]:
+    """A compiled training forward and backward of one layer copy (gradients of weights and float inputs)."""
+
+    @tf.function
+    def step(x):
+        floats = [t for t in tf.nest.flatten(x) if t.dtype.is_floating]
+        with tf.GradientTape() as tape:
+            tape.watch(floats)
+            y = copy(x, training=True)
+            loss = tf.add_n([tf.reduce_sum(tf.cast(t, tf.float32)) for t in tf.nest.flatten(y)
+                             if t.dtype.is_floating] or [tf.constant(0.0)])
+        return tape.gradient(loss, [v.value for v in copy.trainable_variables] + floats,
+                             unconnected_gradients=tf.UnconnectedGradients.ZERO)
+
+    return step
+
+
+def _seconds(copy: keras.layers.Layer, x: Any, repeats: int) -> float:
+    step = _forward_backward(copy)
+    for _ in range(2):  # trace, then one warm run
+        step(x)
+    tf.test.experimental.sync_devices()
+    times = []
+    for _ in range(repeats):
+        began = timeit.default_timer()
+        step(x)
+        tf.test.experimental.sync_devices()
+        times.append(timeit.default_timer() - began)
+    return float(np.median(times))
+
+
+def _peak_bytes(copy: keras.layers.Layer, x: Any, device: str) -> float:
+    step = _forward_backward(copy)
+    step(x)  # trace outside the measurement
+    name = device.lstrip("/").upper().replace("DEVICE:", "")
+    tf.config.experimental.reset_memory_stats(name)
+    base = tf.config.experimental.get_memory_info(name)["current"]
+    grads = step(x)
+    tf.test.experimental.sync_devices()
+    peak = tf.config.experimental.get_memory_info(name)["peak"]
+    del grads
+    if peak == 0:
+        raise ValueError(
+            f"Memory on {device} cannot be measured: TensorFlow reports no allocations. On a CPU set "
+            "TF_CPU_ALLOCATOR_USE_BFC=true in the environment before TensorFlow starts; or use cost='time'/'flops'."
+        )
+    weights = sum(_bytes(v) for v in copy.weights)
+    return float(peak - base + weights)

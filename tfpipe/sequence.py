@@ -1,0 +1,37 @@
+"""A layer sequence: checking what the user hands in as the layers of a pipeline."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import keras
+
+
+def layer_list(layers: Any) -> list[keras.layers.Layer]:
+    """The layers of a list or a ``keras.Sequential``, each a distinct Keras layer object."""
+    if isinstance(layers, keras.Sequential):
+        layers = layers.layers
+    elif isinstance(layers, keras.layers.Layer):
+        raise TypeError(
+            f"layers must be a list of Keras layers or a keras.Sequential, got the single layer {layers.name!r}; "
+            "wrap it in a list."
+        )
+    if isinstance(layers, (str, bytes)) or not hasattr(layers, "__iter__"):
+        raise TypeError(f"layers must be a list of Keras layers or a keras.Sequential, got {type(layers).__name__}.")
+    layers = list(layers)
+    if not layers:
+        raise ValueError("layers is empty; give at least one Keras layer.")
+    seen: dict[int, int] = {}
+    for k, layer in enumerate(layers):
+        if not isinstance(layer, keras.layers.Layer):
+            raise TypeError(
+                f"layers[{k}] is a {type(layer).__name__} ({layer!r:.60}), not a keras.layers.Layer; "
+                "wrap functions in keras.layers.Lambda or a Layer subclass."
+            )
+        if id(layer) in seen:
+            raise ValueError(
+                f"Layer {layer.name!r} appears twice in layers (positions {seen[id(layer)]} and {k}); a layer object "
+                "can sit in only one place of the pipeline. Create a separate layer for each position."
+            )
+        seen[id(layer)] = k
+    return layers
