@@ -190,3 +190,25 @@ def test_errors_name_the_value_and_the_fix():
 
     with pytest.raises(ValueError, match=r"Cannot copy layer 'nc' \(NoCopy\).*get_config\(\).*balance=\[...\]"):
         cost.estimate([NoCopy(2, name="nc")], x)
+
+
+def test_loops_and_function_calls_are_counted_through():
+    import tensorflow as tf
+
+    steps, features, units = 5, 3, 4
+    (lstm,) = _flops([keras.layers.LSTM(units)], np.zeros((2, steps, features), "float32"))
+    matmuls = steps * 2 * (features + units) * 4 * units  # input and recurrent kernels, four gates, every step
+    assert matmuls <= lstm <= 1.6 * matmuls
+
+    @keras.saving.register_keras_serializable("tfpipe_tests")
+    class Called(keras.layers.Layer):
+        """A layer whose work sits inside a nested tf.function (a call op in the graph)."""
+
+        def build(self, input_shape):
+            self.kernel = self.add_weight(shape=(input_shape[-1], 6))
+
+        def call(self, x):
+            return tf.function(lambda t: tf.matmul(t, self.kernel.value))(x)
+
+    (called,) = _flops([Called()], np.zeros((3, 5), "float32"))
+    assert called == 2 * 5 * 6

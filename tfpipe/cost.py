@@ -191,15 +191,59 @@ def _flops(copy: keras.layers.Layer, spec: Any, batch: int) -> tuple[float, Opti
     except Exception as err:  # noqa: BLE001 - untraceable layer: documented fallback
         params = copy.count_params()
         return 2.0 * params, f"not traceable ({type(err).__name__}); counted 2 x {params} parameters per sample"
+    total, unknown = _graph_flops(graph)
+    note = f"ops {sorted(unknown)} counted as one FLOP per output element" if unknown else None
+    return total / batch, note
+
+
+def _graph_flops(graph: Optional[tf.Graph]) -> tuple[float, set[str]]:
+    """FLOPs of every op of a graph, looking into loops, branches and function calls; unknown op types."""
     total, unknown = 0.0, set()
+    if graph is None:
+        return total, {"a function call whose graph was not found"}
     for op in graph.get_operations():
+        if op.type in ("While", "StatelessWhile"):
+            trips = _static_value(op.inputs[1])  # while_v2's loop vars start with (counter, maximum_iterations)
+            body, inner = _graph_flops(_function_graph(op, "body"))
+            if trips is None or int(trips) < 0:
+                unknown.add(f"{op.type} (trip count unknown, body counted once)")
+                trips = 1
+            total, unknown = total + int(trips) * body, unknown | inner
+            continue
+        branches = [name for name in ("f", "then_branch", "else_branch") if name in op.node_def.attr]
+        if branches:
+            counted = [_graph_flops(_function_graph(op, name)) for name in branches]
+            total += max(flops for flops, _ in counted)  # a call runs its function; an If runs one branch
+            unknown = unknown.union(*(inner for _, inner in counted))
+            continue
         flops = op_flops(op)
         if flops is None:
             unknown.add(op.type)
             flops = sum(_elements(o.shape) or 0 for o in op.outputs)
         total += flops
-    note = f"ops {sorted(unknown)} counted as one FLOP per output element" if unknown else None
-    return total / batch, note
+    return total, unknown
+
+
+def _function_graph(op: tf.Operation, attr: str) -> Optional[tf.Graph]:
+    """The graph of the function an op's attribute names, looked up from the op's graph outwards."""
+    name, graph = op.get_attr(attr).name, op.graph
+    while graph is not None:
+        found = graph._get_function(name)  # pylint: disable=protected-access
+        if found is not None:
+            return found.graph
+        graph = getattr(graph, "outer_graph", None)
+    return None
+
+
+def _static_value(t: tf.Tensor) -> Optional[np.ndarray]:
+    """A tensor's value when the graph fixes it: constants, and max/min over constants (loop trip counts)."""
+    value = tf.get_static_value(t)
+    if value is None and t.op.type in ("Max", "Min"):
+        x, axis = (tf.get_static_value(i) for i in t.op.inputs)
+        if x is not None and axis is not None:
+            reduce = np.max if t.op.type == "Max" else np.min
+            value = reduce(x, axis=tuple(np.atleast_1d(axis).tolist()))
+    return value
 
 
 def _elements(shape: tf.TensorShape) -> Optional[int]:
@@ -239,7 +283,7 @@ def op_flops(op: tf.Operation) -> Optional[float]:
     Integer and boolean ops (index arithmetic, masks) count nothing.
     """
     kind = op.type
-    if kind in _FREE or not any(o.dtype.is_floating or o.dtype.is_complex for o in op.outputs):
+    if kind in _FREE or kind.startswith("TensorList") or not any(o.dtype.is_floating or o.dtype.is_complex for o in op.outputs):
         return 0.0
     out = _elements(op.outputs[0].shape) if op.outputs else 0
     if out is None:
