@@ -31,8 +31,8 @@ def check(balance: Sequence[int], num_layers: int) -> list[int]:
     return balance
 
 
-def uniform(num_layers: int, num_partitions: int) -> list[int]:
-    """Near-equal layer counts: K cells whose sizes differ by at most one, larger first."""
+def check_num_partitions(num_partitions: int, num_layers: int) -> int:
+    """Validate a number of cells K for ``num_layers`` layers."""
     if isinstance(num_partitions, bool) or not isinstance(num_partitions, int) or num_partitions < 1:
         raise ValueError(f"num_partitions must be an integer >= 1, got {num_partitions!r}.")
     if num_partitions > num_layers:
@@ -40,6 +40,12 @@ def uniform(num_layers: int, num_partitions: int) -> list[int]:
             f"num_partitions={num_partitions} is more than the {num_layers} layers; "
             f"use at most {num_layers} partitions."
         )
+    return int(num_partitions)
+
+
+def uniform(num_layers: int, num_partitions: int) -> list[int]:
+    """Near-equal layer counts: K cells whose sizes differ by at most one, larger first."""
+    check_num_partitions(num_partitions, num_layers)
     base, extra = divmod(num_layers, num_partitions)
     return [base + (1 if k < extra else 0) for k in range(num_partitions)]
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+import os
 import random
 import timeit
 import warnings
@@ -53,6 +54,9 @@ def estimate(layers: Any, sample: Any, cost: Cost = "flops", device: Optional[st
              repeats: int = 5) -> Estimate:
     """Estimate every layer's cost on copies of the layers fed with ``sample`` (a batch, possibly nested).
 
+    A callable cost is applied to the user's layers; with ``sample=None`` it needs no
+    copies, and the output sizes stay unknown (empty).
+
     ``"flops"``: forward FLOPs per sample, counted from the traced graph (a
     multiply-add is 2 FLOPs). ``"params"``: parameter count. ``"time"``: median
     seconds of a forward and backward of the sample batch on ``device``.
@@ -61,6 +65,11 @@ def estimate(layers: Any, sample: Any, cost: Cost = "flops", device: Optional[st
     """
     layers = layer_list(layers)
     cost = check_kind(cost)
+    if callable(cost) and sample is None:
+        costs = [float(cost(layer)) for layer in layers]
+        for index, (layer, value) in enumerate(zip(layers, costs)):
+            _check_value(value, index, layer)
+        return Estimate("custom", costs, output_bytes=[])
     if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
         raise ValueError(f"repeats must be an integer >= 1, got {repeats!r}.")
     batch = _batch_size(sample)
@@ -330,6 +339,12 @@ def _einsum_flops(op: tf.Operation) -> Optional[float]:
     return 2.0 * product if len(inputs) > 1 else float(product)
 
 
+_NO_MEMORY_INFO = (
+    "Memory on {device} cannot be measured: its allocator does not report every allocation. On a CPU set "
+    "TF_CPU_ALLOCATOR_USE_BFC=true in the environment before TensorFlow starts; or use cost='time' or 'flops'."
+)
+
+
 # Time and memory -------------------------------------------------------------------------------
 def _forward_backward(copy: keras.layers.Layer) -> Callable[[Any], Any]:
     """A compiled training forward and backward of one layer copy (gradients of weights and float inputs)."""
@@ -363,6 +378,10 @@ def _seconds(copy: keras.layers.Layer, x: Any, repeats: int) -> float:
 
 
 def _peak_bytes(copy: keras.layers.Layer, x: Any, device: str) -> float:
+    # TensorFlow's default CPU allocator reports only large allocations (seen with TF 2.21): refuse, not guess
+    on_cpu = (tf.DeviceSpec.from_string(device).device_type or "CPU").upper() == "CPU"
+    if on_cpu and os.environ.get("TF_CPU_ALLOCATOR_USE_BFC", "").lower() not in ("1", "true"):
+        raise ValueError(_NO_MEMORY_INFO.format(device=device))
     step = _forward_backward(copy)
     step(x)  # trace outside the measurement
     name = device.lstrip("/").upper().replace("DEVICE:", "")
@@ -373,9 +392,6 @@ def _peak_bytes(copy: keras.layers.Layer, x: Any, device: str) -> float:
     peak = tf.config.experimental.get_memory_info(name)["peak"]
     del grads
     if peak == 0:
-        raise ValueError(
-            f"Memory on {device} cannot be measured: TensorFlow reports no allocations. On a CPU set "
-            "TF_CPU_ALLOCATOR_USE_BFC=true in the environment before TensorFlow starts; or use cost='time'/'flops'."
-        )
+        raise ValueError(_NO_MEMORY_INFO.format(device=device))
     weights = sum(_bytes(v) for v in copy.weights)
     return float(peak - base + weights)

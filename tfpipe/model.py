@@ -28,16 +28,20 @@ def _is_shape(s: Any) -> bool:
     return isinstance(s, (tuple, list, tf.TensorShape)) and all(d is None or isinstance(d, (int, np.integer)) for d in s)
 
 
-def _spec(input_shape: Any) -> Any:
-    """Symbolic inputs from shapes (as Keras passes them to ``build``) or from tensors."""
+def _spec(input_shape: Any, keep_batch: bool = False) -> Any:
+    """Symbolic inputs from shapes (as Keras passes them to ``build``) or from tensors.
+
+    A tensor's batch dimension becomes None unless ``keep_batch``.
+    """
     if isinstance(input_shape, (tf.Tensor, np.ndarray, keras.KerasTensor)):
         dtype = keras.backend.standardize_dtype(input_shape.dtype)
-        return keras.KerasTensor((None,) + tuple(input_shape.shape[1:]), dtype=dtype)
+        batch = input_shape.shape[0] if keep_batch else None
+        return keras.KerasTensor((batch,) + tuple(input_shape.shape[1:]), dtype=dtype)
     if _is_shape(input_shape):
         return keras.KerasTensor(tuple(input_shape))
     if isinstance(input_shape, dict):
-        return {k: _spec(v) for k, v in input_shape.items()}
-    return type(input_shape)(_spec(s) for s in input_shape)
+        return {k: _spec(v, keep_batch) for k, v in input_shape.items()}
+    return type(input_shape)(_spec(s, keep_batch) for s in input_shape)
 
 
 def _device_of(variable: Any) -> str:
@@ -111,7 +115,7 @@ class PipelineModel(keras.Model):
             raise ValueError("cost='memory' needs a measurement outside the training graph; compute "
                              "balance=tfpipe.balance.by_memory(layers, K, sample) first and pass it as balance=.")
         cell_sizes = balance_lib.check(balance, len(layers_)) if balance is not None else None
-        num_cells = len(cell_sizes) if cell_sizes else len(balance_lib.uniform(len(layers_), num_partitions))
+        num_cells = len(cell_sizes) if cell_sizes else balance_lib.check_num_partitions(num_partitions, len(layers_))
         m = _check_micro_batches(num_micro_batches)
         remat = checkpoint.check_mode(remat)
         cell_devices = devices_lib.resolve(devices, num_cells)
@@ -120,15 +124,12 @@ class PipelineModel(keras.Model):
         self._cost = cost
         self._num_cells, self._m, self._remat, self._devices = num_cells, m, remat, list(cell_devices)
         self._estimate: Optional[cost_lib.Estimate] = None
-        self._build_spec: Any = None  # symbolic inputs (batch dimension None), known once built
-        self._build_batch: Optional[int] = None
+        self._inputs: Any = None  # symbolic inputs the model was built for, batch dimension included
         self._pipeline: Optional[Pipeline] = None
         if cell_sizes is None and num_cells in (1, len(layers_)):
             cell_sizes = balance_lib.uniform(len(layers_), num_cells)  # the only split there is
         elif cell_sizes is None and callable(cost):
-            costs = [float(cost(layer)) for layer in layers_]
-            self._estimate = cost_lib.Estimate("custom", costs, output_bytes=[])
-            cell_sizes = balance_lib.partition(costs, num_cells)
+            cell_sizes = self._split_by_cost(None)
         elif cell_sizes is None and isinstance(layers, keras.Sequential) and layers.built and layers.inputs:
             cell_sizes = self._split_by_cost(layers.inputs[0] if len(layers.inputs) == 1 else layers.inputs)
         if cell_sizes is not None:
@@ -141,10 +142,17 @@ class PipelineModel(keras.Model):
         self._pipeline = Pipeline(cells, self._m, self._remat)
 
     def _split_by_cost(self, input_shape: Any) -> list[int]:
-        """Estimate every layer's cost on copies fed with a generated batch; return the optimal balance."""
-        sample = _estimation_sample(_spec(input_shape), _first_batch_dim(input_shape), self._m)
-        self._estimate = cost_lib.estimate(self.pipeline_layers, sample, self._cost)
-        return balance_lib.partition(self._estimate.costs, self._num_cells, boundary_bytes=self._estimate.output_bytes)
+        """Estimate every layer's cost for inputs shaped ``input_shape``; return the optimal balance."""
+        self._estimate = self._estimate_costs(input_shape)
+        return balance_lib.partition(self._estimate.costs, self._num_cells,
+                                     boundary_bytes=self._estimate.output_bytes or None)
+
+    def _estimate_costs(self, input_shape: Any) -> cost_lib.Estimate:
+        """Per-layer costs; string costs are measured on copies fed with a generated micro-batch."""
+        sample = None
+        if not callable(self._cost):
+            sample = _estimation_sample(_spec(input_shape), _first_batch_dim(input_shape), self._m)
+        return cost_lib.estimate(self.pipeline_layers, sample, self._cost)
 
     # Read-only configuration --------------------------------------------------------------
     @property
@@ -183,8 +191,8 @@ class PipelineModel(keras.Model):
 
         ``input_shape`` is a shape, a nested structure of shapes, or a batch of tensors.
         """
-        x = self._build_spec = _spec(input_shape)
-        self._build_batch = _first_batch_dim(input_shape)
+        x = _spec(input_shape)
+        self._inputs = _spec(input_shape, keep_batch=True)
         if self._pipeline is None:
             self._make_pipeline(self._split_by_cost(input_shape))
         for cell in self._pipeline.cells:
@@ -287,13 +295,10 @@ class PipelineModel(keras.Model):
             )
 
     # Presentation -------------------------------------------------------------------------------
-    def cell_costs(self) -> Optional[cost_lib.Estimate]:
+    def layer_costs(self) -> Optional[cost_lib.Estimate]:
         """Per-layer costs under ``cost``: those the split used, else estimated now (needs a built model)."""
-        if self._estimate is None and callable(self._cost):
-            self._estimate = cost_lib.Estimate("custom", [float(self._cost(l)) for l in self.pipeline_layers], [])
-        if self._estimate is None and self._build_spec is not None:
-            sample = _estimation_sample(self._build_spec, self._build_batch, self._m)
-            self._estimate = cost_lib.estimate(self.pipeline_layers, sample, self._cost)
+        if self._estimate is None and (callable(self._cost) or self._inputs is not None):
+            self._estimate = self._estimate_costs(self._inputs)
         return self._estimate
 
     def summary(self, line_length: Optional[int] = None, positions: Any = None,
@@ -306,7 +311,7 @@ class PipelineModel(keras.Model):
         width = line_length or 120
         cost_name = self._cost if isinstance(self._cost, str) else "custom"
         try:
-            estimate = self.cell_costs() if self.built or callable(self._cost) else None
+            estimate = self.layer_costs() if self.built or callable(self._cost) else None
             problem = None
         except ValueError as err:
             estimate, problem = None, str(err)
