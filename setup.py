@@ -13,9 +13,10 @@ setup(
         "keras>=3.15,<3.16",
         "numpy>=1.26",
         "absl-py>=2.1",
+        "tensorboard>=2.21,<2.22",  # TensorFlow no longer brings it; keras.callbacks.TensorBoard needs it
     ],
     extras_require={
-        "test": ["pytest>=8"],
-        "data": ["tensorflow-datasets>=4.9"],
+        "test": ["pytest>=8", "tensorflow-datasets>=4.9,<5"],  # the TFDS path is tested with mock data
+        "data": ["tensorflow-datasets>=4.9,<5"],
     },
 )

@@ -1,10 +1,14 @@
-"""Built-in generated data: a learnable sequence-copy task for language models."""
+"""Training data for the main job: generated learnable tasks, or a tensorflow-datasets data set made to fit."""
 
 from __future__ import annotations
 
+import dataclasses
+from typing import Any, Optional
+
 import numpy as np
 
-SEPARATOR = 0
+SEPARATOR = 0  # in the copy task: between the sequence and its copy; in text: padding
+BYTE_VOCAB = 257  # byte-level text: 0 pads, byte b is token b + 1
 
 
 def copy_task(num_examples: int, length: int, vocab_size: int, seed: int = 0):
@@ -19,3 +23,83 @@ def copy_task(num_examples: int, length: int, vocab_size: int, seed: int = 0):
     weights = np.zeros(targets.shape, "float32")
     weights[:, length:] = 1.0  # the copy after the separator is learnable; the prefix is noise
     return inputs.astype("int32"), targets.astype("int32"), weights
+
+
+def pattern_images(num_examples: int, size: int, num_classes: int, seed: int = 0, noise: float = 1.0):
+    """Images whose class is a smooth random pattern under Gaussian noise: learnable by any conv net.
+
+    Returns (images float32 (N, size, size, 3), labels int32 (N,)).
+    """
+    rng = np.random.default_rng(seed)
+    coarse = rng.normal(size=(num_classes, 4, 4, 3))
+    templates = np.repeat(np.repeat(coarse, -(-size // 4), axis=1), -(-size // 4), axis=2)[:, :size, :size]
+    labels = rng.integers(0, num_classes, size=num_examples)
+    images = templates[labels] + noise * rng.normal(size=(num_examples, size, size, 3))
+    return images.astype("float32"), labels.astype("int32")
+
+
+@dataclasses.dataclass
+class TfdsData:
+    """A tensorflow-datasets split made into batches of (inputs, targets[, weights]) for one model kind."""
+
+    dataset: Any  # tf.data.Dataset of whole batches
+    num_classes: Optional[int] = None  # images
+    vocab_size: Optional[int] = None  # text
+
+
+def parse_tfds(spec: str) -> tuple[str, str]:
+    """'tfds:NAME[:SPLIT]' -> (NAME, SPLIT); the split defaults to 'train'."""
+    parts = spec.split(":")
+    if len(parts) not in (2, 3) or parts[0] != "tfds" or not parts[1]:
+        raise ValueError(f"write 'synthetic' or tfds:NAME[:SPLIT], e.g. tfds:mnist or tfds:imdb_reviews:train")
+    return parts[1], (parts[2] if len(parts) == 3 and parts[2] else "train")
+
+
+def load_tfds(spec: str, kind: str, batch_size: int, data_dir: Optional[str], image_size: int, seq_len: int,
+              seed: int = 0) -> TfdsData:
+    """Load ``tfds:NAME[:SPLIT]`` and preprocess it for ``kind`` ("image" or "text").
+
+    Images: the first image feature, resized to ``image_size`` square, 3 channels, scaled to [0, 1],
+    with the "label" feature. Text: the first text feature as bytes, cut or padded to
+    ``seq_len + 1`` tokens, for next-token prediction (padding is not scored).
+    """
+    import tensorflow as tf
+    import tensorflow_datasets as tfds
+
+    name, split = parse_tfds(spec)
+    dataset, info = tfds.load(name, split=split, data_dir=data_dir, with_info=True, shuffle_files=False)
+    features = info.features
+    if kind == "image":
+        image_key = _first_feature(features, tfds.features.Image, "an image", spec)
+        if "label" not in features or not isinstance(features["label"], tfds.features.ClassLabel):
+            raise ValueError(f"{spec} has no 'label' class feature to train an image classifier on")
+
+        def prepare(example):
+            image = tf.image.convert_image_dtype(example[image_key], tf.float32)
+            image = tf.image.resize(image, (image_size, image_size))
+            if image.shape[-1] == 1:
+                image = tf.image.grayscale_to_rgb(image)
+            return image, tf.cast(example["label"], tf.int32)
+
+        result = TfdsData(None, num_classes=features["label"].num_classes)
+    else:
+        text_key = _first_feature(features, tfds.features.Text, "a text", spec)
+
+        def prepare(example):
+            ids = tf.io.decode_raw(example[text_key], tf.uint8)[: seq_len + 1]
+            ids = tf.cast(ids, tf.int32) + 1
+            ids = tf.pad(ids, [[0, seq_len + 1 - tf.shape(ids)[0]]])
+            ids = tf.ensure_shape(ids, (seq_len + 1,))
+            return ids[:-1], ids[1:], tf.cast(ids[1:] != SEPARATOR, tf.float32)
+
+        result = TfdsData(None, vocab_size=BYTE_VOCAB)
+    dataset = dataset.map(prepare, num_parallel_calls=tf.data.AUTOTUNE).shuffle(1024, seed=seed)
+    result.dataset = dataset.batch(batch_size, drop_remainder=True).prefetch(tf.data.AUTOTUNE)
+    return result
+
+
+def _first_feature(features: Any, feature_type: type, what: str, spec: str) -> str:
+    for key, feature in features.items():
+        if isinstance(feature, feature_type):
+            return key
+    raise ValueError(f"{spec} has no {what} feature (it has {sorted(features.keys())}); pick a data set that does")

@@ -1,14 +1,18 @@
-"""Train a pipelined model on built-in generated data: the project's main job.
+"""Train a pipelined reference model: the project's main job.
 
-    python scripts/train.py                      # small Transformer, 2 cells, this machine's devices
-    python scripts/train.py --devices=cpu:4 --partitions=4 --micro_batches=8
+    python scripts/train.py                      # small Transformer, 2 cells, generated copy task
+    python scripts/train.py --model=resnet --depth=50 --width=16 --devices=cpu:4 --partitions=4 --micro_batches=8
+    python scripts/train.py --model=amoebanet --dataset=tfds:cifar10 --model_dir=/tmp/run --tensorboard
 """
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import os
 import sys
 import time
+from typing import Any, Optional
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -16,31 +20,63 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from absl import app, flags  # noqa: E402
 
 FLAGS = flags.FLAGS
-flags.DEFINE_enum("model", "transformer", ["transformer"], "Reference model to train.")
-flags.DEFINE_integer("blocks", 4, "Transformer blocks (L).", lower_bound=1)
-flags.DEFINE_integer("dim", 64, "Model dimension.", lower_bound=1)
-flags.DEFINE_integer("hidden", 256, "Feed-forward hidden size (H).", lower_bound=1)
-flags.DEFINE_integer("heads", 4, "Attention heads (A).", lower_bound=1)
-flags.DEFINE_integer("seq_len", 8, "Length of the sequence to copy.", lower_bound=1)
-flags.DEFINE_integer("vocab", 12, "Vocabulary size (token 0 is the separator).", lower_bound=3)
+flags.DEFINE_enum("model", "transformer", ["transformer", "amoebanet", "resnet"], "Reference model to train.")
+# model sizes
+flags.DEFINE_integer("blocks", None, "Transformer blocks (L, default 4) or AmoebaNet-D normal cells (L, a multiple "
+                     "of 3, default 3).", lower_bound=1)
+flags.DEFINE_integer("dim", 64, "Transformer model dimension.", lower_bound=1)
+flags.DEFINE_integer("hidden", 256, "Transformer feed-forward hidden size (H).", lower_bound=1)
+flags.DEFINE_integer("heads", 4, "Transformer attention heads (A).", lower_bound=1)
+flags.DEFINE_float("logit_clip", None, "Clip the Transformer's logits to [-c, c] (GPipe section 5).")
+flags.DEFINE_integer("filters", 32, "AmoebaNet-D filters (D, a multiple of 8).", lower_bound=8)
+flags.DEFINE_enum("depth", "50", ["50", "101"], "ResNet depth.")
+flags.DEFINE_integer("width", 16, "ResNet stem filters (64 in the paper).", lower_bound=1)
+flags.DEFINE_list("stage_blocks", None, "ResNet bottleneck blocks per stage, e.g. 1,1,1,1; overrides --depth.")
+flags.DEFINE_integer("image_size", 32, "Image height and width for the image models.", lower_bound=8)
+flags.DEFINE_integer("num_classes", 10, "Classes of the generated image task.", lower_bound=2)
+# data
+flags.DEFINE_string("dataset", "synthetic", "'synthetic' (generated, learnable) or tfds:NAME[:SPLIT].")
+flags.DEFINE_string("data_dir", None, "tensorflow-datasets data directory.")
 flags.DEFINE_integer("examples", 4096, "Generated training examples.", lower_bound=1)
+flags.DEFINE_integer("seq_len", 8, "Copy task: length of the sequence to copy; text: tokens per example.",
+                     lower_bound=1)
+flags.DEFINE_integer("vocab", 12, "Copy task vocabulary size (token 0 is the separator).", lower_bound=3)
+# pipeline
 flags.DEFINE_integer("partitions", 2, "Number of cells K, balanced by --cost.", lower_bound=1)
-flags.DEFINE_enum("cost", "flops", ["flops", "params", "time"], "Per-layer cost that --partitions balances.")
 flags.DEFINE_list("balance", None, "Layers per cell, e.g. 2,2,3; overrides --partitions.")
+flags.DEFINE_enum("cost", "flops", ["flops", "params", "time"], "Per-layer cost that --partitions balances.")
 flags.DEFINE_integer("micro_batches", 4, "Micro-batches per mini-batch (M).", lower_bound=1)
-flags.DEFINE_integer("batch_size", 32, "Mini-batch size.", lower_bound=1)
 flags.DEFINE_enum("remat", "except_last", ["always", "except_last", "never"], "Re-materialization mode.")
 flags.DEFINE_string("devices", "auto", "'auto', 'cpu:N' (split the CPU into N logical devices) or a comma list.")
+# training
+flags.DEFINE_integer("batch_size", 32, "Mini-batch size.", lower_bound=1)
 flags.DEFINE_integer("epochs", 4, "Training epochs.", lower_bound=1)
 flags.DEFINE_integer("steps", None, "Steps per epoch (default: the whole data set).", lower_bound=1)
 flags.DEFINE_enum("optimizer", "adam", ["adam", "sgd", "adamw"], "Optimizer.")
 flags.DEFINE_float("learning_rate", 3e-3, "Learning rate.", lower_bound=0.0)
 flags.DEFINE_integer("seed", 0, "Random seed for data and weights.")
 flags.DEFINE_integer("verbose", 1, "Keras verbosity: 0 silent, 1 progress bar, 2 one line per epoch.")
+# checkpoints and logs
+flags.DEFINE_string("model_dir", None, "Checkpoints go here; a restart with the same directory resumes.")
+flags.DEFINE_integer("save_every", None, "Back up every N steps (default: every epoch); needs --model_dir.",
+                     lower_bound=1)
+flags.DEFINE_bool("tensorboard", False, "Write TensorBoard logs under --model_dir/logs.")
 
 
 class UsageError(Exception):
     """A flag value that cannot work; reported in one line."""
+
+
+@dataclasses.dataclass
+class Task:
+    """What to train: the layers, their loss and metrics, and the data."""
+
+    layers: list
+    loss: Any
+    metrics: dict  # keyword arguments for compile: metrics or weighted_metrics
+    dataset: Any  # tf.data.Dataset of whole batches: (inputs, targets[, weights])
+    input_shape: tuple
+    scored: str  # what the accuracy counts
 
 
 def setup_devices(spec: str, partitions: int) -> list[str] | None:
@@ -64,73 +100,183 @@ def setup_devices(spec: str, partitions: int) -> list[str] | None:
     return [d.strip() for d in spec.split(",") if d.strip()]
 
 
-def parse_balance(values: list[str] | None) -> list[int] | None:
-    """--balance as ints."""
+def _ints(name: str) -> list[int] | None:
+    """A comma-list flag as ints."""
+    values = FLAGS[name].value
     if values is None:
         return None
     try:
         return [int(v) for v in values]
     except ValueError:
-        raise UsageError(f"--balance={','.join(values)}: give comma-separated integers, e.g. 2,3") from None
+        raise UsageError(f"--{name}={','.join(values)}: give comma-separated integers, e.g. 2,3") from None
+
+
+def check_flags() -> None:
+    """Flag combinations that cannot work, found before anything is built."""
+    if FLAGS.batch_size < FLAGS.micro_batches:
+        raise UsageError(f"--batch_size={FLAGS.batch_size} is smaller than --micro_batches={FLAGS.micro_batches}")
+    if FLAGS.tensorboard and not FLAGS.model_dir:
+        raise UsageError("--tensorboard writes under --model_dir; give --model_dir too")
+    if FLAGS.save_every and not FLAGS.model_dir:
+        raise UsageError("--save_every backs up into --model_dir; give --model_dir too")
+    if FLAGS.dataset != "synthetic":
+        from scripts.data import parse_tfds
+
+        try:
+            parse_tfds(FLAGS.dataset)
+        except ValueError as err:
+            raise UsageError(f"--dataset={FLAGS.dataset}: {err}") from None
+
+
+def _batches(arrays: tuple, batch: int, seed: int):
+    import tensorflow as tf
+
+    if len(arrays[0]) < batch:
+        raise UsageError(f"--examples={len(arrays[0])} is smaller than --batch_size={batch}")
+    dataset = tf.data.Dataset.from_tensor_slices(arrays).shuffle(len(arrays[0]), seed=seed)
+    return dataset.batch(batch, drop_remainder=True)  # whole batches: each splits into M micro-batches
+
+
+def _tfds(kind: str):
+    from scripts.data import load_tfds
+
+    try:
+        return load_tfds(FLAGS.dataset, kind, FLAGS.batch_size, FLAGS.data_dir, FLAGS.image_size, FLAGS.seq_len,
+                         seed=FLAGS.seed)
+    except ImportError:
+        raise UsageError(f"--dataset={FLAGS.dataset} needs tensorflow-datasets: pip install -e '.[data]'") from None
+    except Exception as err:  # noqa: BLE001 - unknown names, missing downloads: one line naming the flag
+        message = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise UsageError(f"--dataset={FLAGS.dataset}: {message}") from None
+
+
+def make_task() -> Task:
+    """The model's layers, loss, metrics and data as the flags say."""
+    import keras
+
+    from scripts import data
+
+    if FLAGS.model == "transformer":
+        from models.transformer import transformer_lm
+
+        if FLAGS.dataset == "synthetic":
+            x, y, w = data.copy_task(FLAGS.examples, FLAGS.seq_len, FLAGS.vocab, seed=FLAGS.seed)
+            dataset, vocab, scored = _batches((x, y, w), FLAGS.batch_size, FLAGS.seed), FLAGS.vocab, "copied tokens"
+        else:
+            loaded = _tfds("text")
+            dataset, vocab, scored = loaded.dataset, loaded.vocab_size, "next bytes"
+        length = dataset.element_spec[0].shape[1]
+        layers = transformer_lm(vocab, length, FLAGS.blocks or 4, FLAGS.dim, FLAGS.hidden, FLAGS.heads,
+                                logit_clip=FLAGS.logit_clip)
+        metrics = {"weighted_metrics": ["accuracy"]}
+        return Task(layers, keras.losses.SparseCategoricalCrossentropy(from_logits=True), metrics, dataset,
+                    (None, length), scored)
+
+    if FLAGS.dataset == "synthetic":
+        images, labels = data.pattern_images(FLAGS.examples, FLAGS.image_size, FLAGS.num_classes, seed=FLAGS.seed)
+        dataset, classes = _batches((images, labels), FLAGS.batch_size, FLAGS.seed), FLAGS.num_classes
+    else:
+        loaded = _tfds("image")
+        dataset, classes = loaded.dataset, loaded.num_classes
+    if FLAGS.model == "amoebanet":
+        from models.amoebanet import amoebanet_d
+
+        layers = amoebanet_d(classes, FLAGS.blocks or 3, FLAGS.filters)
+    else:
+        from models.resnet import resnet
+
+        layers = resnet(int(FLAGS.depth), classes, FLAGS.width, stage_blocks=_ints("stage_blocks"))
+    size = FLAGS.image_size
+    return Task(layers, keras.losses.SparseCategoricalCrossentropy(from_logits=True), {"metrics": ["accuracy"]},
+                dataset, (None, size, size, 3), "images")
+
+
+def callbacks(model_dir: Optional[str]) -> tuple[list, Optional[int]]:
+    """Backup (resumable), latest weights and TensorBoard callbacks; the epoch a backup resumes from."""
+    import keras
+
+    if not model_dir:
+        return [], None
+    backup = os.path.join(model_dir, "backup")
+    resumed = None
+    metadata = os.path.join(backup, "training_metadata.json")
+    if os.path.exists(metadata):
+        with open(metadata) as f:
+            resumed = int(json.load(f)["epoch"])
+    result = [
+        keras.callbacks.BackupAndRestore(backup, save_freq=FLAGS.save_every or "epoch", delete_checkpoint=False),
+        keras.callbacks.ModelCheckpoint(os.path.join(model_dir, "latest.weights.h5"), save_weights_only=True),
+    ]
+    if FLAGS.tensorboard:
+        result.append(keras.callbacks.TensorBoard(os.path.join(model_dir, "logs")))
+    return result, resumed
 
 
 def run() -> dict:
     """Train as the flags say; return the report."""
-    balance = parse_balance(FLAGS.balance)
+    check_flags()
+    balance = _ints("balance")
     partitions = len(balance) if balance else FLAGS.partitions
     devices = setup_devices(FLAGS.devices, partitions)
 
     import keras
-    import numpy as np
 
     import tfpipe
-    from models.transformer import transformer_lm
-    from scripts.data import copy_task
 
     keras.utils.set_random_seed(FLAGS.seed)
-    x, y, w = copy_task(FLAGS.examples, FLAGS.seq_len, FLAGS.vocab, seed=FLAGS.seed)
-    layers = transformer_lm(FLAGS.vocab, x.shape[1], FLAGS.blocks, FLAGS.dim, FLAGS.hidden, FLAGS.heads)
+    try:
+        task = make_task()
+    except ValueError as err:  # the model builders name their argument; map it to the flags
+        raise UsageError(f"--model={FLAGS.model} sizes: {err}") from None
     try:
         model = tfpipe.PipelineModel(
-            layers, balance=balance, num_partitions=None if balance else partitions, cost=FLAGS.cost, devices=devices,
-            num_micro_batches=FLAGS.micro_batches, remat=FLAGS.remat)
+            task.layers, balance=balance, num_partitions=None if balance else partitions, cost=FLAGS.cost,
+            devices=devices, num_micro_batches=FLAGS.micro_batches, remat=FLAGS.remat)
+        model.build(task.input_shape)
     except (ValueError, TypeError) as err:
         raise UsageError(f"--balance/--partitions/--devices/--micro_batches: {err}") from None
     optimizer = {"adam": keras.optimizers.Adam, "sgd": keras.optimizers.SGD,
                  "adamw": keras.optimizers.AdamW}[FLAGS.optimizer](FLAGS.learning_rate)
-    model.compile(optimizer=optimizer, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-                  weighted_metrics=["accuracy"])
-    batch = FLAGS.batch_size
-    if batch < FLAGS.micro_batches:
-        raise UsageError(f"--batch_size={batch} is smaller than --micro_batches={FLAGS.micro_batches}")
-    usable = len(x) - len(x) % batch  # whole batches only, so every batch splits into M micro-batches
-    if usable == 0:
-        raise UsageError(f"--examples={FLAGS.examples} is smaller than --batch_size={batch}")
-    x, y, w = x[:usable], y[:usable], w[:usable]
-    model.build((None, x.shape[1]))
+    model.compile(optimizer=optimizer, loss=task.loss, **task.metrics)
     model.summary()
-    start_loss, start_acc = model.evaluate(x[:512], y[:512], sample_weight=w[:512], batch_size=batch, verbose=0)
+    if FLAGS.model_dir:
+        os.makedirs(FLAGS.model_dir, exist_ok=True)
+    extra, resumed = callbacks(FLAGS.model_dir)
+    if resumed is not None:  # restore now (BackupAndRestore would at fit) so the starting loss is the resumed one
+        model.optimizer.build(model.trainable_variables)
+        model.load_weights(os.path.join(FLAGS.model_dir, "backup", "latest.weights.h5"))
+        print(f"resuming from epoch {resumed} (backup in {os.path.join(FLAGS.model_dir, 'backup')})")
+    probe = task.dataset.take(4).cache()  # the same few batches before and after training
+    start_loss, start_acc = model.evaluate(probe, verbose=0)
+    train_data = task.dataset.repeat() if FLAGS.steps else task.dataset
     began = time.perf_counter()
-    history = model.fit(x, y, sample_weight=w, batch_size=batch, epochs=FLAGS.epochs,
-                        steps_per_epoch=FLAGS.steps, verbose=FLAGS.verbose)
+    history = model.fit(train_data, epochs=FLAGS.epochs, steps_per_epoch=FLAGS.steps, callbacks=extra,
+                        verbose=FLAGS.verbose, shuffle=False)  # the data set shuffles itself
     seconds = time.perf_counter() - began
-    steps = FLAGS.epochs * (FLAGS.steps or usable // batch)
+    epochs_run = len(history.history.get("loss", []))
+    final_loss, final_acc = model.evaluate(probe, verbose=0)
+    steps = FLAGS.steps or int(task.dataset.cardinality())
     report = {
         "start_loss": float(start_loss), "start_accuracy": float(start_acc),
-        "final_loss": float(history.history["loss"][-1]), "final_accuracy": float(history.history["accuracy"][-1]),
-        "examples_per_second": steps * batch / seconds, "seconds": seconds,
+        "final_loss": float(final_loss), "final_accuracy": float(final_acc),
+        "epochs_run": epochs_run, "resumed_from_epoch": resumed,
+        "examples_per_second": epochs_run * steps * FLAGS.batch_size / seconds if epochs_run else 0.0,
+        "seconds": seconds,
         "balance": model.balance, "devices": model.devices, "micro_batches": model.num_micro_batches,
     }
     print(f"\nloss {report['start_loss']:.3f} -> {report['final_loss']:.3f}, "
-          f"accuracy {report['start_accuracy']:.3f} -> {report['final_accuracy']:.3f} (copied tokens)")
-    print(f"{report['examples_per_second']:.0f} examples/s over {seconds:.1f} s (first-step tracing included)")
+          f"accuracy {report['start_accuracy']:.3f} -> {report['final_accuracy']:.3f} ({task.scored})")
+    print(f"{report['examples_per_second']:.0f} examples/s over {seconds:.1f} s, {epochs_run} epochs "
+          "(first-step tracing included)")
     print(f"balance {report['balance']} on {report['devices']}, {report['micro_batches']} micro-batches, "
           f"remat={FLAGS.remat!r}")
     return report
 
 
 def main(argv: list[str]) -> None:
-    del argv
+    if len(argv) > 1:
+        print(f"train.py: error: unexpected arguments {argv[1:]}; flags look like --name=value", file=sys.stderr)
+        sys.exit(2)
     try:
         run()
     except UsageError as err:

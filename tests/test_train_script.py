@@ -1,13 +1,16 @@
-"""The main job, scripts/train.py: a small run learns; bad flags fail in one line naming the flag."""
+"""The main job, scripts/train.py: runs learn, resume from --model_dir, TFDS data; bad flags fail in one line."""
 
 import os
 import re
 import subprocess
 import sys
 
-from tests.util import REPO
+import pytest
+
+from tests.util import REPO, run_fresh
 
 SCRIPT = os.path.join(REPO, "scripts", "train.py")
+TINY_TRANSFORMER = ("--examples=256", "--blocks=1", "--dim=32", "--hidden=64", "--verbose=0")
 
 
 def _run(*flags, timeout=300):
@@ -16,23 +19,77 @@ def _run(*flags, timeout=300):
                           timeout=timeout)
 
 
+def _losses(stdout):
+    found = re.search(r"loss ([\d.]+) -> ([\d.]+), accuracy ([\d.]+) -> ([\d.]+)", stdout)
+    assert found, stdout
+    return float(found.group(1)), float(found.group(2))
+
+
 def test_small_default_run_lowers_the_loss():
     proc = _run("--examples=512", "--epochs=2", "--blocks=2", "--verbose=0")
     assert proc.returncode == 0, proc.stderr[-2000:]
-    found = re.search(r"loss ([\d.]+) -> ([\d.]+), accuracy ([\d.]+) -> ([\d.]+)", proc.stdout)
-    assert found, proc.stdout
-    start, final = float(found.group(1)), float(found.group(2))
+    start, final = _losses(proc.stdout)
     assert final < 0.5 * start
     assert "balance [2, 3] on ['/CPU:0', '/CPU:1'], 4 micro-batches" in proc.stdout
-    assert "examples/s" in proc.stdout
+    assert "examples/s" in proc.stdout and "Predicted pipeline efficiency" in proc.stdout
+
+
+def test_resume_from_model_dir_continues_where_the_backup_left_off(tmp_path):
+    model_dir = str(tmp_path / "run")
+    first = _run(*TINY_TRANSFORMER, "--epochs=1", f"--model_dir={model_dir}", "--tensorboard")
+    assert first.returncode == 0, first.stderr[-2000:]
+    assert os.path.exists(os.path.join(model_dir, "latest.weights.h5"))
+    assert os.listdir(os.path.join(model_dir, "logs"))
+    _, first_final = _losses(first.stdout)
+    second = _run(*TINY_TRANSFORMER, "--epochs=3", f"--model_dir={model_dir}")
+    assert second.returncode == 0, second.stderr[-2000:]
+    assert "resuming from epoch 1" in second.stdout and ", 2 epochs" in second.stdout
+    second_start, second_final = _losses(second.stdout)
+    assert second_start == pytest.approx(first_final, abs=2e-3)  # the same weights, on the same probe batches
+    assert second_final < second_start
+
+
+def test_tfds_image_and_text_data_sets_train_under_mock_data():
+    proc = run_fresh(f"""
+        import sys
+        import tensorflow as tf
+        import tensorflow_datasets as tfds
+        tf.config.set_logical_device_configuration(tf.config.list_physical_devices("CPU")[0],
+                                                   [tf.config.LogicalDeviceConfiguration()] * 2)
+        from absl import app
+        sys.argv = ["train.py"]
+        sys.path.insert(0, {os.path.join(REPO, "scripts")!r})
+        import train
+        reports = {{}}
+        with tfds.testing.mock_data(num_examples=64):
+            for name, flags in [("mnist", ["--model=resnet", "--stage_blocks=1,1", "--width=4", "--image_size=16"]),
+                                ("imdb_reviews", ["--blocks=1", "--dim=16", "--hidden=32", "--seq_len=16"])]:
+                train.FLAGS.unparse_flags()
+                train.FLAGS(["train.py", f"--dataset=tfds:{{name}}", "--epochs=1", "--batch_size=16",
+                             "--devices=/CPU:0,/CPU:1", "--verbose=0", *flags])
+                reports[name] = train.run()
+        print("REPORT", reports["mnist"]["balance"], reports["imdb_reviews"]["balance"],
+              reports["mnist"]["final_loss"], reports["imdb_reviews"]["final_loss"])
+    """, env={"PYTHONPATH": REPO}, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    line = proc.stdout.split("REPORT")[1]
+    assert "(images)" in proc.stdout and "(next bytes)" in proc.stdout
+    assert "nan" not in line
+    assert proc.stdout.count('PipelineModel "pipeline_model') == 2  # each run printed its summary
 
 
 def test_bad_flags_name_the_flag():
     proc = _run("--micro_batches=0")
     assert proc.returncode != 0 and "--micro_batches" in proc.stderr
-    proc = _run("--balance=2,x")
-    assert proc.returncode == 2 and "train.py: error: --balance=2,x" in proc.stderr
-    proc = _run("--devices=cpu:two")
-    assert proc.returncode == 2 and "--devices=cpu:two" in proc.stderr
-    proc = _run("--batch_size=2", "--micro_batches=4")
-    assert proc.returncode == 2 and "--batch_size=2 is smaller than --micro_batches=4" in proc.stderr
+    for flags, message in [
+        (["--balance=2,x"], "train.py: error: --balance=2,x: give comma-separated integers"),
+        (["--devices=cpu:two"], "train.py: error: --devices=cpu:two"),
+        (["--batch_size=2", "--micro_batches=4"], "--batch_size=2 is smaller than --micro_batches=4"),
+        (["--dataset=imagenet"], "train.py: error: --dataset=imagenet: write 'synthetic' or tfds:NAME"),
+        (["--tensorboard"], "--tensorboard writes under --model_dir"),
+        (["--model=amoebanet", "--blocks=4"], "--model=amoebanet sizes: num_layers=4"),
+        (["--partitions=9", "--blocks=1"], "--balance/--partitions/--devices/--micro_batches: num_partitions=9 is more"),
+    ]:
+        proc = _run(*flags)
+        assert proc.returncode == 2 and message in proc.stderr, (flags, proc.stderr[-1500:])
+        assert "Traceback" not in proc.stderr
