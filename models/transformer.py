@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any, Optional
+
 import keras
 
 
@@ -23,17 +25,30 @@ class TokenAndPositionEmbedding(keras.layers.Layer):
                 "dim": self.dim}
 
 
-class TransformerBlock(keras.layers.Layer):
-    """Pre-norm block: causal self-attention and a feed-forward network, each with a residual."""
+def _feed_forward_initializer(scale: float) -> Any:
+    """Glorot uniform with every initial weight multiplied by ``scale`` (variance by scale**2)."""
+    if scale == 1.0:
+        return "glorot_uniform"
+    return keras.initializers.VarianceScaling(scale=scale ** 2, mode="fan_avg", distribution="uniform")
 
-    def __init__(self, dim: int, hidden: int, heads: int, dropout: float = 0.0, **kwargs):
+
+class TransformerBlock(keras.layers.Layer):
+    """Pre-norm block: causal self-attention and a feed-forward network, each with a residual.
+
+    ``ffn_init_scale`` multiplies the initial kernels of both feed-forward Dense layers.
+    """
+
+    def __init__(self, dim: int, hidden: int, heads: int, dropout: float = 0.0, ffn_init_scale: float = 1.0,
+                 **kwargs):
         super().__init__(**kwargs)
         self.dim, self.hidden, self.heads, self.dropout = dim, hidden, heads, dropout
+        self.ffn_init_scale = ffn_init_scale
+        init = _feed_forward_initializer(ffn_init_scale)
         self.norm1 = keras.layers.LayerNormalization(epsilon=1e-5)
         self.attention = keras.layers.MultiHeadAttention(heads, dim // heads, dropout=dropout)
         self.norm2 = keras.layers.LayerNormalization(epsilon=1e-5)
-        self.up = keras.layers.Dense(hidden, activation="gelu")
-        self.down = keras.layers.Dense(dim)
+        self.up = keras.layers.Dense(hidden, activation="gelu", kernel_initializer=init)
+        self.down = keras.layers.Dense(dim, kernel_initializer=init)
         self.drop = keras.layers.Dropout(dropout)
 
     def call(self, x, training=False):
@@ -43,14 +58,49 @@ class TransformerBlock(keras.layers.Layer):
 
     def get_config(self):
         return {**super().get_config(), "dim": self.dim, "hidden": self.hidden, "heads": self.heads,
-                "dropout": self.dropout}
+                "dropout": self.dropout, "ffn_init_scale": self.ffn_init_scale}
+
+
+class ClippedDense(keras.layers.Dense):
+    """A Dense layer whose outputs (logits) are clipped to [-logit_clip, logit_clip]."""
+
+    def __init__(self, units: int, logit_clip: float, **kwargs):
+        if not logit_clip > 0:
+            raise ValueError(f"logit_clip={logit_clip!r} must be a positive number, e.g. 15.0.")
+        super().__init__(units, **kwargs)
+        self.logit_clip = float(logit_clip)
+
+    def call(self, inputs, training=None):
+        return keras.ops.clip(super().call(inputs, training=training), -self.logit_clip, self.logit_clip)
+
+    def get_config(self):
+        return {**super().get_config(), "logit_clip": self.logit_clip}
 
 
 def transformer_lm(vocab_size: int, max_length: int, num_blocks: int = 4, dim: int = 64, hidden: int = 256,
-                   heads: int = 4, dropout: float = 0.0) -> list[keras.layers.Layer]:
-    """Layers of T(L, H, A): embedding, ``num_blocks`` blocks, final norm, projection to the vocabulary."""
+                   heads: int = 4, dropout: float = 0.0, *, logit_clip: Optional[float] = None,
+                   scaled_init: bool = False) -> list[keras.layers.Layer]:
+    """Layers of T(L, H, A): embedding, ``num_blocks`` blocks, final norm, projection to the vocabulary.
+
+    The projection outputs logits: train with ``transformer_loss()``. The two options are
+    GPipe's remedies for deep stacks (section 5, "Trainability Challenges"):
+
+    - ``logit_clip=c`` clips the logits to [-c, c] (c = 15, say) inside the output
+      projection, which becomes a ``ClippedDense``; the layer count stays the same.
+    - ``scaled_init=True``: "following Fixup, we scale down the initialization of all
+      transformer feed-forward layers by the number of layers": both feed-forward
+      kernels of every block start as Glorot uniform draws multiplied by 1/num_blocks.
+    """
     if dim % heads:
         raise ValueError(f"dim={dim} must be divisible by heads={heads}.")
+    scale = 1.0 / max(num_blocks, 1) if scaled_init else 1.0
+    projection = (keras.layers.Dense(vocab_size) if logit_clip is None
+                  else ClippedDense(vocab_size, logit_clip=logit_clip))
     return ([TokenAndPositionEmbedding(vocab_size, max_length, dim)]
-            + [TransformerBlock(dim, hidden, heads, dropout) for _ in range(num_blocks)]
-            + [keras.layers.LayerNormalization(epsilon=1e-5), keras.layers.Dense(vocab_size)])
+            + [TransformerBlock(dim, hidden, heads, dropout, ffn_init_scale=scale) for _ in range(num_blocks)]
+            + [keras.layers.LayerNormalization(epsilon=1e-5), projection])
+
+
+def transformer_loss() -> keras.losses.Loss:
+    """The loss for ``transformer_lm`` logits and integer next-token targets."""
+    return keras.losses.SparseCategoricalCrossentropy(from_logits=True)
