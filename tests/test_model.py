@@ -170,3 +170,34 @@ def test_validation_split_with_small_validation_batches():
     model.compile(optimizer="sgd", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     history = model.fit(x, y, batch_size=8, validation_split=0.05, epochs=1, verbose=0)  # 3 validation samples < M
     assert np.isfinite(history.history["val_loss"]).all()
+
+
+class CountingTraces(tfpipe.PipelineModel):
+    """Counts how often Keras traces the train and test steps."""
+
+    traces = {"train": 0, "test": 0}
+
+    def train_step(self, data):
+        self.traces["train"] += 1
+        return super().train_step(data)
+
+    def test_step(self, data):
+        self.traces["test"] += 1
+        return super().test_step(data)
+
+
+@pytest.mark.parametrize("as_dataset", [False, True])
+def test_each_step_is_traced_once(as_dataset):
+    x, y = _classification(32)
+    model = CountingTraces(mlp_layers(out=2), num_partitions=2, devices=cpu_devices(2), num_micro_batches=2)
+    model.traces = {"train": 0, "test": 0}
+    model.compile(optimizer="adam", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  metrics=["accuracy"])
+    data = (tf.data.Dataset.from_tensor_slices((x, y)).batch(8),) if as_dataset else (x, y)
+    batch = {} if as_dataset else {"batch_size": 8}
+    model.evaluate(*data, verbose=0, **batch)  # before any training: metric variables exist already
+    model.fit(*data, epochs=2, verbose=0, **batch)
+    assert model.traces == {"train": 1, "test": 1}
+    assert model.balance == [4, 6]  # balanced by FLOPs when the first call built it from the data's shapes
+    for cell in model.cells:  # ... on the cells' devices
+        assert all(v.value.device.endswith(cell.device.replace("/", "device:")) for v in cell.trainable_variables)

@@ -273,7 +273,36 @@ class PipelineModel(keras.Model):
     def fit(self, x: Any = None, y: Any = None, batch_size: Optional[int] = None, *args: Any, **kwargs: Any):
         """Keras ``fit``; checks first that no training batch will be smaller than num_micro_batches."""
         self._check_training_batches(x, batch_size, kwargs.get("validation_split") or 0.0)
+        self._build_state_before_tracing(x, y, kwargs.get("sample_weight"))
         return super().fit(x, y, batch_size, *args, **kwargs)
+
+    def evaluate(self, x: Any = None, y: Any = None, *args: Any, **kwargs: Any):
+        """Keras ``evaluate``."""
+        self._build_state_before_tracing(x, y, kwargs.get("sample_weight"))
+        return super().evaluate(x, y, *args, **kwargs)
+
+    def _build_state_before_tracing(self, x: Any, y: Any, sample_weight: Any) -> None:
+        """Create the model's, metrics' and optimizer's variables before Keras traces a step.
+
+        Without a distribution strategy Keras creates them while tracing, and a
+        variable created in a trace makes TensorFlow trace the whole unrolled
+        pipeline a second time (about a third of a first fit, measured).
+        """
+        if not self.compiled or not hasattr(self, "_symbolic_build"):
+            return
+        if isinstance(x, tf.data.Dataset):
+            batch = x.element_spec
+        elif all(isinstance(leaf, (np.ndarray, tf.Tensor)) for leaf in tf.nest.flatten((x, y, sample_weight))
+                 if leaf is not None):
+            batch = (x, y, sample_weight)
+        else:
+            return  # generators and PyDatasets: Keras builds while tracing, as usual
+        symbolic = tf.nest.map_structure(
+            lambda t: None if t is None else keras.KerasTensor((None,) + tuple(t.shape[1:]),
+                                                               keras.backend.standardize_dtype(t.dtype)), batch)
+        if not self.built:  # ourselves: Keras would build inside a StatelessScope, which defers variable
+            self.build(keras.utils.unpack_x_y_sample_weight(symbolic)[0])  # creation past our device scopes
+        self._symbolic_build(data_batch=symbolic)
 
     def _check_training_batches(self, x: Any, batch_size: Optional[int], validation_split: float) -> None:
         m = self.num_micro_batches
