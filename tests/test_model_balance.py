@@ -100,3 +100,16 @@ def test_summary_of_an_explicit_balance_estimates_flops_once_built():
     assert "16 B" in rows[0]  # layer 1 (Dense(4)) ends the first cell
     efficiency = 2 / 3 * ((first + second) / 2) / first
     assert any(f"Predicted pipeline efficiency: {100 * efficiency:.1f}%" in line for line in lines)
+
+
+def test_summary_says_why_costs_are_missing():
+    class NoCopy(keras.layers.Dense):
+        def get_config(self):
+            raise NotImplementedError("no config")
+
+    model = tfpipe.PipelineModel([NoCopy(4, name="nc"), keras.layers.Dense(2)], balance=[1, 1],
+                                 devices=cpu_devices(2))
+    model.build((None, 3))
+    text = "\n".join(_lines(model))
+    assert "Costs not estimated: Cannot copy layer 'nc' (NoCopy)" in text
+    assert "Total params: 26" in text and "Predicted pipeline efficiency" not in text

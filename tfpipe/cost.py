@@ -72,6 +72,8 @@ def estimate(layers: Any, sample: Any, cost: Cost = "flops", device: Optional[st
         return Estimate("custom", costs, output_bytes=[])
     if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
         raise ValueError(f"repeats must be an integer >= 1, got {repeats!r}.")
+    if cost == "memory" and not tf.executing_eagerly():
+        raise ValueError("cost='memory' is measured eagerly only; call tfpipe.balance.by_memory outside tf.function.")
     batch = _batch_size(sample)
     device = device or _default_device()
     measure = _measure_fn(cost, batch, device, repeats)
@@ -81,8 +83,6 @@ def estimate(layers: Any, sample: Any, cost: Cost = "flops", device: Optional[st
     # Run eagerly even while Keras traces a step; but only then: allocations made under
     # init_scope do not show in get_memory_info (measured with TF 2.21).
     eager = contextlib.nullcontext() if tf.executing_eagerly() else tf.init_scope()
-    if cost == "memory" and not tf.executing_eagerly():
-        raise ValueError("cost='memory' is measured eagerly only; call tfpipe.balance.by_memory outside tf.function.")
     with eager, tf.device(device), _restoring(seeds):
         x = tf.nest.map_structure(tf.convert_to_tensor, sample)
         for index, layer, copy, x_in, y in _walk(layers, x, run):
@@ -175,7 +175,9 @@ def _default_device() -> str:
     return "/GPU:0" if tf.config.list_logical_devices("GPU") else "/CPU:0"
 
 
-def _measure_fn(cost: Cost, batch: int, device: str, repeats: int) -> Callable[[Any, Any], tuple[float, Optional[str]]]:
+def _measure_fn(cost: Cost, batch: int, device: str,
+                repeats: int) -> Optional[Callable[[Any, Any], tuple[float, Optional[str]]]]:
+    """How to measure a built copy given its input: (cost, fallback note); None for a callable cost."""
     if cost == "flops":
         return lambda copy, spec: _flops(copy, spec, batch)
     if cost == "params":
@@ -184,7 +186,7 @@ def _measure_fn(cost: Cost, batch: int, device: str, repeats: int) -> Callable[[
         return lambda copy, x: (_seconds(copy, x, repeats), None)
     if cost == "memory":
         return lambda copy, x: (_peak_bytes(copy, x, device), None)
-    return lambda copy, x: (0.0, None)  # a callable is applied to the user's layer instead
+    return None  # a callable is applied to the user's layer instead
 
 
 # FLOPs -------------------------------------------------------------------------------------------

@@ -340,8 +340,7 @@ class PipelineModel(keras.Model):
         width = line_length or 120
         cost_name = self._cost if isinstance(self._cost, str) else "custom"
         try:
-            estimate = self.layer_costs() if self.built or callable(self._cost) else None
-            problem = None
+            estimate, problem = self.layer_costs(), None
         except ValueError as err:
             estimate, problem = None, str(err)
         balance = self.balance
