@@ -1,0 +1,146 @@
+"""Cells in worker processes: same results as in one process, no worker outlives its cluster, clear start errors.
+
+Every test runs in a fresh process: connecting to a cluster changes TensorFlow's process-wide context.
+"""
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from tests.util import REPO, run_fresh
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return "\nState:\tZ" not in f.read()  # a zombie has exited
+    except FileNotFoundError:
+        return False
+
+
+def _wait_gone(pids, seconds=15.0):
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline and any(_alive(p) for p in pids):
+        time.sleep(0.2)
+    return [p for p in pids if _alive(p)]
+
+
+@pytest.mark.parametrize("workers", [2, 3])
+def test_training_on_workers_matches_one_process(workers):
+    proc = run_fresh(f"""
+        import numpy as np, keras
+        import tfpipe
+        from tfpipe.cluster import LocalCluster
+        from tests.util import max_rel_error, mlp_layers
+
+        keras.utils.set_random_seed(0)
+        x = np.random.default_rng(0).normal(size=(10, 5)).astype("float32")
+        y = np.random.default_rng(1).normal(size=(10, 3)).astype("float32")
+        reference = keras.Sequential([keras.Input((5,))] + mlp_layers())
+        start = reference.get_weights()
+        reference.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
+        reference.fit(x, y, batch_size=10, epochs=2, verbose=0, shuffle=False)
+        with LocalCluster({workers}) as cluster:
+            model = tfpipe.PipelineModel(mlp_layers(), num_partitions={workers}, devices=cluster.devices,
+                                         num_micro_batches=3)
+            model.build((None, 5))
+            model.set_weights(start)
+            model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
+            model.fit(x, y, batch_size=10, epochs=2, verbose=0, shuffle=False)
+            error = max_rel_error(model.get_weights(), reference.get_weights())
+            predicted = np.abs(model.predict(x, verbose=0) - reference.predict(x, verbose=0)).max()
+            loss = model.evaluate(x, y, verbose=0)
+            places = sorted({{v.value.device for v in model.trainable_variables}})
+        print("RESULT", error, predicted, loss)
+        print("PLACES", places)
+    """)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    error, predicted, loss = (float(v) for v in proc.stdout.split("RESULT")[1].split()[:3])
+    assert error < 1e-5 and predicted < 1e-5 and loss > 0
+    places = proc.stdout.split("PLACES")[1]
+    assert all(f"/job:worker/replica:0/task:{k}/device:CPU:0" in places for k in range(workers))
+
+
+def test_workers_stop_on_exit_and_after_an_error():
+    proc = run_fresh("""
+        from tfpipe.cluster import LocalCluster
+        with LocalCluster(2) as cluster:
+            print("NORMAL", *cluster.pids, flush=True)
+        try:
+            with LocalCluster(2) as cluster:
+                print("ERROR", *cluster.pids, flush=True)
+                raise KeyError("boom")
+        except KeyError:
+            pass
+    """)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for tag in ("NORMAL", "ERROR"):
+        pids = [int(p) for p in proc.stdout.split(tag)[1].split("\n")[0].split()]
+        assert len(pids) == 2 and not _wait_gone(pids, 1.0), tag
+
+
+def test_workers_die_with_a_killed_client():
+    code = textwrap.dedent("""
+        import time
+        from tfpipe.cluster import LocalCluster
+        cluster = LocalCluster(2).start()
+        print("PIDS", *cluster.pids, flush=True)
+        time.sleep(300)
+    """)
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", PYTHONPATH=REPO)
+    client = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, env=env)
+    try:
+        line = client.stdout.readline()
+        pids = [int(p) for p in line.split()[1:]]
+        assert len(pids) == 2 and all(_alive(p) for p in pids), line
+    finally:
+        client.send_signal(signal.SIGKILL)
+        client.wait(timeout=30)
+    assert not _wait_gone(pids)
+
+
+def test_a_worker_that_cannot_start_is_a_clear_error():
+    proc = run_fresh("""
+        import socket
+        from tfpipe import cluster
+        taken = socket.socket()
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        cluster._free_port = lambda: port
+        try:
+            cluster.LocalCluster(1).start()
+        except cluster.WorkerError as err:
+            print("ERROR", port, err)
+    """)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    port = proc.stdout.split("ERROR")[1].split()[0]
+    assert f"Worker task 0 at localhost:{port} did not start (exit code" in proc.stdout
+    assert "Check that the port is free" in proc.stdout
+
+
+def test_cluster_arguments_and_connect_errors():
+    from tfpipe import cluster
+
+    with pytest.raises(ValueError, match="num_workers must be an integer >= 1, got 0"):
+        cluster.LocalCluster(0)
+    with pytest.raises(ValueError, match="threads_per_worker must be an integer >= 1"):
+        cluster.LocalCluster(2, threads_per_worker=0)
+    with pytest.raises(ValueError, match="The cluster has no job 'worker'"):
+        cluster.connect({"ps": ["localhost:1"]})
+    env = os.environ.pop("TF_CONFIG", None)
+    try:
+        with pytest.raises(ValueError, match="connect\\(\\) needs a cluster"):
+            cluster.connect()
+        os.environ["TF_CONFIG"] = "{not json"
+        with pytest.raises(ValueError, match="TF_CONFIG=.* has no readable \"cluster\" entry"):
+            cluster.connect()
+    finally:
+        os.environ.pop("TF_CONFIG", None)
+        if env is not None:
+            os.environ["TF_CONFIG"] = env

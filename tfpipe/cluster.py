@@ -1,0 +1,177 @@
+"""Cells in other processes or on other hosts: start local TensorFlow worker processes, or join a cluster.
+
+tfpipe uses TensorFlow's own distributed runtime: this process connects to the
+workers with ``tf.config.experimental_connect_to_cluster`` and places each cell
+on ``/job:worker/task:k/device:CPU:0`` (or ``GPU:0``); TensorFlow moves the
+boundary activations over gRPC.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import json
+import os
+import select
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from typing import Any, Optional, Sequence
+
+import tensorflow as tf
+
+JOB = "worker"
+START_TIMEOUT = 60.0  # seconds for a worker process to start serving
+
+# What each worker process runs: only TensorFlow, a server for its task, until it is stopped.
+_WORKER_CODE = """
+import json, sys
+import tensorflow as tf
+spec, task, threads = json.loads(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+config = tf.compat.v1.ConfigProto(intra_op_parallelism_threads=threads, inter_op_parallelism_threads=threads)
+server = tf.distribute.Server(tf.train.ClusterSpec(spec), job_name=%r, task_index=task, config=config, start=True)
+print("READY", flush=True)
+server.join()
+""" % JOB
+
+
+class WorkerError(RuntimeError):
+    """A worker process failed to start or died."""
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _die_with_parent() -> None:
+    """In the worker: get SIGKILL when the process that started it dies, so no worker outlives it (Linux)."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+def _devices(spec: tf.train.ClusterSpec, job: str, device_type: str) -> list[str]:
+    return [f"/job:{job}/task:{k}/device:{device_type}:0" for k in range(spec.num_tasks(job))]
+
+
+class LocalCluster:
+    """K TensorFlow worker processes on loopback, connected to this process; one device per worker.
+
+    Use as a context manager::
+
+        with tfpipe.cluster.LocalCluster(num_workers=2) as cluster:
+            model = tfpipe.PipelineModel(layers, num_partitions=2, devices=cluster.devices)
+            model.fit(...)
+
+    Every worker it started is stopped on exit, also after an error; a worker also
+    dies with this process. ``threads_per_worker`` sets each worker's intra- and
+    inter-op thread pools, so a worker runs one thing at a time by default.
+    """
+
+    def __init__(self, num_workers: int, threads_per_worker: int = 1, start_timeout: float = START_TIMEOUT):
+        for name, value in (("num_workers", num_workers), ("threads_per_worker", threads_per_worker)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}.")
+        self.num_workers = num_workers
+        self.threads_per_worker = threads_per_worker
+        self.start_timeout = start_timeout
+        self.addresses: list[str] = []
+        self.processes: list[subprocess.Popen] = []
+        self._watch: Optional[threading.Thread] = None
+        self._stopping = threading.Event()
+
+    @property
+    def devices(self) -> list[str]:
+        """One device string per worker, for ``PipelineModel(devices=...)``."""
+        return [f"/job:{JOB}/task:{k}/device:CPU:0" for k in range(len(self.addresses))]
+
+    @property
+    def pids(self) -> list[int]:
+        """The process ids of the workers."""
+        return [p.pid for p in self.processes]
+
+    def start(self) -> "LocalCluster":
+        """Start the workers, wait until each serves, and connect this process to them."""
+        self.addresses = [f"localhost:{_free_port()}" for _ in range(self.num_workers)]
+        spec = {JOB: self.addresses}
+        try:
+            for task in range(self.num_workers):
+                self.processes.append(subprocess.Popen(
+                    [sys.executable, "-c", _WORKER_CODE, json.dumps(spec), str(task), str(self.threads_per_worker)],
+                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=_die_with_parent,
+                    env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL=os.environ.get("TF_CPP_MIN_LOG_LEVEL", "2"))))
+            for task, process in enumerate(self.processes):
+                self._wait_ready(task, process)
+            tf.config.experimental_connect_to_cluster(tf.train.ClusterSpec(spec))
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _wait_ready(self, task: int, process: subprocess.Popen) -> None:
+        """Wait for the worker's READY line; it prints it once it serves, or exits on failure."""
+        ready, _, _ = select.select([process.stdout], [], [], self.start_timeout)
+        line = process.stdout.readline() if ready else ""
+        if line.strip() != "READY":
+            process.kill()
+            _, err = process.communicate(timeout=10)
+            why = f"exit code {process.returncode}" if ready else f"not serving after {self.start_timeout:g} s"
+            tail = " | ".join(err.strip().splitlines()[-3:]) if err and err.strip() else "no output"
+            raise WorkerError(
+                f"Worker task {task} at {self.addresses[task]} did not start ({why}): {tail}. Check that the "
+                "port is free and that TensorFlow imports in a fresh process."
+            )
+
+    def stop(self) -> None:
+        """Stop every worker this cluster started (terminate, then kill)."""
+        for process in self.processes:
+            if process.poll() is None:
+                process.terminate()
+        for process in self.processes:
+            try:
+                process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait(timeout=10)
+            for stream in (process.stdout, process.stderr):
+                if stream:
+                    stream.close()
+
+    def dead_workers(self) -> list[str]:
+        """Workers whose process has exited, as 'task k at host:port (exit code c)'."""
+        return [f"task {k} at {self.addresses[k]} (exit code {p.returncode})"
+                for k, p in enumerate(self.processes) if p.poll() is not None]
+
+    def __enter__(self) -> "LocalCluster":
+        return self.start()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
+
+
+def connect(cluster: Any = None, job: str = JOB, device_type: str = "CPU") -> list[str]:
+    """Join an existing cluster; return one device string per task of ``job``, in task order.
+
+    ``cluster``: a ``tf.train.ClusterSpec``, a dict {job: [host:port, ...]}, or None to
+    read the "cluster" of the ``TF_CONFIG`` environment variable.
+    """
+    if cluster is None:
+        config = os.environ.get("TF_CONFIG")
+        if not config:
+            raise ValueError("connect() needs a cluster: pass a tf.train.ClusterSpec or a dict, or set TF_CONFIG "
+                             "to {\"cluster\": {\"worker\": [\"host:port\", ...]}}.")
+        try:
+            cluster = json.loads(config)["cluster"]
+        except (ValueError, KeyError, TypeError) as err:
+            raise ValueError(f"TF_CONFIG={config!r} has no readable \"cluster\" entry ({err}).") from None
+    spec = cluster if isinstance(cluster, tf.train.ClusterSpec) else tf.train.ClusterSpec(cluster)
+    if job not in spec.jobs:
+        raise ValueError(f"The cluster has no job {job!r} (jobs: {spec.jobs}); name the job that runs the cells.")
+    tf.config.experimental_connect_to_cluster(spec)
+    return _devices(spec, job, device_type)
