@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -47,7 +48,8 @@ flags.DEFINE_list("balance", None, "Layers per cell, e.g. 2,2,3; overrides --par
 flags.DEFINE_enum("cost", "flops", ["flops", "params", "time"], "Per-layer cost that --partitions balances.")
 flags.DEFINE_integer("micro_batches", 4, "Micro-batches per mini-batch (M).", lower_bound=1)
 flags.DEFINE_enum("remat", "except_last", ["always", "except_last", "never"], "Re-materialization mode.")
-flags.DEFINE_string("devices", "auto", "'auto', 'cpu:N' (split the CPU into N logical devices) or a comma list.")
+flags.DEFINE_string("devices", "auto", "'auto', 'cpu:N' (split the CPU into N logical devices), 'local:N' (N "
+                    "single-thread worker processes on loopback) or a comma list.")
 # training
 flags.DEFINE_integer("batch_size", 32, "Mini-batch size.", lower_bound=1)
 flags.DEFINE_integer("epochs", 4, "Training epochs.", lower_bound=1)
@@ -79,8 +81,11 @@ class Task:
     scored: str  # what the accuracy counts
 
 
-def setup_devices(spec: str, partitions: int) -> list[str] | None:
-    """Configure logical CPU devices (before TensorFlow starts) and return the cells' devices."""
+def setup_devices(spec: str, partitions: int, stack: contextlib.ExitStack) -> list[str] | None:
+    """Configure logical CPU devices (before TensorFlow starts) or start local workers; return the cells' devices.
+
+    Workers started for ``local:N`` stop when ``stack`` closes.
+    """
     import tensorflow as tf
 
     if spec == "auto":
@@ -97,6 +102,19 @@ def setup_devices(spec: str, partitions: int) -> list[str] | None:
         cpu = tf.config.list_physical_devices("CPU")[0]
         tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * count)
         return [f"/CPU:{i}" for i in range(count)][:partitions] if count >= partitions else None
+    if spec.startswith("local:"):
+        from tfpipe.cluster import LocalCluster, WorkerError
+
+        try:
+            count = int(spec[6:])
+        except ValueError:
+            raise UsageError(f"--devices={spec}: write local:N with an integer N") from None
+        if count < partitions:
+            raise UsageError(f"--devices={spec} starts {count} workers for {partitions} cells; use local:{partitions}")
+        try:
+            return stack.enter_context(LocalCluster(count)).devices[:partitions]
+        except (ValueError, WorkerError) as err:
+            raise UsageError(f"--devices={spec}: {err}") from None
     return [d.strip() for d in spec.split(",") if d.strip()]
 
 
@@ -215,9 +233,14 @@ def callbacks(model_dir: Optional[str]) -> tuple[list, Optional[int]]:
 def run() -> dict:
     """Train as the flags say; return the report."""
     check_flags()
+    with contextlib.ExitStack() as stack:
+        return _run(stack)
+
+
+def _run(stack: contextlib.ExitStack) -> dict:
     balance = _ints("balance")
     partitions = len(balance) if balance else FLAGS.partitions
-    devices = setup_devices(FLAGS.devices, partitions)
+    devices = setup_devices(FLAGS.devices, partitions, stack)
 
     import keras
 

@@ -144,3 +144,37 @@ def test_cluster_arguments_and_connect_errors():
         os.environ.pop("TF_CONFIG", None)
         if env is not None:
             os.environ["TF_CONFIG"] = env
+
+
+def test_connect_joins_servers_started_elsewhere_from_tf_config():
+    import json
+    import socket
+
+    ports = []
+    for _ in range(2):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            ports.append(s.getsockname()[1])
+    addresses = [f"localhost:{p}" for p in ports]
+    server = ("import tensorflow as tf; tf.distribute.Server(tf.train.ClusterSpec({'worker': %r}), "
+              "job_name='worker', task_index=%d).join()")
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")
+    servers = [subprocess.Popen([sys.executable, "-c", server % (addresses, k)], env=env) for k in range(2)]
+    try:
+        proc = run_fresh("""
+            import numpy as np, keras, tfpipe
+            devices = tfpipe.cluster.connect()
+            print("DEVICES", devices)
+            model = tfpipe.PipelineModel([keras.layers.Dense(4), keras.layers.Dense(1)], balance=[1, 1],
+                                         devices=devices, num_micro_batches=2)
+            model.compile(optimizer="sgd", loss="mse")
+            history = model.fit(np.ones((8, 3), "float32"), np.ones((8, 1), "float32"), batch_size=4, verbose=0)
+            print("LOSS", history.history["loss"][-1])
+        """, env={"TF_CONFIG": json.dumps({"cluster": {"worker": addresses}})})
+    finally:
+        for s in servers:
+            s.kill()
+            s.wait(timeout=30)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "DEVICES ['/job:worker/task:0/device:CPU:0', '/job:worker/task:1/device:CPU:0']" in proc.stdout
+    assert float(proc.stdout.split("LOSS")[1]) >= 0

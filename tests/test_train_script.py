@@ -89,7 +89,16 @@ def test_bad_flags_name_the_flag():
         (["--tensorboard"], "--tensorboard writes under --model_dir"),
         (["--model=amoebanet", "--blocks=4"], "--model=amoebanet sizes: num_layers=4"),
         (["--partitions=9", "--blocks=1"], "--balance/--partitions/--devices/--micro_batches: num_partitions=9 is more"),
+        (["--devices=local:1"], "--devices=local:1 starts 1 workers for 2 cells; use local:2"),
     ]:
         proc = _run(*flags)
         assert proc.returncode == 2 and message in proc.stderr, (flags, proc.stderr[-1500:])
         assert "Traceback" not in proc.stderr
+
+
+def test_local_workers_run_the_cells():
+    proc = _run(*TINY_TRANSFORMER, "--epochs=1", "--devices=local:2")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    start, final = _losses(proc.stdout)
+    assert final < start
+    assert "on ['/job:worker/task:0/device:CPU:0', '/job:worker/task:1/device:CPU:0']" in proc.stdout
