@@ -8,7 +8,6 @@ boundary activations over gRPC.
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import json
 import os
@@ -19,12 +18,13 @@ import subprocess
 import sys
 import threading
 import time
-from typing import Any, Optional, Sequence
+from typing import Any, Optional
 
 import tensorflow as tf
 
 JOB = "worker"
 START_TIMEOUT = 60.0  # seconds for a worker process to start serving
+START_ATTEMPTS = 3  # a free port can be taken between choosing it and the worker binding it: retry
 
 # What each worker process runs: only TensorFlow, a server for its task, until it is stopped.
 _WORKER_CODE = """
@@ -83,8 +83,6 @@ class LocalCluster:
         self.start_timeout = start_timeout
         self.addresses: list[str] = []
         self.processes: list[subprocess.Popen] = []
-        self._watch: Optional[threading.Thread] = None
-        self._stopping = threading.Event()
 
     @property
     def devices(self) -> list[str]:
@@ -98,21 +96,34 @@ class LocalCluster:
 
     def start(self) -> "LocalCluster":
         """Start the workers, wait until each serves, and connect this process to them."""
-        self.addresses = [f"localhost:{_free_port()}" for _ in range(self.num_workers)]
-        spec = {JOB: self.addresses}
-        try:
-            for task in range(self.num_workers):
-                self.processes.append(subprocess.Popen(
-                    [sys.executable, "-c", _WORKER_CODE, json.dumps(spec), str(task), str(self.threads_per_worker)],
-                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=_die_with_parent,
-                    env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL=os.environ.get("TF_CPP_MIN_LOG_LEVEL", "2"))))
-            for task, process in enumerate(self.processes):
-                self._wait_ready(task, process)
-            tf.config.experimental_connect_to_cluster(tf.train.ClusterSpec(spec))
-        except BaseException:
-            self.stop()
-            raise
+        for attempt in range(START_ATTEMPTS):
+            try:
+                self._launch()
+                break
+            except WorkerError:
+                self.stop()
+                if attempt == START_ATTEMPTS - 1:
+                    raise
+            except BaseException:
+                self.stop()
+                raise
+        # Only now: connecting before every worker serves can block without a timeout.
+        tf.config.experimental_connect_to_cluster(tf.train.ClusterSpec({JOB: self.addresses}))
         return self
+
+    def _launch(self) -> None:
+        self.addresses = [f"localhost:{_free_port()}" for _ in range(self.num_workers)]
+        self.processes = []
+        spec = json.dumps({JOB: self.addresses})
+        # PR_SET_PDEATHSIG fires when the *thread* that started the worker ends: only tie workers to the main thread.
+        tie = _die_with_parent if threading.current_thread() is threading.main_thread() else None
+        env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL=os.environ.get("TF_CPP_MIN_LOG_LEVEL", "2"))
+        for task in range(self.num_workers):
+            self.processes.append(subprocess.Popen(
+                [sys.executable, "-c", _WORKER_CODE, spec, str(task), str(self.threads_per_worker)],
+                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=tie, env=env))
+        for task, process in enumerate(self.processes):
+            self._wait_ready(task, process)
 
     def _wait_ready(self, task: int, process: subprocess.Popen) -> None:
         """Wait for the worker's READY line; it prints it once it serves, or exits on failure."""
@@ -151,8 +162,23 @@ class LocalCluster:
     def __enter__(self) -> "LocalCluster":
         return self.start()
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, exc_type: Any, exc: Optional[BaseException], tb: Any) -> None:
+        dead = self._dead_after(exc) if exc is not None else []
         self.stop()
+        if dead and not isinstance(exc, WorkerError):
+            lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+            cause = lines[-1][:300] if lines else type(exc).__name__  # TensorFlow puts the RPC's error last
+            raise WorkerError(f"Worker {', '.join(dead)} died during the run ({type(exc).__name__}: {cause}). "
+                              "Start a new cluster and resume from the last checkpoint.") from exc
+
+    def _dead_after(self, exc: BaseException) -> list[str]:
+        """The dead workers; after a TensorFlow runtime error, give a just-killed worker a moment to be seen."""
+        deadline = time.monotonic() + (2.0 if isinstance(exc, tf.errors.OpError) else 0.0)
+        while True:
+            dead = self.dead_workers()
+            if dead or time.monotonic() >= deadline:
+                return dead
+            time.sleep(0.05)
 
 
 def connect(cluster: Any = None, job: str = JOB, device_type: str = "CPU") -> list[str]:
