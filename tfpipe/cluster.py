@@ -16,6 +16,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from typing import Any, Optional
@@ -83,6 +84,7 @@ class LocalCluster:
         self.start_timeout = start_timeout
         self.addresses: list[str] = []
         self.processes: list[subprocess.Popen] = []
+        self._logs: list[Any] = []  # each worker's stderr, in a file: an unread pipe would fill and block it
 
     @property
     def devices(self) -> list[str]:
@@ -113,15 +115,16 @@ class LocalCluster:
 
     def _launch(self) -> None:
         self.addresses = [f"localhost:{_free_port()}" for _ in range(self.num_workers)]
-        self.processes = []
+        self.processes, self._logs = [], []
         spec = json.dumps({JOB: self.addresses})
         # PR_SET_PDEATHSIG fires when the *thread* that started the worker ends: only tie workers to the main thread.
         tie = _die_with_parent if threading.current_thread() is threading.main_thread() else None
         env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL=os.environ.get("TF_CPP_MIN_LOG_LEVEL", "2"))
         for task in range(self.num_workers):
+            self._logs.append(tempfile.TemporaryFile(mode="w+"))
             self.processes.append(subprocess.Popen(
                 [sys.executable, "-c", _WORKER_CODE, spec, str(task), str(self.threads_per_worker)],
-                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=tie, env=env))
+                stdout=subprocess.PIPE, stderr=self._logs[-1], text=True, preexec_fn=tie, env=env))
         for task, process in enumerate(self.processes):
             self._wait_ready(task, process)
 
@@ -131,7 +134,9 @@ class LocalCluster:
         line = process.stdout.readline() if ready else ""
         if line.strip() != "READY":
             process.kill()
-            _, err = process.communicate(timeout=10)
+            process.wait(timeout=10)
+            self._logs[task].seek(0)
+            err = self._logs[task].read()
             why = f"exit code {process.returncode}" if ready else f"not serving after {self.start_timeout:g} s"
             tail = " | ".join(err.strip().splitlines()[-3:]) if err and err.strip() else "no output"
             raise WorkerError(
@@ -150,9 +155,10 @@ class LocalCluster:
             except subprocess.TimeoutExpired:
                 process.kill()
                 process.wait(timeout=10)
-            for stream in (process.stdout, process.stderr):
-                if stream:
-                    stream.close()
+            if process.stdout:
+                process.stdout.close()
+        for log in self._logs:
+            log.close()
 
     def dead_workers(self) -> list[str]:
         """Workers whose process has exited, as 'task k at host:port (exit code c)'."""
