@@ -1,0 +1,131 @@
+"""Pipeline speed-up on single-thread worker processes: GPipe's Table 2, measured on this machine.
+
+Each cell runs in its own TensorFlow worker process (tfpipe.cluster.LocalCluster)
+whose thread pools have one thread, so a cell is a device that runs one thing at
+a time. Rows are K (cells), columns M (micro-batches); the global batch is the
+same everywhere. Each entry: examples/s, speed-up over K=1 M=1 (same setup),
+the ideal K*M/(M+K-1), and measured/ideal. Warm-up steps are excluded and the
+median step time is used.
+
+    python scripts/benchmark_speed.py                       # K in {1, 2}, M in {1, 2, 4, 8, 16, 32}
+    python scripts/benchmark_speed.py --max_partitions=4 --out=docs/speed   # also K=4; write .csv and .md
+"""
+
+from __future__ import annotations
+
+import csv
+import os
+import sys
+import time
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from absl import app, flags  # noqa: E402
+
+FLAGS = flags.FLAGS
+flags.DEFINE_enum("model", "transformer", ["transformer", "amoebanet"], "Model to time.")
+flags.DEFINE_integer("max_partitions", 2, "Largest K (powers of two from 1).", lower_bound=1)
+flags.DEFINE_list("micro_batches", ["1", "2", "4", "8", "16", "32"], "Values of M.")
+flags.DEFINE_integer("batch_size", 64, "Global batch, the same for every M.", lower_bound=1)
+flags.DEFINE_integer("steps", 8, "Timed steps per entry (after warm-up).", lower_bound=1)
+flags.DEFINE_integer("warmup", 2, "Untimed steps per entry (the first one traces).", lower_bound=1)
+flags.DEFINE_integer("blocks", 8, "Transformer blocks / AmoebaNet normal cells (a multiple of 3).", lower_bound=1)
+flags.DEFINE_integer("dim", 256, "Transformer model dimension / AmoebaNet filters.", lower_bound=8)
+flags.DEFINE_integer("seq_len", 32, "Transformer sequence length / image size.", lower_bound=8)
+flags.DEFINE_string("remat", "except_last", "Re-materialization mode.")
+flags.DEFINE_string("out", None, "Write the table to OUT.csv and OUT.md.")
+
+
+def _layers_and_data():
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    n = FLAGS.batch_size
+    if FLAGS.model == "transformer":
+        from models.transformer import transformer_lm
+
+        vocab = 256
+        layers = transformer_lm(vocab, FLAGS.seq_len, FLAGS.blocks, FLAGS.dim, 4 * FLAGS.dim, max(1, FLAGS.dim // 64))
+        x = rng.integers(0, vocab, size=(n, FLAGS.seq_len)).astype("int32")
+        return layers, x, np.roll(x, -1, axis=1)
+    from models.amoebanet import amoebanet_d
+
+    size = FLAGS.seq_len
+    layers = amoebanet_d(10, FLAGS.blocks, FLAGS.dim)
+    return layers, rng.normal(size=(n, size, size, 3)).astype("float32"), rng.integers(0, 10, size=n)
+
+
+def time_entry(devices: list[str], m: int) -> float:
+    """Median seconds of one training step with the cells on ``devices`` and M = m."""
+    import keras
+    import numpy as np
+
+    import tfpipe
+
+    keras.utils.set_random_seed(0)
+    layers, x, y = _layers_and_data()
+    model = tfpipe.PipelineModel(layers, num_partitions=len(devices), devices=devices, num_micro_batches=m,
+                                 remat=FLAGS.remat)
+    model.compile(optimizer=keras.optimizers.SGD(1e-3),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    times: list[float] = []
+
+    class Timer(keras.callbacks.Callback):
+        def on_train_batch_begin(self, batch, logs=None):
+            self.began = time.perf_counter()
+
+        def on_train_batch_end(self, batch, logs=None):
+            times.append(time.perf_counter() - self.began)
+
+    model.fit(np.repeat(x, FLAGS.warmup + FLAGS.steps, axis=0), np.repeat(y, FLAGS.warmup + FLAGS.steps, axis=0),
+              batch_size=FLAGS.batch_size, epochs=1, shuffle=False, verbose=0, callbacks=[Timer()])
+    return float(np.median(times[FLAGS.warmup:]))
+
+
+def main(argv: list[str]) -> None:
+    del argv
+    from tfpipe import schedule
+    from tfpipe.cluster import LocalCluster
+
+    ks = [k for k in (1, 2, 4, 8, 16) if k <= FLAGS.max_partitions]
+    ms = [int(m) for m in FLAGS.micro_batches]
+    rows, base = [], None
+    for k in ks:
+        with LocalCluster(k, threads_per_worker=1) as cluster:
+            for m in ms:
+                if FLAGS.batch_size < m:
+                    continue
+                seconds = time_entry(cluster.devices, m)
+                rate = FLAGS.batch_size / seconds
+                base = base or rate  # K=1, M=first: the reference
+                ideal = schedule.ideal_speedup(k, m)
+                rows.append({"K": k, "M": m, "examples_per_s": rate, "speedup": rate / base, "ideal": ideal,
+                             "of_ideal": rate / base / ideal})
+                print(f"K={k} M={m:>2}: {rate:8.1f} examples/s  speed-up {rate / base:5.2f}  ideal {ideal:5.2f}  "
+                      f"measured/ideal {rate / base / ideal:5.2f}", flush=True)
+    table = _markdown(rows, ms)
+    print("\n" + table)
+    if FLAGS.out:
+        os.makedirs(os.path.dirname(FLAGS.out) or ".", exist_ok=True)
+        with open(FLAGS.out + ".csv", "w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+            writer.writeheader()
+            writer.writerows(rows)
+        with open(FLAGS.out + ".md", "w") as f:
+            f.write(table + "\n")
+
+
+def _markdown(rows: list[dict], ms: list[int]) -> str:
+    """K rows, M columns; each entry 'speed-up (measured/ideal) examples/s'."""
+    lines = ["| K \\ M | " + " | ".join(str(m) for m in ms) + " |", "|---" * (len(ms) + 1) + "|"]
+    for k in sorted({r["K"] for r in rows}):
+        cells = {r["M"]: r for r in rows if r["K"] == k}
+        entries = [f"{cells[m]['speedup']:.2f}x ({100 * cells[m]['of_ideal']:.0f}% of {cells[m]['ideal']:.2f}x), "
+                   f"{cells[m]['examples_per_s']:.0f}/s" if m in cells else "-" for m in ms]
+        lines.append(f"| {k} | " + " | ".join(entries) + " |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    app.run(main)

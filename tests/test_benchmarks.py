@@ -1,0 +1,25 @@
+"""Benchmark scripts still run, in their smallest mode (no timing assertions: speed lives in the scripts)."""
+
+import csv
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.util import REPO
+
+
+def test_speed_benchmark_writes_its_table(tmp_path):
+    out = str(tmp_path / "speed")
+    proc = subprocess.run(
+        [sys.executable, os.path.join(REPO, "scripts", "benchmark_speed.py"), "--micro_batches=1,2", "--steps=1",
+         "--warmup=1", "--blocks=1", "--dim=32", "--seq_len=8", "--batch_size=4", f"--out={out}"],
+        capture_output=True, text=True, timeout=600, env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    with open(out + ".csv") as f:
+        rows = list(csv.DictReader(f))
+    assert [(r["K"], r["M"]) for r in rows] == [("1", "1"), ("1", "2"), ("2", "1"), ("2", "2")]
+    assert float(rows[0]["speedup"]) == 1.0 and float(rows[3]["ideal"]) == pytest.approx(4 / 3)
+    assert all(float(r["examples_per_s"]) > 0 for r in rows)
+    assert "| K \\ M | 1 | 2 |" in open(out + ".md").read()
