@@ -22,7 +22,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tfpipe.sequence import layer_list
+from tfpipe.sequence import copy_layer, layer_list
 
 KINDS = ("flops", "params", "time", "memory")
 Cost = Union[str, Callable[[keras.layers.Layer], float]]
@@ -113,7 +113,7 @@ def _walk(layers: Sequence[keras.layers.Layer], x: Any, run: bool) -> Iterator[t
     """For each layer: (index, layer, a built copy, its input, its output); inputs are values if ``run``."""
     spec = _spec(x)
     for index, layer in enumerate(layers):
-        copy = _copy(layer)
+        copy = copy_layer(layer, "to estimate its cost", "pass balance=[...] or a cost callable instead")
         try:
             out_spec = copy(spec)
         except Exception as err:  # noqa: BLE001 - any failure here means the shapes do not fit
@@ -126,18 +126,6 @@ def _walk(layers: Sequence[keras.layers.Layer], x: Any, run: bool) -> Iterator[t
         y = copy(x, training=False) if run else out_spec
         yield index, layer, copy, (x if run else spec), y
         x, spec = y, out_spec
-
-
-def _copy(layer: keras.layers.Layer) -> keras.layers.Layer:
-    """An unbuilt copy of a layer made from its config."""
-    try:
-        return type(layer).from_config(layer.get_config())
-    except Exception as err:  # noqa: BLE001 - report whatever stops the copy, with the fix
-        raise ValueError(
-            f"Cannot copy layer {layer.name!r} ({type(layer).__name__}) to estimate its cost: {type(err).__name__}: "
-            f"{err}. Give the layer a get_config() that returns its constructor arguments, or pass balance=[...] "
-            "or a cost callable instead."
-        ) from None
 
 
 def _spec(x: Any) -> Any:

@@ -1,8 +1,8 @@
-"""Resolve the device of each cell: GPUs, logical CPU devices, or devices of remote workers."""
+"""Resolve the device of each cell: GPUs, logical CPU devices, devices of remote workers, TPU logical cores."""
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import tensorflow as tf
 
@@ -52,8 +52,18 @@ def check(device: str) -> str:
     return device
 
 
-def resolve(devices: Optional[Sequence[str]], num_cells: int) -> list[str]:
-    """One device string per cell; ``None`` picks the machine's devices (see ``available``)."""
+TPU_CORE = "/device:TPU_REPLICATED_CORE:{}"  # logical core k of the replica a TPU computation runs on
+
+
+def resolve(devices: Optional[Sequence[str]], num_cells: int, strategy: Any = None) -> list[str]:
+    """One device string per cell; ``None`` picks the machine's devices (see ``available``).
+
+    Under a ``tf.distribute`` strategy (default: the current one) the strategy decides
+    (see ``for_strategy``).
+    """
+    strategy = tf.distribute.get_strategy() if strategy is None else strategy
+    if _kind(strategy) != "default":
+        return for_strategy(strategy, devices, num_cells)
     if devices is None:
         found = available()
         if len(found) == 1:
@@ -73,3 +83,83 @@ def resolve(devices: Optional[Sequence[str]], num_cells: int) -> list[str]:
             f"give at least {num_cells} devices or use fewer cells."
         )
     return devices[:num_cells]
+
+
+def restore(saved: Sequence[str], num_cells: int) -> tuple[list[str], Optional[str]]:
+    """Devices for a loaded model: the saved ones if this machine has them all, else the machine's own.
+
+    When the machine has fewer devices than cells, neighbouring cells share one
+    (cell k goes to device k * D // K), so a model trained on 8 devices still
+    loads on 1. Returns the devices and, when they differ from ``saved``, why.
+    """
+    missing = [d for d in saved if not _exists(d)]
+    if not missing and len(saved) >= num_cells:
+        return list(saved[:num_cells]), None
+    found = available()
+    chosen = [found[k * len(found) // num_cells] for k in range(num_cells)]
+    return chosen, (f"the saved devices {list(saved)} are not all on this machine (missing {missing}); "
+                    f"the {num_cells} cells go to {chosen} instead")
+
+
+def _exists(device: str) -> bool:
+    try:
+        check(device)
+    except (TypeError, ValueError):
+        return False
+    return True
+
+
+def _kind(strategy: Any) -> str:
+    if isinstance(strategy, (tf.distribute.TPUStrategy, tf.distribute.experimental.TPUStrategy)):
+        return "tpu"
+    if isinstance(strategy, tf.distribute.OneDeviceStrategy):
+        return "one_device"
+    if type(strategy).__name__ == "_DefaultDistributionStrategy":
+        return "default"
+    return "unsupported"
+
+
+def for_strategy(strategy: tf.distribute.Strategy, devices: Optional[Sequence[str]], num_cells: int) -> list[str]:
+    """The cells' devices under a strategy, or a ValueError for a strategy tfpipe cannot run under.
+
+    - ``OneDeviceStrategy`` puts every variable on its device, so every cell goes there.
+    - ``TPUStrategy``: cell k goes to logical core k of the replica; the strategy's
+      device assignment must give each replica at least K cores.
+    - Data-parallel strategies (Mirrored, MultiWorkerMirrored, ParameterServer, ...)
+      would replicate the pipeline's variables and steps in ways tfpipe does not control.
+    """
+    kind = _kind(strategy)
+    if kind == "one_device":
+        device = strategy.extended.worker_devices[0]
+        wanted = tf.DeviceSpec.from_string(device)
+        if devices is not None and any(not _same_device(tf.DeviceSpec.from_string(check(d)), wanted)
+                                       for d in devices[:num_cells]):
+            raise ValueError(
+                f"Under OneDeviceStrategy({_short_name(device)!r}) every variable lives on {_short_name(device)}, "
+                f"so cells cannot go to {list(devices)}; leave devices unset, or create the model outside "
+                "strategy.scope() to spread the cells over devices."
+            )
+        return [_short_name(device)] * num_cells
+    if kind == "tpu":
+        assignment = getattr(strategy.extended, "_device_assignment", None)
+        cores = assignment.num_cores_per_replica if assignment is not None else 1
+        if num_cells > cores:
+            raise ValueError(
+                f"{num_cells} cells but each TPU replica has {cores} logical core(s). Create the TPUStrategy with "
+                "experimental_device_assignment=tf.tpu.experimental.DeviceAssignment.build(topology, "
+                f"computation_shape=[1, 1, 1, {num_cells}], num_replicas=...), or use at most {cores} cells."
+            )
+        if devices is not None:
+            raise ValueError(f"Under TPUStrategy the cells go to the replica's logical cores; leave devices unset "
+                             f"(got {list(devices)}).")
+        return [TPU_CORE.format(k) for k in range(num_cells)]
+    raise ValueError(
+        f"tfpipe does not run under {type(strategy).__name__}: a pipeline places its own cells on devices and "
+        "takes one synchronous step, and a data-parallel strategy would replicate it in ways tfpipe does not "
+        "control. Create the PipelineModel outside strategy.scope() (or under OneDeviceStrategy / TPUStrategy)."
+    )
+
+
+def _same_device(a: tf.DeviceSpec, b: tf.DeviceSpec) -> bool:
+    return ((a.device_type or "").upper(), a.device_index or 0) == ((b.device_type or "").upper(), b.device_index or 0) \
+        and (a.job in (None, "localhost")) == (b.job in (None, "localhost"))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import warnings
 from typing import Any, Callable, Optional, Sequence
 
 import keras
@@ -11,7 +12,8 @@ import tensorflow as tf
 
 from tfpipe import balance as balance_lib
 from tfpipe import checkpoint, cost as cost_lib, devices as devices_lib, microbatch, schedule
-from tfpipe.sequence import layer_list
+from tfpipe import state as state_lib
+from tfpipe.sequence import copy_layer, layer_list
 from tfpipe.pipeline import Pipeline
 from tfpipe.stage import Cell, check_no_shared_variables
 
@@ -72,6 +74,7 @@ def _place_on_variable_devices(optimizer: keras.optimizers.Optimizer) -> None:
         opt._tfpipe_placed = True
 
 
+@keras.saving.register_keras_serializable(package="tfpipe")
 class PipelineModel(keras.Model):
     """A sequence of Keras layers cut into cells on devices and trained as a GPipe pipeline.
 
@@ -300,9 +303,10 @@ class PipelineModel(keras.Model):
         symbolic = tf.nest.map_structure(
             lambda t: None if t is None else keras.KerasTensor((None,) + tuple(t.shape[1:]),
                                                                keras.backend.standardize_dtype(t.dtype)), batch)
-        if not self.built:  # ourselves: Keras would build inside a StatelessScope, which defers variable
-            self.build(keras.utils.unpack_x_y_sample_weight(symbolic)[0])  # creation past our device scopes
-        self._symbolic_build(data_batch=symbolic)
+        with self.distribute_strategy.scope():  # where Keras itself would create them
+            if not self.built:  # ourselves: Keras would build inside a StatelessScope, which defers variable
+                self.build(keras.utils.unpack_x_y_sample_weight(symbolic)[0])  # creation past our device scopes
+            self._symbolic_build(data_batch=symbolic)
 
     def _check_training_batches(self, x: Any, batch_size: Optional[int], validation_split: float) -> None:
         m = self.num_micro_batches
@@ -322,6 +326,114 @@ class PipelineModel(keras.Model):
                 f"{n} samples in batches of {size} leave a last batch of {last}, smaller than num_micro_batches={m}. "
                 f"Choose a batch_size that leaves no remainder or one of at least {m}, or drop the last {last} samples."
             )
+
+    # Saving and converting ------------------------------------------------------------------------
+    def get_config(self) -> dict[str, Any]:
+        """The layers, the split (balance once known, else K and the cost), devices, M and remat.
+
+        A callable ``cost`` cannot be saved; its balance is, so a loaded model is split the same way.
+        """
+        config: dict[str, Any] = {
+            "name": self.name,
+            "trainable": self.trainable,
+            "dtype": keras.dtype_policies.serialize(self.dtype_policy),
+            "layers": [_layer_config(layer) for layer in self.pipeline_layers],
+            "devices": self.devices,
+            "num_micro_batches": self._m,
+            "remat": self._remat,
+            "cost": self._cost if isinstance(self._cost, str) else "flops",
+        }
+        if self.balance is not None:
+            config["balance"] = self.balance
+        else:
+            config["num_partitions"] = self._num_cells
+        return config
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any], custom_objects: Any = None) -> "PipelineModel":
+        """A model from ``get_config``; saved devices this machine lacks are replaced by its own (with a warning)."""
+        config = dict(config)
+        layers = [keras.saving.deserialize_keras_object(c, custom_objects=custom_objects) for c in config.pop("layers")]
+        num_cells = len(config["balance"]) if config.get("balance") else config["num_partitions"]
+        devices, why = devices_lib.restore(config.pop("devices"), num_cells)
+        if why:
+            warnings.warn(f"Loading PipelineModel {config.get('name')!r}: {why}.", stacklevel=2)
+        return cls(layers, devices=devices, **config)
+
+    def get_build_config(self) -> Optional[dict[str, Any]]:
+        """The shapes and dtypes of the inputs the model was built for."""
+        return {"inputs": _spec_config(self._inputs)} if self._inputs is not None else None
+
+    def build_from_config(self, config: Optional[dict[str, Any]]) -> None:
+        """Build for the inputs recorded by ``get_build_config`` (loading then finds every variable)."""
+        if config and "inputs" in config:
+            self.build(_spec_from_config(config["inputs"]))
+
+    def compile_from_config(self, config: dict[str, Any]) -> None:
+        """Compile as saved, creating the optimizer's variables on their devices so that its state loads."""
+        self.compile(**keras.saving.deserialize_keras_object(config))
+        if self.optimizer is not None and self.built:
+            self.optimizer.build(self.trainable_variables)
+
+    def _seed_states(self) -> list[keras.Variable]:
+        return [v for v in self.pipeline_variables() if state_lib.is_seed_state(v)]
+
+    def pipeline_variables(self) -> list[keras.Variable]:
+        """Every variable of the layers, in layer order, seed-generator states included."""
+        seen: dict[int, keras.Variable] = {}
+        for layer in self.pipeline_layers:
+            for v in layer.variables:
+                seen.setdefault(id(v), v)
+        return list(seen.values())
+
+    @property
+    def _tfpipe_seed_states(self) -> "_SeedStates":
+        # Keras saves every KerasSaveable attribute of a model, so this one puts the seed
+        # states in their own group (a keras.Sequential loading the file ignores it). Set
+        # without Keras' attribute tracking, so that it is not one of the model's layers.
+        if "_seed_saver" not in self.__dict__:
+            object.__setattr__(self, "_seed_saver", _SeedStates(self._seed_states))
+        return self.__dict__["_seed_saver"]
+
+    @classmethod
+    def from_sequential(cls, model: keras.Sequential, *, copy: bool = True, **kwargs: Any) -> "PipelineModel":
+        """A PipelineModel of a Sequential's layers; ``kwargs`` as for the constructor.
+
+        ``copy=True`` (default) clones the layers and copies their weights, so the new
+        variables are created on the cells' devices and the Sequential is left alone.
+        ``copy=False`` shares the layer objects, and with them the variables, wherever
+        they already are.
+        """
+        if not isinstance(model, keras.Sequential):
+            raise TypeError(f"from_sequential takes a keras.Sequential, got {type(model).__name__}; "
+                            "for a list of layers use PipelineModel(layers, ...).")
+        if not copy:
+            return cls(model, **kwargs)
+        layers = layer_list(model)
+        pipelined = cls([_clone(layer) for layer in layers], **kwargs)
+        if model.built and model.inputs:
+            pipelined.build(model.inputs[0] if len(model.inputs) == 1 else model.inputs)
+            _copy_weights(layers, pipelined.pipeline_layers)
+        return pipelined
+
+    def to_sequential(self, *, copy: bool = False) -> keras.Sequential:
+        """The same layers as a plain ``keras.Sequential`` (for serving or export), built if this model is.
+
+        ``copy=False`` (default) shares the layers and weights: training one trains the
+        other. ``copy=True`` clones the layers and copies the current weights.
+        """
+        layers = [_clone(layer) for layer in self.pipeline_layers] if copy else list(self.pipeline_layers)
+        if self._inputs is None:
+            return keras.Sequential(layers, name=f"{self.name}_sequential")
+        if not isinstance(self._inputs, keras.KerasTensor):
+            raise ValueError("keras.Sequential takes a single input; this model was built for "
+                             f"{tf.nest.map_structure(lambda t: tuple(t.shape), self._inputs)}.")
+        spec = self._inputs
+        sequential = keras.Sequential([keras.Input(shape=spec.shape[1:], dtype=spec.dtype), *layers],
+                                      name=f"{self.name}_sequential")
+        if copy:
+            _copy_weights(self.pipeline_layers, layers)
+        return sequential
 
     # Presentation -------------------------------------------------------------------------------
     def layer_costs(self) -> Optional[cost_lib.Estimate]:
@@ -394,6 +506,66 @@ def _si(value: float) -> str:
         if abs(value) >= factor:
             return f"{value / factor:.3g} {prefix}"
     return f"{value:.3g}"
+
+
+def _spec_config(spec: Any) -> Any:
+    """Symbolic inputs as JSON-able data: each leaf becomes {"shape": [...], "dtype": ...}."""
+    if isinstance(spec, keras.KerasTensor):
+        return {"shape": list(spec.shape), "dtype": keras.backend.standardize_dtype(spec.dtype)}
+    if isinstance(spec, dict):
+        return {"dict": {k: _spec_config(v) for k, v in spec.items()}}
+    return {"sequence": [_spec_config(v) for v in spec]}
+
+
+def _spec_from_config(config: dict[str, Any]) -> Any:
+    """Inverse of ``_spec_config`` (sequences come back as tuples)."""
+    if "dict" in config:
+        return {k: _spec_from_config(v) for k, v in config["dict"].items()}
+    if "sequence" in config:
+        return tuple(_spec_from_config(v) for v in config["sequence"])
+    return keras.KerasTensor(tuple(config["shape"]), dtype=config["dtype"])
+
+
+class _SeedStates(keras.layers.Layer):
+    """Saves and restores a model's seed-generator states, which Keras leaves out of saved weights.
+
+    Without them a restored model draws other Dropout masks than the original
+    would have; with them a resumed run repeats the uninterrupted one.
+    """
+
+    def __init__(self, states: Callable[[], list[keras.Variable]]):
+        super().__init__(name="tfpipe_seed_states", trainable=False)
+        self._states = states
+
+    def save_own_variables(self, store: Any) -> None:
+        """Store each seed state under its index."""
+        for k, v in enumerate(self._states()):
+            store[f"{k}"] = v
+
+    def load_own_variables(self, store: Any) -> None:
+        """Restore the seed states a file has; files saved without them leave them as they are."""
+        keys = set(store.keys())
+        for k, v in enumerate(self._states()):
+            if f"{k}" in keys:
+                v.assign(store[f"{k}"])
+
+
+def _layer_config(layer: keras.layers.Layer) -> dict[str, Any]:
+    """A layer's serialization without its build config: loading must not build it before its cell
+    places it (Keras would create its variables on the default device); the model's build does."""
+    config = keras.saving.serialize_keras_object(layer)
+    config.pop("build_config", None)
+    return config
+
+
+def _clone(layer: keras.layers.Layer) -> keras.layers.Layer:
+    return copy_layer(layer, "to convert the model", "use copy=False to share the layers instead")
+
+
+def _copy_weights(source: Sequence[keras.layers.Layer], target: Sequence[keras.layers.Layer]) -> None:
+    """Copy the weights of built layers into their built clones, layer by layer."""
+    for a, b in zip(source, target):
+        b.set_weights(a.get_weights())
 
 
 ESTIMATION_BATCH = 8  # samples per estimation batch when the model's batch size is not known

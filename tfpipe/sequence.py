@@ -1,4 +1,4 @@
-"""A layer sequence: checking what the user hands in as the layers of a pipeline."""
+"""A layer sequence: checking what the user hands in as the layers of a pipeline, and copying layers."""
 
 from __future__ import annotations
 
@@ -35,3 +35,18 @@ def layer_list(layers: Any) -> list[keras.layers.Layer]:
             )
         seen[id(layer)] = k
     return layers
+
+
+def copy_layer(layer: keras.layers.Layer, purpose: str, alternative: str) -> keras.layers.Layer:
+    """An unbuilt copy of a layer made from its config (same name, so saved weights still match it).
+
+    ``purpose`` and ``alternative`` complete the error message: "Cannot copy layer
+    ... {purpose}" and "..., or {alternative}".
+    """
+    try:
+        return type(layer).from_config(layer.get_config())
+    except Exception as err:  # noqa: BLE001 - report whatever stops the copy, with the fix
+        raise ValueError(
+            f"Cannot copy layer {layer.name!r} ({type(layer).__name__}) {purpose}: {type(err).__name__}: {err}. "
+            f"Give the layer a get_config() that returns its constructor arguments, or {alternative}."
+        ) from None
