@@ -18,5 +18,6 @@ setup(
     extras_require={
         "test": ["pytest>=8", "tensorflow-datasets>=4.9,<5"],  # the TFDS path is tested with mock data
         "data": ["tensorflow-datasets>=4.9,<5"],
+        "timeline": ["matplotlib>=3.7"],  # scripts/timeline.py draws its PNG with it
     },
 )

@@ -1,0 +1,70 @@
+"""scripts/timeline.py runs in its smallest mode: a CSV row for every task of the schedule, a PNG if matplotlib is there."""
+
+import csv
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.util import REPO
+
+
+def _has_matplotlib() -> bool:
+    """Whether matplotlib imports (it is an optional extra: ".[timeline]")."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    """Run the script once on 2 logical CPU devices, tiny Transformer, one profiled step."""
+    out = str(tmp_path_factory.mktemp("timeline") / "tl")
+    proc = subprocess.run(
+        [sys.executable, os.path.join(REPO, "scripts", "timeline.py"), "--devices=cpu:2", "--micro_batches=2",
+         "--batch_size=4", "--blocks=1", "--dim=16", "--seq_len=4", "--steps=1", "--warmup=1", f"--out={out}"]
+        + ([] if _has_matplotlib() else ["--nopng"]),
+        capture_output=True, text=True, timeout=600, env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3"))
+    return proc, out
+
+
+def test_csv_has_every_task_of_the_schedule_and_a_summary(run):
+    from tfpipe import schedule
+
+    proc, out = run
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    with open(out + ".csv") as f:
+        rows = list(csv.DictReader(f))
+    tasks = {r["task"] for r in rows if r["task"]}
+    want = {f"{t.kind}_{t.cell}_{t.micro_batch}" for t in schedule.flatten(schedule.gpipe(2, 2))}
+    assert want <= tasks, f"missing {sorted(want - tasks)}"
+    assert all(float(r["end_ms"]) >= float(r["start_ms"]) >= -1.0 for r in rows)
+    phases = {r["phase"] for r in rows}
+    assert {"forward", "backward", "recompute"} <= phases
+    assert "bubble" in proc.stdout and "ideal 0.333" in proc.stdout
+
+
+def test_png_is_drawn(run):
+    pytest.importorskip("matplotlib")
+    proc, out = run
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert os.path.getsize(out + ".png") > 1000
+
+
+def test_without_matplotlib_a_png_request_names_the_extra():
+    if _has_matplotlib():
+        pytest.skip("matplotlib is installed")
+    proc = subprocess.run([sys.executable, os.path.join(REPO, "scripts", "timeline.py"), "--devices=cpu:2"],
+                          capture_output=True, text=True, timeout=120,
+                          env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3"))
+    assert proc.returncode != 0 and 'pip install -e ".[timeline]"' in proc.stderr
+
+
+def test_bad_devices_flag_is_refused():
+    proc = subprocess.run([sys.executable, os.path.join(REPO, "scripts", "timeline.py"), "--devices=gpu:2"],
+                          capture_output=True, text=True, timeout=120,
+                          env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3"))
+    assert proc.returncode != 0 and "cpu:N" in proc.stderr
