@@ -1,0 +1,395 @@
+"""Peak memory of a training step: plain Keras vs PipelineModel with re-materialization, and GPipe's Table 1.
+
+How memory is measured. TensorFlow's CPU allocator only counts bytes when it is
+the BFC allocator, which ``TF_CPU_ALLOCATOR_USE_BFC=true`` selects; it must be in
+the environment before TensorFlow starts, so this script sets it (unless already
+set) before anything imports TensorFlow, and sets it for every child process.
+``tf.config.experimental.get_memory_info("CPU:0")`` then reports the bytes in
+use ('current') and their high-water mark ('peak'), and
+``reset_memory_stats("CPU:0")`` restarts the mark. Memory is per process and the
+allocator keeps state, so every configuration runs in a fresh child process
+(this script re-invoked with the hidden ``--_child=JSON`` flag; it prints one
+``RESULT {json}`` line). A child builds the model, runs one warm-up training
+step (tracing; the Adam slots get created), records the bytes in use, resets
+the peak, runs ONE more training step and reads the peak. The step's transient,
+peak minus the bytes in use before it, is the activation memory (plus the
+step's gradients, which are small here); the total peak is reported too.
+
+The pipeline runs as K=1 cell on /CPU:0. On a CPU every logical device shares
+one allocator, so K>1 would only add the cells' memory back together; K=1 makes
+the comparison exactly re-materialization plus micro-batching against plain
+Keras (``keras.Sequential``, ``jit_compile=False``).
+
+Part 1, activation memory against GPipe's model. For a Transformer of L blocks
+(``--blocks``), plain Keras and ``PipelineModel(remat="always")`` at each M in
+``--table_micro_batches``. GPipe says the activation memory with
+re-materialization is O(N + (L/K) * (N/M)): the stashed cell inputs of all
+micro-batches (N) plus one micro-batch of one cell recomputed in the backward.
+Here N is the bytes of one layer boundary for the whole batch (batch * seq * dim *
+4) and the model is ``predicted = a*N + b*(L/K)*(N/M)``. One constant c in
+c*(N + L/K*N/M) cannot fit: a block keeps hundreds of boundary sizes of
+activations (each head's attention scores are seq/dim times a boundary), so b
+is far larger than a. The honest option taken: fit both constants on two points, remat M=1 and
+the largest M at L=``--blocks``, and report the relative error
+(measured/predicted - 1) on every other point: the middle values of M, plain
+Keras (predicted as the M=1 formula: re-materializing one whole cell at M=1
+keeps what plain Keras keeps), and every probe of the search below at other L.
+Target, printed not asserted: every held-out point within 25%.
+
+Part 2, GPipe's Table 1. The largest L whose training step's total peak stays
+under ``--budget_gib``, for plain Keras and for remat="always" with
+M=``--micro_batches``: doubling L from 1 until a probe exceeds the budget (or
+``--max_blocks`` is reached), then bisection; each probe is a fresh child. The
+budget is checked by measuring the peak, not by an allocation limit, so a probe
+above budget runs to completion (at most about twice the budget, as doubling
+stops at the first failure). Target, printed not asserted: remat holds at least
+3x as many blocks. The defaults (sequence 512, dim 32, 8 heads, batch 48) make
+activations dominate weights: each head keeps its own seq x seq attention
+scores, so a block keeps about 200 N (600 MiB) of activations against 50 KB of weights.
+Under 2 GiB plain Keras then fits 2 blocks, and the remat search would run to
+about 20; but a remat probe at M=8 traces and optimizes 8 copies of the graph,
+about 6-13 s per block here, so ``--max_blocks`` defaults to 8 and the remat
+result is then a lower bound (said so in the output). Beside each search the
+table shows where the part-1 model, plus the bytes in use before the step,
+would reach the budget: an extrapolation, labelled as one. ``--jobs`` children
+run at once (tracing is mostly single-threaded Python, so two share the 2 cores
+well; each child's memory is its own, so concurrency changes no measurement).
+The default run takes about 4-5 minutes on 2 cores; each child's highest
+resident set size (RSS) is recorded too, since it also counts what the BFC
+allocator does not see (the traced graph, host buffers, the allocator's pool).
+
+    python scripts/benchmark_memory.py                             # defaults: L=4 table, 2 GiB budget, M=8
+    python scripts/benchmark_memory.py --out=docs/memory            # also write .csv and .md
+    python scripts/benchmark_memory.py --max_blocks=32              # the full remat search (about 20 min)
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import csv
+import json
+import os
+import resource
+import subprocess
+import sys
+import threading
+import time
+from typing import Any, Callable, Optional
+
+os.environ.setdefault("TF_CPU_ALLOCATOR_USE_BFC", "true")  # before TensorFlow starts: it reads this once
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from absl import app, flags  # noqa: E402
+
+FLAGS = flags.FLAGS
+flags.DEFINE_integer("blocks", 4, "L, the Transformer blocks of the activation table (part 1).", lower_bound=1)
+flags.DEFINE_list("table_micro_batches", ["1", "2", "4", "8"],
+                  "Values of M in the activation table; the smallest and largest fit the model.")
+flags.DEFINE_integer("seq_len", 512, "Sequence length.", lower_bound=2)
+flags.DEFINE_integer("dim", 32, "Model dimension (feed-forward 4*dim).", lower_bound=8)
+flags.DEFINE_integer("heads", 8, "Attention heads (each keeps its own seq x seq scores).", lower_bound=1)
+flags.DEFINE_integer("batch_size", 48, "Batch size N (in samples).", lower_bound=1)
+flags.DEFINE_integer("vocab", 64, "Vocabulary size.", lower_bound=2)
+flags.DEFINE_float("budget_gib", 2.0, "Peak-memory budget of the largest-L search (part 2), GiB.")
+flags.DEFINE_integer("micro_batches", 8, "M of the remat model in the largest-L search.", lower_bound=1)
+flags.DEFINE_integer("max_blocks", 8, "Largest L the search probes (a remat search at M=8 costs about "
+                     "6 s of tracing per block).", lower_bound=1)
+flags.DEFINE_integer("jobs", 2, "Child processes run at once.", lower_bound=1)
+flags.DEFINE_integer("seed", 0, "Seed for the weights and the data.")
+flags.DEFINE_string("out", None, "Write every measurement to OUT.csv and the tables to OUT.md.")
+flags.DEFINE_string("_child", None, "Internal: measure the JSON configuration in this process.")
+
+GIB, MIB = 1 << 30, 1 << 20
+MAX_BUDGET_GIB = 6.0  # two concurrent probes at up to twice the budget must fit in this 24 GiB machine
+MODEL_TARGET = 0.25  # held-out points within 25% of the fitted GPipe model
+RATIO_TARGET = 3.0  # remat holds at least 3x the blocks of plain Keras under the budget
+RESULT = "RESULT "
+
+
+# The child: one configuration, one process ---------------------------------------------------------
+def measure(config: dict[str, Any]) -> dict[str, int]:
+    """Bytes in use before one training step, and the step's peak, for ``config`` (runs in a child)."""
+    import keras
+    import numpy as np
+    import tensorflow as tf
+
+    import tfpipe
+    from models.transformer import transformer_lm
+
+    keras.utils.set_random_seed(config["seed"])
+    dim = config["dim"]
+    layers = transformer_lm(config["vocab"], config["seq_len"], config["blocks"], dim, 4 * dim, config["heads"])
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    if config["model"] == "plain":
+        model = keras.Sequential(layers)
+        model.compile(optimizer=keras.optimizers.Adam(1e-3), loss=loss, jit_compile=False)
+    else:
+        model = tfpipe.PipelineModel(layers, balance=[len(layers)], devices=["/CPU:0"],
+                                     num_micro_batches=config["m"], remat="always")
+        model.compile(optimizer=keras.optimizers.Adam(1e-3), loss=loss)
+    rng = np.random.default_rng(config["seed"])
+    x = rng.integers(0, config["vocab"], size=(config["batch_size"], config["seq_len"])).astype("int32")
+    data = tf.data.Dataset.from_tensors((x, np.roll(x, -1, axis=1)))  # one batch, made before measuring
+    model.fit(data, epochs=1, verbose=0, shuffle=False)  # traces; creates the optimizer's slots
+    before = tf.config.experimental.get_memory_info("CPU:0")["current"]
+    tf.config.experimental.reset_memory_stats("CPU:0")
+    model.fit(data, epochs=1, verbose=0, shuffle=False)
+    info = tf.config.experimental.get_memory_info("CPU:0")
+    if info["peak"] <= 0:
+        raise RuntimeError("get_memory_info('CPU:0') reports no bytes: TensorFlow started without "
+                           f"TF_CPU_ALLOCATOR_USE_BFC=true (it is {os.environ.get('TF_CPU_ALLOCATOR_USE_BFC')!r}).")
+    # The process's high-water resident set, for comparison: it also holds the traced graph, TensorFlow's
+    # own buffers outside the BFC allocator, and the allocator's reserved but unused pool.
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return {"before": int(before), "peak": int(info["peak"]), "max_rss": int(rss)}
+
+
+# The parent: children, the searches, the fit -------------------------------------------------------
+def boundary_bytes() -> int:
+    """N: bytes of one layer boundary (a float32 batch x seq x dim activation) for the whole batch."""
+    return FLAGS.batch_size * FLAGS.seq_len * FLAGS.dim * 4
+
+
+class Probes:
+    """Runs configurations in child processes, each once: a repeated request waits for the first."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._results: dict[tuple, concurrent.futures.Future] = {}
+
+    def run(self, model: str, blocks: int, m: int) -> dict[str, Any]:
+        """The measurement of ``model`` ("plain" or "remat") with L=``blocks`` and M=``m``."""
+        key = (model, blocks, m)
+        with self._lock:
+            future, mine = self._results.get(key), False
+            if future is None:
+                future, mine = concurrent.futures.Future(), True
+                self._results[key] = future
+        if mine:
+            try:
+                future.set_result(self._child(model, blocks, m))
+            except BaseException as err:  # noqa: BLE001 - handed to every waiter
+                future.set_exception(err)
+        return future.result()
+
+    @staticmethod
+    def _child(model: str, blocks: int, m: int) -> dict[str, Any]:
+        """Measure one configuration in a fresh Python process running this script."""
+        config = {"model": model, "blocks": blocks, "m": m, "seq_len": FLAGS.seq_len, "dim": FLAGS.dim,
+                  "heads": FLAGS.heads, "batch_size": FLAGS.batch_size, "vocab": FLAGS.vocab, "seed": FLAGS.seed}
+        began = time.perf_counter()
+        proc = subprocess.run([sys.executable, os.path.abspath(__file__), f"--_child={json.dumps(config)}"],
+                              capture_output=True, text=True,
+                              env=dict(os.environ, TF_CPU_ALLOCATOR_USE_BFC="true", TF_CPP_MIN_LOG_LEVEL="3"))
+        lines = [line for line in proc.stdout.splitlines() if line.startswith(RESULT)]
+        if proc.returncode != 0 or not lines:
+            raise RuntimeError(f"The child measuring {config} failed (exit {proc.returncode}):\n"
+                               f"{proc.stderr[-3000:]}")
+        result = {**config, **json.loads(lines[-1][len(RESULT):]), "seconds": time.perf_counter() - began}
+        result["transient"] = result["peak"] - result["before"]
+        print(f"  measured {model:5} L={blocks:<3} M={m:<2}: transient {result['transient'] / MIB:8.1f} MiB, "
+              f"peak {result['peak'] / MIB:8.1f} MiB ({result['seconds']:.0f} s)", flush=True)
+        return result
+
+
+def largest_under_budget(probe: Callable[[int], dict[str, Any]], budget: float,
+                         cap: int) -> tuple[int, bool, list[dict[str, Any]]]:
+    """The largest L in [0, cap] whose probe peaks at most ``budget`` (doubling, then bisection).
+
+    Also returns whether the cap was reached and every probe made. Assumes the peak
+    grows with L, as it does: every block adds its weights and activations.
+    """
+    made: list[dict[str, Any]] = []
+
+    def fits(blocks: int) -> bool:
+        made.append(probe(blocks))
+        return made[-1]["peak"] <= budget
+
+    ok, bad, blocks = 0, None, 1
+    while bad is None:
+        if fits(blocks):
+            ok = blocks
+            if blocks == cap:
+                return cap, True, made
+            blocks = min(2 * blocks, cap)
+        else:
+            bad = blocks
+    while bad - ok > 1:
+        mid = (ok + bad) // 2
+        if fits(mid):
+            ok = mid
+        else:
+            bad = mid
+    return ok, False, made
+
+
+def fit_model(points: dict[int, dict[str, Any]], blocks: int, n: int) -> tuple[float, float, int, int]:
+    """Constants a, b of ``a*N + b*L*N/M`` through the remat points of the smallest and largest M."""
+    m1, m2 = min(points), max(points)
+    t1, t2 = points[m1]["transient"] / n, points[m2]["transient"] / n
+    b = (t1 - t2) / (blocks / m1 - blocks / m2)
+    return t1 - b * blocks / m1, b, m1, m2
+
+
+def predicted(a: float, b: float, blocks: int, m: int, n: int) -> float:
+    """GPipe's activation memory a*N + b*(L/K)*(N/M), K=1, in bytes."""
+    return a * n + b * blocks * n / m
+
+
+def _validate_flags() -> list[int]:
+    """Reject bad flag values with a message naming the fix; return the table's values of M."""
+    try:
+        ms = sorted({int(m) for m in FLAGS.table_micro_batches})
+    except ValueError:
+        raise app.UsageError(f"--table_micro_batches={','.join(FLAGS.table_micro_batches)} must be integers, "
+                             "e.g. 1,2,4,8.") from None
+    if len(ms) < 2 or ms[0] < 1:
+        raise app.UsageError(f"--table_micro_batches needs at least two distinct values >= 1 (the smallest and "
+                             f"largest fit the model); got {FLAGS.table_micro_batches}.")
+    for m in ms + [FLAGS.micro_batches]:
+        if m > FLAGS.batch_size:
+            raise app.UsageError(f"M={m} exceeds --batch_size={FLAGS.batch_size}; every micro-batch needs a "
+                                 "sample: lower M or raise the batch.")
+    if not 0 < FLAGS.budget_gib <= MAX_BUDGET_GIB:
+        raise app.UsageError(f"--budget_gib={FLAGS.budget_gib} must be in (0, {MAX_BUDGET_GIB}]: probes run up to "
+                             "about twice the budget, two at a time, on a 24 GiB machine.")
+    if FLAGS.dim % FLAGS.heads:
+        raise app.UsageError(f"--dim={FLAGS.dim} must be divisible by --heads={FLAGS.heads}.")
+    return ms
+
+
+def main(argv: list[str]) -> None:
+    """Child: measure one configuration. Parent: run both parts concurrently, print and write the tables."""
+    del argv
+    if FLAGS._child:
+        print(RESULT + json.dumps(measure(json.loads(FLAGS._child))), flush=True)
+        return
+    ms = _validate_flags()
+    n, big_l, m_search = boundary_bytes(), FLAGS.blocks, FLAGS.micro_batches
+    budget = FLAGS.budget_gib * GIB
+    print(f"Transformer: seq {FLAGS.seq_len}, dim {FLAGS.dim}, heads {FLAGS.heads}, batch {FLAGS.batch_size}, "
+          f"vocab {FLAGS.vocab}; "
+          f"N = {n / MIB:.2f} MiB per layer boundary; TF_CPU_ALLOCATOR_USE_BFC="
+          f"{os.environ['TF_CPU_ALLOCATOR_USE_BFC']}", flush=True)
+    probes = Probes()
+    with concurrent.futures.ThreadPoolExecutor(FLAGS.jobs) as pool:  # longest task first
+        remat_search = pool.submit(largest_under_budget, lambda blocks: probes.run("remat", blocks, m_search),
+                                   budget, FLAGS.max_blocks)
+        table = {m: pool.submit(probes.run, "remat", big_l, m) for m in ms}
+        plain = pool.submit(probes.run, "plain", big_l, 1)
+        plain_search = pool.submit(largest_under_budget, lambda blocks: probes.run("plain", blocks, 1),
+                                   budget, FLAGS.max_blocks)
+        remat_points = {m: f.result() for m, f in table.items()}
+        plain_point = plain.result()
+        largest = {"plain": plain_search.result(), "remat": remat_search.result()}
+
+    a, b, m_lo, m_hi = fit_model(remat_points, big_l, n)
+    fitted = {("remat", big_l, m_lo), ("remat", big_l, m_hi)}
+    rows = [_row("activation", r, a, b, n, fitted) for r in [plain_point] + [remat_points[m] for m in ms]]
+    for model, (blocks, capped, made) in largest.items():
+        rows += [_row("probe", r, a, b, n, fitted, budget=budget) for r in made]
+        top = [r for r in made if r["blocks"] == blocks]
+        rows.append({"section": "largest", "model": model, "blocks": blocks, "M": m_search if model == "remat" else 1,
+                     "before_bytes": top[0]["before"] if top else "", "peak_bytes": top[0]["peak"] if top else "",
+                     "fits_budget": True, "note": "cap" if capped else ""})
+    text = _report(rows, a, b, m_lo, m_hi, n, largest, budget)
+    print("\n" + text)
+    if FLAGS.out:
+        os.makedirs(os.path.dirname(FLAGS.out) or ".", exist_ok=True)
+        fields = ["section", "model", "blocks", "M", "before_bytes", "peak_bytes", "transient_bytes",
+                  "transient_over_N", "predicted_bytes", "rel_error", "fitted", "fits_budget", "max_rss_bytes",
+                  "note"]
+        with open(FLAGS.out + ".csv", "w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=fields, restval="")
+            writer.writeheader()
+            writer.writerows(rows)
+        with open(FLAGS.out + ".md", "w") as f:
+            f.write(text + "\n")
+
+
+def _row(section: str, r: dict[str, Any], a: float, b: float, n: int, fitted: set[tuple[str, int, int]],
+         budget: Optional[float] = None) -> dict[str, Any]:
+    """One CSV row: a measurement beside its prediction (plain Keras is predicted with the M=1 formula)."""
+    m = r["m"] if r["model"] == "remat" else 1
+    pred = predicted(a, b, r["blocks"], m, n)
+    row = {"section": section, "model": r["model"], "blocks": r["blocks"], "M": m, "before_bytes": r["before"],
+           "peak_bytes": r["peak"], "transient_bytes": r["transient"], "transient_over_N": r["transient"] / n,
+           "predicted_bytes": pred, "rel_error": r["transient"] / pred - 1.0 if pred > 0 else "",
+           "fitted": (r["model"], r["blocks"], m) in fitted, "max_rss_bytes": r["max_rss"]}
+    if budget is not None:
+        row["fits_budget"] = r["peak"] <= budget
+    return row
+
+
+def _mib(nbytes: float) -> str:
+    """Bytes as MiB: whole MiB from 100 up, three significant digits below."""
+    mib = nbytes / MIB
+    return f"{mib:.0f}" if mib >= 100 else f"{mib:.3g}"
+
+
+def extrapolated_blocks(a: float, b: float, m: int, n: int, before: float, budget: float) -> float:
+    """The L at which the fitted model's peak (``before`` + a*N + b*L*N/M) reaches the budget."""
+    return (budget - before - a * n) / (b * n / m) if b > 0 else float("inf")
+
+
+def _report(rows: list[dict[str, Any]], a: float, b: float, m_lo: int, m_hi: int, n: int,
+            largest: dict[str, tuple[int, bool, list]], budget: float) -> str:
+    """Both parts as markdown tables, with the fitted constants, the held-out errors and the targets."""
+    names = {"plain": "plain Keras", "remat": 'PipelineModel remat="always"'}
+    act = [r for r in rows if r["section"] == "activation"]
+    lines = [f"Part 1: one training step, L={act[0]['blocks']} blocks, K=1, N = {_mib(n)} MiB "
+             f"(seq {FLAGS.seq_len}, dim {FLAGS.dim}, heads {FLAGS.heads}, batch {FLAGS.batch_size})", "",
+             "| model | M | transient = activations (MiB) | transient / N | predicted (MiB) | error | "
+             "in use before (MiB) | total peak (MiB) | process max RSS (MiB) |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in act:
+        err = "fitted" if r["fitted"] else f"{100 * r['rel_error']:+.1f}%"
+        lines.append(f"| {names[r['model']]} | {r['M']} | {_mib(r['transient_bytes'])} | "
+                     f"{r['transient_over_N']:.1f} | {_mib(r['predicted_bytes'])} | {err} | "
+                     f"{_mib(r['before_bytes'])} | {_mib(r['peak_bytes'])} | {_mib(r['max_rss_bytes'])} |")
+    remat_probes = sorted((r for r in rows if r["section"] == "probe" and r["model"] == "remat"
+                           and not r["fitted"]), key=lambda r: r["blocks"])
+    held_out = [r for r in act if not r["fitted"]] + remat_probes
+    worst = max(abs(r["rel_error"]) for r in held_out) if held_out else float("nan")
+    lines += ["", f"Model: predicted = a*N + b*(L/K)*(N/M), fitted on remat M={m_lo} and M={m_hi} at "
+              f"L={act[0]['blocks']}: a = {a:.2f}, b = {b:.2f} (in units of N).",
+              "Held out (measured/predicted - 1): "
+              + ", ".join(f"{r['model']} L={r['blocks']} M={r['M']} {100 * r['rel_error']:+.1f}%"
+                          for r in held_out) + ".",
+              f"Target: every held-out point within {100 * MODEL_TARGET:.0f}% -> "
+              f"{'met' if worst <= MODEL_TARGET else 'missed'} (worst {100 * worst:.1f}%).", ""]
+    lines += [f"Part 2: largest L whose training step peaks under {budget / GIB:g} GiB (measured peak, not an "
+              "allocation limit; doubling then bisection, one fresh process per probe)", "",
+              "| model | M | largest L | its peak (MiB) | model extrapolates | probes: L (peak MiB) |",
+              "|---|---|---|---|---|---|"]
+    for model in ("plain", "remat"):
+        top = next(r for r in rows if r["section"] == "largest" and r["model"] == model)
+        probes = sorted((r for r in rows if r["section"] == "probe" and r["model"] == model
+                         and r["M"] == top["M"]), key=lambda r: r["blocks"])
+        shown = ", ".join(f"{r['blocks']} ({_mib(r['peak_bytes'])}{'' if r['fits_budget'] else ' over'})"
+                          for r in probes)
+        cap = " (the --max_blocks cap)" if top["note"] == "cap" else ""
+        peak = _mib(top["peak_bytes"]) if top["peak_bytes"] != "" else "-"
+        before = top["before_bytes"] if top["before_bytes"] != "" else probes[0]["before_bytes"]
+        guess = extrapolated_blocks(a, b, top["M"], n, before, budget)
+        lines.append(f"| {names[model]} | {top['M']} | {top['blocks']}{cap} | {peak} | {guess:.1f} | {shown} |")
+    (plain_l, plain_cap, _), (remat_l, remat_cap, _) = largest["plain"], largest["remat"]
+    lines.append("")
+    if plain_cap:
+        lines.append(f"Both searches reached --max_blocks={FLAGS.max_blocks}: raise it to compare.")
+    elif plain_l == 0:
+        lines.append(f"Plain Keras does not fit even one block in {budget / GIB:g} GiB; remat fits {remat_l}.")
+    else:
+        ratio = remat_l / plain_l
+        bound = (f" (a lower bound: the remat search stopped at --max_blocks={FLAGS.max_blocks}, still under "
+                 "budget)" if remat_cap else "")
+        lines.append(f"Ratio remat / plain: {ratio:.2f}x{bound}; target >= {RATIO_TARGET:g}x -> "
+                     f"{'met' if ratio >= RATIO_TARGET else ('not shown' if remat_cap else 'missed')}.")
+    lines.append("'model extrapolates': the L at which the part-1 model, plus the bytes in use before the step, "
+                 "reaches the budget (an extrapolation, not a measurement).")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    app.run(main)

@@ -1,0 +1,30 @@
+"""benchmark_overhead.py still runs in its smallest mode (no timing assertions: speed lives in the script)."""
+
+import csv
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.util import REPO
+
+
+def test_overhead_benchmark_writes_its_table(tmp_path):
+    """One round of plain, remat=never and remat=always on a one-block Transformer."""
+    out = str(tmp_path / "overhead")
+    proc = subprocess.run(
+        [sys.executable, os.path.join(REPO, "scripts", "benchmark_overhead.py"), "--blocks=1", "--dim=32",
+         "--seq_len=8", "--batch_size=4", "--steps=2", "--warmup=1", "--repeats=1", f"--out={out}"],
+        capture_output=True, text=True, timeout=600, env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "identical initial weights: yes" in proc.stdout
+    with open(out + ".csv") as f:
+        rows = list(csv.DictReader(f))
+    assert [r["round"] for r in rows] == ["1", "median", "min", "max"]
+    assert list(rows[0]) == ["round", "plain_ms", "never_ms", "always_ms", "never_over_plain", "always_over_never"]
+    assert all(float(v) > 0 for r in rows for k, v in r.items() if k != "round")
+    first = rows[0]
+    assert float(first["never_over_plain"]) == pytest.approx(float(first["never_ms"]) / float(first["plain_ms"]))
+    text = open(out + ".md").read()
+    assert "PipelineModel(remat=never) / plain Keras" in text and "remat=always / remat=never" in text
