@@ -65,3 +65,24 @@ def test_tpu_cells_go_to_the_logical_cores_of_a_replica():
         devices_lib.resolve(["/CPU:0", "/CPU:1"], 2, strategy=strategy)
     with pytest.raises(ValueError, match=r"2 cells but each TPU replica has 1 logical core"):
         devices_lib.resolve(None, 2, strategy=_fake_tpu_strategy(1))
+
+
+def test_cells_enter_a_tpu_core_through_the_strategy_and_other_devices_through_tf_device():
+    entered = []
+
+    class Extended:
+        _device_assignment = types.SimpleNamespace(num_cores_per_replica=2)
+
+        @staticmethod
+        def experimental_logical_device(core):
+            entered.append(core)
+            return tf.name_scope(f"core_{core}")
+
+    strategy = object.__new__(tf.distribute.TPUStrategy)
+    strategy._extended = Extended()
+    with devices_lib.scope("/device:TPU_REPLICATED_CORE:1", strategy=strategy):
+        pass
+    assert entered == [1]
+    with devices_lib.scope("/CPU:1", strategy=strategy):
+        placed = tf.constant(1.0) + 1.0
+    assert placed.device.endswith("CPU:1") and entered == [1]

@@ -8,6 +8,7 @@ boundary activations over gRPC.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import json
 import os
@@ -19,9 +20,11 @@ import sys
 import tempfile
 import threading
 import time
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 import tensorflow as tf
+from absl import logging as absl_logging
+from tensorflow.python.eager import context
 
 JOB = "worker"
 START_TIMEOUT = 60.0  # seconds for a worker process to start serving
@@ -110,7 +113,8 @@ class LocalCluster:
                 self.stop()
                 raise
         # Only now: connecting before every worker serves can block without a timeout.
-        tf.config.experimental_connect_to_cluster(tf.train.ClusterSpec({JOB: self.addresses}))
+        with _worker_threads(self.threads_per_worker):
+            tf.config.experimental_connect_to_cluster(tf.train.ClusterSpec({JOB: self.addresses}))
         return self
 
     def _launch(self) -> None:
@@ -185,6 +189,27 @@ class LocalCluster:
             if dead or time.monotonic() >= deadline:
                 return dead
             time.sleep(0.05)
+
+
+@contextlib.contextmanager
+def _worker_threads(threads: int) -> Iterator[None]:
+    """Connect with ``threads`` in the thread settings that the workers' eager contexts take on.
+
+    The remote eager contexts size their thread pools from the config this process
+    sends when it connects (its own settings), not from the ConfigProto each worker's
+    server was started with: measured here, "single-thread" workers ran two ops at
+    once. This process's own pools are already created and do not change.
+    """
+    ctx = context.context()
+    verbosity = absl_logging.get_verbosity()
+    absl_logging.set_verbosity(absl_logging.WARNING)  # TF logs the whole config at INFO when connecting
+    saved = ctx._intra_op_parallelism_threads, ctx._inter_op_parallelism_threads  # noqa: SLF001 - no public way
+    ctx._intra_op_parallelism_threads = ctx._inter_op_parallelism_threads = threads  # noqa: SLF001
+    try:
+        yield
+    finally:
+        ctx._intra_op_parallelism_threads, ctx._inter_op_parallelism_threads = saved  # noqa: SLF001
+        absl_logging.set_verbosity(verbosity)
 
 
 def connect(cluster: Any = None, job: str = JOB, device_type: str = "CPU") -> list[str]:

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence
+import re
+from typing import Any, ContextManager, Optional, Sequence
 
 import tensorflow as tf
 
@@ -53,6 +54,19 @@ def check(device: str) -> str:
 
 
 TPU_CORE = "/device:TPU_REPLICATED_CORE:{}"  # logical core k of the replica a TPU computation runs on
+
+
+def scope(device: str, strategy: Any = None) -> ContextManager:
+    """Where a cell's variables and ops go: ``tf.device(device)``, or a TPU replica's logical core.
+
+    Under TPUStrategy a logical core is entered through the strategy, which also
+    places the variables created there on that core of every replica.
+    """
+    core = re.fullmatch(r"/device:TPU_REPLICATED_CORE:(\d+)", device)
+    strategy = tf.distribute.get_strategy() if strategy is None else strategy
+    if core and _kind(strategy) == "tpu":
+        return strategy.extended.experimental_logical_device(int(core.group(1)))
+    return tf.device(device)
 
 
 def resolve(devices: Optional[Sequence[str]], num_cells: int, strategy: Any = None) -> list[str]:

@@ -71,8 +71,9 @@ def split(structure: Any, micro_sizes: Sequence[Size]) -> list[Any]:
     m = len(micro_sizes)
     if structure is None:
         return [None] * m
+    # (no annotation on size_arg: AutoGraph, converting a step that calls this, cannot handle one)
     if all(isinstance(s, int) for s in micro_sizes):
-        size_arg: Any = list(micro_sizes)
+        size_arg = list(micro_sizes)
     else:
         size_arg = tf.stack([tf.cast(s, tf.int32) for s in micro_sizes])
 

@@ -210,7 +210,7 @@ class PipelineModel(keras.Model):
         parts = microbatch.split(inputs, sizes)
         result = self._pipeline.forward(parts, training=training, fractions=microbatch.fractions(sizes))
         self._assign(result.state_updates)
-        with tf.device(self._devices[-1]):
+        with devices_lib.scope(self._devices[-1]):
             return microbatch.merge(result.outputs)
 
     @staticmethod
@@ -269,7 +269,7 @@ class PipelineModel(keras.Model):
         if result.variables:
             self.optimizer.apply_gradients(zip(result.gradients, result.variables))
         self._assign(result.state_updates)
-        with tf.device(self._devices[-1]):
+        with devices_lib.scope(self._devices[-1]):
             y_pred = microbatch.merge(result.outputs)
         return self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
 

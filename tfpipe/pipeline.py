@@ -15,7 +15,7 @@ from typing import Any, Callable, Iterator, Optional, Sequence
 import keras
 import tensorflow as tf
 
-from tfpipe import checkpoint, schedule, state
+from tfpipe import checkpoint, devices, schedule, state
 from tfpipe.stage import Cell
 
 LossFn = Callable[[int, Any], tf.Tensor]
@@ -57,7 +57,7 @@ class _Chain:
         device = self._cells[task.cell].device
         produced: list[tf.Tensor] = []
         deps = [t for t in list(self._last.get(device, [])) + list(extra_deps) if t is not None]
-        with tf.device(device), tf.name_scope(task_scope_name(task)), tf.control_dependencies(deps):
+        with devices.scope(device), tf.name_scope(task_scope_name(task)), tf.control_dependencies(deps):
             # Marks where the task's ops begin in the graph; tape gradients are named
             # after their forward ops, so names alone cannot attribute them to a task.
             tf.no_op(name=TASK_START)
@@ -111,7 +111,7 @@ class Pipeline:
                 result.gradients.extend(g or [])
         if training:
             for i, cell in enumerate(self.cells):
-                with tf.device(cell.device):
+                with devices.scope(cell.device):
                     result.state_updates.extend(cell.merger.merge(
                         cell.non_trainable_variables, step.weights[i][1],
                         [step.new_state[(i, j)] for j in range(m)], fractions))

@@ -7,7 +7,7 @@ from typing import Any, Sequence
 import keras
 import tensorflow as tf
 
-from tfpipe import state
+from tfpipe import devices, state
 
 
 def _spec_of(x: Any) -> Any:
@@ -59,14 +59,14 @@ class Cell:
     def build(self, input_spec: Any) -> Any:
         """Create the cell's variables on its device from the input spec; return the output spec."""
         x = input_spec
-        with tf.init_scope(), tf.device(self.device):
+        with tf.init_scope(), devices.scope(self.device):
             for layer in self.layers:
                 x = layer.compute_output_spec(x) if layer.built else layer(x)
         return x
 
     def read(self) -> tuple[list[tf.Tensor], list[tf.Tensor]]:
         """Read the current trainable and non-trainable values once, on the cell's device."""
-        with tf.device(self.device):
+        with devices.scope(self.device):
             trainable = [tf.identity(v.value) for v in self.trainable_variables]
             other = [tf.identity(v.value) for v in self.non_trainable_variables]
         return trainable, other
