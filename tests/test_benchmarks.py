@@ -22,4 +22,8 @@ def test_speed_benchmark_writes_its_table(tmp_path):
     assert [(r["K"], r["M"]) for r in rows] == [("1", "1"), ("1", "2"), ("2", "1"), ("2", "2")]
     assert float(rows[0]["speedup"]) == 1.0 and float(rows[3]["ideal"]) == pytest.approx(4 / 3)
     assert all(float(r["examples_per_s"]) > 0 for r in rows)
-    assert "| K \\ M | 1 | 2 |" in open(out + ".md").read()
+    table = open(out + ".md").read()
+    assert "| K \\ M | 1 | 2 |" in table and "over K=1 at the same M" in table
+    # K=2 M=1 against K=1 M=1: the second table's reference is the same-M row of K=1
+    assert float(rows[2]["speedup_same_m"]) == pytest.approx(
+        float(rows[2]["examples_per_s"]) / float(rows[0]["examples_per_s"]))
