@@ -201,3 +201,16 @@ def test_each_step_is_traced_once(as_dataset):
     assert model.balance == [4, 6]  # balanced by FLOPs when the first call built it from the data's shapes
     for cell in model.cells:  # ... on the cells' devices
         assert all(v.value.device.endswith(cell.device.replace("/", "device:")) for v in cell.trainable_variables)
+
+
+def test_train_on_batch_traces_its_step_once():
+    x, y = _classification(16)
+    model = CountingTraces(mlp_layers(out=2), num_partitions=2, devices=cpu_devices(2), num_micro_batches=2)
+    model.traces = {"train": 0, "test": 0}
+    model.compile(optimizer="sgd", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    first = model.train_on_batch(x, y)
+    second = model.train_on_batch(x, y)
+    model.test_on_batch(x, y)
+    model.test_on_batch(x, y)
+    assert model.traces == {"train": 1, "test": 1}
+    assert second < first

@@ -284,6 +284,16 @@ class PipelineModel(keras.Model):
         self._build_state_before_tracing(x, y, kwargs.get("sample_weight"))
         return super().evaluate(x, y, *args, **kwargs)
 
+    def train_on_batch(self, x: Any = None, y: Any = None, sample_weight: Any = None, *args: Any, **kwargs: Any):
+        """Keras ``train_on_batch``, with the variables created before the step is traced."""
+        self._build_state_before_tracing(x, y, sample_weight)
+        return super().train_on_batch(x, y, sample_weight, *args, **kwargs)
+
+    def test_on_batch(self, x: Any = None, y: Any = None, sample_weight: Any = None, *args: Any, **kwargs: Any):
+        """Keras ``test_on_batch``, with the variables created before the step is traced."""
+        self._build_state_before_tracing(x, y, sample_weight)
+        return super().test_on_batch(x, y, sample_weight, *args, **kwargs)
+
     def _build_state_before_tracing(self, x: Any, y: Any, sample_weight: Any) -> None:
         """Create the model's, metrics' and optimizer's variables before Keras traces a step.
 
