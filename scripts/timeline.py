@@ -415,12 +415,9 @@ def _layers_and_data():
     rng = np.random.default_rng(0)
     n = FLAGS.batch_size
     if FLAGS.model == "transformer":
-        from models.transformer import transformer_lm
+        from scripts.data import random_lm
 
-        vocab = 256
-        layers = transformer_lm(vocab, FLAGS.seq_len, FLAGS.blocks, FLAGS.dim, 4 * FLAGS.dim, max(1, FLAGS.dim // 64))
-        x = rng.integers(0, vocab, size=(n, FLAGS.seq_len)).astype("int32")
-        return layers, x, np.roll(x, -1, axis=1)
+        return random_lm(n, FLAGS.seq_len, FLAGS.blocks, FLAGS.dim)
     import keras
 
     layers = [keras.layers.Dense(FLAGS.dim, activation="tanh") for _ in range(FLAGS.blocks)] + [keras.layers.Dense(10)]
