@@ -12,8 +12,8 @@ import tensorflow as tf
 
 from tfpipe import balance as balance_lib
 from tfpipe import checkpoint, cost as cost_lib, devices as devices_lib, microbatch, schedule
-from tfpipe import state as state_lib
-from tfpipe.sequence import copy_layer, layer_list
+from tfpipe import saving, state as state_lib
+from tfpipe.sequence import layer_list
 from tfpipe.pipeline import Pipeline
 from tfpipe.stage import Cell, check_no_shared_variables
 
@@ -347,7 +347,7 @@ class PipelineModel(keras.Model):
             "name": self.name,
             "trainable": self.trainable,
             "dtype": keras.dtype_policies.serialize(self.dtype_policy),
-            "layers": [_layer_config(layer) for layer in self.pipeline_layers],
+            "layers": [saving.layer_config(layer) for layer in self.pipeline_layers],
             "devices": self.devices,
             "num_micro_batches": self._m,
             "remat": self._remat,
@@ -372,12 +372,12 @@ class PipelineModel(keras.Model):
 
     def get_build_config(self) -> Optional[dict[str, Any]]:
         """The shapes and dtypes of the inputs the model was built for."""
-        return {"inputs": _spec_config(self._inputs)} if self._inputs is not None else None
+        return {"inputs": saving.spec_config(self._inputs)} if self._inputs is not None else None
 
     def build_from_config(self, config: Optional[dict[str, Any]]) -> None:
         """Build for the inputs recorded by ``get_build_config`` (loading then finds every variable)."""
         if config and "inputs" in config:
-            self.build(_spec_from_config(config["inputs"]))
+            self.build(saving.spec_from_config(config["inputs"]))
 
     def compile_from_config(self, config: dict[str, Any]) -> None:
         """Compile as saved, creating the optimizer's variables on their devices so that its state loads."""
@@ -386,23 +386,21 @@ class PipelineModel(keras.Model):
             self.optimizer.build(self.trainable_variables)
 
     def _seed_states(self) -> list[keras.Variable]:
-        return [v for v in self.pipeline_variables() if state_lib.is_seed_state(v)]
-
-    def pipeline_variables(self) -> list[keras.Variable]:
-        """Every variable of the layers, in layer order, seed-generator states included."""
+        """The layers' seed-generator states, in layer order."""
         seen: dict[int, keras.Variable] = {}
         for layer in self.pipeline_layers:
             for v in layer.variables:
-                seen.setdefault(id(v), v)
+                if state_lib.is_seed_state(v):
+                    seen.setdefault(id(v), v)
         return list(seen.values())
 
     @property
-    def _tfpipe_seed_states(self) -> "_SeedStates":
+    def _tfpipe_seed_states(self) -> "saving.SeedStates":
         # Keras saves every KerasSaveable attribute of a model, so this one puts the seed
         # states in their own group (a keras.Sequential loading the file ignores it). Set
         # without Keras' attribute tracking, so that it is not one of the model's layers.
         if "_seed_saver" not in self.__dict__:
-            object.__setattr__(self, "_seed_saver", _SeedStates(self._seed_states))
+            object.__setattr__(self, "_seed_saver", saving.SeedStates(self._seed_states))
         return self.__dict__["_seed_saver"]
 
     @classmethod
@@ -420,10 +418,10 @@ class PipelineModel(keras.Model):
         if not copy:
             return cls(model, **kwargs)
         layers = layer_list(model)
-        pipelined = cls([_clone(layer) for layer in layers], **kwargs)
+        pipelined = cls([saving.clone(layer) for layer in layers], **kwargs)
         if model.built and model.inputs:
             pipelined.build(model.inputs[0] if len(model.inputs) == 1 else model.inputs)
-            _copy_weights(layers, pipelined.pipeline_layers)
+            saving.copy_weights(layers, pipelined.pipeline_layers)
         return pipelined
 
     def to_sequential(self, *, copy: bool = False) -> keras.Sequential:
@@ -432,7 +430,7 @@ class PipelineModel(keras.Model):
         ``copy=False`` (default) shares the layers and weights: training one trains the
         other. ``copy=True`` clones the layers and copies the current weights.
         """
-        layers = [_clone(layer) for layer in self.pipeline_layers] if copy else list(self.pipeline_layers)
+        layers = [saving.clone(layer) for layer in self.pipeline_layers] if copy else list(self.pipeline_layers)
         if self._inputs is None:
             return keras.Sequential(layers, name=f"{self.name}_sequential")
         if not isinstance(self._inputs, keras.KerasTensor):
@@ -442,7 +440,7 @@ class PipelineModel(keras.Model):
         sequential = keras.Sequential([keras.Input(shape=spec.shape[1:], dtype=spec.dtype), *layers],
                                       name=f"{self.name}_sequential")
         if copy:
-            _copy_weights(self.pipeline_layers, layers)
+            saving.copy_weights(self.pipeline_layers, layers)
         return sequential
 
     # Presentation -------------------------------------------------------------------------------
@@ -516,66 +514,6 @@ def _si(value: float) -> str:
         if abs(value) >= factor:
             return f"{value / factor:.3g} {prefix}"
     return f"{value:.3g}"
-
-
-def _spec_config(spec: Any) -> Any:
-    """Symbolic inputs as JSON-able data: each leaf becomes {"shape": [...], "dtype": ...}."""
-    if isinstance(spec, keras.KerasTensor):
-        return {"shape": list(spec.shape), "dtype": keras.backend.standardize_dtype(spec.dtype)}
-    if isinstance(spec, dict):
-        return {"dict": {k: _spec_config(v) for k, v in spec.items()}}
-    return {"sequence": [_spec_config(v) for v in spec]}
-
-
-def _spec_from_config(config: dict[str, Any]) -> Any:
-    """Inverse of ``_spec_config`` (sequences come back as tuples)."""
-    if "dict" in config:
-        return {k: _spec_from_config(v) for k, v in config["dict"].items()}
-    if "sequence" in config:
-        return tuple(_spec_from_config(v) for v in config["sequence"])
-    return keras.KerasTensor(tuple(config["shape"]), dtype=config["dtype"])
-
-
-class _SeedStates(keras.layers.Layer):
-    """Saves and restores a model's seed-generator states, which Keras leaves out of saved weights.
-
-    Without them a restored model draws other Dropout masks than the original
-    would have; with them a resumed run repeats the uninterrupted one.
-    """
-
-    def __init__(self, states: Callable[[], list[keras.Variable]]):
-        super().__init__(name="tfpipe_seed_states", trainable=False)
-        self._states = states
-
-    def save_own_variables(self, store: Any) -> None:
-        """Store each seed state under its index."""
-        for k, v in enumerate(self._states()):
-            store[f"{k}"] = v
-
-    def load_own_variables(self, store: Any) -> None:
-        """Restore the seed states a file has; files saved without them leave them as they are."""
-        keys = set(store.keys())
-        for k, v in enumerate(self._states()):
-            if f"{k}" in keys:
-                v.assign(store[f"{k}"])
-
-
-def _layer_config(layer: keras.layers.Layer) -> dict[str, Any]:
-    """A layer's serialization without its build config: loading must not build it before its cell
-    places it (Keras would create its variables on the default device); the model's build does."""
-    config = keras.saving.serialize_keras_object(layer)
-    config.pop("build_config", None)
-    return config
-
-
-def _clone(layer: keras.layers.Layer) -> keras.layers.Layer:
-    return copy_layer(layer, "to convert the model", "use copy=False to share the layers instead")
-
-
-def _copy_weights(source: Sequence[keras.layers.Layer], target: Sequence[keras.layers.Layer]) -> None:
-    """Copy the weights of built layers into their built clones, layer by layer."""
-    for a, b in zip(source, target):
-        b.set_weights(a.get_weights())
 
 
 ESTIMATION_BATCH = 8  # samples per estimation batch when the model's batch size is not known
