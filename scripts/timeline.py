@@ -108,7 +108,8 @@ def attribute(graph: Any) -> dict[str, OpInfo]:
 
     An op belongs to the task whose ``task_start`` marker precedes it.
     Tape gradients are named after their forward ops ("gradient_tape/F_1_3/..."), so
-    a name alone does not tell which task created an op; creation order does.
+    a name alone does not tell which task created an op; creation order does. Ops of a
+    cell's function run under the name of their call op, which this attributes.
     """
     info: dict[str, OpInfo] = {}
     task, kind, seen_grad = "", "", False
@@ -123,7 +124,7 @@ def attribute(graph: Any) -> dict[str, OpInfo]:
             phase = "optimizer" if _optimizer_op(name) else "other"
             info[name] = OpInfo("", phase, op.device)
             continue
-        grad = name.startswith("gradient_tape/")
+        grad = name.startswith("gradient_tape/") or _calls_gradient_function(op)
         seen_grad = seen_grad or grad
         if op.type in TRANSFER_TYPES:
             phase = "transfer"
@@ -141,6 +142,15 @@ def attribute(graph: Any) -> dict[str, OpInfo]:
         for n in range(1, len(parts)):
             info.setdefault("/".join(parts[:n]), found)
     return info
+
+
+def _calls_gradient_function(op: Any) -> bool:
+    """Whether ``op`` calls the gradient function TensorFlow generated for a traced cell (its ops are backward).
+
+    A cell's ops run inside function call ops; the profiler names them after the call
+    ("B_1_0/PartitionedCall_1/gradients/..."), so they are attributed through the call op.
+    """
+    return op.type in ("PartitionedCall", "StatefulPartitionedCall") and "__backward_" in op.get_attr("f").name
 
 
 def lookup(info: dict[str, OpInfo], op: str) -> Optional[OpInfo]:

@@ -78,18 +78,69 @@ def test_task_ops_are_placed_on_their_cells_device():
             assert (got.device_type, got.device_index) == (want.device_type, want.device_index), op.name
 
 
+CALLS = ("PartitionedCall", "StatefulPartitionedCall")
+
+
+def _functions(graph):
+    """The graph's function library by name."""
+    return {f.signature.name: f for f in graph.as_graph_def().library.function}
+
+
+def _forward_matmuls(op, functions):
+    """Forward MatMuls that ``op`` runs: itself, or those in the body of the cell function it calls.
+
+    Gradient MatMuls are named under "gradient_tape/" in the step's graph and under
+    "gradients/" in the generated gradient functions.
+    """
+    if op.type == "MatMul" and not op.name.startswith("gradient_tape/"):
+        return 1
+    if op.type in CALLS:
+        body = functions[op.get_attr("f").name].node_def
+        return sum(1 for node in body if node.op == "MatMul" and not node.name.startswith("gradients/"))
+    return 0
+
+
 def test_recomputation_runs_in_the_backward_task_and_only_when_asked():
     def matmuls_in_backward(remat):
         model = tfpipe.PipelineModel([keras.layers.Dense(4), keras.layers.Dense(3)], num_partitions=2,
                                      num_micro_batches=2, remat=remat)
-        tasks = _task_ops(_train_graph(model))
-        # a recomputed forward MatMul has the layer's own name; gradient MatMuls live under gradient_tape
-        return {name: sum(1 for op in ops if op.type == "MatMul" and not op.name.startswith("gradient_tape/"))
-                for name, ops in tasks.items() if name.startswith("B")}
+        graph = _train_graph(model)
+        functions = _functions(graph)
+        return {name: sum(_forward_matmuls(op, functions) for op in ops)
+                for name, ops in _task_ops(graph).items() if name.startswith("B")}
 
     assert matmuls_in_backward("never") == {"B_0_0": 0, "B_0_1": 0, "B_1_0": 0, "B_1_1": 0}
     assert matmuls_in_backward("except_last") == {"B_0_0": 1, "B_0_1": 0, "B_1_0": 1, "B_1_1": 0}
     assert matmuls_in_backward("always") == {"B_0_0": 1, "B_0_1": 1, "B_1_0": 1, "B_1_1": 1}
+
+
+def test_cell_functions_run_on_their_cells_device():
+    """Ops inside a called cell function are on the cell's device, or unplaced and so on the call op's."""
+    model = tfpipe.PipelineModel(mlp_layers(depth=2), num_partitions=2, devices=["/CPU:2", "/CPU:3"],
+                                 num_micro_batches=2, remat="except_last")
+    graph = _train_graph(model)
+    functions = _functions(graph)
+    calls = 0
+    for name, ops in _task_ops(graph).items():
+        want = tf.DeviceSpec.from_string(model.devices[int(name.split("_")[1])])
+        for op in ops:
+            if op.type not in CALLS:
+                continue
+            calls += 1
+            for node in functions[op.get_attr("f").name].node_def:
+                got = tf.DeviceSpec.from_string(node.device or op.device)
+                assert (got.device_type, got.device_index) == (want.device_type, want.device_index), node.name
+    assert calls >= 8  # every F and B task calls its cell's function
+
+
+def test_each_cell_is_traced_once_whatever_the_number_of_micro_batches():
+    def traces(m):
+        model = tfpipe.PipelineModel(mlp_layers(depth=3), num_partitions=3, devices=cpu_devices(3),
+                                     num_micro_batches=m, remat="always")
+        _train_graph(model, batch=8)
+        return [cell.num_traces for cell in model.cells]
+
+    assert traces(1) == traces(8) == [1, 1, 1]
 
 
 def test_weight_updates_run_on_each_cells_device():

@@ -69,3 +69,15 @@ def test_reported_loss_and_metrics_match_sequential():
         histories.append(net.fit(x, y, batch_size=6, epochs=2, shuffle=False, verbose=0).history)
     for key in ("loss", "mae"):
         np.testing.assert_allclose(histories[1][key], histories[0][key], rtol=1e-5)
+
+
+def test_cells_that_cannot_be_traced_as_functions_run_inline_with_the_same_result(monkeypatch):
+    from tfpipe.stage import Cell
+
+    def untraceable(self, *args, **kwargs):
+        raise TypeError("not traceable")
+
+    monkeypatch.setattr(Cell, "_trace", untraceable)
+    with pytest.warns(UserWarning, match="cannot be traced as a function.*not traceable"):
+        got, want = _one_step_each(mlp_layers, 2, 3, "adam", n=10)
+    assert max_rel_error(got, want) < 1e-5

@@ -131,7 +131,7 @@ class Pipeline:
             with_reg = backward and j == 0  # weight regularizers count once per step
 
             def fn(x_in, *w):
-                y, new_state, added = cell(list(w), seeds, x_in, training=training)
+                y, new_state, added = cell.call(list(w), seeds, x_in, training=training)
                 added = added * share  # add_loss terms are batch means, as Keras normalizes them
                 if with_reg:
                     added = added + cell.regularization_loss(list(w))
