@@ -66,7 +66,6 @@ allocator does not see (the traced graph, host buffers, the allocator's pool).
 from __future__ import annotations
 
 import concurrent.futures
-import csv
 import json
 import os
 import resource
@@ -81,6 +80,8 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from absl import app, flags  # noqa: E402
+
+from scripts.report import write_table  # noqa: E402
 
 FLAGS = flags.FLAGS
 flags.DEFINE_integer("blocks", 4, "L, the Transformer blocks of the activation table (part 1).", lower_bound=1)
@@ -296,16 +297,10 @@ def main(argv: list[str]) -> None:
     text = _report(rows, a, b, m_lo, m_hi, n, largest, budget)
     print("\n" + text)
     if FLAGS.out:
-        os.makedirs(os.path.dirname(FLAGS.out) or ".", exist_ok=True)
         fields = ["section", "model", "blocks", "M", "before_bytes", "peak_bytes", "transient_bytes",
                   "transient_over_N", "predicted_bytes", "rel_error", "fitted", "fits_budget", "max_rss_bytes",
                   "note"]
-        with open(FLAGS.out + ".csv", "w", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=fields, restval="")
-            writer.writeheader()
-            writer.writerows(rows)
-        with open(FLAGS.out + ".md", "w") as f:
-            f.write(text + "\n")
+        write_table(FLAGS.out, rows, text, fields)
 
 
 def _row(section: str, r: dict[str, Any], a: float, b: float, n: int, fitted: set[tuple[str, int, int]],

@@ -30,16 +30,16 @@ whose backward costs about two, i.e. about +33%, so that target has little slack
 
 from __future__ import annotations
 
-import csv
 import os
 import sys
-import time
 from typing import Any
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from absl import app, flags  # noqa: E402
+
+from scripts.report import median_step_seconds, write_table  # noqa: E402
 
 FLAGS = flags.FLAGS
 flags.DEFINE_integer("blocks", 4, "Transformer blocks.", lower_bound=1)
@@ -116,24 +116,7 @@ def _same_weights(models: dict[str, Any]) -> bool:
 
 def time_fit(model: Any, x: Any, y: Any) -> float:
     """Median seconds per training step over one fit, the first ``--warmup`` steps excluded."""
-    import keras
-    import numpy as np
-
-    times: list[float] = []
-
-    class Timer(keras.callbacks.Callback):
-        """Times each step from its begin to its end callback."""
-
-        def on_train_batch_begin(self, batch: int, logs: Any = None) -> None:
-            """Start the clock."""
-            self.began = time.perf_counter()
-
-        def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
-            """Stop the clock."""
-            times.append(time.perf_counter() - self.began)
-
-    model.fit(x, y, batch_size=FLAGS.batch_size, epochs=1, shuffle=False, verbose=0, callbacks=[Timer()])
-    return float(np.median(times[FLAGS.warmup:]))
+    return median_step_seconds(model, x, y, FLAGS.batch_size, FLAGS.warmup)
 
 
 def main(argv: list[str]) -> None:
@@ -164,15 +147,9 @@ def main(argv: list[str]) -> None:
     table = _markdown(rows, summary)
     print("\n" + table)
     if FLAGS.out:
-        os.makedirs(os.path.dirname(FLAGS.out) or ".", exist_ok=True)
         fields = ["round", *(f"{v}_ms" for v in VARIANTS), "never_over_plain", "always_over_never"]
-        with open(FLAGS.out + ".csv", "w", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=fields)
-            writer.writeheader()
-            writer.writerows(rows)
-            writer.writerows({"round": stat, **values} for stat, values in summary.items())
-        with open(FLAGS.out + ".md", "w") as f:
-            f.write(table + "\n")
+        write_table(FLAGS.out, rows + [{"round": stat, **values} for stat, values in summary.items()], table,
+                    fields)
 
 
 def _summary(rows: list[dict[str, Any]]) -> dict[str, dict[str, float]]:

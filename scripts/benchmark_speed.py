@@ -13,15 +13,15 @@ median step time is used.
 
 from __future__ import annotations
 
-import csv
 import os
 import sys
-import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from absl import app, flags  # noqa: E402
+
+from scripts.report import median_step_seconds, write_table  # noqa: E402
 
 FLAGS = flags.FLAGS
 flags.DEFINE_enum("model", "transformer", ["transformer", "amoebanet"], "Model to time.")
@@ -66,18 +66,9 @@ def time_entry(devices: list[str], m: int) -> float:
                                  remat=FLAGS.remat)
     model.compile(optimizer=keras.optimizers.SGD(1e-3),
                   loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-    times: list[float] = []
-
-    class Timer(keras.callbacks.Callback):
-        def on_train_batch_begin(self, batch, logs=None):
-            self.began = time.perf_counter()
-
-        def on_train_batch_end(self, batch, logs=None):
-            times.append(time.perf_counter() - self.began)
-
-    model.fit(np.repeat(x, FLAGS.warmup + FLAGS.steps, axis=0), np.repeat(y, FLAGS.warmup + FLAGS.steps, axis=0),
-              batch_size=FLAGS.batch_size, epochs=1, shuffle=False, verbose=0, callbacks=[Timer()])
-    return float(np.median(times[FLAGS.warmup:]))
+    batches = FLAGS.warmup + FLAGS.steps
+    return median_step_seconds(model, np.repeat(x, batches, axis=0), np.repeat(y, batches, axis=0),
+                               FLAGS.batch_size, FLAGS.warmup)
 
 
 def main(argv: list[str]) -> None:
@@ -107,13 +98,7 @@ def main(argv: list[str]) -> None:
     table = _markdown(rows, ms)
     print("\n" + table)
     if FLAGS.out:
-        os.makedirs(os.path.dirname(FLAGS.out) or ".", exist_ok=True)
-        with open(FLAGS.out + ".csv", "w", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-            writer.writeheader()
-            writer.writerows(rows)
-        with open(FLAGS.out + ".md", "w") as f:
-            f.write(table + "\n")
+        write_table(FLAGS.out, rows, table)
 
 
 def _markdown(rows: list[dict], ms: list[int]) -> str:

@@ -15,7 +15,6 @@ measured timeline above the ideal one; needs matplotlib) and a summary.
 
 from __future__ import annotations
 
-import csv
 import dataclasses
 import glob
 import os
@@ -32,6 +31,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from absl import app, flags  # noqa: E402
 
+from scripts.report import write_table  # noqa: E402
+
 FLAGS = flags.FLAGS
 flags.DEFINE_string("devices", "local:2", "cpu:N (N logical CPU devices in this process, one shared thread pool) "
                     "or local:N (N single-thread worker processes).")
@@ -46,8 +47,6 @@ flags.DEFINE_integer("steps", 2, "Profiled steps.", lower_bound=1)
 flags.DEFINE_integer("warmup", 2, "Steps before profiling (the first one traces).", lower_bound=1)
 flags.DEFINE_string("ideal_costs", "measured", "Task durations of the ideal schedule: 'measured' (each cell's "
                     "mean measured F and B busy time) or a number r (F = the mean measured F, B = r * F).")
-flags.DEFINE_integer("client_inter_op_threads", 0, "If > 0, this process's inter-op threads before it "
-                     "connects; local:N workers take their eager thread pool size from it.", lower_bound=0)
 flags.DEFINE_bool("png", True, 'Draw OUT.png (needs matplotlib: pip install -e ".[timeline]"); --nopng writes only '
                   "the CSV and the summary.")
 flags.DEFINE_string("out", "timeline", "Write OUT.csv and OUT.png.")
@@ -517,8 +516,6 @@ def main(argv: list[str]) -> None:
     import tensorflow as tf
 
     logdir = tempfile.mkdtemp(prefix="tfpipe_timeline_")
-    if FLAGS.client_inter_op_threads:
-        tf.config.threading.set_inter_op_parallelism_threads(FLAGS.client_inter_op_threads)
     if kind == "cpu":
         tf.config.set_logical_device_configuration(tf.config.list_physical_devices("CPU")[0],
                                                    [tf.config.LogicalDeviceConfiguration()] * k)
@@ -534,11 +531,8 @@ def main(argv: list[str]) -> None:
             host_device = {a.replace(":", "_"): i for i, a in enumerate(cluster.addresses)}
     events = read_trace(logdir, host_device, info, {d: i for i, d in enumerate(devices)})
     rows = task_rows(events, windows, devices)
-    with open(FLAGS.out + ".csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=["step", "device", "task", "kind", "cell", "micro_batch", "phase",
-                                               "start_ms", "end_ms", "busy_ms", "ops"])
-        writer.writeheader()
-        writer.writerows(rows)
+    write_table(FLAGS.out, rows, None, ["step", "device", "task", "kind", "cell", "micro_batch", "phase",
+                                        "start_ms", "end_ms", "busy_ms", "ops"])
     m = FLAGS.micro_batches
     f_cost, b_cost = ideal_costs(events, windows, k, ratio)
     print(summarize(events, windows, devices, k, m))
