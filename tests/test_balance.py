@@ -102,13 +102,9 @@ def test_partition_errors():
 
 
 def test_benchmark_script_runs_in_its_smallest_mode():
-    import subprocess
-    import sys
+    from tests.util import run_script
 
-    from tests.util import REPO
-
-    proc = subprocess.run([sys.executable, f"{REPO}/scripts/benchmark_balance.py", "--sizes=12:3", "--repeats=1"],
-                          capture_output=True, text=True, timeout=300)
+    proc = run_script("benchmark_balance.py", "--sizes=12:3", "--repeats=1", timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     row = proc.stdout.strip().splitlines()[-1].split()
     assert row[:2] == ["12", "3"] and float(row[3]) >= 1.0

@@ -1,21 +1,16 @@
 """benchmark_memory.py still runs in its smallest mode (structure and signs; the memory targets live in the script)."""
 
 import csv
-import os
-import subprocess
-import sys
 
-from tests.util import REPO
+from tests.util import run_script
 
 
 def test_memory_benchmark_writes_its_tables(tmp_path):
     """Tiny Transformer, L=1, M in {1, 4}: three child processes, since the searches reuse the table's points."""
     out = str(tmp_path / "memory")
-    proc = subprocess.run(
-        [sys.executable, os.path.join(REPO, "scripts", "benchmark_memory.py"), "--blocks=1",
-         "--table_micro_batches=1,4", "--micro_batches=4", "--seq_len=64", "--dim=16", "--heads=4",
-         "--batch_size=8", "--vocab=16", "--budget_gib=1", "--max_blocks=1", f"--out={out}"],
-        capture_output=True, text=True, timeout=600, env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3"))
+    proc = run_script("benchmark_memory.py", "--blocks=1", "--table_micro_batches=1,4", "--micro_batches=4",
+                      "--seq_len=64", "--dim=16", "--heads=4", "--batch_size=8", "--vocab=16", "--budget_gib=1",
+                      "--max_blocks=1", f"--out={out}")
     assert proc.returncode == 0, proc.stderr[-3000:]
     with open(out + ".csv") as f:
         rows = list(csv.DictReader(f))
@@ -34,6 +29,5 @@ def test_memory_benchmark_writes_its_tables(tmp_path):
 
 def test_memory_benchmark_rejects_bad_flags():
     """A budget out of range fails before any child is started, naming the flag."""
-    proc = subprocess.run([sys.executable, os.path.join(REPO, "scripts", "benchmark_memory.py"), "--budget_gib=0"],
-                          capture_output=True, text=True, timeout=120, env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3"))
+    proc = run_script("benchmark_memory.py", "--budget_gib=0", timeout=120)
     assert proc.returncode != 0 and "--budget_gib=0" in proc.stderr

@@ -1,21 +1,16 @@
 """Benchmark scripts still run, in their smallest mode (no timing assertions: speed lives in the scripts)."""
 
 import csv
-import os
-import subprocess
-import sys
 
 import pytest
 
-from tests.util import REPO
+from tests.util import run_script
 
 
 def test_speed_benchmark_writes_its_table(tmp_path):
     out = str(tmp_path / "speed")
-    proc = subprocess.run(
-        [sys.executable, os.path.join(REPO, "scripts", "benchmark_speed.py"), "--micro_batches=1,2", "--steps=1",
-         "--warmup=1", "--blocks=1", "--dim=32", "--seq_len=8", "--batch_size=4", f"--out={out}"],
-        capture_output=True, text=True, timeout=600, env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3"))
+    proc = run_script("benchmark_speed.py", "--micro_batches=1,2", "--steps=1", "--warmup=1", "--blocks=1", "--dim=32",
+                      "--seq_len=8", "--batch_size=4", f"--out={out}")
     assert proc.returncode == 0, proc.stderr[-3000:]
     with open(out + ".csv") as f:
         rows = list(csv.DictReader(f))

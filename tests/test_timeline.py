@@ -2,12 +2,10 @@
 
 import csv
 import os
-import subprocess
-import sys
 
 import pytest
 
-from tests.util import REPO
+from tests.util import run_script
 
 
 def _has_matplotlib() -> bool:
@@ -23,11 +21,9 @@ def _has_matplotlib() -> bool:
 def run(tmp_path_factory):
     """Run the script once on 2 logical CPU devices, tiny Transformer, one profiled step."""
     out = str(tmp_path_factory.mktemp("timeline") / "tl")
-    proc = subprocess.run(
-        [sys.executable, os.path.join(REPO, "scripts", "timeline.py"), "--devices=cpu:2", "--micro_batches=2",
-         "--batch_size=4", "--blocks=1", "--dim=16", "--seq_len=4", "--steps=1", "--warmup=1", f"--out={out}"]
-        + ([] if _has_matplotlib() else ["--nopng"]),
-        capture_output=True, text=True, timeout=600, env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3"))
+    proc = run_script("timeline.py", "--devices=cpu:2", "--micro_batches=2", "--batch_size=4", "--blocks=1", "--dim=16",
+                      "--seq_len=4", "--steps=1", "--warmup=1", f"--out={out}",
+                      *([] if _has_matplotlib() else ["--nopng"]))
     return proc, out
 
 
@@ -57,14 +53,10 @@ def test_png_is_drawn(run):
 def test_without_matplotlib_a_png_request_names_the_extra():
     if _has_matplotlib():
         pytest.skip("matplotlib is installed")
-    proc = subprocess.run([sys.executable, os.path.join(REPO, "scripts", "timeline.py"), "--devices=cpu:2"],
-                          capture_output=True, text=True, timeout=120,
-                          env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3"))
+    proc = run_script("timeline.py", "--devices=cpu:2", timeout=120)
     assert proc.returncode != 0 and 'pip install -e ".[timeline]"' in proc.stderr
 
 
 def test_bad_devices_flag_is_refused():
-    proc = subprocess.run([sys.executable, os.path.join(REPO, "scripts", "timeline.py"), "--devices=gpu:2"],
-                          capture_output=True, text=True, timeout=120,
-                          env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3"))
+    proc = run_script("timeline.py", "--devices=gpu:2", timeout=120)
     assert proc.returncode != 0 and "cpu:N" in proc.stderr
