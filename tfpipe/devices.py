@@ -56,16 +56,22 @@ def check(device: str) -> str:
 TPU_CORE = "/device:TPU_REPLICATED_CORE:{}"  # logical core k of the replica a TPU computation runs on
 
 
+def tpu_core(device: str) -> Optional[int]:
+    """The logical core k of a ``TPU_CORE`` device string, else None."""
+    core = re.fullmatch(r"/device:TPU_REPLICATED_CORE:(\d+)", device)
+    return int(core.group(1)) if core else None
+
+
 def scope(device: str, strategy: Any = None) -> ContextManager:
     """Where a cell's variables and ops go: ``tf.device(device)``, or a TPU replica's logical core.
 
     Under TPUStrategy a logical core is entered through the strategy, which also
     places the variables created there on that core of every replica.
     """
-    core = re.fullmatch(r"/device:TPU_REPLICATED_CORE:(\d+)", device)
+    core = tpu_core(device)
     strategy = tf.distribute.get_strategy() if strategy is None else strategy
-    if core and _kind(strategy) == "tpu":
-        return strategy.extended.experimental_logical_device(int(core.group(1)))
+    if core is not None and _kind(strategy) == "tpu":
+        return strategy.extended.experimental_logical_device(core)
     return tf.device(device)
 
 

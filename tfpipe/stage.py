@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import re
 import warnings
 import weakref
 from typing import Any, Sequence
@@ -27,7 +26,7 @@ class Cell:
         self.device = device
         self._merger: state.StateMerger | None = None
         # TPU cores are entered through the strategy, where nested function calls are untested: run inline there.
-        self._traceable = re.fullmatch(r"/device:TPU_REPLICATED_CORE:\d+", device) is None
+        self._traceable = devices.tpu_core(device) is None
         self._traces: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # outer graph -> {signature: _Trace}
         self.num_traces = 0  # how many times the layers' Python ran to trace a function
 
