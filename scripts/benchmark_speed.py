@@ -3,11 +3,15 @@
 Each cell runs in its own TensorFlow worker process (tfpipe.cluster.LocalCluster)
 whose thread pools have one thread, so a cell is a device that runs one thing at
 a time. Rows are K (cells), columns M (micro-batches); the global batch is the
-same everywhere. Each entry: examples/s, speed-up over K=1 M=1 (same setup),
-the ideal K*M/(M+K-1), and measured/ideal. Warm-up steps are excluded and the
-median step time is used.
+same everywhere. The reference is what a user compares to: the same model on ONE
+worker, K=1, M=1, without re-materialization. Each entry: examples/s, speed-up
+over that reference, the ideal K*M/(M+K-1), and measured/ideal; a second table
+compares with K=1 at the same M and remat (equal work: a diagnostic). Warm-up
+steps are excluded and the median step time is used. Every size in --dims x
+--batch_sizes gets its own tables, all from one run.
 
-    python scripts/benchmark_speed.py                       # K in {1, 2}, M in {1, 2, 4, 8, 16, 32}
+    python scripts/benchmark_speed.py                       # Transformer, K in {1, 2}, M in {1, 2, 4, 8, 16, 32}
+    python scripts/benchmark_speed.py --model=mlp --dims=256,1024 --batch_sizes=128,1024 --remat=never
     python scripts/benchmark_speed.py --max_partitions=4 --out=docs/speed   # also K=4; write .csv and .md
 """
 
@@ -24,51 +28,59 @@ from absl import app, flags  # noqa: E402
 from scripts.report import median_step_seconds, write_table  # noqa: E402
 
 FLAGS = flags.FLAGS
-flags.DEFINE_enum("model", "transformer", ["transformer", "amoebanet"], "Model to time.")
+flags.DEFINE_enum("model", "transformer", ["transformer", "amoebanet", "mlp"],
+                  "Model to time; mlp: --blocks Dense(--dims) + tanh layers and a Dense(10) classifier.")
 flags.DEFINE_integer("max_partitions", 2, "Largest K (powers of two from 1).", lower_bound=1)
 flags.DEFINE_list("micro_batches", ["1", "2", "4", "8", "16", "32"], "Values of M.")
-flags.DEFINE_integer("batch_size", 64, "Global batch, the same for every M.", lower_bound=1)
+flags.DEFINE_list("batch_sizes", ["64"], "Global batches, the same for every M; one set of tables each.")
 flags.DEFINE_integer("steps", 8, "Timed steps per entry (after warm-up).", lower_bound=1)
 flags.DEFINE_integer("warmup", 2, "Untimed steps per entry (the first one traces).", lower_bound=1)
-flags.DEFINE_integer("blocks", 8, "Transformer blocks / AmoebaNet normal cells (a multiple of 3).", lower_bound=1)
-flags.DEFINE_integer("dim", 256, "Transformer model dimension / AmoebaNet filters.", lower_bound=8)
+flags.DEFINE_integer("blocks", 8, "Transformer blocks / AmoebaNet normal cells (a multiple of 3) / MLP hidden "
+                     "layers.", lower_bound=1)
+flags.DEFINE_list("dims", ["256"], "Transformer model dimension / AmoebaNet filters / MLP width; one set of "
+                  "tables each.")
 flags.DEFINE_integer("seq_len", 32, "Transformer sequence length / image size.", lower_bound=8)
-flags.DEFINE_string("remat", "except_last", "Re-materialization mode.")
+flags.DEFINE_enum("remat", "except_last", ["always", "except_last", "never"],
+                  "Re-materialization of the pipelined entries (the K=1 M=1 reference never recomputes).")
 flags.DEFINE_string("out", None, "Write the table to OUT.csv and OUT.md.")
 
 
-def _layers_and_data():
+def _layers_and_data(dim: int, n: int):
+    """The model's layers and one global batch (x, y) of n examples."""
+    import keras
     import numpy as np
 
     rng = np.random.default_rng(0)
-    n = FLAGS.batch_size
     if FLAGS.model == "transformer":
         from scripts.data import random_lm
 
-        return random_lm(n, FLAGS.seq_len, FLAGS.blocks, FLAGS.dim)
+        return random_lm(n, FLAGS.seq_len, FLAGS.blocks, dim)
+    if FLAGS.model == "mlp":
+        layers = [keras.layers.Dense(dim, activation="tanh") for _ in range(FLAGS.blocks)] + [keras.layers.Dense(10)]
+        return layers, rng.normal(size=(n, dim)).astype("float32"), rng.integers(0, 10, size=n)
     from models.amoebanet import amoebanet_d
 
     size = FLAGS.seq_len
-    layers = amoebanet_d(10, FLAGS.blocks, FLAGS.dim)
+    layers = amoebanet_d(10, FLAGS.blocks, dim)
     return layers, rng.normal(size=(n, size, size, 3)).astype("float32"), rng.integers(0, 10, size=n)
 
 
-def time_entry(devices: list[str], m: int) -> float:
-    """Median seconds of one training step with the cells on ``devices`` and M = m."""
+def time_entry(devices: list[str], m: int, remat: str, dim: int, batch_size: int) -> float:
+    """Median seconds of one training step with the cells on ``devices``, M = m and ``remat``."""
     import keras
     import numpy as np
 
     import tfpipe
 
     keras.utils.set_random_seed(0)
-    layers, x, y = _layers_and_data()
+    layers, x, y = _layers_and_data(dim, batch_size)
     model = tfpipe.PipelineModel(layers, num_partitions=len(devices), devices=devices, num_micro_batches=m,
-                                 remat=FLAGS.remat)
+                                 remat=remat)
     model.compile(optimizer=keras.optimizers.SGD(1e-3),
                   loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     batches = FLAGS.warmup + FLAGS.steps
     return median_step_seconds(model, np.repeat(x, batches, axis=0), np.repeat(y, batches, axis=0),
-                               FLAGS.batch_size, FLAGS.warmup)
+                               batch_size, FLAGS.warmup)
 
 
 def main(argv: list[str]) -> None:
@@ -78,24 +90,33 @@ def main(argv: list[str]) -> None:
 
     ks = [k for k in (1, 2, 4, 8, 16) if k <= FLAGS.max_partitions]
     ms = [int(m) for m in FLAGS.micro_batches]
-    rows, base = [], None
+    sizes = [(int(d), int(n)) for d in FLAGS.dims for n in FLAGS.batch_sizes]
+    rows: list[dict] = []
     for k in ks:
         with LocalCluster(k, threads_per_worker=1) as cluster:
-            for m in ms:
-                if FLAGS.batch_size < m:
-                    continue
-                seconds = time_entry(cluster.devices, m)
-                rate = FLAGS.batch_size / seconds
-                base = base or rate  # K=1, M=first: the reference
-                ideal = schedule.ideal_speedup(k, m)
-                one_cell = next((r["examples_per_s"] for r in rows if r["K"] == 1 and r["M"] == m), rate)
-                rows.append({"K": k, "M": m, "examples_per_s": rate, "speedup": rate / base, "ideal": ideal,
-                             "of_ideal": rate / base / ideal, "speedup_same_m": rate / one_cell,
-                             "of_ideal_same_m": rate / one_cell / ideal})
-                print(f"K={k} M={m:>2}: {rate:8.1f} examples/s  speed-up {rate / base:5.2f}  ideal {ideal:5.2f}  "
-                      f"measured/ideal {rate / base / ideal:5.2f}  (over K=1 at this M: {rate / one_cell:5.2f}, "
-                      f"{rate / one_cell / ideal:5.2f} of ideal)", flush=True)
-    table = _markdown(rows, ms)
+            for dim, n in sizes:
+                size = f"dim={dim} batch={n}"
+                base = next((r["reference"] for r in rows if r["size"] == size), None)
+                if base is None:  # the reference: one worker, K=1, M=1, no recomputation
+                    base = n / time_entry(cluster.devices, 1, "never", dim, n)
+                    print(f"{size}: reference K=1 M=1 remat='never' {base:8.1f} examples/s", flush=True)
+                for m in ms:
+                    if n < m:
+                        continue
+                    rate = n / time_entry(cluster.devices, m, FLAGS.remat, dim, n)
+                    ideal = schedule.ideal_speedup(k, m)
+                    one_cell = next((r["examples_per_s"] for r in rows
+                                     if r["size"] == size and r["K"] == 1 and r["M"] == m), rate)
+                    rows.append({"size": size, "K": k, "M": m, "remat": FLAGS.remat, "examples_per_s": rate,
+                                 "reference": base, "speedup": rate / base, "ideal": ideal,
+                                 "of_ideal": rate / base / ideal, "speedup_same_m": rate / one_cell,
+                                 "of_ideal_same_m": rate / one_cell / ideal})
+                    print(f"{size} K={k} M={m:>2}: {rate:8.1f} examples/s  speed-up {rate / base:5.2f}  ideal "
+                          f"{ideal:5.2f}  measured/ideal {rate / base / ideal:5.2f}  (over K=1 at this M: "
+                          f"{rate / one_cell:5.2f}, {rate / one_cell / ideal:5.2f} of ideal)", flush=True)
+    table = "\n\n".join(f"### {FLAGS.model} {size}, remat={FLAGS.remat!r}\n\n" +
+                         _markdown([r for r in rows if r["size"] == size], ms)
+                         for size in dict.fromkeys(r["size"] for r in rows))
     print("\n" + table)
     if FLAGS.out:
         write_table(FLAGS.out, rows, table)
@@ -109,8 +130,9 @@ def _markdown(rows: list[dict], ms: list[int]) -> str:
     isolates what pipelining gains.
     """
     tables = []
-    for key, share, title in (("speedup", "of_ideal", "over K=1, M=1"),
-                              ("speedup_same_m", "of_ideal_same_m", "over K=1 at the same M")):
+    for key, share, title in (("speedup", "of_ideal", "over one worker, K=1, M=1, no re-materialization"),
+                              ("speedup_same_m", "of_ideal_same_m", "over K=1 at the same M and remat "
+                                                                    "(diagnostic)")):
         lines = [f"Speed-up {title}:", "", "| K \\ M | " + " | ".join(str(m) for m in ms) + " |",
                  "|---" * (len(ms) + 1) + "|"]
         for k in sorted({r["K"] for r in rows}):

@@ -12,7 +12,7 @@ import tensorflow as tf
 
 from tfpipe import balance as balance_lib
 from tfpipe import checkpoint, cost as cost_lib, devices as devices_lib, microbatch, schedule
-from tfpipe import saving, state as state_lib
+from tfpipe import messages, saving, state as state_lib
 from tfpipe.sequence import layer_list
 from tfpipe.pipeline import Pipeline
 from tfpipe.stage import Cell, check_no_shared_variables
@@ -261,6 +261,8 @@ class PipelineModel(keras.Model):
                 weights.extend(microbatch.loss_weights(self._loss_reduction(), sizes, sws))
             return tf.cast(value, tf.float32) * weights[j]
 
+        if self._num_cells * self.num_micro_batches > 1 and not tf.executing_eagerly():  # once per trace
+            messages.say(messages.building_step(self.name, self._num_cells, self.num_micro_batches, self.remat))
         scale = self.optimizer.scale_loss(tf.constant(1.0)) if self.optimizer is not None else 1.0
         result = self._pipeline.train(xs, loss_fn, microbatch.fractions(sizes), loss_scale=scale)
         n = microbatch.batch_size(x)

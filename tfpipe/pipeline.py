@@ -77,11 +77,13 @@ class Pipeline:
     def _schedule(self, backward: bool) -> list[schedule.Task]:
         return schedule.flatten(schedule.gpipe(len(self.cells), self.num_micro_batches, backward=backward))
 
+    @tf.autograph.experimental.do_not_convert  # plain Python loops over tasks: converting them only costs trace time
     def forward(self, inputs: Sequence[Any], training: bool = False,
                 fractions: Optional[Sequence[tf.Tensor]] = None) -> StepResult:
         """Forward-only pass over the micro-batches ``inputs``; training mode also merges state updates."""
         return self._run(inputs, training=training, loss_fn=None, fractions=fractions)
 
+    @tf.autograph.experimental.do_not_convert
     def train(self, inputs: Sequence[Any], loss_fn: LossFn, fractions: Sequence[tf.Tensor],
               loss_scale: tf.Tensor | float = 1.0) -> StepResult:
         """Forward and backward of one step: summed gradients, loss and merged state updates.

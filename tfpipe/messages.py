@@ -1,0 +1,25 @@
+"""Messages to the user, written the way Keras writes its own (stdout when interactive, else absl logging)."""
+
+from __future__ import annotations
+
+import sys
+
+import keras
+from absl import logging
+
+
+def say(message: str) -> None:
+    """Show one line: on stdout with Keras' interactive logging (the default), else through absl's log."""
+    if keras.config.is_interactive_logging_enabled():
+        sys.stdout.write(message + "\n")
+        sys.stdout.flush()
+    else:
+        logging.info(message)
+
+
+def building_step(model_name: str, num_cells: int, num_micro_batches: int, remat: str) -> str:
+    """The line shown before a pipelined training step is traced, so that a quiet first step is not taken for a hang."""
+    tasks = 2 * num_cells * num_micro_batches
+    return (f"tfpipe: building the pipelined training step of {model_name!r}: K={num_cells} cells x "
+            f"M={num_micro_batches} micro-batches = {tasks} tasks (remat={remat!r}); tracing and optimizing "
+            "it makes the first step take a while.")
