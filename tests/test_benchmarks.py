@@ -29,3 +29,27 @@ def test_speed_benchmark_writes_its_table(tmp_path):
     k1 = next(r for r in rows if r["size"] == sizes[1] and r["K"] == "1" and r["M"] == "1")
     k2 = next(r for r in rows if r["size"] == sizes[1] and r["K"] == "2" and r["M"] == "1")
     assert float(k2["speedup_same_m"]) == pytest.approx(float(k2["examples_per_s"]) / float(k1["examples_per_s"]))
+
+
+def test_scale_benchmark_times_the_first_step_in_a_fresh_process(tmp_path):
+    out = str(tmp_path / "scale")
+    proc = run_script("benchmark_scale.py", "--configs=2x2", "--blocks=1", "--dim=16", "--seq_len=4",
+                      "--batch_size=4", "--steps=1", f"--out={out}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    with open(out + ".csv") as f:
+        (row,) = list(csv.DictReader(f))
+    assert (row["K"], row["M"], row["tasks"]) == ("2", "2", "8")
+    assert float(row["first_s"]) > 0 and float(row["step_ms"]) > 0 and float(row["peak_rss_gb"]) > 0.1
+    assert "| K | M | tasks |" in open(out + ".md").read()
+
+
+def test_scale_benchmark_refuses_a_bad_config():
+    proc = run_script("benchmark_scale.py", "--configs=8by32", timeout=120)
+    assert proc.returncode != 0 and "--configs: '8by32' is not KxM" in proc.stderr
+
+
+def test_kernel_benchmark_prints_a_row_per_size():
+    proc = run_script("benchmark_kernels.py", "--dim=16", "--layers=1", "--rows=4,2", "--repeats=3")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [line.split() for line in proc.stdout.splitlines() if line[:4].strip() in ("4", "2")]
+    assert [r[0] for r in rows] == ["4", "2"] and all(float(r[3]) > 0 for r in rows)

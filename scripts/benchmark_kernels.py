@@ -1,0 +1,86 @@
+"""Where a backward task's time goes on one CPU thread: plain Keras VJP against forward, per micro-batch size.
+
+No tfpipe code runs here: a stack of Dense + tanh layers is timed as plain Keras in a
+tf.function, forward alone and forward + vector-Jacobian product (GradientTape), on
+one thread (intra- and inter-op parallelism 1, as in a LocalCluster worker). Then the
+three matrix products of one Dense layer's backward are timed on their own, with
+the operand layouts TensorFlow's MatMul gradient uses and one alternative.
+
+    python scripts/benchmark_kernels.py                      # width 768, 8 layers, rows 256, 32
+    python scripts/benchmark_kernels.py --dim=1024 --rows=128,16
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from absl import app, flags  # noqa: E402
+
+FLAGS = flags.FLAGS
+flags.DEFINE_integer("dim", 768, "Layer width.", lower_bound=8)
+flags.DEFINE_integer("layers", 8, "Dense + tanh layers.", lower_bound=1)
+flags.DEFINE_list("rows", ["256", "32"], "Rows per call: a whole batch, then a micro-batch of it.")
+flags.DEFINE_integer("repeats", 30, "Timed calls per figure (median).", lower_bound=3)
+
+
+def _median_ms(fn, repeats: int) -> float:
+    import numpy as np
+
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(repeats):
+        began = time.perf_counter()
+        for t in fn():
+            t.numpy()
+        times.append(time.perf_counter() - began)
+    return 1e3 * float(np.median(times))
+
+
+def main(argv: list[str]) -> None:
+    del argv
+    import tensorflow as tf
+
+    tf.config.threading.set_intra_op_parallelism_threads(1)
+    tf.config.threading.set_inter_op_parallelism_threads(1)
+    import keras
+
+    d = FLAGS.dim
+    model = keras.Sequential([keras.Input((d,))] + [keras.layers.Dense(d, activation="tanh")
+                                                     for _ in range(FLAGS.layers)])
+    print(f"{FLAGS.layers} x Dense({d}) + tanh, one thread; median of {FLAGS.repeats} calls")
+    print("rows  forward ms  forward+VJP ms  VJP/forward  | per product ms: x@W  dy@W^T  (W@dy^T)^T  x^T@dy")
+    for rows in (int(r) for r in FLAGS.rows):
+        x, dy = tf.random.normal((rows, d)), tf.random.normal((rows, d))
+        forward = tf.function(lambda: [model(x)])
+
+        @tf.function
+        def vjp():
+            with tf.GradientTape() as tape:
+                tape.watch(x)
+                y = model(x)
+            return tape.gradient(y, [x] + model.trainable_variables, output_gradients=dy)
+
+        f_ms, v_ms = _median_ms(forward, FLAGS.repeats), _median_ms(vjp, FLAGS.repeats)
+        # Eight independent operand sets per call, so that no two products are the same op.
+        xs = [tf.random.normal((rows, d)) for _ in range(8)]
+        dys = [tf.random.normal((rows, d)) for _ in range(8)]
+        ws = [tf.random.normal((d, d)) for _ in range(8)]
+        products = {
+            "x@W": lambda: [tf.matmul(a, w) for a, w in zip(xs, ws)],
+            "dy@W^T": lambda: [tf.matmul(g, w, transpose_b=True) for g, w in zip(dys, ws)],
+            "(W@dy^T)^T": lambda: [tf.transpose(tf.matmul(w, g, transpose_b=True)) for g, w in zip(dys, ws)],
+            "x^T@dy": lambda: [tf.matmul(a, g, transpose_a=True) for a, g in zip(xs, dys)],
+        }
+        per = [_median_ms(tf.function(fn), FLAGS.repeats) / 8 for fn in products.values()]
+        print(f"{rows:>4}  {f_ms:10.2f}  {v_ms:14.2f}  {v_ms / f_ms:11.2f}  | " +
+              "  ".join(f"{p:.3f}" for p in per), flush=True)
+
+
+if __name__ == "__main__":
+    app.run(main)
