@@ -81,3 +81,20 @@ def test_cells_that_cannot_be_traced_as_functions_run_inline_with_the_same_resul
     with pytest.warns(UserWarning, match="cannot be traced as a function.*not traceable"):
         got, want = _one_step_each(mlp_layers, 2, 3, "adam", n=10)
     assert max_rel_error(got, want) < 1e-5
+
+
+@pytest.mark.parametrize("remat", ["always", "never"])
+def test_cells_called_as_functions_that_are_not_inlined_are_exact(remat):
+    """From pipeline.NOINLINE_TASKS tasks on (here K=2, M=16: 64) cells are calls TensorFlow keeps."""
+    from tfpipe.pipeline import NOINLINE_TASKS
+
+    assert 2 * 2 * 16 >= NOINLINE_TASKS > 2 * 4 * 4
+    got, want = _one_step_each(mlp_layers, 2, 16, "adam", n=36, remat=remat)  # uneven: 36 = 4 x 3 + 12 x 2
+    assert max_rel_error(got, want) < 1e-5
+
+
+def test_only_large_pipelines_keep_their_cell_calls():
+    small = tfpipe.PipelineModel(mlp_layers(), num_partitions=4, devices=cpu_devices(4), num_micro_batches=4)
+    large = tfpipe.PipelineModel(mlp_layers(), num_partitions=2, devices=cpu_devices(2), num_micro_batches=16)
+    small.build((None, 8)), large.build((None, 8))
+    assert [c.noinline for c in small.cells] == [False] * 4 and [c.noinline for c in large.cells] == [True] * 2

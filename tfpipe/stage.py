@@ -29,6 +29,8 @@ class Cell:
         self._traceable = devices.tpu_core(device) is None
         self._traces: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # outer graph -> {signature: _Trace}
         self.num_traces = 0  # how many times the layers' Python ran to trace a function
+        # Whether the traced function stays one call op (not inlined): see Pipeline.__init__.
+        self.noinline = False
 
     # Variables -----------------------------------------------------------------------
     def _unique(self, attr: str) -> list[keras.Variable]:
@@ -172,11 +174,8 @@ class Cell:
 
         self.num_traces += 1
         specs = [tf.TensorSpec(a.shape, a.dtype) for a in args]
-        # _noinline: TensorFlow would otherwise inline every call before its first run, so that
-        # graph optimization (Grappler) sees all K x M copies of the cell; measured, that made the
-        # first step grow with M (72 s -> 37 s for an 8-block Transformer at K=2, M=16).
-        function = tf.function(body, autograph=False,
-                               experimental_attributes={"_noinline": True}).get_concrete_function(*specs)
+        attributes = {"_noinline": True} if self.noinline else None
+        function = tf.function(body, autograph=False, experimental_attributes=attributes).get_concrete_function(*specs)
         leaves = tf.nest.flatten(found["y"])
         template = tf.nest.pack_sequence_as(found["y"], [None if t is None else 0 for t in leaves])
         return _Trace(function, template, [i for i, t in enumerate(leaves) if t is not None], found["changed"])
