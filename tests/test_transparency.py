@@ -72,7 +72,7 @@ def test_reported_loss_and_metrics_match_sequential():
 
 
 def test_cells_that_cannot_be_traced_as_functions_run_inline_with_the_same_result(monkeypatch):
-    from tfpipe.stage import Cell
+    from tfpipe.cell import Cell
 
     def untraceable(self, *args, **kwargs):
         raise TypeError("not traceable")

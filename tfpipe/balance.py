@@ -7,6 +7,7 @@ from typing import Any, Optional, Sequence, Union
 import numpy as np
 
 from tfpipe import cost as cost_lib
+from tfpipe._args import positive_int
 from tfpipe import schedule
 from tfpipe.sequence import layer_list
 
@@ -33,8 +34,7 @@ def check(balance: Sequence[int], num_layers: int) -> list[int]:
 
 def check_num_partitions(num_partitions: int, num_layers: int) -> int:
     """Validate a number of cells K for ``num_layers`` layers."""
-    if isinstance(num_partitions, bool) or not isinstance(num_partitions, int) or num_partitions < 1:
-        raise ValueError(f"num_partitions must be an integer >= 1, got {num_partitions!r}.")
+    num_partitions = positive_int("num_partitions", num_partitions)
     if num_partitions > num_layers:
         raise ValueError(
             f"num_partitions={num_partitions} is more than the {num_layers} layers; "
@@ -57,8 +57,7 @@ def _check_costs(costs: Sequence[float], k: int, name: str = "costs") -> np.ndar
     bad = np.flatnonzero(~np.isfinite(values) | (values < 0))
     if bad.size:
         raise ValueError(f"{name}[{bad[0]}] = {float(values[bad[0]])}; every per-layer cost must be finite and >= 0.")
-    if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k < 1:
-        raise ValueError(f"The number of cells must be an integer >= 1, got {k!r}.")
+    k = positive_int("The number of cells", k)
     if k > values.size:
         raise ValueError(f"Cannot cut {values.size} layers into {k} non-empty cells; use at most {values.size} cells.")
     return values

@@ -24,7 +24,9 @@ from typing import Any, Iterator, Optional
 
 import tensorflow as tf
 from absl import logging as absl_logging
-from tensorflow.python.eager import context
+
+from tfpipe import _compat
+from tfpipe._args import positive_int
 
 JOB = "worker"
 START_TIMEOUT = 60.0  # seconds for a worker process to start serving
@@ -79,11 +81,8 @@ class LocalCluster:
     """
 
     def __init__(self, num_workers: int, threads_per_worker: int = 1, start_timeout: float = START_TIMEOUT):
-        for name, value in (("num_workers", num_workers), ("threads_per_worker", threads_per_worker)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be an integer >= 1, got {value!r}.")
-        self.num_workers = num_workers
-        self.threads_per_worker = threads_per_worker
+        self.num_workers = positive_int("num_workers", num_workers)
+        self.threads_per_worker = positive_int("threads_per_worker", threads_per_worker)
         self.start_timeout = start_timeout
         self.addresses: list[str] = []
         self.processes: list[subprocess.Popen] = []
@@ -200,15 +199,12 @@ def _worker_threads(threads: int) -> Iterator[None]:
     server was started with: measured here, "single-thread" workers ran two ops at
     once. This process's own pools are already created and do not change.
     """
-    ctx = context.context()
     verbosity = absl_logging.get_verbosity()
     absl_logging.set_verbosity(absl_logging.WARNING)  # TF logs the whole config at INFO when connecting
-    saved = ctx._intra_op_parallelism_threads, ctx._inter_op_parallelism_threads  # noqa: SLF001 - no public way
-    ctx._intra_op_parallelism_threads = ctx._inter_op_parallelism_threads = threads  # noqa: SLF001
     try:
-        yield
+        with _compat.eager_thread_settings(threads):
+            yield
     finally:
-        ctx._intra_op_parallelism_threads, ctx._inter_op_parallelism_threads = saved  # noqa: SLF001
         absl_logging.set_verbosity(verbosity)
 
 

@@ -22,6 +22,8 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from tfpipe import _compat, specs
+from tfpipe._args import positive_int
 from tfpipe.sequence import copy_layer, layer_list
 
 KINDS = ("flops", "params", "time", "memory")
@@ -70,8 +72,7 @@ def estimate(layers: Any, sample: Any, cost: Cost = "flops", device: Optional[st
         for index, (layer, value) in enumerate(zip(layers, costs)):
             _check_value(value, index, layer)
         return Estimate("custom", costs, output_bytes=[])
-    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
-        raise ValueError(f"repeats must be an integer >= 1, got {repeats!r}.")
+    repeats = positive_int("repeats", repeats)
     if cost == "memory" and not tf.executing_eagerly():
         raise ValueError("cost='memory' is measured eagerly only; call tfpipe.balance.by_memory outside tf.function.")
     batch = _batch_size(sample)
@@ -111,7 +112,7 @@ def _restoring(seeds: tuple) -> Iterator[None]:
 # Walking the sequence ----------------------------------------------------------------------
 def _walk(layers: Sequence[keras.layers.Layer], x: Any, run: bool) -> Iterator[tuple]:
     """For each layer: (index, layer, a built copy, its input, its output); inputs are values if ``run``."""
-    spec = _spec(x)
+    spec = specs.symbolic(x, keep_batch=True)
     for index, layer in enumerate(layers):
         copy = copy_layer(layer, "to estimate its cost", "pass balance=[...] or a cost callable instead")
         try:
@@ -126,10 +127,6 @@ def _walk(layers: Sequence[keras.layers.Layer], x: Any, run: bool) -> Iterator[t
         y = copy(x, training=False) if run else out_spec
         yield index, layer, copy, (x if run else spec), y
         x, spec = y, out_spec
-
-
-def _spec(x: Any) -> Any:
-    return tf.nest.map_structure(lambda t: keras.KerasTensor(tuple(t.shape), dtype=t.dtype.name), x)
 
 
 def _describe(spec: Any) -> str:
@@ -227,9 +224,9 @@ def _function_graph(op: tf.Operation, attr: str) -> Optional[tf.Graph]:
     """The graph of the function an op's attribute names, looked up from the op's graph outwards."""
     name, graph = op.get_attr(attr).name, op.graph
     while graph is not None:
-        found = graph._get_function(name)  # pylint: disable=protected-access
+        found = _compat.function_graph(graph, name)
         if found is not None:
-            return found.graph
+            return found
         graph = getattr(graph, "outer_graph", None)
     return None
 

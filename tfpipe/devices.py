@@ -7,6 +7,8 @@ from typing import Any, ContextManager, Optional, Sequence
 
 import tensorflow as tf
 
+from tfpipe import _compat
+
 
 def _short_name(logical_name: str) -> str:
     spec = tf.DeviceSpec.from_string(logical_name)
@@ -134,7 +136,7 @@ def _kind(strategy: Any) -> str:
         return "tpu"
     if isinstance(strategy, tf.distribute.OneDeviceStrategy):
         return "one_device"
-    if type(strategy).__name__ == "_DefaultDistributionStrategy":
+    if _compat.is_default_strategy(strategy):
         return "default"
     return "unsupported"
 
@@ -161,8 +163,7 @@ def for_strategy(strategy: tf.distribute.Strategy, devices: Optional[Sequence[st
             )
         return [_short_name(device)] * num_cells
     if kind == "tpu":
-        assignment = getattr(strategy.extended, "_device_assignment", None)
-        cores = assignment.num_cores_per_replica if assignment is not None else 1
+        cores = _compat.tpu_cores_per_replica(strategy)
         if num_cells > cores:
             raise ValueError(
                 f"{num_cells} cells but each TPU replica has {cores} logical core(s). Create the TPUStrategy with "

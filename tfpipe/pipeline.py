@@ -16,7 +16,7 @@ import keras
 import tensorflow as tf
 
 from tfpipe import checkpoint, devices, schedule, state
-from tfpipe.stage import Cell
+from tfpipe.cell import Cell
 
 LossFn = Callable[[int, Any], tf.Tensor]
 
@@ -143,7 +143,7 @@ class Pipeline:
             with_reg = backward and j == 0  # weight regularizers count once per step
 
             def fn(x_in, *w):
-                y, new_state, added = cell.call(list(w), seeds, x_in, training=training)
+                y, new_state, added = cell.run_traced(list(w), seeds, x_in, training=training)
                 added = added * share  # add_loss terms are batch means, as Keras normalizes them
                 if with_reg:
                     added = added + cell.regularization_loss(list(w))

@@ -1,4 +1,4 @@
-"""What PipelineModel saves beyond Keras' defaults: input specs, layer configs, seed states, layer copies."""
+"""What PipelineModel saves beyond Keras' defaults: layer configs, seed states, layer copies."""
 
 from __future__ import annotations
 
@@ -7,24 +7,6 @@ from typing import Any, Callable, Sequence
 import keras
 
 from tfpipe.sequence import copy_layer
-
-
-def spec_config(spec: Any) -> Any:
-    """Symbolic inputs as JSON-able data: each leaf becomes {"shape": [...], "dtype": ...}."""
-    if isinstance(spec, keras.KerasTensor):
-        return {"shape": list(spec.shape), "dtype": keras.backend.standardize_dtype(spec.dtype)}
-    if isinstance(spec, dict):
-        return {"dict": {k: spec_config(v) for k, v in spec.items()}}
-    return {"sequence": [spec_config(v) for v in spec]}
-
-
-def spec_from_config(config: dict[str, Any]) -> Any:
-    """Inverse of ``_spec_config`` (sequences come back as tuples)."""
-    if "dict" in config:
-        return {k: spec_from_config(v) for k, v in config["dict"].items()}
-    if "sequence" in config:
-        return tuple(spec_from_config(v) for v in config["sequence"])
-    return keras.KerasTensor(tuple(config["shape"]), dtype=config["dtype"])
 
 
 class SeedStates(keras.layers.Layer):

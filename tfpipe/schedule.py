@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Sequence
 
+from tfpipe._args import positive_int
+
 
 @dataclasses.dataclass(frozen=True)
 class Task:
@@ -18,11 +20,6 @@ class Task:
         return f"{self.kind}({self.cell},{self.micro_batch})"
 
 
-def _check_positive(name: str, value: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be an integer >= 1, got {value!r}.")
-
-
 def gpipe(num_cells: int, num_micro_batches: int, backward: bool = True) -> list[list[Task]]:
     """GPipe's clock cycles: each cycle lists the tasks that may run at the same time.
 
@@ -30,8 +27,8 @@ def gpipe(num_cells: int, num_micro_batches: int, backward: bool = True) -> list
     K-1 starts with micro-batch M-1, and cell i runs B(i, j) at backward cycle
     (K-1-i) + (M-1-j).
     """
-    _check_positive("num_cells", num_cells)
-    _check_positive("num_micro_batches", num_micro_batches)
+    positive_int("num_cells", num_cells)
+    positive_int("num_micro_batches", num_micro_batches)
     k_cells, m = num_cells, num_micro_batches
     cycles = []
     for clock in range(m + k_cells - 1):
@@ -63,8 +60,8 @@ def device_order(cycles: Sequence[Sequence[Task]], cell_devices: Sequence[str]) 
 
 def bubble_fraction(num_cells: int, num_micro_batches: int) -> float:
     """Share of each device's time spent idle in a GPipe step: (K-1) / (M+K-1)."""
-    _check_positive("num_cells", num_cells)
-    _check_positive("num_micro_batches", num_micro_batches)
+    positive_int("num_cells", num_cells)
+    positive_int("num_micro_batches", num_micro_batches)
     return (num_cells - 1) / (num_micro_batches + num_cells - 1)
 
 

@@ -22,6 +22,8 @@ from typing import Sequence
 import keras
 import tensorflow as tf
 
+from tfpipe import _compat
+
 SEED_STATE_NAME = "seed_generator_state"
 
 
@@ -45,7 +47,7 @@ class StateMerger:
         self._bn: dict[int, tuple[str, float, int]] = {}  # id(var) -> (role, momentum, id(moving_mean))
         self._owner: dict[int, str] = {}
         for layer in layers:
-            for sub in layer._flatten_layers(include_self=True):
+            for sub in _compat.flatten_layers(layer):
                 for v in sub.variables:
                     self._owner.setdefault(id(v), sub.name)
                 if isinstance(sub, keras.layers.BatchNormalization) and not getattr(sub, "renorm", False):

@@ -1,0 +1,86 @@
+"""Every private Keras and TensorFlow internal tfpipe relies on, each with why; tests/test_compat.py pins them.
+
+A rename in Keras or TensorFlow must fail loudly here (and in that test), not
+silently change what tfpipe does: nothing below falls back quietly.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterator, Optional
+
+import keras
+import tensorflow as tf
+from keras.src import backend as _keras_backend
+from tensorflow.python.eager import context as _tf_context
+
+
+def in_stateless_scope() -> bool:
+    """Whether Keras is tracing symbolically in a StatelessScope (assignments must not happen there).
+
+    Keras exports ``StatelessScope`` but not the query.
+    """
+    return _keras_backend.in_stateless_scope()
+
+
+def compiled_loss(model: keras.Model) -> Any:
+    """The loss ``compile(loss=...)`` built (a CompileLoss: call it as ``(y, y_pred, sample_weight)``), or None.
+
+    The public ``compute_loss`` also adds ``model.losses``, which re-evaluates every
+    weight regularizer on the variables; the pipeline adds those per cell itself.
+    """
+    return model._compile_loss  # noqa: SLF001
+
+
+def loss_tracker(model: keras.Model) -> keras.metrics.Mean:
+    """The Mean metric that reports ``loss`` in ``fit``'s logs (Keras' train_step updates it)."""
+    return model._loss_tracker  # noqa: SLF001
+
+
+def symbolic_build(model: keras.Model, data_batch: Any) -> None:
+    """Create the compiled metrics' and the optimizer's variables from a symbolic batch, as Keras' fit does.
+
+    Done before Keras traces the step: a variable created while tracing makes
+    TensorFlow trace the whole unrolled pipeline a second time.
+    """
+    model._symbolic_build(data_batch=data_batch)  # noqa: SLF001
+
+
+def flatten_layers(layer: keras.layers.Layer) -> list[keras.layers.Layer]:
+    """A layer and every layer nested in it (Keras tracks sub-layers privately; ``Model.layers`` is one level)."""
+    return list(layer._flatten_layers(include_self=True))  # noqa: SLF001
+
+
+def function_graph(graph: tf.Graph, name: str) -> Optional[tf.Graph]:
+    """The FuncGraph of the function ``name`` registered in ``graph``, or None (no public lookup by name)."""
+    found = graph._get_function(name)  # noqa: SLF001
+    return None if found is None else found.graph
+
+
+@contextlib.contextmanager
+def eager_thread_settings(threads: int) -> Iterator[None]:
+    """Report ``threads`` as this process's intra- and inter-op pool sizes while connecting to a cluster.
+
+    Remote eager contexts size their pools from the config the client sends when it
+    connects (its own settings), not from their servers' ConfigProto; this process's
+    pools already exist and do not change. ``tf.config.threading`` refuses to set them
+    once the context is initialized, so the private fields are the only way.
+    """
+    ctx = _tf_context.context()
+    saved = ctx._intra_op_parallelism_threads, ctx._inter_op_parallelism_threads  # noqa: SLF001
+    ctx._intra_op_parallelism_threads = ctx._inter_op_parallelism_threads = threads  # noqa: SLF001
+    try:
+        yield
+    finally:
+        ctx._intra_op_parallelism_threads, ctx._inter_op_parallelism_threads = saved  # noqa: SLF001
+
+
+def tpu_cores_per_replica(strategy: tf.distribute.Strategy) -> int:
+    """Logical TPU cores per replica of a TPUStrategy (its device assignment is not public)."""
+    assignment = strategy.extended._device_assignment  # noqa: SLF001
+    return assignment.num_cores_per_replica if assignment is not None else 1
+
+
+def is_default_strategy(strategy: tf.distribute.Strategy) -> bool:
+    """Whether ``strategy`` is TensorFlow's default (no ``strategy.scope()`` entered); its class is not exported."""
+    return type(strategy).__name__ == "_DefaultDistributionStrategy"

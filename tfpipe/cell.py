@@ -1,0 +1,207 @@
+"""A cell: a contiguous group of layers placed on one device and run as a pure function."""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+import weakref
+from typing import Any, Sequence
+
+import keras
+import tensorflow as tf
+
+from tfpipe import devices, state
+
+
+class Cell:
+    """Layers ``layers`` on ``device``, callable as ``y = f(weights, state, x)`` without side effects."""
+
+    def __init__(self, index: int, layers: Sequence[keras.layers.Layer], device: str):
+        self.index = index
+        self.layers = list(layers)
+        self.device = device
+        self._merger: state.StateMerger | None = None
+        # TPU cores are entered through the strategy, where nested function calls are untested: run inline there.
+        self._traceable = devices.tpu_core(device) is None
+        self._traces: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # outer graph -> {signature: _Trace}
+        self.num_traces = 0  # how many times the layers' Python ran to trace a function
+        # Whether the traced function stays one call op (not inlined): see Pipeline.__init__.
+        self.noinline = False
+
+    # Variables -----------------------------------------------------------------------
+    def _unique(self, attr: str) -> list[keras.Variable]:
+        seen, out = set(), []
+        for layer in self.layers:
+            for v in getattr(layer, attr):
+                if id(v) not in seen:
+                    seen.add(id(v))
+                    out.append(v)
+        return out
+
+    @property
+    def trainable_variables(self) -> list[keras.Variable]:
+        """The cell's trainable variables, in layer order."""
+        return self._unique("trainable_variables")
+
+    @property
+    def non_trainable_variables(self) -> list[keras.Variable]:
+        """The cell's other state: frozen weights, BatchNorm statistics, seed-generator states."""
+        trainable = {id(v) for v in self.trainable_variables}
+        return [v for v in self._unique("non_trainable_variables") if id(v) not in trainable]
+
+    def count_params(self) -> int:
+        """Number of scalars in the cell's weights (seed states excluded)."""
+        return int(sum(layer.count_params() for layer in self.layers))
+
+    @property
+    def merger(self) -> state.StateMerger:
+        """How this cell's state updates are merged across micro-batches."""
+        if self._merger is None:
+            self._merger = state.StateMerger(self.layers)
+        return self._merger
+
+    # Building ---------------------------------------------------------------------------
+    def build(self, input_spec: Any) -> Any:
+        """Create the cell's variables on its device from the input spec; return the output spec."""
+        x = input_spec
+        with tf.init_scope(), devices.scope(self.device):
+            for layer in self.layers:
+                x = layer.compute_output_spec(x) if layer.built else layer(x)
+        return x
+
+    def read(self) -> tuple[list[tf.Tensor], list[tf.Tensor]]:
+        """Read the current trainable and non-trainable values once, on the cell's device."""
+        with devices.scope(self.device):
+            trainable = [tf.identity(v.value) for v in self.trainable_variables]
+            other = [tf.identity(v.value) for v in self.non_trainable_variables]
+        return trainable, other
+
+    def regularization_loss(self, trainable: Sequence[tf.Tensor]) -> tf.Tensor:
+        """Sum of the weight regularizers of the cell, evaluated on the given weight values."""
+        terms = [
+            tf.cast(v.regularizer(w), tf.float32)
+            for v, w in zip(self.trainable_variables, trainable)
+            if getattr(v, "regularizer", None) is not None
+        ]
+        return tf.add_n(terms) if terms else tf.constant(0.0)
+
+    # Running ------------------------------------------------------------------------------
+    def run_inline(
+        self,
+        trainable: Sequence[tf.Tensor],
+        non_trainable: Sequence[tf.Tensor],
+        x: Any,
+        training: bool,
+    ) -> tuple[Any, list[tf.Tensor], tf.Tensor]:
+        """Run the layers on given variable values: (outputs, new non-trainable values, added losses).
+
+        Nothing is assigned: Keras' StatelessScope maps every variable to the
+        given tensor and collects assignments and ``add_loss`` terms instead.
+        """
+        mapping = list(zip(self.trainable_variables, trainable)) + list(zip(self.non_trainable_variables, non_trainable))
+        with keras.StatelessScope(state_mapping=mapping, collect_losses=training) as scope:
+            for layer in self.layers:
+                x = layer(x, training=training)
+            new_state = [scope.get_current_value(v) for v in self.non_trainable_variables]
+            losses = [tf.cast(tf.reduce_sum(loss), tf.float32) for loss in scope.losses] if training else []
+        added = tf.add_n(losses) if losses else tf.constant(0.0)
+        return x, new_state, added
+
+    def run_traced(
+        self,
+        trainable: Sequence[tf.Tensor],
+        non_trainable: Sequence[tf.Tensor],
+        x: Any,
+        training: bool,
+    ) -> tuple[Any, list[tf.Tensor], tf.Tensor]:
+        """What ``run_inline`` returns, through one function call op traced once per input signature and graph.
+
+        The layers' Python then runs once per cell and micro-batch size instead of once per
+        micro-batch, and the tape differentiates the call op with a gradient function that
+        TensorFlow also traces once. A non-trainable value the cell leaves unchanged comes back
+        as the very tensor passed in (``StateMerger`` relies on it). If the layers cannot be
+        traced as a function, the cell runs inline, as ``run_inline``.
+
+        Eagerly the cell also runs inline: there is no graph to trace, and measured with
+        TF 2.21 the tape's eager gradient of a concrete-function call was wrong for
+        AmoebaNet-D in training mode (BatchNorm), while the graph-mode gradient is exact.
+        """
+        if not self._traceable or tf.executing_eagerly():
+            return self.run_inline(trainable, non_trainable, x, training)
+        leaves = tf.nest.flatten(x)
+        xs = [tf.convert_to_tensor(t) for t in leaves if t is not None]
+        args = xs + list(trainable) + list(non_trainable)
+        key = (bool(training), repr(tf.nest.map_structure(lambda t: t is None, x)),
+               tuple((tuple(a.shape), a.dtype) for a in args))
+        traces = self._traces.setdefault(tf.compat.v1.get_default_graph(), {})
+        trace = traces.get(key)
+        if trace is None:
+            try:
+                trace = traces[key] = self._trace(x, args, len(xs), len(trainable), training)
+            except Exception as error:  # noqa: BLE001 - any tracing failure: run the layers inline instead
+                warnings.warn(f"Cell {self.index} ({self.describe()}) cannot be traced as a function, so its layers "
+                              f"run inline once per micro-batch (slower to trace): {type(error).__name__}: {error}")
+                self._traceable = False
+                return self.run_inline(trainable, non_trainable, x, training)
+        outputs = trace.function(*args)
+        n_y = len(trace.y_leaves)
+        flat_y: list[Any] = [None] * len(tf.nest.flatten(trace.y))
+        for position, t in zip(trace.y_leaves, outputs[:n_y]):
+            flat_y[position] = t
+        y = tf.nest.pack_sequence_as(trace.y, flat_y)
+        new_state = list(non_trainable)
+        for k, value in zip(trace.changed, outputs[n_y:-1]):
+            new_state[k] = value
+        return y, new_state, outputs[-1]
+
+    def _trace(self, x: Any, args: Sequence[tf.Tensor], n_x: int, n_w: int, training: bool) -> "_Trace":
+        """Trace the cell as a concrete function of (inputs, trainable values, non-trainable values)."""
+        found: dict[str, Any] = {}
+
+        def body(*flat: tf.Tensor) -> list[tf.Tensor]:
+            it = iter(flat[:n_x])
+            x_in = tf.nest.pack_sequence_as(x, [None if leaf is None else next(it) for leaf in tf.nest.flatten(x)])
+            old = list(flat[n_x + n_w:])
+            with devices.scope(self.device):  # explicit, so the body stays on the cell's device wherever it runs
+                y, new_state, added = self.run_inline(list(flat[n_x:n_x + n_w]), old, x_in, training)
+            found["y"] = y
+            found["changed"] = [k for k, (new, was) in enumerate(zip(new_state, old)) if new is not was]
+            return [t for t in tf.nest.flatten(y) if t is not None] + [new_state[k] for k in found["changed"]] + [added]
+
+        self.num_traces += 1
+        specs = [tf.TensorSpec(a.shape, a.dtype) for a in args]
+        attributes = {"_noinline": True} if self.noinline else None
+        function = tf.function(body, autograph=False, experimental_attributes=attributes).get_concrete_function(*specs)
+        leaves = tf.nest.flatten(found["y"])
+        template = tf.nest.pack_sequence_as(found["y"], [None if t is None else 0 for t in leaves])
+        return _Trace(function, template, [i for i, t in enumerate(leaves) if t is not None], found["changed"])
+
+    def describe(self) -> str:
+        """The cell's layers: all names when few, else first and last with the count."""
+        names = [layer.name for layer in self.layers]
+        if len(names) <= 3:
+            return ", ".join(names)
+        return f"{names[0]} .. {names[-1]} ({len(names)} layers)"
+
+
+@dataclasses.dataclass
+class _Trace:
+    """A cell traced for one input signature: the function and how to unpack its flat outputs."""
+
+    function: Any  # a ConcreteFunction: (inputs, trainable, non-trainable) -> y leaves + changed state + added loss
+    y: Any  # the structure of the cell's outputs, with None where an output is None
+    y_leaves: list[int]  # positions of the tensor leaves in tf.nest.flatten(y)
+    changed: list[int]  # indices of the non-trainable values that the cell assigns
+
+
+def check_no_shared_variables(cells: Sequence[Cell]) -> None:
+    """A variable used by two cells would get two gradients; refuse it with the fix."""
+    owner: dict[int, int] = {}
+    for cell in cells:
+        for v in cell.trainable_variables + cell.non_trainable_variables:
+            other = owner.setdefault(id(v), cell.index)
+            if other != cell.index:
+                raise ValueError(
+                    f"Variable {v.path!r} is used by cells {other} and {cell.index}; tied weights must stay "
+                    "in one cell. Change balance so that the layers sharing it are in the same cell."
+                )

@@ -1,0 +1,79 @@
+"""PipelineModel.summary's table: each cell's device, layers, parameters, cost share and bytes handed on."""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+import numpy as np
+
+from tfpipe import balance as balance_lib
+from tfpipe import cost as cost_lib
+from tfpipe import schedule
+
+COLUMNS = ("Cell", "Device", "Layers", "Params", "Cost", "Share", "Out bytes/sample")
+WIDTHS = [4, 24, 0, 12, 20, 6, 16]  # 0: the layers column takes what the line length leaves
+
+
+def print_summary(model: Any, line_length: Optional[int] = None,
+                  print_fn: Optional[Callable[[str], None]] = None) -> None:
+    """Print ``model``'s cells, its parameter counts and the predicted pipeline efficiency."""
+    print_fn = print_fn or print
+    width = line_length or 120
+    cost_name = model.cost if isinstance(model.cost, str) else "custom"
+    try:
+        estimate, problem = model.layer_costs(), None
+    except ValueError as err:
+        estimate, problem = None, str(err)
+    balance = model.balance
+    per_cell = balance_lib.cell_costs(estimate.costs, balance) if estimate and balance else None
+    header = list(COLUMNS)
+    header[4] = f"Cost ({cost_lib.UNITS.get(cost_name, 'cost')})"
+    rows = [tuple(header)]
+    for cell in model.cells:
+        k = cell.index
+        params = f"{cell.count_params():,}" if model.built else "unbuilt"
+        cost = share = out = "-"
+        if per_cell is not None:
+            total = sum(per_cell) or 1.0
+            cost, share = si(per_cell[k]), f"{100.0 * per_cell[k] / total:.1f}%"
+            if estimate.output_bytes:
+                out = si(estimate.output_bytes[sum(balance[:k + 1]) - 1]) + "B"
+        rows.append((str(k), cell.device, cell.describe(), params, cost, share, out))
+    widths = list(WIDTHS)
+    widths[2] = max(12, width - sum(widths) - 2 * (len(widths) - 1))
+
+    def fmt(row: tuple) -> str:
+        return "  ".join(str(c)[:w].ljust(w) for c, w in zip(row, widths)).rstrip()
+
+    k, m = model.num_partitions, model.num_micro_batches
+    print_fn(f'PipelineModel "{model.name}": {k} cells, balance={balance}, '
+             f"num_micro_batches={m}, remat={model.remat!r}, cost={cost_name!r}")
+    print_fn("=" * width)
+    print_fn(fmt(rows[0]))
+    print_fn("-" * width)
+    if len(rows) == 1:
+        print_fn(f"(the balance is decided at build, from cost={cost_name!r})")
+    for row in rows[1:]:
+        print_fn(fmt(row))
+    print_fn("=" * width)
+    if model.built:
+        trainable = sum(int(np.prod(v.shape)) for v in model.trainable_weights)
+        total = sum(int(np.prod(v.shape)) for v in model.weights)
+        print_fn(f"Total params: {total:,}")
+        print_fn(f"Trainable params: {trainable:,}")
+        print_fn(f"Non-trainable params: {total - trainable:,}")
+    if per_cell is not None:
+        bubble_free = 1.0 - schedule.bubble_fraction(k, m)
+        print_fn(f"Predicted pipeline efficiency: {100 * balance_lib.efficiency(per_cell, m):.1f}% "
+                 f"= M/(M+K-1) {100 * bubble_free:.1f}% x mean/max cell cost "
+                 f"{100 * balance_lib.evenness(per_cell):.1f}%")
+    elif problem:
+        print_fn(f"Costs not estimated: {problem}")
+
+
+def si(value: float) -> str:
+    """A number with an SI prefix: 1234567 -> '1.23 M'."""
+    for factor, prefix in ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k"), (1.0, ""), (1e-3, "m"), (1e-6, "u")):
+        if abs(value) >= factor:
+            return f"{value / factor:.3g} {prefix}"
+    return f"{value:.3g}"

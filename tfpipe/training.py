@@ -1,0 +1,138 @@
+"""What PipelineModel's Keras training needs around the pipeline: the loss per micro-batch, batch
+checks before fit, variables created before tracing, and optimizer updates placed on the cells' devices."""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, Optional, Sequence
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from tfpipe import _compat, microbatch
+
+DEFAULT_REDUCTION = "sum_over_batch_size"  # what compile() gives a loss given as a string or function
+
+
+def loss_reduction(loss: Any) -> str:
+    """The one reduction of the losses given to ``compile(loss=...)``; a ValueError if they differ."""
+    reductions = set()
+    for entry in (e for e in tf.nest.flatten(loss) if e is not None):
+        if isinstance(entry, str):  # Keras picks the crossentropy later; every string loss gets the default
+            entry = None if entry.lower() in ("crossentropy", "ce") else keras.losses.get(entry)
+        reductions.add(entry.reduction if isinstance(entry, keras.losses.Loss) else DEFAULT_REDUCTION)
+    if len(reductions) > 1:
+        raise ValueError(
+            f"The compiled losses use different reductions {sorted(reductions)}; tfpipe weights micro-batch "
+            "losses by one rule, so give all losses the same reduction."
+        )
+    return reductions.pop() if reductions else "sum"
+
+
+def micro_batch_loss(model: keras.Model, default_hook: Callable, xs: Sequence[Any], ys: Sequence[Any],
+                     sws: Sequence[Any], sizes: Sequence[Any]) -> Callable[[int, Any], tf.Tensor]:
+    """``loss_fn(j, y_pred)``: micro-batch j's share of the mini-batch loss, weighted so the shares add up.
+
+    Without an override of ``compute_loss`` (``default_hook`` is the class's own) the
+    compiled loss is weighted by its reduction. An override is called per micro-batch
+    and, as Keras' losses do by default, taken as a mean over the micro-batch.
+    """
+    overridden = getattr(type(model), "compute_loss") is not default_hook
+    compiled = _compat.compiled_loss(model)
+    weights: list[tf.Tensor] = []
+
+    def loss_fn(j: int, y_pred: Any) -> tf.Tensor:
+        if overridden:
+            value = model.compute_loss(x=xs[j], y=ys[j], y_pred=y_pred, sample_weight=sws[j], training=True)
+            reduction = DEFAULT_REDUCTION
+        elif compiled is None:
+            return tf.constant(0.0)
+        else:
+            value, reduction = compiled(ys[j], y_pred, sws[j]), loss_reduction(model.loss)
+        if not weights:
+            weights.extend(microbatch.loss_weights(reduction, sizes, sws))
+        return tf.cast(value, tf.float32) * weights[j]
+
+    return loss_fn
+
+
+def unscale_for_distribution(loss: tf.Tensor) -> tf.Tensor:
+    """The loss as ``fit`` reports it: Keras divides losses by the replica count; undo that."""
+    replicas = tf.distribute.get_strategy().num_replicas_in_sync
+    return loss * replicas if replicas > 1 else loss
+
+
+def check_batches(x: Any, batch_size: Optional[int], validation_split: float, num_micro_batches: int) -> None:
+    """Refuse, before fit starts, a batch size or sample count that leaves a batch smaller than M."""
+    m = num_micro_batches
+    if batch_size is not None and batch_size < m:
+        raise ValueError(
+            f"batch_size={batch_size} is smaller than num_micro_batches={m}; every micro-batch needs a sample. "
+            f"Use batch_size >= {m} or lower num_micro_batches."
+        )
+    leaves = [leaf for leaf in tf.nest.flatten(x) if isinstance(leaf, (np.ndarray, tf.Tensor))]
+    if not leaves or len(leaves) != len(tf.nest.flatten(x)):
+        return  # a dataset or generator: its batches are checked when the step is traced
+    n = int(math.floor(int(leaves[0].shape[0]) * (1.0 - validation_split)))  # as Keras splits
+    size = batch_size or 32
+    last = n % size
+    if 0 < last < m:
+        raise ValueError(
+            f"{n} samples in batches of {size} leave a last batch of {last}, smaller than num_micro_batches={m}. "
+            f"Choose a batch_size that leaves no remainder or one of at least {m}, or drop the last {last} samples."
+        )
+
+
+def build_before_tracing(model: keras.Model, x: Any, y: Any, sample_weight: Any) -> None:
+    """Create the model's, metrics' and optimizer's variables before Keras traces a step.
+
+    Without a distribution strategy Keras creates them while tracing, and a variable
+    created in a trace makes TensorFlow trace the whole unrolled pipeline a second
+    time (about a third of a first fit, measured).
+    """
+    if not model.compiled:
+        return
+    if isinstance(x, tf.data.Dataset):
+        batch = x.element_spec
+    elif all(isinstance(leaf, (np.ndarray, tf.Tensor)) for leaf in tf.nest.flatten((x, y, sample_weight))
+             if leaf is not None):
+        batch = (x, y, sample_weight)
+    else:
+        return  # generators and PyDatasets: Keras builds while tracing, as usual
+    symbolic = tf.nest.map_structure(
+        lambda t: None if t is None else keras.KerasTensor((None,) + tuple(t.shape[1:]),
+                                                           keras.backend.standardize_dtype(t.dtype)), batch)
+    with model.distribute_strategy.scope():  # where Keras itself would create them
+        if not model.built:  # ourselves: Keras would build inside a StatelessScope, which defers variable
+            model.build(keras.utils.unpack_x_y_sample_weight(symbolic)[0])  # creation past our device scopes
+        _compat.symbolic_build(model, symbolic)
+
+
+def _device_of(variable: Any) -> str:
+    return (variable.value if isinstance(variable, keras.Variable) else variable).device
+
+
+def place_on_variable_devices(optimizer: keras.optimizers.Optimizer) -> None:
+    """Create each optimizer slot, and run each variable's update, on that variable's device.
+
+    Keras asks tf.distribute to colocate them, which does nothing for slots built
+    eagerly and leaves the update math unplaced in the graph. Both hooks are public
+    Optimizer methods; they are wrapped on this instance (and a LossScaleOptimizer's inner one).
+    """
+    for opt in (optimizer, getattr(optimizer, "inner_optimizer", None)):
+        if opt is None or getattr(opt, "_tfpipe_placed", False):
+            continue
+        create, update = opt.add_variable_from_reference, opt.update_step
+
+        def add_variable_from_reference(reference_variable, *args, _create=create, **kwargs):
+            with tf.device(_device_of(reference_variable)):
+                return _create(reference_variable, *args, **kwargs)
+
+        def update_step(gradient, variable, learning_rate, _update=update):
+            with tf.device(_device_of(variable)):
+                return _update(gradient, variable, learning_rate)
+
+        opt.add_variable_from_reference = add_variable_from_reference
+        opt.update_step = update_step
+        opt._tfpipe_placed = True
