@@ -288,22 +288,14 @@ class PipelineModel(keras.Model):
         if self.optimizer is not None and self.built:
             self.optimizer.build(self.trainable_variables)
 
-    def _seed_states(self) -> list[keras.Variable]:
-        """The layers' seed-generator states, in layer order."""
-        seen: dict[int, keras.Variable] = {}
-        for layer in self.pipeline_layers:
-            for v in layer.variables:
-                if state_lib.is_seed_state(v):
-                    seen.setdefault(id(v), v)
-        return list(seen.values())
-
     @property
     def _tfpipe_seed_states(self) -> "saving.SeedStates":
         # Keras saves every KerasSaveable attribute of a model, so this one puts the seed
         # states in their own group (a keras.Sequential loading the file ignores it). Set
         # without Keras' attribute tracking, so that it is not one of the model's layers.
         if "_seed_saver" not in self.__dict__:
-            object.__setattr__(self, "_seed_saver", saving.SeedStates(self._seed_states))
+            states = saving.SeedStates(lambda: state_lib.seed_states(self.pipeline_layers))
+            object.__setattr__(self, "_seed_saver", states)
         return self.__dict__["_seed_saver"]
 
     @classmethod
@@ -315,17 +307,7 @@ class PipelineModel(keras.Model):
         ``copy=False`` shares the layer objects, and with them the variables, wherever
         they already are.
         """
-        if not isinstance(model, keras.Sequential):
-            raise TypeError(f"from_sequential takes a keras.Sequential, got {type(model).__name__}; "
-                            "for a list of layers use PipelineModel(layers, ...).")
-        if not copy:
-            return cls(model, **kwargs)
-        layers = layer_list(model)
-        pipelined = cls([saving.clone(layer) for layer in layers], **kwargs)
-        if model.built and model.inputs:
-            pipelined.build(model.inputs[0] if len(model.inputs) == 1 else model.inputs)
-            saving.copy_weights(layers, pipelined.pipeline_layers)
-        return pipelined
+        return saving.from_sequential(cls, model, copy, kwargs)
 
     def to_sequential(self, *, copy: bool = False) -> keras.Sequential:
         """The same layers as a plain ``keras.Sequential`` (for serving or export), built if this model is.
@@ -333,18 +315,7 @@ class PipelineModel(keras.Model):
         ``copy=False`` (default) shares the layers and weights: training one trains the
         other. ``copy=True`` clones the layers and copies the current weights.
         """
-        layers = [saving.clone(layer) for layer in self.pipeline_layers] if copy else list(self.pipeline_layers)
-        if self._inputs is None:
-            return keras.Sequential(layers, name=f"{self.name}_sequential")
-        if not isinstance(self._inputs, keras.KerasTensor):
-            raise ValueError("keras.Sequential takes a single input; this model was built for "
-                             f"{tf.nest.map_structure(lambda t: tuple(t.shape), self._inputs)}.")
-        spec = self._inputs
-        sequential = keras.Sequential([keras.Input(shape=spec.shape[1:], dtype=spec.dtype), *layers],
-                                      name=f"{self.name}_sequential")
-        if copy:
-            saving.copy_weights(self.pipeline_layers, layers)
-        return sequential
+        return saving.to_sequential(self.pipeline_layers, self._inputs, f"{self.name}_sequential", copy)
 
     # Presentation -------------------------------------------------------------------------------
     def layer_costs(self) -> Optional[cost_lib.Estimate]:

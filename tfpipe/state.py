@@ -32,6 +32,16 @@ def is_seed_state(variable: keras.Variable) -> bool:
     return variable.name == SEED_STATE_NAME and not variable.dtype.startswith("float")
 
 
+def seed_states(layers: Sequence[keras.layers.Layer]) -> list[keras.Variable]:
+    """The seed-generator states of ``layers``, each once, in layer order."""
+    seen: dict[int, keras.Variable] = {}
+    for layer in layers:
+        for v in layer.variables:
+            if is_seed_state(v):
+                seen.setdefault(id(v), v)
+    return list(seen.values())
+
+
 def micro_batch_seed(state: tf.Tensor, micro_batch: int) -> tf.Tensor:
     """The seed state micro-batch j runs with: the step's own for j=0, a folded-in one otherwise."""
     if micro_batch == 0:

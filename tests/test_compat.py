@@ -1,0 +1,107 @@
+"""Every private Keras/TensorFlow internal in tfpipe/_compat.py still exists and behaves as tfpipe expects.
+
+If one of these fails after upgrading Keras or TensorFlow, the internal it names
+changed: fix tfpipe/_compat.py, do not loosen the test.
+"""
+
+import inspect
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from tfpipe import _compat
+
+
+def test_in_stateless_scope():
+    assert not _compat.in_stateless_scope()
+    with keras.StatelessScope():
+        assert _compat.in_stateless_scope()
+
+
+def _compiled_model():
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+    model.compile(optimizer="sgd", loss="mse", metrics=["mae"])
+    return model
+
+
+def test_compiled_loss_is_the_compiled_loss_without_model_losses():
+    model = _compiled_model()
+    y, y_pred = np.ones((4, 2), "float32"), np.zeros((4, 2), "float32")
+    assert float(_compat.compiled_loss(model)(y, y_pred, None)) == pytest.approx(1.0)
+    unlossed = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+    unlossed.compile(optimizer="sgd")
+    assert _compat.compiled_loss(unlossed) is None
+
+
+def test_loss_tracker_reports_fits_loss():
+    model = _compiled_model()
+    tracker = _compat.loss_tracker(model)
+    assert isinstance(tracker, keras.metrics.Mean) and tracker.name == "loss"
+    assert tracker in model.metrics
+
+
+def test_symbolic_build_creates_metric_and_optimizer_variables():
+    model = _compiled_model()
+    batch = (keras.KerasTensor((None, 3)), keras.KerasTensor((None, 2)), None)
+    assert not model.optimizer.built
+    before = len(model.metrics_variables)
+    _compat.symbolic_build(model, batch)
+    assert model.optimizer.built and len(model.metrics_variables) > before
+
+
+def test_flatten_layers_reaches_nested_layers():
+    inner = keras.Sequential([keras.layers.Dense(2, name="deep")])
+    outer = keras.Sequential([keras.Input((3,)), inner])
+    names = [layer.name for layer in _compat.flatten_layers(outer)]
+    assert names[0] == outer.name and inner.name in names and "deep" in names
+
+
+def test_function_graph_finds_a_called_function():
+    inner = tf.function(lambda x: x * 2.0, autograph=False).get_concrete_function(tf.TensorSpec([], tf.float32))
+
+    @tf.function(autograph=False)
+    def outer(x):
+        return inner(x)
+
+    graph = outer.get_concrete_function(tf.TensorSpec([], tf.float32)).graph
+    calls = [op for op in graph.get_operations() if op.type in ("PartitionedCall", "StatefulPartitionedCall")]
+    assert calls
+    found = _compat.function_graph(graph, calls[0].get_attr("f").name)
+    assert found is not None and any(op.type == "Mul" for op in found.get_operations())
+    assert _compat.function_graph(graph, "no_such_function") is None
+
+
+def test_eager_thread_settings_are_set_and_restored():
+    from tensorflow.python.eager import context
+
+    ctx = context.context()
+    before = ctx._intra_op_parallelism_threads, ctx._inter_op_parallelism_threads
+    with _compat.eager_thread_settings(3):
+        assert (ctx._intra_op_parallelism_threads, ctx._inter_op_parallelism_threads) == (3, 3)
+        assert ctx.config.intra_op_parallelism_threads == 3  # what a connecting client sends
+    assert (ctx._intra_op_parallelism_threads, ctx._inter_op_parallelism_threads) == before
+
+
+def test_tpu_strategy_keeps_its_device_assignment_privately():
+    # No TPU here: check that TPUStrategy's extended object still stores the assignment under this name.
+    from tensorflow.python.distribute import tpu_strategy
+
+    assert "self._device_assignment = device_assignment" in inspect.getsource(tpu_strategy.TPUExtended.__init__)
+
+    class Assignment:
+        num_cores_per_replica = 4
+
+    class Extended:
+        _device_assignment = Assignment()
+
+    class Strategy:
+        extended = Extended()
+
+    assert _compat.tpu_cores_per_replica(Strategy()) == 4
+
+
+def test_default_strategy_is_recognized():
+    assert _compat.is_default_strategy(tf.distribute.get_strategy())
+    assert not _compat.is_default_strategy(tf.distribute.OneDeviceStrategy("/CPU:0"))

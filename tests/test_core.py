@@ -1,0 +1,171 @@
+"""The core on its own: Checkpoint.vjp against tf.GradientTape, and Pipeline driving small fake cells."""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from tfpipe import checkpoint, schedule
+from tfpipe.pipeline import TASK_START, Pipeline, task_scope_name
+
+
+def _fn(x, w, b):
+    h = tf.tanh(tf.matmul(x, w) + b)
+    return h, tf.reduce_sum(h * h)
+
+
+def _reference(sources, dy, dsum):
+    x, w, b = sources
+    with tf.GradientTape() as tape:
+        tape.watch([x, w, b])
+        h, s = _fn(x, w, b)
+        target = tf.reduce_sum(h * dy) + s * dsum
+    return tape.gradient(target, [x, w, b])
+
+
+@pytest.mark.parametrize("recompute", [True, False])
+@pytest.mark.parametrize("in_graph", [True, False])
+def test_checkpoint_vjp_matches_gradient_tape(recompute, in_graph):
+    rng = np.random.default_rng(0)
+    sources = [tf.constant(rng.standard_normal(s), tf.float32) for s in ((5, 3), (3, 4), (4,))]
+    dy, dsum = tf.constant(rng.standard_normal((5, 4)), tf.float32), tf.constant(0.5)
+
+    def run():
+        record = checkpoint.Checkpoint(_fn, sources, recompute=recompute)
+        return record.vjp(lambda out: list(out), [dy, dsum])
+
+    got = tf.function(run, autograph=False)() if in_graph else run()
+    for g, r in zip(got, _reference(sources, dy, dsum)):
+        np.testing.assert_allclose(g.numpy(), r.numpy(), rtol=1e-5, atol=1e-6)
+
+
+def test_checkpoint_recompute_runs_the_function_again_and_keep_runs_it_once():
+    calls = []
+
+    def fn(x):
+        calls.append(1)
+        return x * 3.0
+
+    x = tf.constant([1.0, 2.0])
+    kept = checkpoint.Checkpoint(fn, [x], recompute=False)
+    assert kept.vjp(lambda out: [out], [tf.ones(2)])[0].numpy().tolist() == [3.0, 3.0] and len(calls) == 1
+    again = checkpoint.Checkpoint(fn, [x], recompute=True)
+    assert again.vjp(lambda out: [out], [tf.ones(2)])[0].numpy().tolist() == [3.0, 3.0] and len(calls) == 3
+
+
+def test_checkpoint_integer_and_leading_constant_sources_get_no_gradient():
+    x, ids, w = tf.constant([[1.0, 2.0]]), tf.constant([1]), tf.constant([[2.0], [3.0]])
+
+    def fn(x, ids, w):
+        return tf.matmul(x, w) * tf.cast(ids, tf.float32)[:, None]
+
+    grads = checkpoint.Checkpoint(fn, [x, ids, w], recompute=True, constant=1).vjp(lambda out: [out], [tf.ones((1, 1))])
+    assert grads[0] is None and grads[1] is None  # x is a constant source, ids are integers
+    np.testing.assert_allclose(grads[2].numpy(), [[1.0], [2.0]])
+
+
+def test_checkpoint_without_output_gradients_gives_zeros():
+    x = tf.constant([1.0, 2.0])
+    grads = checkpoint.Checkpoint(lambda x: x * 2.0, [x], recompute=False).vjp(lambda out: [out], [None])
+    assert grads[0].numpy().tolist() == [0.0, 0.0]
+
+
+def test_recomputes_follows_the_mode():
+    assert [checkpoint.recomputes("except_last", j, 3) for j in range(3)] == [True, True, False]
+    assert not any(checkpoint.recomputes("never", j, 3) for j in range(3))
+    assert all(checkpoint.recomputes("always", j, 3) for j in range(3))
+    with pytest.raises(ValueError, match="Unknown remat='some'; use one of 'always'"):
+        checkpoint.check_mode("some")
+
+
+class _NoState:
+    def merge(self, variables, old, new, fractions):
+        return []
+
+
+class FakeCell:
+    """y = x * w on a device: one scalar weight, no state, no added losses; logs each forward it runs."""
+
+    def __init__(self, index: int, device: str, log: list):
+        self.index, self.device, self.log = index, device, log
+        with tf.device(device):
+            self.w = keras.Variable(float(index + 2), name=f"w{index}")
+        self.noinline = False
+        self.merger = _NoState()
+
+    @property
+    def trainable_variables(self):
+        return [self.w]
+
+    @property
+    def non_trainable_variables(self):
+        return []
+
+    def read(self):
+        return [tf.identity(self.w.value)], []
+
+    def regularization_loss(self, trainable):
+        return tf.constant(0.0)
+
+    def run_traced(self, trainable, non_trainable, x, training):
+        self.log.append(self.index)
+        return x * trainable[0], [], tf.constant(0.0)
+
+
+def _train_graph(k, m, remat):
+    log: list = []
+    cells = [FakeCell(i, f"/CPU:{i}", log) for i in range(k)]
+    pipeline = Pipeline(cells, m, remat)
+    x = np.arange(2.0 * m, dtype="float32").reshape(m, 2)
+
+    @tf.function(autograph=False)
+    def step():
+        result = pipeline.train([tf.constant(x[j:j + 1]) for j in range(m)],
+                                lambda j, y: tf.reduce_sum(y), [tf.constant(1.0 / m)] * m)
+        return result.loss, result.gradients
+
+    return step, x, log
+
+
+@pytest.mark.parametrize("remat", ["never", "always"])
+def test_pipeline_loss_and_gradients_of_fake_cells(remat):
+    k, m = 3, 4
+    step, x, log = _train_graph(k, m, remat)
+    loss, grads = step()
+    w = [2.0, 3.0, 4.0]
+    assert float(loss) == pytest.approx(x.sum() * np.prod(w))
+    for i, g in enumerate(grads):
+        assert float(g) == pytest.approx(x.sum() * np.prod(w) / w[i])
+    forwards = [t.cell for t in schedule.flatten(schedule.gpipe(k, m, backward=True)) if t.kind == "F"]
+    assert log[:len(forwards)] == forwards  # forward tasks are built in schedule order
+    assert len(log) == len(forwards) * (2 if remat == "always" else 1)  # remat runs each forward again
+
+
+def test_pipeline_chains_each_devices_tasks_in_schedule_order():
+    k, m = 2, 3
+    step, _, _ = _train_graph(k, m, "except_last")
+    graph = step.get_concrete_function().graph
+    owner, task = {}, None  # an op belongs to the task whose marker was created last before it
+    for op in graph.get_operations():
+        if op.name.endswith("/" + TASK_START):
+            task = op.name.split("/")[0]
+        owner[op] = task
+    ops = {op.name: op for op in graph.get_operations()}
+    for device in range(k):
+        order = [t for t in schedule.flatten(schedule.gpipe(k, m, backward=True)) if t.cell == device]
+        for before, after in zip(order, order[1:]):
+            start = ops[f"{task_scope_name(after)}/{TASK_START}"]
+            waits_for = {owner[op] for op in _ancestors(start)}
+            assert task_scope_name(before) in waits_for, (before, after)  # ``after`` starts once ``before`` ran
+
+
+def _ancestors(op):
+    """Every op that ``op`` waits for, through data and control edges."""
+    seen, todo = set(), [op]
+    while todo:
+        current = todo.pop()
+        for parent in [t.op for t in current.inputs] + list(current.control_inputs):
+            if parent not in seen:
+                seen.add(parent)
+                todo.append(parent)
+    return seen

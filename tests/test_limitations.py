@@ -1,0 +1,94 @@
+"""Known limitations, each pinned as a strict xfail: the test states what a user would want and fails today.
+
+When a change makes one pass, pytest reports XPASS as a failure: remove the mark and
+the limitation from README.
+"""
+
+import subprocess
+
+import keras
+import numpy as np
+import pytest
+
+import tfpipe
+from tfpipe import state
+from tests.util import cpu_devices, run_fresh
+
+
+def _data(n=16, d=4, seed=0):
+    rng = np.random.default_rng(seed)
+    return rng.standard_normal((n, d)).astype("float32"), rng.standard_normal((n, 1)).astype("float32")
+
+
+@pytest.mark.xfail(strict=True, raises=ValueError, reason="only seed states and BatchNorm statistics are merged "
+                   "across micro-batches; other assigned state is refused when M > 1")
+def test_a_layer_assigning_other_state_trains_with_micro_batches():
+    x, y = _data()
+    layers = [keras.layers.Dense(8), keras.layers.BatchNormalization(renorm=True), keras.layers.Dense(1)]
+    model = tfpipe.PipelineModel(layers, balance=[2, 1], devices=cpu_devices(2), num_micro_batches=2)
+    model.compile(optimizer="sgd", loss="mse")
+    model.fit(x, y, batch_size=8, epochs=1, verbose=0)
+
+
+class _Tied(keras.layers.Layer):
+    """Uses another Dense layer's kernel, transposed (tied weights)."""
+
+    def __init__(self, source, **kwargs):
+        super().__init__(**kwargs)
+        self.source = source
+
+    def call(self, x):
+        return keras.ops.matmul(x, keras.ops.transpose(self.source.kernel))
+
+
+@pytest.mark.xfail(strict=True, raises=ValueError, reason="a variable used by two cells would get two gradients; "
+                   "tied weights must share a cell")
+def test_weights_tied_across_cells_train_like_keras():
+    x, y = _data()
+    dense = keras.layers.Dense(4, use_bias=False)
+    model = tfpipe.PipelineModel([dense, keras.layers.Activation("tanh"), _Tied(dense), keras.layers.Dense(1)],
+                                 balance=[2, 2], devices=cpu_devices(2), num_micro_batches=2)
+    model.compile(optimizer="sgd", loss="mse")
+    model.fit(x, y, batch_size=8, epochs=1, verbose=0)
+
+
+@pytest.mark.xfail(strict=True, raises=AssertionError, reason="Keras masks do not cross cell boundaries (issue 14)")
+def test_a_keras_mask_crosses_a_cell_boundary():
+    tokens = np.array([[3, 5, 0, 0], [7, 0, 0, 0]], "int32")  # 0 is padding
+    layers = [keras.layers.Embedding(10, 4, mask_zero=True), keras.layers.GlobalAveragePooling1D()]
+    reference = keras.Sequential([keras.Input((4,), dtype="int32"), *layers])
+    expected = reference.predict(tokens, verbose=0)
+    model = tfpipe.PipelineModel.from_sequential(reference, balance=[1, 1], devices=cpu_devices(2))
+    np.testing.assert_allclose(model.predict(tokens, verbose=0), expected, rtol=1e-6)
+
+
+@pytest.mark.xfail(strict=True, raises=AssertionError, reason="seed-generator states are created with their "
+                   "layer, on the default device, before the cell places it")
+def test_seed_states_live_on_their_cells_device():
+    model = tfpipe.PipelineModel([keras.layers.Dense(4), keras.layers.Dropout(0.5)], balance=[1, 1],
+                                 devices=cpu_devices(2))
+    model.build((None, 3))
+    (seed,) = state.seed_states(model.pipeline_layers)
+    assert seed.value.device.endswith("CPU:1")
+
+
+@pytest.mark.xfail(strict=True, raises=subprocess.TimeoutExpired, reason="a worker that hangs without dying "
+                   "blocks the step forever (issue 16: a timeout)")
+def test_a_hung_worker_fails_the_step_within_a_timeout():
+    proc = run_fresh("""
+        import os, signal
+        import numpy as np, keras, tfpipe
+        from tfpipe.cluster import LocalCluster, WorkerError
+        with LocalCluster(2) as cluster:
+            layers = [keras.layers.Dense(8, activation="tanh"), keras.layers.Dense(1)]
+            model = tfpipe.PipelineModel(layers, balance=[1, 1], devices=cluster.devices, num_micro_batches=2)
+            model.compile(optimizer="sgd", loss="mse")
+            x, y = np.ones((16, 4), "float32"), np.ones((16, 1), "float32")
+            model.fit(x, y, batch_size=8, epochs=1, verbose=0)
+            os.kill(cluster.pids[1], signal.SIGSTOP)
+            try:
+                model.fit(x, y, batch_size=8, epochs=1, verbose=0)
+            except WorkerError as err:
+                print("WORKER ERROR", err)
+    """, timeout=45)
+    assert "WORKER ERROR" in proc.stdout, proc.stderr[-2000:]
