@@ -6,7 +6,7 @@ setup(
     name="tfpipe",
     version="0.1.0",
     description="GPipe pipeline parallelism for TensorFlow 2 and Keras 3",
-    packages=find_packages(include=["tfpipe", "tfpipe.*"]),
+    packages=find_packages(include=["tfpipe", "tfpipe.*", "models", "models.*", "scripts", "scripts.*"]),
     python_requires=">=3.10",
     install_requires=[
         "tensorflow>=2.21,<2.22",

@@ -2,16 +2,12 @@
 
 from __future__ import annotations
 
-import os
-import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import numpy as np
+from absl import app, flags
 
-import numpy as np  # noqa: E402
-from absl import app, flags  # noqa: E402
-
-from tfpipe.balance import partition  # noqa: E402
+from tfpipe.balance import partition
 
 flags.DEFINE_list("sizes", ["100:8", "1000:16", "1000:64"], "Cases as layers:cells.")
 flags.DEFINE_integer("repeats", 3, "Timed runs per case; the median is printed.", lower_bound=1)

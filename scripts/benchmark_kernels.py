@@ -13,11 +13,9 @@ the operand layouts TensorFlow's MatMul gradient uses and one alternative.
 from __future__ import annotations
 
 import os
-import sys
 import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from absl import app, flags  # noqa: E402
 

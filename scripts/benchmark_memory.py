@@ -1,62 +1,8 @@
 """Peak memory of a training step: plain Keras vs PipelineModel with re-materialization, and GPipe's Table 1.
 
-How memory is measured. TensorFlow's CPU allocator only counts bytes when it is
-the BFC allocator, which ``TF_CPU_ALLOCATOR_USE_BFC=true`` selects; it must be in
-the environment before TensorFlow starts, so this script sets it (unless already
-set) before anything imports TensorFlow, and sets it for every child process.
-``tf.config.experimental.get_memory_info("CPU:0")`` then reports the bytes in
-use ('current') and their high-water mark ('peak'), and
-``reset_memory_stats("CPU:0")`` restarts the mark. Memory is per process and the
-allocator keeps state, so every configuration runs in a fresh child process
-(this script re-invoked with the hidden ``--_child=JSON`` flag; it prints one
-``RESULT {json}`` line). A child builds the model, runs one warm-up training
-step (tracing; the Adam slots get created), records the bytes in use, resets
-the peak, runs ONE more training step and reads the peak. The step's transient,
-peak minus the bytes in use before it, is the activation memory (plus the
-step's gradients, which are small here); the total peak is reported too.
-
-The pipeline runs as K=1 cell on /CPU:0. On a CPU every logical device shares
-one allocator, so K>1 would only add the cells' memory back together; K=1 makes
-the comparison exactly re-materialization plus micro-batching against plain
-Keras (``keras.Sequential``, ``jit_compile=False``).
-
-Part 1, activation memory against GPipe's model. For a Transformer of L blocks
-(``--blocks``), plain Keras and ``PipelineModel(remat="always")`` at each M in
-``--table_micro_batches``. GPipe says the activation memory with
-re-materialization is O(N + (L/K) * (N/M)): the stashed cell inputs of all
-micro-batches (N) plus one micro-batch of one cell recomputed in the backward.
-Here N is the bytes of one layer boundary for the whole batch (batch * seq * dim *
-4) and the model is ``predicted = a*N + b*(L/K)*(N/M)``. One constant c in
-c*(N + L/K*N/M) cannot fit: a block keeps hundreds of boundary sizes of
-activations (each head's attention scores are seq/dim times a boundary), so b
-is far larger than a. The honest option taken: fit both constants on two points, remat M=1 and
-the largest M at L=``--blocks``, and report the relative error
-(measured/predicted - 1) on every other point: the middle values of M, plain
-Keras (predicted as the M=1 formula: re-materializing one whole cell at M=1
-keeps what plain Keras keeps), and every probe of the search below at other L.
-Target, printed not asserted: every held-out point within 25%.
-
-Part 2, GPipe's Table 1. The largest L whose training step's total peak stays
-under ``--budget_gib``, for plain Keras and for remat="always" with
-M=``--micro_batches``: doubling L from 1 until a probe exceeds the budget (or
-``--max_blocks`` is reached), then bisection; each probe is a fresh child. The
-budget is checked by measuring the peak, not by an allocation limit, so a probe
-above budget runs to completion (at most about twice the budget, as doubling
-stops at the first failure). Target, printed not asserted: remat holds at least
-3x as many blocks. The defaults (sequence 512, dim 32, 8 heads, batch 48) make
-activations dominate weights: each head keeps its own seq x seq attention
-scores, so a block keeps about 200 N (600 MiB) of activations against 50 KB of weights.
-Under 2 GiB plain Keras then fits 2 blocks, and the remat search would run to
-about 20; but a remat probe at M=8 traces and optimizes 8 copies of the graph,
-about 6-13 s per block here, so ``--max_blocks`` defaults to 8 and the remat
-result is then a lower bound (said so in the output). Beside each search the
-table shows where the part-1 model, plus the bytes in use before the step,
-would reach the budget: an extrapolation, labelled as one. ``--jobs`` children
-run at once (tracing is mostly single-threaded Python, so two share the 2 cores
-well; each child's memory is its own, so concurrency changes no measurement).
-The default run takes about 4-5 minutes on 2 cores; each child's highest
-resident set size (RSS) is recorded too, since it also counts what the BFC
-allocator does not see (the traced graph, host buffers, the allocator's pool).
+Each configuration runs in a fresh child process (this script with ``--_child=JSON``) under TensorFlow's BFC
+CPU allocator, which counts the bytes. Part 1 fits GPipe's activation-memory model; part 2 searches the largest
+L under a budget. The method, in full: docs/benchmarks.md, "Memory: GPipe Table 1", "How it is measured".
 
     python scripts/benchmark_memory.py                             # defaults: L=4 table, 2 GiB budget, M=8
     python scripts/benchmark_memory.py --out=docs/memory            # also write .csv and .md
@@ -77,7 +23,6 @@ from typing import Any, Callable, Optional
 
 os.environ.setdefault("TF_CPU_ALLOCATOR_USE_BFC", "true")  # before TensorFlow starts: it reads this once
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from absl import app, flags  # noqa: E402
 

@@ -31,11 +31,9 @@ whose backward costs about two, i.e. about +33%, so that target has little slack
 from __future__ import annotations
 
 import os
-import sys
 from typing import Any
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from absl import app, flags  # noqa: E402
 

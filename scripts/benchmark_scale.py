@@ -17,8 +17,6 @@ import subprocess
 import sys
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
 
 from absl import app, flags  # noqa: E402
 
@@ -65,10 +63,9 @@ print("RESULT " + json.dumps({"first_s": first, "step_ms": 1e3 * float(np.median
 
 def run_config(k: int, m: int) -> dict:
     """First-step seconds, steady step ms and peak RSS of one K x M configuration, in a fresh process."""
-    env = dict(os.environ, PYTHONPATH=REPO)
     args = [str(a) for a in (k, m, FLAGS.blocks, FLAGS.dim, FLAGS.seq_len, FLAGS.batch_size, FLAGS.remat,
                              FLAGS.steps)]
-    done = subprocess.run([sys.executable, "-c", _CHILD, *args], capture_output=True, text=True, env=env)
+    done = subprocess.run([sys.executable, "-c", _CHILD, *args], capture_output=True, text=True)
     lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
     if done.returncode != 0 or not lines:
         raise RuntimeError(f"K={k} M={m} failed (exit {done.returncode}):\n{done.stderr[-3000:]}")

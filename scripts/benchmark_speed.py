@@ -18,10 +18,8 @@ steps are excluded and the median step time is used. Every size in --dims x
 from __future__ import annotations
 
 import os
-import sys
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from absl import app, flags  # noqa: E402
 

@@ -4,9 +4,10 @@ Runs a few training steps of a small model under the TensorFlow profiler (on the
 worker processes themselves for ``local:N``: every TensorFlow server also serves
 the profiler), attributes each executed op to its task by the graph (each task's
 ops follow its ``F_i_j/task_start`` / ``B_i_j/task_start`` marker) and to a phase
-(forward, loss, recompute, backward, accumulate, transfer, optimizer, other),
-and writes OUT.csv (one row per step, device, task and phase), OUT.png (the
-measured timeline above the ideal one; needs matplotlib) and a summary.
+(forward, loss, recompute, backward, accumulate, transfer, optimizer, other) with
+``tfpipe.tasks``, and writes OUT.csv (one row per step, device, task and phase),
+OUT.png (the measured timeline above the ideal one, ``tfpipe.schedule.simulate``;
+needs matplotlib) and a summary.
 
     python scripts/timeline.py --devices=local:2 --micro_batches=8 --out=docs/timeline_local2_m8
     python scripts/timeline.py --devices=cpu:2 --blocks=1 --dim=32 --steps=1 --out=/tmp/tl   # smallest
@@ -27,11 +28,12 @@ import time
 from typing import Any, Optional
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from absl import app, flags  # noqa: E402
 
 from scripts.report import write_table  # noqa: E402
+from tfpipe import schedule  # noqa: E402
+from tfpipe.tasks import PHASES, TRANSFER_TYPES, OpInfo, attribute, lookup, parse_task_name  # noqa: E402
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("devices", "local:2", "cpu:N (N logical CPU devices in this process, one shared thread pool) "
@@ -51,22 +53,8 @@ flags.DEFINE_bool("png", True, 'Draw OUT.png (needs matplotlib: pip install -e "
                   "the CSV and the summary.")
 flags.DEFINE_string("out", "timeline", "Write OUT.csv and OUT.png.")
 
-PHASES = ("forward", "loss", "recompute", "backward", "accumulate", "transfer", "optimizer", "other")
 COLORS = {"forward": "#4C72B0", "loss": "#8172B2", "recompute": "#DD8452", "backward": "#C44E52",
           "accumulate": "#937860", "transfer": "#8C8C8C", "optimizer": "#222222", "other": "#CCCCCC"}
-TRANSFER_TYPES = ("_Send", "_Recv", "_HostSend", "_HostRecv")
-_START = re.compile(r"^([FB])_(\d+)_(\d+)/task_start$")
-_ACCUMULATE = re.compile(r"^B_\d+_\d+/(add|concat)(_\d+)?(/|$)")
-
-
-@dataclasses.dataclass(frozen=True)
-class OpInfo:
-    """Where a graph op belongs: its task ("F_0_1", or "" outside tasks), phase and device."""
-
-    task: str
-    phase: str
-    device: str
-
 
 @dataclasses.dataclass
 class Event:
@@ -99,74 +87,6 @@ def _ideal_costs(value: str) -> Optional[float]:
     if not ratio > 0:
         raise app.UsageError(f"--ideal_costs={value!r}: use 'measured' or a positive number such as 2.")
     return ratio
-
-
-# Graph ------------------------------------------------------------------------------------------------
-def attribute(graph: Any) -> dict[str, OpInfo]:
-    """Task, phase and device of every op (and name scope) of the step's graph, by creation order.
-
-    An op belongs to the task whose ``task_start`` marker precedes it.
-    Tape gradients are named after their forward ops ("gradient_tape/F_1_3/..."), so
-    a name alone does not tell which task created an op; creation order does. Ops of a
-    cell's function run under the name of their call op, which this attributes.
-    """
-    info: dict[str, OpInfo] = {}
-    task, kind, seen_grad = "", "", False
-    for op in graph.get_operations():
-        name = op.name
-        start = _START.match(name)
-        if start:
-            task, kind, seen_grad = f"{start.group(1)}_{start.group(2)}_{start.group(3)}", start.group(1), False
-        elif task and not (name.startswith(task + "/") or name.startswith("gradient_tape/")):
-            task = ""  # an op outside any task ends the current one
-        if not task:
-            phase = "optimizer" if _optimizer_op(name) else "other"
-            info[name] = OpInfo("", phase, op.device)
-            continue
-        grad = name.startswith("gradient_tape/") or _calls_gradient_function(op)
-        seen_grad = seen_grad or grad
-        if op.type in TRANSFER_TYPES:
-            phase = "transfer"
-        elif kind == "F":
-            phase = "loss" if seen_grad or "/compile_loss" in name else "forward"
-        elif not seen_grad:
-            phase = "recompute"
-        elif not grad and _ACCUMULATE.match(name):
-            phase = "accumulate"
-        else:
-            phase = "backward"
-        info[name] = OpInfo(task, phase, op.device)
-    for name, found in list(info.items()):  # name scopes, for ops that Grappler adds or renames
-        parts = name.split("/")
-        for n in range(1, len(parts)):
-            info.setdefault("/".join(parts[:n]), found)
-    return info
-
-
-def _calls_gradient_function(op: Any) -> bool:
-    """Whether ``op`` calls the gradient function TensorFlow generated for a traced cell (its ops are backward).
-
-    A cell's ops run inside function call ops; the profiler names them after the call
-    ("B_1_0/PartitionedCall_1/gradients/..."), so they are attributed through the call op.
-    """
-    return op.type in ("PartitionedCall", "StatefulPartitionedCall") and "__backward_" in op.get_attr("f").name
-
-
-def lookup(info: dict[str, OpInfo], op: str) -> Optional[OpInfo]:
-    """The attribution of an executed op: its own, else that of its innermost known name scope."""
-    parts = op.split("/")
-    for n in range(len(parts), 0, -1):
-        found = info.get("/".join(parts[:n]))
-        if found is not None:
-            return found
-    return None
-
-
-def _optimizer_op(name: str) -> bool:
-    """Ops of the optimizer's update (Keras names them after the optimizer) or variable writes."""
-    head = name.split("/")[0].lower()
-    return head in ("sgd", "adam", "adamw", "rmsprop", "adagrad", "lamb", "lion") or head.startswith(
-        ("assign", "adam", "sgd"))
 
 
 # Profile --------------------------------------------------------------------------------------------------
@@ -236,9 +156,8 @@ def _device_of(found: Optional[OpInfo], task: str, device_index: dict[str, int])
         spec = _short(found.device)
         if spec in device_index:
             return device_index[spec]
-    if task:
-        return int(task.split("_")[1]) if int(task.split("_")[1]) < len(device_index) else None
-    return None
+    cell = parse_task_name(task).cell if task else None
+    return cell if cell is not None and cell < len(device_index) else None
 
 
 def _short(device: str) -> str:
@@ -259,7 +178,8 @@ def task_rows(events: list[Event], windows: list[tuple[int, int]], device_names:
         key = (step, ev.device, ev.task, ev.phase)
         row = rows.get(key)
         if row is None:
-            kind, cell, mb = (ev.task.split("_") + ["", "", ""])[:3] if ev.task else ("", "", "")
+            task = parse_task_name(ev.task) if ev.task else None
+            kind, cell, mb = (task.kind, task.cell, task.micro_batch) if task else ("", "", "")
             row = rows[key] = {"step": step, "device": device_names[ev.device], "task": ev.task, "kind": kind,
                                "cell": cell, "micro_batch": mb, "phase": ev.phase, "start_ms": 1e300,
                                "end_ms": -1e300, "busy_ms": 0.0, "ops": 0}
@@ -288,37 +208,9 @@ def _union(intervals: list[tuple[float, float]]) -> float:
     return total
 
 
-def ideal_timeline(num_cells: int, m: int, f_cost: list[float], b_cost: list[float]) -> list[tuple]:
-    """(cell, task, start, end) of the GPipe schedule with the given per-cell F and B durations.
-
-    Each device runs its tasks in ``schedule.device_order``; a task starts when its
-    device is free and its inputs exist (F(i,j) after F(i-1,j), B(i,j) after B(i+1,j)).
-    Transfers take no time.
-    """
-    from tfpipe import schedule
-
-    cycles = schedule.gpipe(num_cells, m)
-    order = schedule.device_order(cycles, [str(i) for i in range(num_cells)])
-    done: dict[Any, float] = {}
-    free = [0.0] * num_cells
-    out = []
-    for task in schedule.flatten(cycles):  # every task after the tasks it depends on
-        i, j = task.cell, task.micro_batch
-        dep = done.get(("F", i - 1, j), 0.0) if task.kind == "F" else max(
-            done.get(("B", i + 1, j), 0.0), done.get(("F", i, j), 0.0))
-        begin = max(free[i], dep)
-        end = begin + (f_cost[i] if task.kind == "F" else b_cost[i])
-        done[(task.kind, i, j)], free[i] = end, end
-        out.append((i, task, begin, end))
-    assert sum(len(v) for v in order.values()) == len(out)
-    return out
-
-
 def summarize(events: list[Event], windows: list[tuple[int, int]], device_names: list[str], k: int,
               m: int) -> str:
     """Per device: busy fraction and time per phase; bubble measured vs ideal, over the profiled steps."""
-    from tfpipe import schedule
-
     wall = sum(end - begin for begin, end in windows) / 1e6
     lines = [f"{len(windows)} step(s), median {statistics.median((e - b) / 1e6 for b, e in windows):.1f} ms "
              f"(client wall time); ideal bubble (K-1)/(M+K-1) = {schedule.bubble_fraction(k, m):.3f}"]
@@ -347,8 +239,8 @@ def ideal_costs(events: list[Event], windows: list[tuple[int, int]], k: int,
     for e in events:
         step = _step_of(e, windows)
         if e.task and e.phase != "transfer" and step is not None:
-            covered.setdefault((e.task[0], int(e.task.split("_")[1]), step, e.task), []).append(
-                (e.start / 1e6, e.end / 1e6))
+            task = parse_task_name(e.task)
+            covered.setdefault((task.kind, task.cell, step, e.task), []).append((e.start / 1e6, e.end / 1e6))
     f_cost, b_cost = [], []
     for i in range(k):
         for kind, out in (("F", f_cost), ("B", b_cost)):
@@ -361,7 +253,7 @@ def ideal_costs(events: list[Event], windows: list[tuple[int, int]], k: int,
 
 
 def draw(path: str, events: list[Event], window: tuple[int, int], device_names: list[str],
-         ideal: list[tuple], title: str) -> None:
+         ideal: list[tuple[schedule.Task, float, float]], title: str) -> None:
     """The measured timeline of one step (top) above the ideal schedule (bottom), as a PNG."""
     import matplotlib
 
@@ -371,7 +263,7 @@ def draw(path: str, events: list[Event], window: tuple[int, int], device_names: 
 
     t0 = window[0]
     span = (window[1] - t0) / 1e6
-    ideal_span = max(end for _, _, _, end in ideal)
+    ideal_span = max(end for _, _, end in ideal)
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(16, 2.2 + 1.1 * len(device_names) * 2), sharex=False)
     for d in range(len(device_names)):
         mine = [e for e in events if e.device == d and t0 <= e.start <= window[1]]
@@ -379,19 +271,20 @@ def draw(path: str, events: list[Event], window: tuple[int, int], device_names: 
             x0, width = (begin - t0) / 1e6, (end - begin) / 1e6
             top.barh(d, width, left=x0, height=0.8, color=COLORS[phase], edgecolor="none")
             if task and width > span / 60 and phase in ("forward", "recompute", "backward"):
-                kind, cell, mb = task.split("_")
-                label = f"{'R' if phase == 'recompute' else kind}{mb}"
+                parsed = parse_task_name(task)
+                label = f"{'R' if phase == 'recompute' else parsed.kind}{parsed.micro_batch}"
                 top.text(x0 + width / 2, d, label, ha="center", va="center", fontsize=6, color="white")
     top.set_yticks(range(len(device_names)), device_names, fontsize=7)
     top.invert_yaxis()
     top.set_xlim(0, span)
     top.set_xlabel("ms since the step was called (measured)")
     top.set_title(title, fontsize=9)
-    for cell, task, begin, end in ideal:
+    for task, begin, end in ideal:
         phase = "forward" if task.kind == "F" else "backward"
-        bottom.barh(cell, end - begin, left=begin, height=0.8, color=COLORS[phase], edgecolor="white", linewidth=0.5)
+        bottom.barh(task.cell, end - begin, left=begin, height=0.8, color=COLORS[phase], edgecolor="white",
+                    linewidth=0.5)
         if end - begin > ideal_span / 80:
-            bottom.text((begin + end) / 2, cell, f"{task.kind}{task.micro_batch}", ha="center", va="center",
+            bottom.text((begin + end) / 2, task.cell, f"{task.kind}{task.micro_batch}", ha="center", va="center",
                         fontsize=6, color="white")
     bottom.set_yticks(range(len(device_names)), [f"cell {i}" for i in range(len(device_names))], fontsize=7)
     bottom.invert_yaxis()
@@ -536,8 +429,8 @@ def main(argv: list[str]) -> None:
     m = FLAGS.micro_batches
     f_cost, b_cost = ideal_costs(events, windows, k, ratio)
     print(summarize(events, windows, devices, k, m))
-    ideal = ideal_timeline(k, m, f_cost, b_cost)
-    ideal_ms = max(end for *_, end in ideal)
+    ideal = schedule.simulate(k, m, f_cost, b_cost)
+    ideal_ms = max(end for _, _, end in ideal)
     print(f"ideal step from the measured task costs: {ideal_ms:.1f} ms (F per cell "
           f"{', '.join(f'{c:.2f}' for c in f_cost)} ms; B {', '.join(f'{c:.2f}' for c in b_cost)} ms)")
     print(f"wrote {FLAGS.out}.csv" + (f" and {FLAGS.out}.png" if have_plot else ""))

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tfpipe import checkpoint, schedule
+from tfpipe import checkpoint, schedule, tasks
 from tfpipe.pipeline import TASK_START, Pipeline, task_scope_name
 
 
@@ -145,11 +145,8 @@ def test_pipeline_chains_each_devices_tasks_in_schedule_order():
     k, m = 2, 3
     step, _, _ = _train_graph(k, m, "except_last")
     graph = step.get_concrete_function().graph
-    owner, task = {}, None  # an op belongs to the task whose marker was created last before it
-    for op in graph.get_operations():
-        if op.name.endswith("/" + TASK_START):
-            task = op.name.split("/")[0]
-        owner[op] = task
+    all_ops = graph.get_operations()
+    owner = dict(zip(all_ops, tasks.assign_tasks([op.name for op in all_ops])))
     ops = {op.name: op for op in graph.get_operations()}
     for device in range(k):
         order = [t for t in schedule.flatten(schedule.gpipe(k, m, backward=True)) if t.cell == device]

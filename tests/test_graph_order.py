@@ -1,15 +1,13 @@
 """The built graph realizes the schedule: each device's tasks are chained in clock-cycle order."""
 
-import re
-
 import keras
 import pytest
 import tensorflow as tf
 
 import tfpipe
-from tfpipe import schedule
-from tfpipe.pipeline import TASK_START, task_scope_name
 from tests.util import cpu_devices, mlp_layers
+from tfpipe import schedule
+from tfpipe.tasks import assign_tasks, task_scope_name
 
 
 def _train_graph(model, batch=4, optimizer="sgd"):
@@ -22,21 +20,13 @@ def _train_graph(model, batch=4, optimizer="sgd"):
 
 
 def _task_ops(graph):
-    """Ops of each task: those created after its start marker and before the next task's.
-
-    Tape gradients are named after their forward ops ("gradient_tape/F_0_1/..."), so
-    the ops of a task are found by creation order, which follows the schedule.
-    """
-    tasks, current = {}, None
-    for op in graph.get_operations():
-        found = re.match(rf"^([FB]_\d+_\d+)/{TASK_START}$", op.name)
-        if found:
-            current = found.group(1)
-        elif current and (op.name.startswith(current + "/") or op.name.startswith("gradient_tape/")):
-            tasks.setdefault(current, []).append(op)
-        elif current and not re.match(r"^[FB]_\d+_\d+/", op.name):
-            current = None  # an op outside any task ends the current one
-    return tasks
+    """Ops of each task, its start marker included, by creation order (tfpipe.tasks.assign_tasks)."""
+    ops = graph.get_operations()
+    found = {}
+    for op, task in zip(ops, assign_tasks([op.name for op in ops])):
+        if task:
+            found.setdefault(task, []).append(op)
+    return found
 
 
 def _ancestors(op):
@@ -58,7 +48,7 @@ def test_each_device_runs_its_tasks_in_schedule_order(k, m, devices):
     tasks = _task_ops(_train_graph(model, batch=6))
     order = schedule.device_order(schedule.gpipe(k, m), devices)
     assert sum(len(v) for v in order.values()) == 2 * k * m
-    for device, device_tasks in order.items():
+    for device_tasks in order.values():
         names = [task_scope_name(t) for t in device_tasks]
         for earlier, later in zip(names, names[1:]):
             earlier_ops = {op.name for op in tasks[earlier]}

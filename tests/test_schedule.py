@@ -52,3 +52,49 @@ def test_bubble_and_ideal_speedup():
 def test_bad_sizes(k, m):
     with pytest.raises(ValueError, match="must be an integer >= 1"):
         schedule.gpipe(k, m)
+
+
+@pytest.mark.parametrize("k,m,f,b", [(1, 1, 1.0, 2.0), (2, 4, 1.0, 2.0), (4, 3, 0.5, 1.5), (5, 8, 2.0, 2.0)])
+def test_simulated_equal_costs_take_m_plus_k_minus_1_cycles_and_idle_the_bubble(k, m, f, b):
+    timed = schedule.simulate(k, m, [f] * k, [b] * k)
+    assert [task for task, _, _ in timed] == schedule.flatten(schedule.gpipe(k, m))
+    makespan = max(end for _, _, end in timed)
+    assert makespan == pytest.approx((m + k - 1) * (f + b))
+    for i in range(k):
+        busy = sum(end - start for task, start, end in timed if task.cell == i)
+        assert busy == pytest.approx(m * (f + b))
+        assert 1 - busy / makespan == pytest.approx(schedule.bubble_fraction(k, m))
+
+
+def test_simulated_uneven_cells_wait_for_inputs_and_for_their_device():
+    timed = schedule.simulate(2, 2, [1, 2], [2, 4])
+    assert [(str(task), start, end) for task, start, end in timed] == [
+        ("F(0,0)", 0, 1), ("F(0,1)", 1, 2), ("F(1,0)", 1, 3), ("F(1,1)", 3, 5),  # F(1,1) waits for cell 1
+        ("B(1,1)", 5, 9), ("B(1,0)", 9, 13), ("B(0,1)", 9, 11), ("B(0,0)", 13, 15)]  # B(0,0) waits for B(1,0)
+
+
+def test_simulated_tasks_respect_every_dependency():
+    timed = {task: (start, end) for task, start, end in schedule.simulate(3, 4, [1, 3, 2], [2, 1, 5])}
+    for task, (start, end) in timed.items():
+        i, j = task.cell, task.micro_batch
+        deps = [Task("F", i - 1, j)] if task.kind == "F" else [Task("F", i, j), Task("B", i + 1, j)]
+        assert all(timed[d][1] <= start for d in deps if d in timed), task
+        assert end - start == ([1, 3, 2][i] if task.kind == "F" else [2, 1, 5][i])
+    for i in range(3):  # one task at a time per device
+        spans = sorted(span for task, span in timed.items() if task.cell == i)
+        assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:]))
+
+
+@pytest.mark.parametrize("f,b,name", [([1.0], [1.0, 1.0], "f_cost"), ([1.0, 1.0], [1.0, -1.0], "b_cost"),
+                                      ([1.0, "x"], [1.0, 1.0], "f_cost"), (1.0, [1.0, 1.0], "f_cost"),
+                                      ([1.0, float("nan")], [1.0, 1.0], "f_cost")])
+def test_simulate_refuses_costs_that_are_not_one_duration_per_cell(f, b, name):
+    with pytest.raises(ValueError, match=rf"{name} must be a list of 2 durations >= 0, one per cell"):
+        schedule.simulate(2, 3, f, b)
+
+
+def test_simulate_refuses_bad_sizes():
+    with pytest.raises(ValueError, match="num_micro_batches must be an integer >= 1"):
+        schedule.simulate(2, 0, [1, 1], [1, 1])
+    with pytest.raises(ValueError, match="num_cells must be an integer >= 1"):
+        schedule.simulate(0, 2, [], [])

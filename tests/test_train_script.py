@@ -50,7 +50,7 @@ def test_resume_from_model_dir_continues_where_the_backup_left_off(tmp_path):
 
 
 def test_tfds_image_and_text_data_sets_train_under_mock_data():
-    proc = run_fresh(f"""
+    proc = run_fresh("""
         import sys
         import tensorflow as tf
         import tensorflow_datasets as tfds
@@ -58,19 +58,18 @@ def test_tfds_image_and_text_data_sets_train_under_mock_data():
                                                    [tf.config.LogicalDeviceConfiguration()] * 2)
         from absl import app
         sys.argv = ["train.py"]
-        sys.path.insert(0, {os.path.join(REPO, "scripts")!r})
-        import train
-        reports = {{}}
+        from scripts import train
+        reports = {}
         with tfds.testing.mock_data(num_examples=64):
             for name, flags in [("mnist", ["--model=resnet", "--stage_blocks=1,1", "--width=4", "--image_size=16"]),
                                 ("imdb_reviews", ["--blocks=1", "--dim=16", "--hidden=32", "--seq_len=16"])]:
                 train.FLAGS.unparse_flags()
-                train.FLAGS(["train.py", f"--dataset=tfds:{{name}}", "--epochs=1", "--batch_size=16",
+                train.FLAGS(["train.py", f"--dataset=tfds:{name}", "--epochs=1", "--batch_size=16",
                              "--devices=/CPU:0,/CPU:1", "--verbose=0", *flags])
                 reports[name] = train.run()
         print("REPORT", reports["mnist"]["balance"], reports["imdb_reviews"]["balance"],
               reports["mnist"]["final_loss"], reports["imdb_reviews"]["final_loss"])
-    """, env={"PYTHONPATH": REPO}, timeout=600)
+    """, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     line = proc.stdout.split("REPORT")[1]
     assert "(images)" in proc.stdout and "(next bytes)" in proc.stdout

@@ -17,11 +17,10 @@ import tensorflow as tf
 
 from tfpipe import checkpoint, devices, schedule, state
 from tfpipe.cell import Cell
+from tfpipe.tasks import TASK_START, task_scope_name
 
 LossFn = Callable[[int, Any], tf.Tensor]
 
-
-TASK_START = "task_start"
 
 # From this many tasks per step (2 K M) on, cells are called as functions that TensorFlow does not
 # inline. Inlined, Grappler optimizes all K x M copies of every cell before the first run: an
@@ -30,11 +29,6 @@ TASK_START = "task_start"
 # call, measured on single-thread workers: an MLP (8 x Dense(256), batch 1024) at K=1, M=8 ran
 # 0.74x as fast as inlined. Below the threshold the steady state wins; above it the first step.
 NOINLINE_TASKS = 64
-
-
-def task_scope_name(task: schedule.Task) -> str:
-    """The name scope of a task's ops in the graph."""
-    return f"{task.kind}_{task.cell}_{task.micro_batch}"
 
 
 @dataclasses.dataclass

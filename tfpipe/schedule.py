@@ -58,6 +58,43 @@ def device_order(cycles: Sequence[Sequence[Task]], cell_devices: Sequence[str]) 
     return order
 
 
+def simulate(num_cells: int, num_micro_batches: int, f_cost: Sequence[float],
+             b_cost: Sequence[float]) -> list[tuple[Task, float, float]]:
+    """(task, start, end) of every GPipe task, cell i on its own device taking f_cost[i] per F and b_cost[i] per B.
+
+    Tasks come in clock-cycle order. A task starts when its device has finished the
+    task before it and its inputs exist: F(i, j) after F(i-1, j); B(i, j) after
+    F(i, j) and B(i+1, j). Transfers take no time.
+    """
+    positive_int("num_cells", num_cells)
+    f_cost, b_cost = _costs("f_cost", f_cost, num_cells), _costs("b_cost", b_cost, num_cells)
+    done: dict[tuple[str, int, int], float] = {}
+    free = [0.0] * num_cells
+    out = []
+    for task in flatten(gpipe(num_cells, num_micro_batches)):
+        i, j = task.cell, task.micro_batch
+        if task.kind == "F":
+            ready = done.get(("F", i - 1, j), 0.0)
+        else:
+            ready = max(done[("F", i, j)], done.get(("B", i + 1, j), 0.0))
+        start = max(free[i], ready)
+        end = start + (f_cost[i] if task.kind == "F" else b_cost[i])
+        done[(task.kind, i, j)] = free[i] = end
+        out.append((task, start, end))
+    return out
+
+
+def _costs(name: str, costs: Sequence[float], num_cells: int) -> list[float]:
+    """``costs`` as floats if it holds one duration >= 0 per cell, else a ValueError naming it."""
+    try:
+        values = [float(c) for c in costs]
+    except (TypeError, ValueError):
+        values = []
+    if len(values) != num_cells or any(not v >= 0 for v in values):
+        raise ValueError(f"{name} must be a list of {num_cells} durations >= 0, one per cell, got {costs!r}.")
+    return values
+
+
 def bubble_fraction(num_cells: int, num_micro_batches: int) -> float:
     """Share of each device's time spent idle in a GPipe step: (K-1) / (M+K-1)."""
     positive_int("num_cells", num_cells)

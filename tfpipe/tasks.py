@@ -1,0 +1,137 @@
+"""Which pipeline task and phase each op of a step's graph belongs to, read back from the tasks' markers."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Sequence
+from typing import Any
+
+from tfpipe import schedule
+
+TASK_START = "task_start"  # the name of the no-op that opens each task's name scope
+PHASES = ("forward", "loss", "recompute", "backward", "accumulate", "transfer", "optimizer", "other")
+TRANSFER_TYPES = ("_Send", "_Recv", "_HostSend", "_HostRecv")  # op types that move tensors between devices
+
+_SCOPE = re.compile(r"([FB])_(\d+)_(\d+)")
+_ACCUMULATE = re.compile(r"^B_\d+_\d+/(add|concat)(_\d+)?(/|$)")  # summing a cell's gradients over micro-batches
+_TAPE = "gradient_tape/"  # tape gradients are named after their forward ops: "gradient_tape/F_1_3/..."
+_OPTIMIZERS = ("sgd", "adam", "adamw", "rmsprop", "adagrad", "lamb", "lion")
+_CALLS = ("PartitionedCall", "StatefulPartitionedCall")
+
+
+@dataclasses.dataclass(frozen=True)
+class OpInfo:
+    """Where a graph op belongs: its task ("F_0_1", or "" outside tasks), phase and device."""
+
+    task: str
+    phase: str
+    device: str
+
+
+def task_scope_name(task: schedule.Task) -> str:
+    """The name scope of a task's ops in the graph: "F_1_3" for the forward of cell 1 on micro-batch 3."""
+    return f"{task.kind}_{task.cell}_{task.micro_batch}"
+
+
+def parse_task_name(name: str) -> schedule.Task | None:
+    """The task whose name scope is ``name`` ("B_1_3" -> B(1,3)), else None; the inverse of task_scope_name."""
+    found = _SCOPE.fullmatch(name)
+    return schedule.Task(found.group(1), int(found.group(2)), int(found.group(3))) if found else None
+
+
+def parse_marker(name: str) -> schedule.Task | None:
+    """The task whose start marker op is named ``name`` ("B_1_3/task_start" -> B(1,3)), else None."""
+    scope, _, rest = name.partition("/")
+    return parse_task_name(scope) if rest == TASK_START else None
+
+
+def assign_tasks(names: Sequence[str]) -> list[str]:
+    """The task scope name of each op, given the op names in graph creation order ("" outside tasks).
+
+    An op belongs to the task whose start marker precedes it, as long as every op
+    in between is in that task's name scope or a tape gradient ("gradient_tape/...",
+    named after the forward op it differentiates, so its name alone does not say
+    which task created it); any other op ends the task.
+    """
+    tasks, current = [], ""
+    for name in names:
+        marker = parse_marker(name)
+        if marker is not None:
+            current = task_scope_name(marker)
+        elif current and not (name.startswith(current + "/") or name.startswith(_TAPE)):
+            current = ""
+        tasks.append(current)
+    return tasks
+
+
+def assign_phases(ops: Sequence[tuple[str, str, bool]], tasks: Sequence[str]) -> list[str]:
+    """The phase (one of PHASES) of each op, given as (name, op type, calls a gradient function), in task ``tasks``.
+
+    In a forward task, ops from the first gradient on compute the loss's gradient
+    ("loss"); in a backward task, ops before the first gradient recompute the
+    forward ("recompute") and non-gradient sums of a cell's gradients are
+    "accumulate". Outside tasks, ops are "optimizer" or "other".
+    """
+    if len(ops) != len(tasks):
+        raise ValueError(f"assign_phases got {len(ops)} ops but {len(tasks)} tasks; pass the ops' "
+                         "assign_tasks(names) result.")
+    phases, previous, seen_grad = [], "", False
+    for (name, op_type, calls_gradient), task in zip(ops, tasks):
+        seen_grad = seen_grad and task == previous  # each task starts before its gradients
+        previous = task
+        grad = name.startswith(_TAPE) or calls_gradient
+        seen_grad = seen_grad or (bool(task) and grad)
+        phases.append(_phase(name, op_type, task, grad, seen_grad))
+    return phases
+
+
+def _phase(name: str, op_type: str, task: str, grad: bool, seen_grad: bool) -> str:
+    """One op's phase; ``task`` is "" outside tasks, ``seen_grad`` whether the task has had a gradient by this op."""
+    if not task:
+        return "optimizer" if _optimizer_op(name) else "other"
+    if op_type in TRANSFER_TYPES:
+        return "transfer"
+    if task.startswith("F"):
+        return "loss" if seen_grad or "/compile_loss" in name else "forward"
+    if not seen_grad:
+        return "recompute"
+    return "accumulate" if not grad and _ACCUMULATE.match(name) else "backward"
+
+
+def _optimizer_op(name: str) -> bool:
+    """Ops of the optimizer's update (Keras names them after the optimizer) or variable writes."""
+    head = name.split("/")[0].lower()
+    return head in _OPTIMIZERS or head.startswith(("assign", "adam", "sgd"))
+
+
+def calls_gradient_function(op: Any) -> bool:
+    """Whether graph op ``op`` calls the gradient function TensorFlow generated for a traced cell.
+
+    A cell's ops run inside function call ops; the profiler names them after the call
+    ("B_1_0/PartitionedCall_1/gradients/..."), so they are attributed through the call op.
+    """
+    return op.type in _CALLS and "__backward_" in op.get_attr("f").name
+
+
+def attribute(graph: Any) -> dict[str, OpInfo]:
+    """Task, phase and device of every op (and name scope) of a step's ``tf.Graph``, by creation order."""
+    ops = graph.get_operations()
+    tasks = assign_tasks([op.name for op in ops])
+    phases = assign_phases([(op.name, op.type, calls_gradient_function(op)) for op in ops], tasks)
+    info = {op.name: OpInfo(task, phase, op.device) for op, task, phase in zip(ops, tasks, phases)}
+    for name, found in list(info.items()):  # name scopes, for ops that Grappler adds or renames
+        parts = name.split("/")
+        for n in range(1, len(parts)):
+            info.setdefault("/".join(parts[:n]), found)
+    return info
+
+
+def lookup(info: dict[str, OpInfo], op: str) -> OpInfo | None:
+    """The attribution of an executed op named ``op``: its own, else that of its innermost known name scope."""
+    parts = op.split("/")
+    for n in range(len(parts), 0, -1):
+        found = info.get("/".join(parts[:n]))
+        if found is not None:
+            return found
+    return None
