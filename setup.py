@@ -16,7 +16,9 @@ setup(
         "tensorboard>=2.21,<2.22",  # TensorFlow no longer brings it; keras.callbacks.TensorBoard needs it
     ],
     extras_require={
-        "test": ["pytest>=8", "tensorflow-datasets>=4.9,<5"],  # the TFDS path is tested with mock data
+        # the TFDS path is tested with mock data; ruff lints and checks formatting in .ci/run (its minor pinned:
+        # the formatter's output changes between minors)
+        "test": ["pytest>=8", "tensorflow-datasets>=4.9,<5", "ruff>=0.17,<0.18"],
         "data": ["tensorflow-datasets>=4.9,<5"],
         "timeline": ["matplotlib>=3.7"],  # scripts/timeline.py draws its PNG with it
     },

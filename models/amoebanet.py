@@ -12,19 +12,29 @@ import keras
 # are summed into a new hidden state (numbered from 2 on); the cell outputs the concatenation of the
 # hidden states listed in *_CONCAT. In a reduction cell, operations reading state 0 or 1 have stride 2.
 NORMAL_OPERATIONS = (
-    (1, "conv_1x1"), (1, "max_pool_3x3"),
-    (1, "none"), (0, "conv_1x7_7x1"),
-    (0, "conv_1x1"), (0, "conv_1x7_7x1"),
-    (2, "max_pool_3x3"), (2, "none"),
-    (1, "avg_pool_3x3"), (5, "conv_1x1"),
+    (1, "conv_1x1"),
+    (1, "max_pool_3x3"),
+    (1, "none"),
+    (0, "conv_1x7_7x1"),
+    (0, "conv_1x1"),
+    (0, "conv_1x7_7x1"),
+    (2, "max_pool_3x3"),
+    (2, "none"),
+    (1, "avg_pool_3x3"),
+    (5, "conv_1x1"),
 )
 NORMAL_CONCAT = (0, 3, 4, 6)  # as TensorFlow's reference code (the paper says 4, 5, 6); GPipe's sizes need it
 REDUCTION_OPERATIONS = (
-    (0, "max_pool_2x2"), (0, "max_pool_3x3"),
-    (2, "none"), (1, "conv_3x3"),
-    (2, "conv_1x7_7x1"), (2, "max_pool_3x3"),
-    (3, "none"), (1, "max_pool_2x2"),
-    (2, "avg_pool_3x3"), (3, "conv_1x1"),
+    (0, "max_pool_2x2"),
+    (0, "max_pool_3x3"),
+    (2, "none"),
+    (1, "conv_3x3"),
+    (2, "conv_1x7_7x1"),
+    (2, "max_pool_3x3"),
+    (3, "none"),
+    (1, "max_pool_2x2"),
+    (2, "avg_pool_3x3"),
+    (3, "conv_1x1"),
 )
 REDUCTION_CONCAT = (4, 5, 6)
 
@@ -36,8 +46,9 @@ def _batch_norm() -> keras.layers.BatchNormalization:
 class ReluConvBN(keras.layers.Layer):
     """ReLU, convolution without bias, BatchNorm."""
 
-    def __init__(self, filters: int, kernel_size: int | tuple[int, int] = 1,
-                 strides: int | tuple[int, int] = 1, **kwargs: Any):
+    def __init__(
+        self, filters: int, kernel_size: int | tuple[int, int] = 1, strides: int | tuple[int, int] = 1, **kwargs: Any
+    ):
         super().__init__(**kwargs)
         self.filters = filters
         self.kernel_size = tuple(kernel_size) if isinstance(kernel_size, (list, tuple)) else kernel_size
@@ -56,8 +67,12 @@ class ReluConvBN(keras.layers.Layer):
         return self.bn(self.conv(keras.ops.relu(x)), training=training)
 
     def get_config(self) -> dict[str, Any]:
-        return {**super().get_config(), "filters": self.filters, "kernel_size": self.kernel_size,
-                "strides": self.strides}
+        return {
+            **super().get_config(),
+            "filters": self.filters,
+            "kernel_size": self.kernel_size,
+            "strides": self.strides,
+        }
 
 
 class FactorizedReduce(keras.layers.Layer):
@@ -131,10 +146,15 @@ def _operation_steps(name: str, filters: int, stride: int) -> list[keras.layers.
     if name == "conv_3x3":
         return [ReluConvBN(quarter, 1), ReluConvBN(quarter, 3, stride), ReluConvBN(filters, 1)]
     if name == "conv_1x7_7x1":
-        return [ReluConvBN(quarter, 1), ReluConvBN(quarter, (1, 7), (1, stride)),
-                ReluConvBN(quarter, (7, 1), (stride, 1)), ReluConvBN(filters, 1)]
-    raise ValueError(f"Unknown AmoebaNet operation {name!r}; use one of the names in NORMAL_OPERATIONS or "
-                     "REDUCTION_OPERATIONS.")
+        return [
+            ReluConvBN(quarter, 1),
+            ReluConvBN(quarter, (1, 7), (1, stride)),
+            ReluConvBN(quarter, (7, 1), (stride, 1)),
+            ReluConvBN(filters, 1),
+        ]
+    raise ValueError(
+        f"Unknown AmoebaNet operation {name!r}; use one of the names in NORMAL_OPERATIONS or REDUCTION_OPERATIONS."
+    )
 
 
 class AmoebaStem(keras.layers.Layer):
@@ -172,16 +192,18 @@ class AmoebaCell(keras.layers.Layer):
 
     def __init__(self, filters: int, reduction: bool = False, previous_reduction: bool = False, **kwargs: Any):
         if filters % 4:
-            raise ValueError(f"AmoebaCell(filters={filters}): use a multiple of 4 (its convolutions work on "
-                             "filters/4 channels).")
+            raise ValueError(
+                f"AmoebaCell(filters={filters}): use a multiple of 4 (its convolutions work on filters/4 channels)."
+            )
         super().__init__(**kwargs)
         self.filters, self.reduction, self.previous_reduction = filters, reduction, previous_reduction
         self.preprocess_current = ReluConvBN(filters, 1)
         self.preprocess_previous = FactorizedReduce(filters) if previous_reduction else ReluConvBN(filters, 1)
         genotype = REDUCTION_OPERATIONS if reduction else NORMAL_OPERATIONS
         self.sources = [source for source, _ in genotype]
-        self.operations = [AmoebaOperation(name, filters, 2 if reduction and source < 2 else 1)
-                           for source, name in genotype]
+        self.operations = [
+            AmoebaOperation(name, filters, 2 if reduction and source < 2 else 1) for source, name in genotype
+        ]
         self.concat = REDUCTION_CONCAT if reduction else NORMAL_CONCAT
 
     def _hidden_shapes(self, input_shape, build: bool = False) -> list[tuple]:
@@ -192,7 +214,7 @@ class AmoebaCell(keras.layers.Layer):
         hidden = [self.preprocess_current.compute_output_shape(current)] * 2
         for k in range(0, len(self.operations), 2):
             if build:
-                for op, source in zip(self.operations[k:k + 2], self.sources[k:k + 2]):
+                for op, source in zip(self.operations[k : k + 2], self.sources[k : k + 2]):
                     op.build(hidden[source])
             hidden.append(self.operations[k].compute_output_shape(hidden[self.sources[k]]))
         return hidden
@@ -208,8 +230,10 @@ class AmoebaCell(keras.layers.Layer):
 
     def call(self, states, training=False):
         previous, current = states
-        hidden = [self.preprocess_current(current, training=training),
-                  self.preprocess_previous(previous, training=training)]
+        hidden = [
+            self.preprocess_current(current, training=training),
+            self.preprocess_previous(previous, training=training),
+        ]
         for k in range(0, len(self.operations), 2):
             left = self.operations[k](hidden[self.sources[k]], training=training)
             right = self.operations[k + 1](hidden[self.sources[k + 1]], training=training)
@@ -217,8 +241,12 @@ class AmoebaCell(keras.layers.Layer):
         return current, keras.ops.concatenate([hidden[i] for i in self.concat], axis=-1)
 
     def get_config(self) -> dict[str, Any]:
-        return {**super().get_config(), "filters": self.filters, "reduction": self.reduction,
-                "previous_reduction": self.previous_reduction}
+        return {
+            **super().get_config(),
+            "filters": self.filters,
+            "reduction": self.reduction,
+            "previous_reduction": self.previous_reduction,
+        }
 
 
 class AmoebaHead(keras.layers.Layer):
@@ -255,11 +283,15 @@ def amoebanet_d(num_classes: int = 1000, num_layers: int = 18, num_filters: int 
     max_pool operations are max pooling (torchgpipe averages there; no parameters change).
     """
     if num_layers < 3 or num_layers % 3:
-        raise ValueError(f"num_layers={num_layers}: AmoebaNet-D needs a positive multiple of 3 (L/3 normal cells "
-                         "per stack), e.g. 18.")
+        raise ValueError(
+            f"num_layers={num_layers}: AmoebaNet-D needs a positive multiple of 3 (L/3 normal cells "
+            "per stack), e.g. 18."
+        )
     if num_filters < 8 or num_filters % 8:
-        raise ValueError(f"num_filters={num_filters}: use a positive multiple of 8 (the first cells work on D/2 "
-                         "filters, their operations on a quarter of those), e.g. 256.")
+        raise ValueError(
+            f"num_filters={num_filters}: use a positive multiple of 8 (the first cells work on D/2 "
+            "filters, their operations on a quarter of those), e.g. 256."
+        )
     if num_classes < 1:
         raise ValueError(f"num_classes={num_classes} must be a positive integer.")
     normal = [False] * (num_layers // 3)

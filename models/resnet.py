@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import keras
 
@@ -94,11 +95,10 @@ class Bottleneck(keras.layers.Layer):
         return keras.ops.relu(shortcut + y)
 
     def get_config(self) -> dict[str, Any]:
-        return {**super().get_config(), "filters": self.filters, "strides": self.strides,
-                "projection": self.projection}
+        return {**super().get_config(), "filters": self.filters, "strides": self.strides, "projection": self.projection}
 
 
-def _stage_blocks(depth: int, stage_blocks: Optional[Sequence[int]]) -> tuple[int, ...]:
+def _stage_blocks(depth: int, stage_blocks: Sequence[int] | None) -> tuple[int, ...]:
     if stage_blocks is not None:
         blocks = tuple(stage_blocks)
         if not blocks or any(not isinstance(b, int) or b < 1 for b in blocks):
@@ -109,8 +109,9 @@ def _stage_blocks(depth: int, stage_blocks: Optional[Sequence[int]]) -> tuple[in
     return STAGE_BLOCKS[depth]
 
 
-def resnet(depth: int = 50, num_classes: int = 1000, width: int = 64,
-           stage_blocks: Optional[Sequence[int]] = None) -> list[keras.layers.Layer]:
+def resnet(
+    depth: int = 50, num_classes: int = 1000, width: int = 64, stage_blocks: Sequence[int] | None = None
+) -> list[keras.layers.Layer]:
     """Layers of ResNet-``depth`` (v1): stem, one bottleneck block per layer, global average pool, Dense logits.
 
     ``width`` is the stem's filter count (64 in the paper; stage s uses width * 2**s);
@@ -121,12 +122,14 @@ def resnet(depth: int = 50, num_classes: int = 1000, width: int = 64,
         raise ValueError(f"num_classes={num_classes} and width={width} must be positive integers.")
     layers: list[keras.layers.Layer] = [ResNetStem(width, name="conv1")]
     for stage, count in enumerate(_stage_blocks(depth, stage_blocks)):
-        filters = width * 2 ** stage
+        filters = width * 2**stage
         for block in range(count):
             strides = 2 if block == 0 and stage > 0 else 1
             layers.append(Bottleneck(filters, strides, projection=block == 0, name=f"conv{stage + 2}_block{block + 1}"))
-    return layers + [keras.layers.GlobalAveragePooling2D(name="avg_pool"),
-                     keras.layers.Dense(num_classes, name="predictions")]
+    return layers + [
+        keras.layers.GlobalAveragePooling2D(name="avg_pool"),
+        keras.layers.Dense(num_classes, name="predictions"),
+    ]
 
 
 def resnet_loss() -> keras.losses.Loss:

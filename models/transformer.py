@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 import keras
 
@@ -21,15 +21,14 @@ class TokenAndPositionEmbedding(keras.layers.Layer):
         return self.tokens(ids) + self.positions(keras.ops.arange(length))[None]
 
     def get_config(self):
-        return {**super().get_config(), "vocab_size": self.vocab_size, "max_length": self.max_length,
-                "dim": self.dim}
+        return {**super().get_config(), "vocab_size": self.vocab_size, "max_length": self.max_length, "dim": self.dim}
 
 
 def _feed_forward_initializer(scale: float) -> Any:
     """Glorot uniform with every initial weight multiplied by ``scale`` (variance by scale**2)."""
     if scale == 1.0:
         return "glorot_uniform"
-    return keras.initializers.VarianceScaling(scale=scale ** 2, mode="fan_avg", distribution="uniform")
+    return keras.initializers.VarianceScaling(scale=scale**2, mode="fan_avg", distribution="uniform")
 
 
 class TransformerBlock(keras.layers.Layer):
@@ -38,8 +37,7 @@ class TransformerBlock(keras.layers.Layer):
     ``ffn_init_scale`` multiplies the initial kernels of both feed-forward Dense layers.
     """
 
-    def __init__(self, dim: int, hidden: int, heads: int, dropout: float = 0.0, ffn_init_scale: float = 1.0,
-                 **kwargs):
+    def __init__(self, dim: int, hidden: int, heads: int, dropout: float = 0.0, ffn_init_scale: float = 1.0, **kwargs):
         super().__init__(**kwargs)
         self.dim, self.hidden, self.heads, self.dropout = dim, hidden, heads, dropout
         self.ffn_init_scale = ffn_init_scale
@@ -57,8 +55,14 @@ class TransformerBlock(keras.layers.Layer):
         return x + self.drop(self.down(self.up(self.norm2(x))), training=training)
 
     def get_config(self):
-        return {**super().get_config(), "dim": self.dim, "hidden": self.hidden, "heads": self.heads,
-                "dropout": self.dropout, "ffn_init_scale": self.ffn_init_scale}
+        return {
+            **super().get_config(),
+            "dim": self.dim,
+            "hidden": self.hidden,
+            "heads": self.heads,
+            "dropout": self.dropout,
+            "ffn_init_scale": self.ffn_init_scale,
+        }
 
 
 class ClippedDense(keras.layers.Dense):
@@ -77,9 +81,18 @@ class ClippedDense(keras.layers.Dense):
         return {**super().get_config(), "logit_clip": self.logit_clip}
 
 
-def transformer_lm(vocab_size: int, max_length: int, num_blocks: int = 4, dim: int = 64, hidden: int = 256,
-                   heads: int = 4, dropout: float = 0.0, *, logit_clip: Optional[float] = None,
-                   scaled_init: bool = False) -> list[keras.layers.Layer]:
+def transformer_lm(
+    vocab_size: int,
+    max_length: int,
+    num_blocks: int = 4,
+    dim: int = 64,
+    hidden: int = 256,
+    heads: int = 4,
+    dropout: float = 0.0,
+    *,
+    logit_clip: float | None = None,
+    scaled_init: bool = False,
+) -> list[keras.layers.Layer]:
     """Layers of T(L, H, A): embedding, ``num_blocks`` blocks, final norm, projection to the vocabulary.
 
     The projection outputs logits: train with ``transformer_loss()``. The two options are
@@ -94,11 +107,14 @@ def transformer_lm(vocab_size: int, max_length: int, num_blocks: int = 4, dim: i
     if dim % heads:
         raise ValueError(f"dim={dim} must be divisible by heads={heads}.")
     scale = 1.0 / max(num_blocks, 1) if scaled_init else 1.0
-    projection = (keras.layers.Dense(vocab_size) if logit_clip is None
-                  else ClippedDense(vocab_size, logit_clip=logit_clip))
-    return ([TokenAndPositionEmbedding(vocab_size, max_length, dim)]
-            + [TransformerBlock(dim, hidden, heads, dropout, ffn_init_scale=scale) for _ in range(num_blocks)]
-            + [keras.layers.LayerNormalization(epsilon=1e-5), projection])
+    projection = (
+        keras.layers.Dense(vocab_size) if logit_clip is None else ClippedDense(vocab_size, logit_clip=logit_clip)
+    )
+    return (
+        [TokenAndPositionEmbedding(vocab_size, max_length, dim)]
+        + [TransformerBlock(dim, hidden, heads, dropout, ffn_init_scale=scale) for _ in range(num_blocks)]
+        + [keras.layers.LayerNormalization(epsilon=1e-5), projection]
+    )
 
 
 def transformer_loss() -> keras.losses.Loss:

@@ -49,8 +49,9 @@ def main(argv: list[str]) -> None:
     import keras
 
     d = FLAGS.dim
-    model = keras.Sequential([keras.Input((d,))] + [keras.layers.Dense(d, activation="tanh")
-                                                     for _ in range(FLAGS.layers)])
+    model = keras.Sequential(
+        [keras.Input((d,))] + [keras.layers.Dense(d, activation="tanh") for _ in range(FLAGS.layers)]
+    )
     print(f"{FLAGS.layers} x Dense({d}) + tanh, one thread; median of {FLAGS.repeats} calls")
     print("rows  forward ms  forward+VJP ms  VJP/forward  | per product ms: x@W  dy@W^T  (W@dy^T)^T  x^T@dy")
     for rows in (int(r) for r in FLAGS.rows):
@@ -76,8 +77,10 @@ def main(argv: list[str]) -> None:
             "x^T@dy": lambda: [tf.matmul(a, g, transpose_a=True) for a, g in zip(xs, dys)],
         }
         per = [_median_ms(tf.function(fn), FLAGS.repeats) / 8 for fn in products.values()]
-        print(f"{rows:>4}  {f_ms:10.2f}  {v_ms:14.2f}  {v_ms / f_ms:11.2f}  | " +
-              "  ".join(f"{p:.3f}" for p in per), flush=True)
+        print(
+            f"{rows:>4}  {f_ms:10.2f}  {v_ms:14.2f}  {v_ms / f_ms:11.2f}  | " + "  ".join(f"{p:.3f}" for p in per),
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

@@ -19,7 +19,8 @@ import subprocess
 import sys
 import threading
 import time
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 os.environ.setdefault("TF_CPU_ALLOCATOR_USE_BFC", "true")  # before TensorFlow starts: it reads this once
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
@@ -30,8 +31,11 @@ from scripts.report import write_table  # noqa: E402
 
 FLAGS = flags.FLAGS
 flags.DEFINE_integer("blocks", 4, "L, the Transformer blocks of the activation table (part 1).", lower_bound=1)
-flags.DEFINE_list("table_micro_batches", ["1", "2", "4", "8"],
-                  "Values of M in the activation table; the smallest and largest fit the model.")
+flags.DEFINE_list(
+    "table_micro_batches",
+    ["1", "2", "4", "8"],
+    "Values of M in the activation table; the smallest and largest fit the model.",
+)
 flags.DEFINE_integer("seq_len", 512, "Sequence length.", lower_bound=2)
 flags.DEFINE_integer("dim", 32, "Model dimension (feed-forward 4*dim).", lower_bound=8)
 flags.DEFINE_integer("heads", 8, "Attention heads (each keeps its own seq x seq scores).", lower_bound=1)
@@ -39,8 +43,12 @@ flags.DEFINE_integer("batch_size", 48, "Batch size N (in samples).", lower_bound
 flags.DEFINE_integer("vocab", 64, "Vocabulary size.", lower_bound=2)
 flags.DEFINE_float("budget_gib", 2.0, "Peak-memory budget of the largest-L search (part 2), GiB.")
 flags.DEFINE_integer("micro_batches", 8, "M of the remat model in the largest-L search.", lower_bound=1)
-flags.DEFINE_integer("max_blocks", 8, "Largest L the search probes (a remat search at M=8 costs about "
-                     "6 s of tracing per block).", lower_bound=1)
+flags.DEFINE_integer(
+    "max_blocks",
+    8,
+    "Largest L the search probes (a remat search at M=8 costs about 6 s of tracing per block).",
+    lower_bound=1,
+)
 flags.DEFINE_integer("jobs", 2, "Child processes run at once.", lower_bound=1)
 flags.DEFINE_integer("seed", 0, "Seed for the weights and the data.")
 flags.DEFINE_string("out", None, "Write every measurement to OUT.csv and the tables to OUT.md.")
@@ -71,8 +79,9 @@ def measure(config: dict[str, Any]) -> dict[str, int]:
         model = keras.Sequential(layers)
         model.compile(optimizer=keras.optimizers.Adam(1e-3), loss=loss, jit_compile=False)
     else:
-        model = tfpipe.PipelineModel(layers, balance=[len(layers)], devices=["/CPU:0"],
-                                     num_micro_batches=config["m"], remat="always")
+        model = tfpipe.PipelineModel(
+            layers, balance=[len(layers)], devices=["/CPU:0"], num_micro_batches=config["m"], remat="always"
+        )
         model.compile(optimizer=keras.optimizers.Adam(1e-3), loss=loss)
     rng = np.random.default_rng(config["seed"])
     x = rng.integers(0, config["vocab"], size=(config["batch_size"], config["seq_len"])).astype("int32")
@@ -83,8 +92,10 @@ def measure(config: dict[str, Any]) -> dict[str, int]:
     model.fit(data, epochs=1, verbose=0, shuffle=False)
     info = tf.config.experimental.get_memory_info("CPU:0")
     if info["peak"] <= 0:
-        raise RuntimeError("get_memory_info('CPU:0') reports no bytes: TensorFlow started without "
-                           f"TF_CPU_ALLOCATOR_USE_BFC=true (it is {os.environ.get('TF_CPU_ALLOCATOR_USE_BFC')!r}).")
+        raise RuntimeError(
+            "get_memory_info('CPU:0') reports no bytes: TensorFlow started without "
+            f"TF_CPU_ALLOCATOR_USE_BFC=true (it is {os.environ.get('TF_CPU_ALLOCATOR_USE_BFC')!r})."
+        )
     # The process's high-water resident set, for comparison: it also holds the traced graph, TensorFlow's
     # own buffers outside the BFC allocator, and the allocator's reserved but unused pool.
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
@@ -122,25 +133,40 @@ class Probes:
     @staticmethod
     def _child(model: str, blocks: int, m: int) -> dict[str, Any]:
         """Measure one configuration in a fresh Python process running this script."""
-        config = {"model": model, "blocks": blocks, "m": m, "seq_len": FLAGS.seq_len, "dim": FLAGS.dim,
-                  "heads": FLAGS.heads, "batch_size": FLAGS.batch_size, "vocab": FLAGS.vocab, "seed": FLAGS.seed}
+        config = {
+            "model": model,
+            "blocks": blocks,
+            "m": m,
+            "seq_len": FLAGS.seq_len,
+            "dim": FLAGS.dim,
+            "heads": FLAGS.heads,
+            "batch_size": FLAGS.batch_size,
+            "vocab": FLAGS.vocab,
+            "seed": FLAGS.seed,
+        }
         began = time.perf_counter()
-        proc = subprocess.run([sys.executable, os.path.abspath(__file__), f"--_child={json.dumps(config)}"],
-                              capture_output=True, text=True,
-                              env=dict(os.environ, TF_CPU_ALLOCATOR_USE_BFC="true", TF_CPP_MIN_LOG_LEVEL="3"))
+        proc = subprocess.run(
+            [sys.executable, os.path.abspath(__file__), f"--_child={json.dumps(config)}"],
+            capture_output=True,
+            text=True,
+            env=dict(os.environ, TF_CPU_ALLOCATOR_USE_BFC="true", TF_CPP_MIN_LOG_LEVEL="3"),
+        )
         lines = [line for line in proc.stdout.splitlines() if line.startswith(RESULT)]
         if proc.returncode != 0 or not lines:
-            raise RuntimeError(f"The child measuring {config} failed (exit {proc.returncode}):\n"
-                               f"{proc.stderr[-3000:]}")
-        result = {**config, **json.loads(lines[-1][len(RESULT):]), "seconds": time.perf_counter() - began}
+            raise RuntimeError(f"The child measuring {config} failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
+        result = {**config, **json.loads(lines[-1][len(RESULT) :]), "seconds": time.perf_counter() - began}
         result["transient"] = result["peak"] - result["before"]
-        print(f"  measured {model:5} L={blocks:<3} M={m:<2}: transient {result['transient'] / MIB:8.1f} MiB, "
-              f"peak {result['peak'] / MIB:8.1f} MiB ({result['seconds']:.0f} s)", flush=True)
+        print(
+            f"  measured {model:5} L={blocks:<3} M={m:<2}: transient {result['transient'] / MIB:8.1f} MiB, "
+            f"peak {result['peak'] / MIB:8.1f} MiB ({result['seconds']:.0f} s)",
+            flush=True,
+        )
         return result
 
 
-def largest_under_budget(probe: Callable[[int], dict[str, Any]], budget: float,
-                         cap: int) -> tuple[int, bool, list[dict[str, Any]]]:
+def largest_under_budget(
+    probe: Callable[[int], dict[str, Any]], budget: float, cap: int
+) -> tuple[int, bool, list[dict[str, Any]]]:
     """The largest L in [0, cap] whose probe peaks at most ``budget`` (doubling, then bisection).
 
     Also returns whether the cap was reached and every probe made. Assumes the peak
@@ -188,18 +214,25 @@ def _validate_flags() -> list[int]:
     try:
         ms = sorted({int(m) for m in FLAGS.table_micro_batches})
     except ValueError:
-        raise app.UsageError(f"--table_micro_batches={','.join(FLAGS.table_micro_batches)} must be integers, "
-                             "e.g. 1,2,4,8.") from None
+        raise app.UsageError(
+            f"--table_micro_batches={','.join(FLAGS.table_micro_batches)} must be integers, e.g. 1,2,4,8."
+        ) from None
     if len(ms) < 2 or ms[0] < 1:
-        raise app.UsageError(f"--table_micro_batches needs at least two distinct values >= 1 (the smallest and "
-                             f"largest fit the model); got {FLAGS.table_micro_batches}.")
+        raise app.UsageError(
+            f"--table_micro_batches needs at least two distinct values >= 1 (the smallest and "
+            f"largest fit the model); got {FLAGS.table_micro_batches}."
+        )
     for m in ms + [FLAGS.micro_batches]:
         if m > FLAGS.batch_size:
-            raise app.UsageError(f"M={m} exceeds --batch_size={FLAGS.batch_size}; every micro-batch needs a "
-                                 "sample: lower M or raise the batch.")
+            raise app.UsageError(
+                f"M={m} exceeds --batch_size={FLAGS.batch_size}; every micro-batch needs a "
+                "sample: lower M or raise the batch."
+            )
     if not 0 < FLAGS.budget_gib <= MAX_BUDGET_GIB:
-        raise app.UsageError(f"--budget_gib={FLAGS.budget_gib} must be in (0, {MAX_BUDGET_GIB}]: probes run up to "
-                             "about twice the budget, two at a time, on a 24 GiB machine.")
+        raise app.UsageError(
+            f"--budget_gib={FLAGS.budget_gib} must be in (0, {MAX_BUDGET_GIB}]: probes run up to "
+            "about twice the budget, two at a time, on a 24 GiB machine."
+        )
     if FLAGS.dim % FLAGS.heads:
         raise app.UsageError(f"--dim={FLAGS.dim} must be divisible by --heads={FLAGS.heads}.")
     return ms
@@ -214,18 +247,23 @@ def main(argv: list[str]) -> None:
     ms = _validate_flags()
     n, big_l, m_search = boundary_bytes(), FLAGS.blocks, FLAGS.micro_batches
     budget = FLAGS.budget_gib * GIB
-    print(f"Transformer: seq {FLAGS.seq_len}, dim {FLAGS.dim}, heads {FLAGS.heads}, batch {FLAGS.batch_size}, "
-          f"vocab {FLAGS.vocab}; "
-          f"N = {n / MIB:.2f} MiB per layer boundary; TF_CPU_ALLOCATOR_USE_BFC="
-          f"{os.environ['TF_CPU_ALLOCATOR_USE_BFC']}", flush=True)
+    print(
+        f"Transformer: seq {FLAGS.seq_len}, dim {FLAGS.dim}, heads {FLAGS.heads}, batch {FLAGS.batch_size}, "
+        f"vocab {FLAGS.vocab}; "
+        f"N = {n / MIB:.2f} MiB per layer boundary; TF_CPU_ALLOCATOR_USE_BFC="
+        f"{os.environ['TF_CPU_ALLOCATOR_USE_BFC']}",
+        flush=True,
+    )
     probes = Probes()
     with concurrent.futures.ThreadPoolExecutor(FLAGS.jobs) as pool:  # longest task first
-        remat_search = pool.submit(largest_under_budget, lambda blocks: probes.run("remat", blocks, m_search),
-                                   budget, FLAGS.max_blocks)
+        remat_search = pool.submit(
+            largest_under_budget, lambda blocks: probes.run("remat", blocks, m_search), budget, FLAGS.max_blocks
+        )
         table = {m: pool.submit(probes.run, "remat", big_l, m) for m in ms}
         plain = pool.submit(probes.run, "plain", big_l, 1)
-        plain_search = pool.submit(largest_under_budget, lambda blocks: probes.run("plain", blocks, 1),
-                                   budget, FLAGS.max_blocks)
+        plain_search = pool.submit(
+            largest_under_budget, lambda blocks: probes.run("plain", blocks, 1), budget, FLAGS.max_blocks
+        )
         remat_points = {m: f.result() for m, f in table.items()}
         plain_point = plain.result()
         largest = {"plain": plain_search.result(), "remat": remat_search.result()}
@@ -236,27 +274,66 @@ def main(argv: list[str]) -> None:
     for model, (blocks, capped, made) in largest.items():
         rows += [_row("probe", r, a, b, n, fitted, budget=budget) for r in made]
         top = [r for r in made if r["blocks"] == blocks]
-        rows.append({"section": "largest", "model": model, "blocks": blocks, "M": m_search if model == "remat" else 1,
-                     "before_bytes": top[0]["before"] if top else "", "peak_bytes": top[0]["peak"] if top else "",
-                     "fits_budget": True, "note": "cap" if capped else ""})
+        rows.append(
+            {
+                "section": "largest",
+                "model": model,
+                "blocks": blocks,
+                "M": m_search if model == "remat" else 1,
+                "before_bytes": top[0]["before"] if top else "",
+                "peak_bytes": top[0]["peak"] if top else "",
+                "fits_budget": True,
+                "note": "cap" if capped else "",
+            }
+        )
     text = _report(rows, a, b, m_lo, m_hi, n, largest, budget)
     print("\n" + text)
     if FLAGS.out:
-        fields = ["section", "model", "blocks", "M", "before_bytes", "peak_bytes", "transient_bytes",
-                  "transient_over_N", "predicted_bytes", "rel_error", "fitted", "fits_budget", "max_rss_bytes",
-                  "note"]
+        fields = [
+            "section",
+            "model",
+            "blocks",
+            "M",
+            "before_bytes",
+            "peak_bytes",
+            "transient_bytes",
+            "transient_over_N",
+            "predicted_bytes",
+            "rel_error",
+            "fitted",
+            "fits_budget",
+            "max_rss_bytes",
+            "note",
+        ]
         write_table(FLAGS.out, rows, text, fields)
 
 
-def _row(section: str, r: dict[str, Any], a: float, b: float, n: int, fitted: set[tuple[str, int, int]],
-         budget: Optional[float] = None) -> dict[str, Any]:
+def _row(
+    section: str,
+    r: dict[str, Any],
+    a: float,
+    b: float,
+    n: int,
+    fitted: set[tuple[str, int, int]],
+    budget: float | None = None,
+) -> dict[str, Any]:
     """One CSV row: a measurement beside its prediction (plain Keras is predicted with the M=1 formula)."""
     m = r["m"] if r["model"] == "remat" else 1
     pred = predicted(a, b, r["blocks"], m, n)
-    row = {"section": section, "model": r["model"], "blocks": r["blocks"], "M": m, "before_bytes": r["before"],
-           "peak_bytes": r["peak"], "transient_bytes": r["transient"], "transient_over_N": r["transient"] / n,
-           "predicted_bytes": pred, "rel_error": r["transient"] / pred - 1.0 if pred > 0 else "",
-           "fitted": (r["model"], r["blocks"], m) in fitted, "max_rss_bytes": r["max_rss"]}
+    row = {
+        "section": section,
+        "model": r["model"],
+        "blocks": r["blocks"],
+        "M": m,
+        "before_bytes": r["before"],
+        "peak_bytes": r["peak"],
+        "transient_bytes": r["transient"],
+        "transient_over_N": r["transient"] / n,
+        "predicted_bytes": pred,
+        "rel_error": r["transient"] / pred - 1.0 if pred > 0 else "",
+        "fitted": (r["model"], r["blocks"], m) in fitted,
+        "max_rss_bytes": r["max_rss"],
+    }
     if budget is not None:
         row["fits_budget"] = r["peak"] <= budget
     return row
@@ -273,42 +350,67 @@ def extrapolated_blocks(a: float, b: float, m: int, n: int, before: float, budge
     return (budget - before - a * n) / (b * n / m) if b > 0 else float("inf")
 
 
-def _report(rows: list[dict[str, Any]], a: float, b: float, m_lo: int, m_hi: int, n: int,
-            largest: dict[str, tuple[int, bool, list]], budget: float) -> str:
+def _report(
+    rows: list[dict[str, Any]],
+    a: float,
+    b: float,
+    m_lo: int,
+    m_hi: int,
+    n: int,
+    largest: dict[str, tuple[int, bool, list]],
+    budget: float,
+) -> str:
     """Both parts as markdown tables, with the fitted constants, the held-out errors and the targets."""
     names = {"plain": "plain Keras", "remat": 'PipelineModel remat="always"'}
     act = [r for r in rows if r["section"] == "activation"]
-    lines = [f"Part 1: one training step, L={act[0]['blocks']} blocks, K=1, N = {_mib(n)} MiB "
-             f"(seq {FLAGS.seq_len}, dim {FLAGS.dim}, heads {FLAGS.heads}, batch {FLAGS.batch_size})", "",
-             "| model | M | transient = activations (MiB) | transient / N | predicted (MiB) | error | "
-             "in use before (MiB) | total peak (MiB) | process max RSS (MiB) |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"Part 1: one training step, L={act[0]['blocks']} blocks, K=1, N = {_mib(n)} MiB "
+        f"(seq {FLAGS.seq_len}, dim {FLAGS.dim}, heads {FLAGS.heads}, batch {FLAGS.batch_size})",
+        "",
+        "| model | M | transient = activations (MiB) | transient / N | predicted (MiB) | error | "
+        "in use before (MiB) | total peak (MiB) | process max RSS (MiB) |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in act:
         err = "fitted" if r["fitted"] else f"{100 * r['rel_error']:+.1f}%"
-        lines.append(f"| {names[r['model']]} | {r['M']} | {_mib(r['transient_bytes'])} | "
-                     f"{r['transient_over_N']:.1f} | {_mib(r['predicted_bytes'])} | {err} | "
-                     f"{_mib(r['before_bytes'])} | {_mib(r['peak_bytes'])} | {_mib(r['max_rss_bytes'])} |")
-    remat_probes = sorted((r for r in rows if r["section"] == "probe" and r["model"] == "remat"
-                           and not r["fitted"]), key=lambda r: r["blocks"])
+        lines.append(
+            f"| {names[r['model']]} | {r['M']} | {_mib(r['transient_bytes'])} | "
+            f"{r['transient_over_N']:.1f} | {_mib(r['predicted_bytes'])} | {err} | "
+            f"{_mib(r['before_bytes'])} | {_mib(r['peak_bytes'])} | {_mib(r['max_rss_bytes'])} |"
+        )
+    remat_probes = sorted(
+        (r for r in rows if r["section"] == "probe" and r["model"] == "remat" and not r["fitted"]),
+        key=lambda r: r["blocks"],
+    )
     held_out = [r for r in act if not r["fitted"]] + remat_probes
     worst = max(abs(r["rel_error"]) for r in held_out) if held_out else float("nan")
-    lines += ["", f"Model: predicted = a*N + b*(L/K)*(N/M), fitted on remat M={m_lo} and M={m_hi} at "
-              f"L={act[0]['blocks']}: a = {a:.2f}, b = {b:.2f} (in units of N).",
-              "Held out (measured/predicted - 1): "
-              + ", ".join(f"{r['model']} L={r['blocks']} M={r['M']} {100 * r['rel_error']:+.1f}%"
-                          for r in held_out) + ".",
-              f"Target: every held-out point within {100 * MODEL_TARGET:.0f}% -> "
-              f"{'met' if worst <= MODEL_TARGET else 'missed'} (worst {100 * worst:.1f}%).", ""]
-    lines += [f"Part 2: largest L whose training step peaks under {budget / GIB:g} GiB (measured peak, not an "
-              "allocation limit; doubling then bisection, one fresh process per probe)", "",
-              "| model | M | largest L | its peak (MiB) | model extrapolates | probes: L (peak MiB) |",
-              "|---|---|---|---|---|---|"]
+    lines += [
+        "",
+        f"Model: predicted = a*N + b*(L/K)*(N/M), fitted on remat M={m_lo} and M={m_hi} at "
+        f"L={act[0]['blocks']}: a = {a:.2f}, b = {b:.2f} (in units of N).",
+        "Held out (measured/predicted - 1): "
+        + ", ".join(f"{r['model']} L={r['blocks']} M={r['M']} {100 * r['rel_error']:+.1f}%" for r in held_out)
+        + ".",
+        f"Target: every held-out point within {100 * MODEL_TARGET:.0f}% -> "
+        f"{'met' if worst <= MODEL_TARGET else 'missed'} (worst {100 * worst:.1f}%).",
+        "",
+    ]
+    lines += [
+        f"Part 2: largest L whose training step peaks under {budget / GIB:g} GiB (measured peak, not an "
+        "allocation limit; doubling then bisection, one fresh process per probe)",
+        "",
+        "| model | M | largest L | its peak (MiB) | model extrapolates | probes: L (peak MiB) |",
+        "|---|---|---|---|---|---|",
+    ]
     for model in ("plain", "remat"):
         top = next(r for r in rows if r["section"] == "largest" and r["model"] == model)
-        probes = sorted((r for r in rows if r["section"] == "probe" and r["model"] == model
-                         and r["M"] == top["M"]), key=lambda r: r["blocks"])
-        shown = ", ".join(f"{r['blocks']} ({_mib(r['peak_bytes'])}{'' if r['fits_budget'] else ' over'})"
-                          for r in probes)
+        probes = sorted(
+            (r for r in rows if r["section"] == "probe" and r["model"] == model and r["M"] == top["M"]),
+            key=lambda r: r["blocks"],
+        )
+        shown = ", ".join(
+            f"{r['blocks']} ({_mib(r['peak_bytes'])}{'' if r['fits_budget'] else ' over'})" for r in probes
+        )
         cap = " (the --max_blocks cap)" if top["note"] == "cap" else ""
         peak = _mib(top["peak_bytes"]) if top["peak_bytes"] != "" else "-"
         before = top["before_bytes"] if top["before_bytes"] != "" else probes[0]["before_bytes"]
@@ -322,12 +424,19 @@ def _report(rows: list[dict[str, Any]], a: float, b: float, m_lo: int, m_hi: int
         lines.append(f"Plain Keras does not fit even one block in {budget / GIB:g} GiB; remat fits {remat_l}.")
     else:
         ratio = remat_l / plain_l
-        bound = (f" (a lower bound: the remat search stopped at --max_blocks={FLAGS.max_blocks}, still under "
-                 "budget)" if remat_cap else "")
-        lines.append(f"Ratio remat / plain: {ratio:.2f}x{bound}; target >= {RATIO_TARGET:g}x -> "
-                     f"{'met' if ratio >= RATIO_TARGET else ('not shown' if remat_cap else 'missed')}.")
-    lines.append("'model extrapolates': the L at which the part-1 model, plus the bytes in use before the step, "
-                 "reaches the budget (an extrapolation, not a measurement).")
+        bound = (
+            f" (a lower bound: the remat search stopped at --max_blocks={FLAGS.max_blocks}, still under budget)"
+            if remat_cap
+            else ""
+        )
+        lines.append(
+            f"Ratio remat / plain: {ratio:.2f}x{bound}; target >= {RATIO_TARGET:g}x -> "
+            f"{'met' if ratio >= RATIO_TARGET else ('not shown' if remat_cap else 'missed')}."
+        )
+    lines.append(
+        "'model extrapolates': the L at which the part-1 model, plus the bytes in use before the step, "
+        "reaches the budget (an extrapolation, not a measurement)."
+    )
     return "\n".join(lines)
 
 

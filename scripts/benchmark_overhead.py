@@ -48,8 +48,9 @@ flags.DEFINE_integer("batch_size", 32, "Batch size.", lower_bound=1)
 flags.DEFINE_integer("vocab", 256, "Vocabulary size.", lower_bound=2)
 flags.DEFINE_integer("steps", 30, "Timed steps per model per round (after warm-up).", lower_bound=1)
 flags.DEFINE_integer("warmup", 3, "Untimed steps at the start of every fit.", lower_bound=1)
-flags.DEFINE_integer("repeats", 7, "Rounds; each round times plain, never and always once, in that order.",
-                     lower_bound=1)
+flags.DEFINE_integer(
+    "repeats", 7, "Rounds; each round times plain, never and always once, in that order.", lower_bound=1
+)
 flags.DEFINE_integer("seed", 0, "Seed for the weights and the data.")
 flags.DEFINE_string("out", None, "Write the rounds and the summary to OUT.csv and OUT.md.")
 
@@ -95,8 +96,9 @@ def build_model(variant: str, sample: Any) -> Any:
         model.compile(optimizer=keras.optimizers.Adam(1e-3), loss=loss, jit_compile=False)
         model(sample)  # builds every layer now, right after the seed, drawing the weights in layer order
     else:
-        model = tfpipe.PipelineModel(layers, balance=[len(layers)], devices=["/CPU:0"], num_micro_batches=1,
-                                     remat=variant)
+        model = tfpipe.PipelineModel(
+            layers, balance=[len(layers)], devices=["/CPU:0"], num_micro_batches=1, remat=variant
+        )
         model.compile(optimizer=keras.optimizers.Adam(1e-3), loss=loss)
         model.build(sample)
     return model
@@ -107,9 +109,10 @@ def _same_weights(models: dict[str, Any]) -> bool:
     import numpy as np
 
     reference = [w.numpy() for w in models["plain"].weights]
-    return all(len(m.weights) == len(reference)
-               and all(np.array_equal(w.numpy(), r) for w, r in zip(m.weights, reference))
-               for m in models.values())
+    return all(
+        len(m.weights) == len(reference) and all(np.array_equal(w.numpy(), r) for w, r in zip(m.weights, reference))
+        for m in models.values()
+    )
 
 
 def time_fit(model: Any, x: Any, y: Any) -> float:
@@ -121,33 +124,47 @@ def main(argv: list[str]) -> None:
     """Build and trace the three models, time them in alternating rounds, print and write the table."""
     del argv
     _validate_flags()
-    import numpy as np
 
     x, y = _data()
-    models = {v: build_model(v, x[:FLAGS.batch_size]) for v in VARIANTS}
+    models = {v: build_model(v, x[: FLAGS.batch_size]) for v in VARIANTS}
     same = _same_weights(models)
     for model in models.values():  # trace and run once, outside the timed rounds
-        model.fit(x[:2 * FLAGS.batch_size], y[:2 * FLAGS.batch_size], batch_size=FLAGS.batch_size, epochs=1,
-                  shuffle=False, verbose=0)
-    print(f"Transformer: {FLAGS.blocks} blocks, dim {FLAGS.dim}, {FLAGS.heads} heads, seq {FLAGS.seq_len}, "
-          f"batch {FLAGS.batch_size}, vocab {FLAGS.vocab}; {FLAGS.steps} timed steps per model per round after "
-          f"{FLAGS.warmup} warm-up; "
-          f"identical initial weights: {'yes' if same else 'NO'}", flush=True)
+        model.fit(
+            x[: 2 * FLAGS.batch_size],
+            y[: 2 * FLAGS.batch_size],
+            batch_size=FLAGS.batch_size,
+            epochs=1,
+            shuffle=False,
+            verbose=0,
+        )
+    print(
+        f"Transformer: {FLAGS.blocks} blocks, dim {FLAGS.dim}, {FLAGS.heads} heads, seq {FLAGS.seq_len}, "
+        f"batch {FLAGS.batch_size}, vocab {FLAGS.vocab}; {FLAGS.steps} timed steps per model per round after "
+        f"{FLAGS.warmup} warm-up; "
+        f"identical initial weights: {'yes' if same else 'NO'}",
+        flush=True,
+    )
     rows: list[dict[str, Any]] = []
     for r in range(FLAGS.repeats):
         ms = {v: 1e3 * time_fit(models[v], x, y) for v in VARIANTS}
-        row = {"round": r + 1, **{f"{v}_ms": ms[v] for v in VARIANTS},
-               "never_over_plain": ms["never"] / ms["plain"], "always_over_never": ms["always"] / ms["never"]}
+        row = {
+            "round": r + 1,
+            **{f"{v}_ms": ms[v] for v in VARIANTS},
+            "never_over_plain": ms["never"] / ms["plain"],
+            "always_over_never": ms["always"] / ms["never"],
+        }
         rows.append(row)
-        print(f"round {r + 1}: plain {ms['plain']:.2f} ms, never {ms['never']:.2f} ms, always {ms['always']:.2f} ms; "
-              f"never/plain {row['never_over_plain']:.3f}, always/never {row['always_over_never']:.3f}", flush=True)
+        print(
+            f"round {r + 1}: plain {ms['plain']:.2f} ms, never {ms['never']:.2f} ms, always {ms['always']:.2f} ms; "
+            f"never/plain {row['never_over_plain']:.3f}, always/never {row['always_over_never']:.3f}",
+            flush=True,
+        )
     summary = _summary(rows)
     table = _markdown(rows, summary)
     print("\n" + table)
     if FLAGS.out:
         fields = ["round", *(f"{v}_ms" for v in VARIANTS), "never_over_plain", "always_over_never"]
-        write_table(FLAGS.out, rows + [{"round": stat, **values} for stat, values in summary.items()], table,
-                    fields)
+        write_table(FLAGS.out, rows + [{"round": stat, **values} for stat, values in summary.items()], table, fields)
 
 
 def _summary(rows: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
@@ -155,8 +172,10 @@ def _summary(rows: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
     import numpy as np
 
     columns = [c for c in rows[0] if c != "round"]
-    return {stat: {c: float(fn([row[c] for row in rows])) for c in columns}
-            for stat, fn in (("median", np.median), ("min", np.min), ("max", np.max))}
+    return {
+        stat: {c: float(fn([row[c] for row in rows])) for c in columns}
+        for stat, fn in (("median", np.median), ("min", np.min), ("max", np.max))
+    }
 
 
 def _markdown(rows: list[dict[str, Any]], summary: dict[str, dict[str, float]]) -> str:

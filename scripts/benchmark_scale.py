@@ -63,13 +63,12 @@ print("RESULT " + json.dumps({"first_s": first, "step_ms": 1e3 * float(np.median
 
 def run_config(k: int, m: int) -> dict:
     """First-step seconds, steady step ms and peak RSS of one K x M configuration, in a fresh process."""
-    args = [str(a) for a in (k, m, FLAGS.blocks, FLAGS.dim, FLAGS.seq_len, FLAGS.batch_size, FLAGS.remat,
-                             FLAGS.steps)]
+    args = [str(a) for a in (k, m, FLAGS.blocks, FLAGS.dim, FLAGS.seq_len, FLAGS.batch_size, FLAGS.remat, FLAGS.steps)]
     done = subprocess.run([sys.executable, "-c", _CHILD, *args], capture_output=True, text=True)
     lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
     if done.returncode != 0 or not lines:
         raise RuntimeError(f"K={k} M={m} failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
-    return json.loads(lines[-1][len("RESULT "):])
+    return json.loads(lines[-1][len("RESULT ") :])
 
 
 def _parse(config: str) -> tuple[int, int]:
@@ -90,11 +89,19 @@ def main(argv: list[str]) -> None:
             raise app.UsageError(f"--batch_size={FLAGS.batch_size} is smaller than M={m}.")
         found = run_config(k, m)
         rows.append({"K": k, "M": m, "tasks": 2 * k * m, **found})
-        print(f"K={k} M={m:>2}: first step {found['first_s']:6.1f} s, then {found['step_ms']:7.1f} ms/step, "
-              f"peak RSS {found['peak_rss_gb']:.2f} GB, balance {found['balance']}", flush=True)
-    lines = ["| K | M | tasks | first train_on_batch (s) | later steps (ms) | peak RSS (GB) |", "|---|---|---|---|---|---|"]
-    lines += [f"| {r['K']} | {r['M']} | {r['tasks']} | {r['first_s']:.1f} | {r['step_ms']:.1f} | {r['peak_rss_gb']:.2f} |"
-              for r in rows]
+        print(
+            f"K={k} M={m:>2}: first step {found['first_s']:6.1f} s, then {found['step_ms']:7.1f} ms/step, "
+            f"peak RSS {found['peak_rss_gb']:.2f} GB, balance {found['balance']}",
+            flush=True,
+        )
+    lines = [
+        "| K | M | tasks | first train_on_batch (s) | later steps (ms) | peak RSS (GB) |",
+        "|---|---|---|---|---|---|",
+    ]
+    lines += [
+        f"| {r['K']} | {r['M']} | {r['tasks']} | {r['first_s']:.1f} | {r['step_ms']:.1f} | {r['peak_rss_gb']:.2f} |"
+        for r in rows
+    ]
     table = "\n".join(lines)
     print("\n" + table)
     if FLAGS.out:

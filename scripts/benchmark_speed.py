@@ -26,20 +26,30 @@ from absl import app, flags  # noqa: E402
 from scripts.report import median_step_seconds, write_table  # noqa: E402
 
 FLAGS = flags.FLAGS
-flags.DEFINE_enum("model", "transformer", ["transformer", "amoebanet", "mlp"],
-                  "Model to time; mlp: --blocks Dense(--dims) + tanh layers and a Dense(10) classifier.")
+flags.DEFINE_enum(
+    "model",
+    "transformer",
+    ["transformer", "amoebanet", "mlp"],
+    "Model to time; mlp: --blocks Dense(--dims) + tanh layers and a Dense(10) classifier.",
+)
 flags.DEFINE_integer("max_partitions", 2, "Largest K (powers of two from 1).", lower_bound=1)
 flags.DEFINE_list("micro_batches", ["1", "2", "4", "8", "16", "32"], "Values of M.")
 flags.DEFINE_list("batch_sizes", ["64"], "Global batches, the same for every M; one set of tables each.")
 flags.DEFINE_integer("steps", 8, "Timed steps per entry (after warm-up).", lower_bound=1)
 flags.DEFINE_integer("warmup", 2, "Untimed steps per entry (the first one traces).", lower_bound=1)
-flags.DEFINE_integer("blocks", 8, "Transformer blocks / AmoebaNet normal cells (a multiple of 3) / MLP hidden "
-                     "layers.", lower_bound=1)
-flags.DEFINE_list("dims", ["256"], "Transformer model dimension / AmoebaNet filters / MLP width; one set of "
-                  "tables each.")
+flags.DEFINE_integer(
+    "blocks", 8, "Transformer blocks / AmoebaNet normal cells (a multiple of 3) / MLP hidden layers.", lower_bound=1
+)
+flags.DEFINE_list(
+    "dims", ["256"], "Transformer model dimension / AmoebaNet filters / MLP width; one set of tables each."
+)
 flags.DEFINE_integer("seq_len", 32, "Transformer sequence length / image size.", lower_bound=8)
-flags.DEFINE_enum("remat", "except_last", ["always", "except_last", "never"],
-                  "Re-materialization of the pipelined entries (the K=1 M=1 reference never recomputes).")
+flags.DEFINE_enum(
+    "remat",
+    "except_last",
+    ["always", "except_last", "never"],
+    "Re-materialization of the pipelined entries (the K=1 M=1 reference never recomputes).",
+)
 flags.DEFINE_string("out", None, "Write the table to OUT.csv and OUT.md.")
 
 
@@ -72,13 +82,14 @@ def time_entry(devices: list[str], m: int, remat: str, dim: int, batch_size: int
 
     keras.utils.set_random_seed(0)
     layers, x, y = _layers_and_data(dim, batch_size)
-    model = tfpipe.PipelineModel(layers, num_partitions=len(devices), devices=devices, num_micro_batches=m,
-                                 remat=remat)
-    model.compile(optimizer=keras.optimizers.SGD(1e-3),
-                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    model = tfpipe.PipelineModel(layers, num_partitions=len(devices), devices=devices, num_micro_batches=m, remat=remat)
+    model.compile(
+        optimizer=keras.optimizers.SGD(1e-3), loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    )
     batches = FLAGS.warmup + FLAGS.steps
-    return median_step_seconds(model, np.repeat(x, batches, axis=0), np.repeat(y, batches, axis=0),
-                               batch_size, FLAGS.warmup)
+    return median_step_seconds(
+        model, np.repeat(x, batches, axis=0), np.repeat(y, batches, axis=0), batch_size, FLAGS.warmup
+    )
 
 
 def main(argv: list[str]) -> None:
@@ -103,18 +114,34 @@ def main(argv: list[str]) -> None:
                         continue
                     rate = n / time_entry(cluster.devices, m, FLAGS.remat, dim, n)
                     ideal = schedule.ideal_speedup(k, m)
-                    one_cell = next((r["examples_per_s"] for r in rows
-                                     if r["size"] == size and r["K"] == 1 and r["M"] == m), rate)
-                    rows.append({"size": size, "K": k, "M": m, "remat": FLAGS.remat, "examples_per_s": rate,
-                                 "reference": base, "speedup": rate / base, "ideal": ideal,
-                                 "of_ideal": rate / base / ideal, "speedup_same_m": rate / one_cell,
-                                 "of_ideal_same_m": rate / one_cell / ideal})
-                    print(f"{size} K={k} M={m:>2}: {rate:8.1f} examples/s  speed-up {rate / base:5.2f}  ideal "
-                          f"{ideal:5.2f}  measured/ideal {rate / base / ideal:5.2f}  (over K=1 at this M: "
-                          f"{rate / one_cell:5.2f}, {rate / one_cell / ideal:5.2f} of ideal)", flush=True)
-    table = "\n\n".join(f"### {FLAGS.model} {size}, remat={FLAGS.remat!r}\n\n" +
-                         _markdown([r for r in rows if r["size"] == size], ms)
-                         for size in dict.fromkeys(r["size"] for r in rows))
+                    one_cell = next(
+                        (r["examples_per_s"] for r in rows if r["size"] == size and r["K"] == 1 and r["M"] == m), rate
+                    )
+                    rows.append(
+                        {
+                            "size": size,
+                            "K": k,
+                            "M": m,
+                            "remat": FLAGS.remat,
+                            "examples_per_s": rate,
+                            "reference": base,
+                            "speedup": rate / base,
+                            "ideal": ideal,
+                            "of_ideal": rate / base / ideal,
+                            "speedup_same_m": rate / one_cell,
+                            "of_ideal_same_m": rate / one_cell / ideal,
+                        }
+                    )
+                    print(
+                        f"{size} K={k} M={m:>2}: {rate:8.1f} examples/s  speed-up {rate / base:5.2f}  ideal "
+                        f"{ideal:5.2f}  measured/ideal {rate / base / ideal:5.2f}  (over K=1 at this M: "
+                        f"{rate / one_cell:5.2f}, {rate / one_cell / ideal:5.2f} of ideal)",
+                        flush=True,
+                    )
+    table = "\n\n".join(
+        f"### {FLAGS.model} {size}, remat={FLAGS.remat!r}\n\n" + _markdown([r for r in rows if r["size"] == size], ms)
+        for size in dict.fromkeys(r["size"] for r in rows)
+    )
     print("\n" + table)
     if FLAGS.out:
         write_table(FLAGS.out, rows, table)
@@ -128,15 +155,25 @@ def _markdown(rows: list[dict], ms: list[int]) -> str:
     isolates what pipelining gains.
     """
     tables = []
-    for key, share, title in (("speedup", "of_ideal", "over one worker, K=1, M=1, no re-materialization"),
-                              ("speedup_same_m", "of_ideal_same_m", "over K=1 at the same M and remat "
-                                                                    "(diagnostic)")):
-        lines = [f"Speed-up {title}:", "", "| K \\ M | " + " | ".join(str(m) for m in ms) + " |",
-                 "|---" * (len(ms) + 1) + "|"]
+    for key, share, title in (
+        ("speedup", "of_ideal", "over one worker, K=1, M=1, no re-materialization"),
+        ("speedup_same_m", "of_ideal_same_m", "over K=1 at the same M and remat (diagnostic)"),
+    ):
+        lines = [
+            f"Speed-up {title}:",
+            "",
+            "| K \\ M | " + " | ".join(str(m) for m in ms) + " |",
+            "|---" * (len(ms) + 1) + "|",
+        ]
         for k in sorted({r["K"] for r in rows}):
             cells = {r["M"]: r for r in rows if r["K"] == k}
-            entries = [f"{cells[m][key]:.2f}x ({100 * cells[m][share]:.0f}% of {cells[m]['ideal']:.2f}x), "
-                       f"{cells[m]['examples_per_s']:.0f}/s" if m in cells else "-" for m in ms]
+            entries = [
+                f"{cells[m][key]:.2f}x ({100 * cells[m][share]:.0f}% of {cells[m]['ideal']:.2f}x), "
+                f"{cells[m]['examples_per_s']:.0f}/s"
+                if m in cells
+                else "-"
+                for m in ms
+            ]
             lines.append(f"| {k} | " + " | ".join(entries) + " |")
         tables.append("\n".join(lines))
     return "\n\n".join(tables)

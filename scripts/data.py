@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Optional
+from typing import Any
 
 import numpy as np
 
@@ -43,20 +43,21 @@ class TfdsData:
     """A tensorflow-datasets split made into batches of (inputs, targets[, weights]) for one model kind."""
 
     dataset: Any  # tf.data.Dataset of whole batches
-    num_classes: Optional[int] = None  # images
-    vocab_size: Optional[int] = None  # text
+    num_classes: int | None = None  # images
+    vocab_size: int | None = None  # text
 
 
 def parse_tfds(spec: str) -> tuple[str, str]:
     """'tfds:NAME[:SPLIT]' -> (NAME, SPLIT); the split defaults to 'train'."""
     parts = spec.split(":")
     if len(parts) not in (2, 3) or parts[0] != "tfds" or not parts[1]:
-        raise ValueError(f"write 'synthetic' or tfds:NAME[:SPLIT], e.g. tfds:mnist or tfds:imdb_reviews:train")
+        raise ValueError("write 'synthetic' or tfds:NAME[:SPLIT], e.g. tfds:mnist or tfds:imdb_reviews:train")
     return parts[1], (parts[2] if len(parts) == 3 and parts[2] else "train")
 
 
-def load_tfds(spec: str, kind: str, batch_size: int, data_dir: Optional[str], image_size: int, seq_len: int,
-              seed: int = 0) -> TfdsData:
+def load_tfds(
+    spec: str, kind: str, batch_size: int, data_dir: str | None, image_size: int, seq_len: int, seed: int = 0
+) -> TfdsData:
     """Load ``tfds:NAME[:SPLIT]`` and preprocess it for ``kind`` ("image" or "text").
 
     Images: the first image feature, resized to ``image_size`` square, 3 channels, scaled to [0, 1],

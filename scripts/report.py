@@ -5,7 +5,8 @@ from __future__ import annotations
 import csv
 import os
 import time
-from typing import Any, Optional, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 
 def median_step_seconds(model: Any, x: Any, y: Any, batch_size: int, warmup: int) -> float:
@@ -33,8 +34,9 @@ def median_step_seconds(model: Any, x: Any, y: Any, batch_size: int, warmup: int
     return float(np.median(times[warmup:]))
 
 
-def write_table(out: str, rows: Sequence[dict[str, Any]], markdown: Optional[str],
-                fields: Optional[Sequence[str]] = None) -> None:
+def write_table(
+    out: str, rows: Sequence[dict[str, Any]], markdown: str | None, fields: Sequence[str] | None = None
+) -> None:
     """Write ``rows`` to OUT.csv (columns ``fields``, default the first row's keys) and ``markdown`` to OUT.md."""
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     with open(out + ".csv", "w", newline="") as f:

@@ -25,7 +25,7 @@ import sys
 import tempfile
 import threading
 import time
-from typing import Any, Optional
+from typing import Any
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
@@ -36,8 +36,12 @@ from tfpipe import schedule  # noqa: E402
 from tfpipe.tasks import PHASES, TRANSFER_TYPES, OpInfo, attribute, lookup, parse_task_name  # noqa: E402
 
 FLAGS = flags.FLAGS
-flags.DEFINE_string("devices", "local:2", "cpu:N (N logical CPU devices in this process, one shared thread pool) "
-                    "or local:N (N single-thread worker processes).")
+flags.DEFINE_string(
+    "devices",
+    "local:2",
+    "cpu:N (N logical CPU devices in this process, one shared thread pool) "
+    "or local:N (N single-thread worker processes).",
+)
 flags.DEFINE_enum("model", "transformer", ["transformer", "mlp"], "Model to trace.")
 flags.DEFINE_integer("micro_batches", 8, "M, micro-batches per step.", lower_bound=1)
 flags.DEFINE_integer("batch_size", 64, "Global batch.", lower_bound=1)
@@ -47,14 +51,30 @@ flags.DEFINE_integer("seq_len", 32, "Transformer sequence length.", lower_bound=
 flags.DEFINE_string("remat", "except_last", "Re-materialization mode.")
 flags.DEFINE_integer("steps", 2, "Profiled steps.", lower_bound=1)
 flags.DEFINE_integer("warmup", 2, "Steps before profiling (the first one traces).", lower_bound=1)
-flags.DEFINE_string("ideal_costs", "measured", "Task durations of the ideal schedule: 'measured' (each cell's "
-                    "mean measured F and B busy time) or a number r (F = the mean measured F, B = r * F).")
-flags.DEFINE_bool("png", True, 'Draw OUT.png (needs matplotlib: pip install -e ".[timeline]"); --nopng writes only '
-                  "the CSV and the summary.")
+flags.DEFINE_string(
+    "ideal_costs",
+    "measured",
+    "Task durations of the ideal schedule: 'measured' (each cell's "
+    "mean measured F and B busy time) or a number r (F = the mean measured F, B = r * F).",
+)
+flags.DEFINE_bool(
+    "png",
+    True,
+    'Draw OUT.png (needs matplotlib: pip install -e ".[timeline]"); --nopng writes only the CSV and the summary.',
+)
 flags.DEFINE_string("out", "timeline", "Write OUT.csv and OUT.png.")
 
-COLORS = {"forward": "#4C72B0", "loss": "#8172B2", "recompute": "#DD8452", "backward": "#C44E52",
-          "accumulate": "#937860", "transfer": "#8C8C8C", "optimizer": "#222222", "other": "#CCCCCC"}
+COLORS = {
+    "forward": "#4C72B0",
+    "loss": "#8172B2",
+    "recompute": "#DD8452",
+    "backward": "#C44E52",
+    "accumulate": "#937860",
+    "transfer": "#8C8C8C",
+    "optimizer": "#222222",
+    "other": "#CCCCCC",
+}
+
 
 @dataclasses.dataclass
 class Event:
@@ -71,12 +91,14 @@ def _parse_devices(value: str) -> tuple[str, int]:
     """'cpu:N' or 'local:N' -> (kind, N), with an error naming the fix."""
     found = re.fullmatch(r"(cpu|local):(\d+)", value.strip())
     if not found or int(found.group(2)) < 1:
-        raise app.UsageError(f"--devices={value!r}: write cpu:N (logical CPU devices) or local:N (worker "
-                             "processes) with N >= 1, e.g. --devices=local:2.")
+        raise app.UsageError(
+            f"--devices={value!r}: write cpu:N (logical CPU devices) or local:N (worker "
+            "processes) with N >= 1, e.g. --devices=local:2."
+        )
     return found.group(1), int(found.group(2))
 
 
-def _ideal_costs(value: str) -> Optional[float]:
+def _ideal_costs(value: str) -> float | None:
     """None for 'measured', else the backward/forward ratio."""
     if value == "measured":
         return None
@@ -100,8 +122,9 @@ def _stats(plane: Any, event: Any) -> dict[str, Any]:
     return out
 
 
-def read_trace(logdir: str, host_device: dict[str, int], info: dict[str, OpInfo],
-               device_index: dict[str, int]) -> list[Event]:
+def read_trace(
+    logdir: str, host_device: dict[str, int], info: dict[str, OpInfo], device_index: dict[str, int]
+) -> list[Event]:
     """Executed ops from every ``*.xplane.pb`` under logdir, in absolute ns, attributed to tasks.
 
     ``host_device`` maps a trace file's host ("localhost_PORT") to a device index, or
@@ -150,7 +173,7 @@ def read_trace(logdir: str, host_device: dict[str, int], info: dict[str, OpInfo]
     return sorted(events, key=lambda e: (e.device, e.start))
 
 
-def _device_of(found: Optional[OpInfo], task: str, device_index: dict[str, int]) -> Optional[int]:
+def _device_of(found: OpInfo | None, task: str, device_index: dict[str, int]) -> int | None:
     """The device index of an op in a one-process trace: its graph device, else its task's cell."""
     if found is not None:
         spec = _short(found.device)
@@ -180,9 +203,19 @@ def task_rows(events: list[Event], windows: list[tuple[int, int]], device_names:
         if row is None:
             task = parse_task_name(ev.task) if ev.task else None
             kind, cell, mb = (task.kind, task.cell, task.micro_batch) if task else ("", "", "")
-            row = rows[key] = {"step": step, "device": device_names[ev.device], "task": ev.task, "kind": kind,
-                               "cell": cell, "micro_batch": mb, "phase": ev.phase, "start_ms": 1e300,
-                               "end_ms": -1e300, "busy_ms": 0.0, "ops": 0}
+            row = rows[key] = {
+                "step": step,
+                "device": device_names[ev.device],
+                "task": ev.task,
+                "kind": kind,
+                "cell": cell,
+                "micro_batch": mb,
+                "phase": ev.phase,
+                "start_ms": 1e300,
+                "end_ms": -1e300,
+                "busy_ms": 0.0,
+                "ops": 0,
+            }
         row["start_ms"] = min(row["start_ms"], (ev.start - t0) / 1e6)
         row["end_ms"] = max(row["end_ms"], (ev.end - t0) / 1e6)
         row["busy_ms"] += (ev.end - ev.start) / 1e6
@@ -190,7 +223,7 @@ def task_rows(events: list[Event], windows: list[tuple[int, int]], device_names:
     return sorted(rows.values(), key=lambda r: (r["step"], r["device"], r["start_ms"]))
 
 
-def _step_of(ev: Event, windows: list[tuple[int, int]]) -> Optional[int]:
+def _step_of(ev: Event, windows: list[tuple[int, int]]) -> int | None:
     """The profiled step whose client-side window holds the event's start, or None."""
     for step, (begin, end) in enumerate(windows):
         if begin <= ev.start <= end:
@@ -208,32 +241,40 @@ def _union(intervals: list[tuple[float, float]]) -> float:
     return total
 
 
-def summarize(events: list[Event], windows: list[tuple[int, int]], device_names: list[str], k: int,
-              m: int) -> str:
+def summarize(events: list[Event], windows: list[tuple[int, int]], device_names: list[str], k: int, m: int) -> str:
     """Per device: busy fraction and time per phase; bubble measured vs ideal, over the profiled steps."""
     wall = sum(end - begin for begin, end in windows) / 1e6
-    lines = [f"{len(windows)} step(s), median {statistics.median((e - b) / 1e6 for b, e in windows):.1f} ms "
-             f"(client wall time); ideal bubble (K-1)/(M+K-1) = {schedule.bubble_fraction(k, m):.3f}"]
-    header = (f"{'device':<34} {'busy':>6} " + " ".join(f"{p[:9]:>9}" for p in PHASES)
-              + f" {'idle':>9} {'2+ ops':>9}")
+    lines = [
+        f"{len(windows)} step(s), median {statistics.median((e - b) / 1e6 for b, e in windows):.1f} ms "
+        f"(client wall time); ideal bubble (K-1)/(M+K-1) = {schedule.bubble_fraction(k, m):.3f}"
+    ]
+    header = f"{'device':<34} {'busy':>6} " + " ".join(f"{p[:9]:>9}" for p in PHASES) + f" {'idle':>9} {'2+ ops':>9}"
     lines += [header + "   (ms over all profiled steps; 2+ ops: op time beyond one op at a time)"]
     for d, name in enumerate(device_names):
         mine = [e for e in events if e.device == d and _step_of(e, windows) is not None]
         busy = _union([(e.start / 1e6, e.end / 1e6) for e in mine])
         per = {p: _union([(e.start / 1e6, e.end / 1e6) for e in mine if e.phase == p]) for p in PHASES}
         overlap = sum(e.end - e.start for e in mine) / 1e6 - busy  # > 0: ops ran concurrently on one device
-        lines.append(f"{name:<34} {busy / wall:6.1%} " + " ".join(f"{per[p]:9.1f}" for p in PHASES)
-                     + f" {wall - busy:9.1f} {overlap:9.1f}")
-    busy_all = [_union([(e.start / 1e6, e.end / 1e6) for e in events
-                        if e.device == d and _step_of(e, windows) is not None]) for d in range(len(device_names))]
+        lines.append(
+            f"{name:<34} {busy / wall:6.1%} "
+            + " ".join(f"{per[p]:9.1f}" for p in PHASES)
+            + f" {wall - busy:9.1f} {overlap:9.1f}"
+        )
+    busy_all = [
+        _union([(e.start / 1e6, e.end / 1e6) for e in events if e.device == d and _step_of(e, windows) is not None])
+        for d in range(len(device_names))
+    ]
     measured = 1 - sum(busy_all) / len(busy_all) / wall
-    lines.append(f"bubble (idle share of the step, mean over devices): measured {measured:.3f} "
-                 f"vs ideal {schedule.bubble_fraction(k, m):.3f}")
+    lines.append(
+        f"bubble (idle share of the step, mean over devices): measured {measured:.3f} "
+        f"vs ideal {schedule.bubble_fraction(k, m):.3f}"
+    )
     return "\n".join(lines)
 
 
-def ideal_costs(events: list[Event], windows: list[tuple[int, int]], k: int,
-                ratio: Optional[float]) -> tuple[list[float], list[float]]:
+def ideal_costs(
+    events: list[Event], windows: list[tuple[int, int]], k: int, ratio: float | None
+) -> tuple[list[float], list[float]]:
     """Per-cell F and B durations (ms) for the ideal schedule: the mean time a task's ops covered, or F and r*F."""
     covered: dict[tuple, list[tuple[float, float]]] = {}
     for e in events:
@@ -252,8 +293,14 @@ def ideal_costs(events: list[Event], windows: list[tuple[int, int]], k: int,
     return f_cost, b_cost
 
 
-def draw(path: str, events: list[Event], window: tuple[int, int], device_names: list[str],
-         ideal: list[tuple[schedule.Task, float, float]], title: str) -> None:
+def draw(
+    path: str,
+    events: list[Event],
+    window: tuple[int, int],
+    device_names: list[str],
+    ideal: list[tuple[schedule.Task, float, float]],
+    title: str,
+) -> None:
     """The measured timeline of one step (top) above the ideal schedule (bottom), as a PNG."""
     import matplotlib
 
@@ -281,17 +328,26 @@ def draw(path: str, events: list[Event], window: tuple[int, int], device_names: 
     top.set_title(title, fontsize=9)
     for task, begin, end in ideal:
         phase = "forward" if task.kind == "F" else "backward"
-        bottom.barh(task.cell, end - begin, left=begin, height=0.8, color=COLORS[phase], edgecolor="white",
-                    linewidth=0.5)
+        bottom.barh(
+            task.cell, end - begin, left=begin, height=0.8, color=COLORS[phase], edgecolor="white", linewidth=0.5
+        )
         if end - begin > ideal_span / 80:
-            bottom.text((begin + end) / 2, task.cell, f"{task.kind}{task.micro_batch}", ha="center", va="center",
-                        fontsize=6, color="white")
+            bottom.text(
+                (begin + end) / 2,
+                task.cell,
+                f"{task.kind}{task.micro_batch}",
+                ha="center",
+                va="center",
+                fontsize=6,
+                color="white",
+            )
     bottom.set_yticks(range(len(device_names)), [f"cell {i}" for i in range(len(device_names))], fontsize=7)
     bottom.invert_yaxis()
     bottom.set_xlim(0, span)  # the same scale as the measured step
     bottom.set_xlabel("ms (ideal GPipe schedule: same task costs, no transfers, no waiting)")
-    fig.legend(handles=[Patch(color=COLORS[p], label=p) for p in PHASES], ncol=len(PHASES), fontsize=7,
-               loc="lower center")
+    fig.legend(
+        handles=[Patch(color=COLORS[p], label=p) for p in PHASES], ncol=len(PHASES), fontsize=7, loc="lower center"
+    )
     fig.tight_layout(rect=(0, 0.05, 1, 1))
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -326,7 +382,7 @@ def _layers_and_data():
     return layers, rng.normal(size=(n, FLAGS.dim)).astype("float32"), rng.integers(0, 10, size=n)
 
 
-def profile_steps(devices: list[str], addresses: Optional[list[str]], logdir: str):
+def profile_steps(devices: list[str], addresses: list[str] | None, logdir: str):
     """Build, warm up and profile the steps; return (graph op info, step windows in ns)."""
     import keras
     import tensorflow as tf
@@ -335,10 +391,12 @@ def profile_steps(devices: list[str], addresses: Optional[list[str]], logdir: st
 
     keras.utils.set_random_seed(0)
     layers, x, y = _layers_and_data()
-    model = tfpipe.PipelineModel(layers, num_partitions=len(devices), devices=devices,
-                                 num_micro_batches=FLAGS.micro_batches, remat=FLAGS.remat)
-    model.compile(optimizer=keras.optimizers.SGD(1e-3),
-                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    model = tfpipe.PipelineModel(
+        layers, num_partitions=len(devices), devices=devices, num_micro_batches=FLAGS.micro_batches, remat=FLAGS.remat
+    )
+    model.compile(
+        optimizer=keras.optimizers.SGD(1e-3), loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    )
     model.build((None,) + x.shape[1:])
     model.optimizer.build(model.trainable_variables)
     data = (tf.constant(x), tf.constant(y))
@@ -371,7 +429,7 @@ def profile_steps(devices: list[str], addresses: Optional[list[str]], logdir: st
         """Trace every worker for ``duration_ms``; keep a failure for the main thread."""
         try:
             tf.profiler.experimental.client.trace(",".join("grpc://" + a for a in addresses), logdir, duration_ms)
-        except BaseException as err:  # reported by the main thread
+        except BaseException as err:  # noqa: BLE001 - reported by the main thread
             failure.append(err)
 
     tracer = threading.Thread(target=trace)
@@ -390,8 +448,10 @@ def main(argv: list[str]) -> None:
     kind, k = _parse_devices(FLAGS.devices)
     ratio = _ideal_costs(FLAGS.ideal_costs)
     if FLAGS.batch_size < FLAGS.micro_batches:
-        raise app.UsageError(f"--batch_size={FLAGS.batch_size} is smaller than --micro_batches="
-                             f"{FLAGS.micro_batches}; every micro-batch needs an example.")
+        raise app.UsageError(
+            f"--batch_size={FLAGS.batch_size} is smaller than --micro_batches="
+            f"{FLAGS.micro_batches}; every micro-batch needs an example."
+        )
     have_plot = FLAGS.png
     if have_plot:
         try:
@@ -403,15 +463,16 @@ def main(argv: list[str]) -> None:
     try:
         checkpoint.check_mode(FLAGS.remat)
     except ValueError as err:
-        raise app.UsageError(str(err))
+        raise app.UsageError(str(err)) from None
     os.makedirs(os.path.dirname(os.path.abspath(FLAGS.out)), exist_ok=True)
 
     import tensorflow as tf
 
     logdir = tempfile.mkdtemp(prefix="tfpipe_timeline_")
     if kind == "cpu":
-        tf.config.set_logical_device_configuration(tf.config.list_physical_devices("CPU")[0],
-                                                   [tf.config.LogicalDeviceConfiguration()] * k)
+        tf.config.set_logical_device_configuration(
+            tf.config.list_physical_devices("CPU")[0], [tf.config.LogicalDeviceConfiguration()] * k
+        )
         devices = [f"/CPU:{i}" for i in range(k)]
         info, windows = profile_steps(devices, None, logdir)
         host_device: dict[str, int] = {}
@@ -424,21 +485,33 @@ def main(argv: list[str]) -> None:
             host_device = {a.replace(":", "_"): i for i, a in enumerate(cluster.addresses)}
     events = read_trace(logdir, host_device, info, {d: i for i, d in enumerate(devices)})
     rows = task_rows(events, windows, devices)
-    write_table(FLAGS.out, rows, None, ["step", "device", "task", "kind", "cell", "micro_batch", "phase",
-                                        "start_ms", "end_ms", "busy_ms", "ops"])
+    write_table(
+        FLAGS.out,
+        rows,
+        None,
+        ["step", "device", "task", "kind", "cell", "micro_batch", "phase", "start_ms", "end_ms", "busy_ms", "ops"],
+    )
     m = FLAGS.micro_batches
     f_cost, b_cost = ideal_costs(events, windows, k, ratio)
     print(summarize(events, windows, devices, k, m))
     ideal = schedule.simulate(k, m, f_cost, b_cost)
     ideal_ms = max(end for _, _, end in ideal)
-    print(f"ideal step from the measured task costs: {ideal_ms:.1f} ms (F per cell "
-          f"{', '.join(f'{c:.2f}' for c in f_cost)} ms; B {', '.join(f'{c:.2f}' for c in b_cost)} ms)")
+    print(
+        f"ideal step from the measured task costs: {ideal_ms:.1f} ms (F per cell "
+        f"{', '.join(f'{c:.2f}' for c in f_cost)} ms; B {', '.join(f'{c:.2f}' for c in b_cost)} ms)"
+    )
     print(f"wrote {FLAGS.out}.csv" + (f" and {FLAGS.out}.png" if have_plot else ""))
     if have_plot:
         last = windows[-1]
-        draw(FLAGS.out + ".png", events, last, devices, ideal,
-             f"{FLAGS.model}, K={k} on {kind}, M={m}, batch {FLAGS.batch_size}, remat {FLAGS.remat}: last profiled "
-             f"step {(last[1] - last[0]) / 1e6:.1f} ms measured vs {ideal_ms:.1f} ms ideal")
+        draw(
+            FLAGS.out + ".png",
+            events,
+            last,
+            devices,
+            ideal,
+            f"{FLAGS.model}, K={k} on {kind}, M={m}, batch {FLAGS.batch_size}, remat {FLAGS.remat}: last profiled "
+            f"step {(last[1] - last[0]) / 1e6:.1f} ms measured vs {ideal_ms:.1f} ms ideal",
+        )
 
 
 if __name__ == "__main__":

@@ -1,8 +1,8 @@
 """Train a pipelined reference model: the project's main job.
 
-    python scripts/train.py                      # small Transformer, 2 cells, generated copy task
-    python scripts/train.py --model=resnet --depth=50 --width=16 --devices=cpu:4 --partitions=4 --micro_batches=8
-    python scripts/train.py --model=amoebanet --dataset=tfds:cifar10 --model_dir=/tmp/run --tensorboard
+python scripts/train.py                      # small Transformer, 2 cells, generated copy task
+python scripts/train.py --model=resnet --depth=50 --width=16 --devices=cpu:4 --partitions=4 --micro_batches=8
+python scripts/train.py --model=amoebanet --dataset=tfds:cifar10 --model_dir=/tmp/run --tensorboard
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import json
 import os
 import sys
 import time
-from typing import Any, Optional
+from typing import Any
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
@@ -22,8 +22,12 @@ from absl import app, flags  # noqa: E402
 FLAGS = flags.FLAGS
 flags.DEFINE_enum("model", "transformer", ["transformer", "amoebanet", "resnet"], "Reference model to train.")
 # model sizes
-flags.DEFINE_integer("blocks", None, "Transformer blocks (L, default 4) or AmoebaNet-D normal cells (L, a multiple "
-                     "of 3, default 3).", lower_bound=1)
+flags.DEFINE_integer(
+    "blocks",
+    None,
+    "Transformer blocks (L, default 4) or AmoebaNet-D normal cells (L, a multiple of 3, default 3).",
+    lower_bound=1,
+)
 flags.DEFINE_integer("dim", 64, "Transformer model dimension.", lower_bound=1)
 flags.DEFINE_integer("hidden", 256, "Transformer feed-forward hidden size (H).", lower_bound=1)
 flags.DEFINE_integer("heads", 4, "Transformer attention heads (A).", lower_bound=1)
@@ -38,8 +42,9 @@ flags.DEFINE_integer("num_classes", 10, "Classes of the generated image task.", 
 flags.DEFINE_string("dataset", "synthetic", "'synthetic' (generated, learnable) or tfds:NAME[:SPLIT].")
 flags.DEFINE_string("data_dir", None, "tensorflow-datasets data directory.")
 flags.DEFINE_integer("examples", 4096, "Generated training examples.", lower_bound=1)
-flags.DEFINE_integer("seq_len", 8, "Copy task: length of the sequence to copy; text: tokens per example.",
-                     lower_bound=1)
+flags.DEFINE_integer(
+    "seq_len", 8, "Copy task: length of the sequence to copy; text: tokens per example.", lower_bound=1
+)
 flags.DEFINE_integer("vocab", 12, "Copy task vocabulary size (token 0 is the separator).", lower_bound=3)
 # pipeline
 flags.DEFINE_integer("partitions", 2, "Number of cells K, balanced by --cost.", lower_bound=1)
@@ -47,8 +52,12 @@ flags.DEFINE_list("balance", None, "Layers per cell, e.g. 2,2,3; overrides --par
 flags.DEFINE_enum("cost", "flops", ["flops", "params", "time"], "Per-layer cost that --partitions balances.")
 flags.DEFINE_integer("micro_batches", 4, "Micro-batches per mini-batch (M).", lower_bound=1)
 flags.DEFINE_enum("remat", "except_last", ["always", "except_last", "never"], "Re-materialization mode.")
-flags.DEFINE_string("devices", "auto", "'auto', 'cpu:N' (split the CPU into N logical devices), 'local:N' (N "
-                    "single-thread worker processes on loopback) or a comma list.")
+flags.DEFINE_string(
+    "devices",
+    "auto",
+    "'auto', 'cpu:N' (split the CPU into N logical devices), 'local:N' (N "
+    "single-thread worker processes on loopback) or a comma list.",
+)
 # training
 flags.DEFINE_integer("batch_size", 32, "Mini-batch size.", lower_bound=1)
 flags.DEFINE_integer("epochs", 4, "Training epochs.", lower_bound=1)
@@ -59,8 +68,9 @@ flags.DEFINE_integer("seed", 0, "Random seed for data and weights.")
 flags.DEFINE_integer("verbose", 1, "Keras verbosity: 0 silent, 1 progress bar, 2 one line per epoch.")
 # checkpoints and logs
 flags.DEFINE_string("model_dir", None, "Checkpoints go here; a restart with the same directory resumes.")
-flags.DEFINE_integer("save_every", None, "Back up every N steps (default: every epoch); needs --model_dir.",
-                     lower_bound=1)
+flags.DEFINE_integer(
+    "save_every", None, "Back up every N steps (default: every epoch); needs --model_dir.", lower_bound=1
+)
 flags.DEFINE_bool("tensorboard", False, "Write TensorBoard logs under --model_dir/logs.")
 
 
@@ -158,8 +168,9 @@ def _tfds(kind: str):
     from scripts.data import load_tfds
 
     try:
-        return load_tfds(FLAGS.dataset, kind, FLAGS.batch_size, FLAGS.data_dir, FLAGS.image_size, FLAGS.seq_len,
-                         seed=FLAGS.seed)
+        return load_tfds(
+            FLAGS.dataset, kind, FLAGS.batch_size, FLAGS.data_dir, FLAGS.image_size, FLAGS.seq_len, seed=FLAGS.seed
+        )
     except ImportError:
         raise UsageError(f"--dataset={FLAGS.dataset} needs tensorflow-datasets: pip install -e '.[data]'") from None
     except Exception as err:  # noqa: BLE001 - unknown names, missing downloads: one line naming the flag
@@ -183,11 +194,18 @@ def make_task() -> Task:
             loaded = _tfds("text")
             dataset, vocab, scored = loaded.dataset, loaded.vocab_size, "next bytes"
         length = dataset.element_spec[0].shape[1]
-        layers = transformer_lm(vocab, length, FLAGS.blocks or 4, FLAGS.dim, FLAGS.hidden, FLAGS.heads,
-                                logit_clip=FLAGS.logit_clip)
+        layers = transformer_lm(
+            vocab, length, FLAGS.blocks or 4, FLAGS.dim, FLAGS.hidden, FLAGS.heads, logit_clip=FLAGS.logit_clip
+        )
         metrics = {"weighted_metrics": ["accuracy"]}
-        return Task(layers, keras.losses.SparseCategoricalCrossentropy(from_logits=True), metrics, dataset,
-                    (None, length), scored)
+        return Task(
+            layers,
+            keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+            metrics,
+            dataset,
+            (None, length),
+            scored,
+        )
 
     if FLAGS.dataset == "synthetic":
         images, labels = data.pattern_images(FLAGS.examples, FLAGS.image_size, FLAGS.num_classes, seed=FLAGS.seed)
@@ -204,11 +222,17 @@ def make_task() -> Task:
 
         layers = resnet(int(FLAGS.depth), classes, FLAGS.width, stage_blocks=_ints("stage_blocks"))
     size = FLAGS.image_size
-    return Task(layers, keras.losses.SparseCategoricalCrossentropy(from_logits=True), {"metrics": ["accuracy"]},
-                dataset, (None, size, size, 3), "images")
+    return Task(
+        layers,
+        keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        {"metrics": ["accuracy"]},
+        dataset,
+        (None, size, size, 3),
+        "images",
+    )
 
 
-def callbacks(model_dir: Optional[str]) -> tuple[list, Optional[int]]:
+def callbacks(model_dir: str | None) -> tuple[list, int | None]:
     """Backup (resumable), latest weights and TensorBoard callbacks; the epoch a backup resumes from."""
     import keras
 
@@ -252,13 +276,20 @@ def _run(stack: contextlib.ExitStack) -> dict:
         raise UsageError(f"--model={FLAGS.model} sizes: {err}") from None
     try:
         model = tfpipe.PipelineModel(
-            task.layers, balance=balance, num_partitions=None if balance else partitions, cost=FLAGS.cost,
-            devices=devices, num_micro_batches=FLAGS.micro_batches, remat=FLAGS.remat)
+            task.layers,
+            balance=balance,
+            num_partitions=None if balance else partitions,
+            cost=FLAGS.cost,
+            devices=devices,
+            num_micro_batches=FLAGS.micro_batches,
+            remat=FLAGS.remat,
+        )
         model.build(task.input_shape)
     except (ValueError, TypeError) as err:
         raise UsageError(f"--balance/--partitions/--devices/--micro_batches: {err}") from None
-    optimizer = {"adam": keras.optimizers.Adam, "sgd": keras.optimizers.SGD,
-                 "adamw": keras.optimizers.AdamW}[FLAGS.optimizer](FLAGS.learning_rate)
+    optimizer = {"adam": keras.optimizers.Adam, "sgd": keras.optimizers.SGD, "adamw": keras.optimizers.AdamW}[
+        FLAGS.optimizer
+    ](FLAGS.learning_rate)
     model.compile(optimizer=optimizer, loss=task.loss, **task.metrics)
     model.summary()
     if FLAGS.model_dir:
@@ -272,26 +303,43 @@ def _run(stack: contextlib.ExitStack) -> dict:
     start_loss, start_acc = model.evaluate(probe, verbose=0)
     train_data = task.dataset.repeat() if FLAGS.steps else task.dataset
     began = time.perf_counter()
-    history = model.fit(train_data, epochs=FLAGS.epochs, steps_per_epoch=FLAGS.steps, callbacks=extra,
-                        verbose=FLAGS.verbose, shuffle=False)  # the data set shuffles itself
+    history = model.fit(
+        train_data,
+        epochs=FLAGS.epochs,
+        steps_per_epoch=FLAGS.steps,
+        callbacks=extra,
+        verbose=FLAGS.verbose,
+        shuffle=False,
+    )  # the data set shuffles itself
     seconds = time.perf_counter() - began
     epochs_run = len(history.history.get("loss", []))
     final_loss, final_acc = model.evaluate(probe, verbose=0)
     steps = FLAGS.steps or int(task.dataset.cardinality())
     report = {
-        "start_loss": float(start_loss), "start_accuracy": float(start_acc),
-        "final_loss": float(final_loss), "final_accuracy": float(final_acc),
-        "epochs_run": epochs_run, "resumed_from_epoch": resumed,
+        "start_loss": float(start_loss),
+        "start_accuracy": float(start_acc),
+        "final_loss": float(final_loss),
+        "final_accuracy": float(final_acc),
+        "epochs_run": epochs_run,
+        "resumed_from_epoch": resumed,
         "examples_per_second": epochs_run * steps * FLAGS.batch_size / seconds if epochs_run else 0.0,
         "seconds": seconds,
-        "balance": model.balance, "devices": model.devices, "micro_batches": model.num_micro_batches,
+        "balance": model.balance,
+        "devices": model.devices,
+        "micro_batches": model.num_micro_batches,
     }
-    print(f"\nloss {report['start_loss']:.3f} -> {report['final_loss']:.3f}, "
-          f"accuracy {report['start_accuracy']:.3f} -> {report['final_accuracy']:.3f} ({task.scored})")
-    print(f"{report['examples_per_second']:.0f} examples/s over {seconds:.1f} s, {epochs_run} epochs "
-          "(first-step tracing included)")
-    print(f"balance {report['balance']} on {report['devices']}, {report['micro_batches']} micro-batches, "
-          f"remat={FLAGS.remat!r}")
+    print(
+        f"\nloss {report['start_loss']:.3f} -> {report['final_loss']:.3f}, "
+        f"accuracy {report['start_accuracy']:.3f} -> {report['final_accuracy']:.3f} ({task.scored})"
+    )
+    print(
+        f"{report['examples_per_second']:.0f} examples/s over {seconds:.1f} s, {epochs_run} epochs "
+        "(first-step tracing included)"
+    )
+    print(
+        f"balance {report['balance']} on {report['devices']}, {report['micro_batches']} micro-batches, "
+        f"remat={FLAGS.remat!r}"
+    )
     return report
 
 

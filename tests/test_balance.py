@@ -140,8 +140,11 @@ def test_by_flops_breaks_ties_by_the_bytes_crossing_the_cut():
     import keras
 
     # 64 FLOPs each; cutting after layer 0 sends 8 floats, after layer 1 only 4: the narrow cut wins
-    layers = [keras.layers.Dense(8, use_bias=False), keras.layers.Dense(4, use_bias=False),
-              keras.layers.Dense(8, use_bias=False)]
+    layers = [
+        keras.layers.Dense(8, use_bias=False),
+        keras.layers.Dense(4, use_bias=False),
+        keras.layers.Dense(8, use_bias=False),
+    ]
     split, costs = balance.by_flops(layers, 2, np.ones((2, 4), "float32"), return_costs=True)
     assert costs == [64.0, 64.0, 64.0] and split == [2, 1]
 
@@ -149,8 +152,15 @@ def test_by_flops_breaks_ties_by_the_bytes_crossing_the_cut():
 def test_by_time_leaves_weights_optimizer_and_state_unchanged():
     import keras
 
-    model = keras.Sequential([keras.Input((16,)), keras.layers.Dense(32), keras.layers.BatchNormalization(),
-                              keras.layers.Dropout(0.3), keras.layers.Dense(2)])
+    model = keras.Sequential(
+        [
+            keras.Input((16,)),
+            keras.layers.Dense(32),
+            keras.layers.BatchNormalization(),
+            keras.layers.Dropout(0.3),
+            keras.layers.Dense(2),
+        ]
+    )
     model.compile(optimizer="adam", loss="mse")
     x, y = np.random.default_rng(0).normal(size=(2, 32, 16)).astype("float32")[0], np.zeros((32, 2), "float32")
     model.fit(x, y, batch_size=8, epochs=1, verbose=0)

@@ -8,9 +8,20 @@ from tests.util import run_script
 def test_memory_benchmark_writes_its_tables(tmp_path):
     """Tiny Transformer, L=1, M in {1, 4}: three child processes, since the searches reuse the table's points."""
     out = str(tmp_path / "memory")
-    proc = run_script("benchmark_memory.py", "--blocks=1", "--table_micro_batches=1,4", "--micro_batches=4",
-                      "--seq_len=64", "--dim=16", "--heads=4", "--batch_size=8", "--vocab=16", "--budget_gib=1",
-                      "--max_blocks=1", f"--out={out}")
+    proc = run_script(
+        "benchmark_memory.py",
+        "--blocks=1",
+        "--table_micro_batches=1,4",
+        "--micro_batches=4",
+        "--seq_len=64",
+        "--dim=16",
+        "--heads=4",
+        "--batch_size=8",
+        "--vocab=16",
+        "--budget_gib=1",
+        "--max_blocks=1",
+        f"--out={out}",
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     with open(out + ".csv") as f:
         rows = list(csv.DictReader(f))

@@ -10,8 +10,17 @@ from tests.util import run_script
 def test_overhead_benchmark_writes_its_table(tmp_path):
     """One round of plain, remat=never and remat=always on a one-block Transformer."""
     out = str(tmp_path / "overhead")
-    proc = run_script("benchmark_overhead.py", "--blocks=1", "--dim=32", "--seq_len=8", "--batch_size=4", "--steps=2",
-                      "--warmup=1", "--repeats=1", f"--out={out}")
+    proc = run_script(
+        "benchmark_overhead.py",
+        "--blocks=1",
+        "--dim=32",
+        "--seq_len=8",
+        "--batch_size=4",
+        "--steps=2",
+        "--warmup=1",
+        "--repeats=1",
+        f"--out={out}",
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "identical initial weights: yes" in proc.stdout
     with open(out + ".csv") as f:

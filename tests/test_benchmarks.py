@@ -9,14 +9,25 @@ from tests.util import run_script
 
 def test_speed_benchmark_writes_its_table(tmp_path):
     out = str(tmp_path / "speed")
-    proc = run_script("benchmark_speed.py", "--model=mlp", "--micro_batches=1,2", "--steps=1", "--warmup=1",
-                      "--blocks=2", "--dims=16,32", "--batch_sizes=4", "--remat=always", f"--out={out}")
+    proc = run_script(
+        "benchmark_speed.py",
+        "--model=mlp",
+        "--micro_batches=1,2",
+        "--steps=1",
+        "--warmup=1",
+        "--blocks=2",
+        "--dims=16,32",
+        "--batch_sizes=4",
+        "--remat=always",
+        f"--out={out}",
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     with open(out + ".csv") as f:
         rows = list(csv.DictReader(f))
     sizes = ["dim=16 batch=4", "dim=32 batch=4"]
     assert [(r["size"], r["K"], r["M"]) for r in rows] == [
-        (s, k, m) for k in ("1", "2") for s in sizes for m in ("1", "2")]
+        (s, k, m) for k in ("1", "2") for s in sizes for m in ("1", "2")
+    ]
     for r in rows:  # every entry against its size's reference: one worker, K=1, M=1, no recomputation
         assert r["remat"] == "always" and float(r["examples_per_s"]) > 0
         assert float(r["speedup"]) == pytest.approx(float(r["examples_per_s"]) / float(r["reference"]))
@@ -33,8 +44,16 @@ def test_speed_benchmark_writes_its_table(tmp_path):
 
 def test_scale_benchmark_times_the_first_step_in_a_fresh_process(tmp_path):
     out = str(tmp_path / "scale")
-    proc = run_script("benchmark_scale.py", "--configs=2x2", "--blocks=1", "--dim=16", "--seq_len=4",
-                      "--batch_size=4", "--steps=1", f"--out={out}")
+    proc = run_script(
+        "benchmark_scale.py",
+        "--configs=2x2",
+        "--blocks=1",
+        "--dim=16",
+        "--seq_len=4",
+        "--batch_size=4",
+        "--steps=1",
+        f"--out={out}",
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     with open(out + ".csv") as f:
         (row,) = list(csv.DictReader(f))

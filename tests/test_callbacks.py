@@ -23,8 +23,13 @@ def _data(n=32):
 def _model(lr=0.05):
     """Two cells, with Dropout so that resuming must also restore the random state."""
     keras.utils.set_random_seed(0)
-    layers = [keras.layers.Dense(16, activation="relu"), keras.layers.Dropout(0.3), keras.layers.Dense(16),
-              keras.layers.Activation("tanh"), keras.layers.Dense(3)]
+    layers = [
+        keras.layers.Dense(16, activation="relu"),
+        keras.layers.Dropout(0.3),
+        keras.layers.Dense(16),
+        keras.layers.Activation("tanh"),
+        keras.layers.Dense(3),
+    ]
     model = tfpipe.PipelineModel(layers, balance=[2, 3], devices=cpu_devices(2), num_micro_batches=2)
     model.compile(optimizer=keras.optimizers.Adam(lr), loss="mse")
     return model
@@ -54,11 +59,25 @@ def test_interrupted_fit_resumed_with_backup_and_restore_equals_an_uninterrupted
     backup = str(tmp_path / "backup")
     first = _model()
     with pytest.raises(RuntimeError, match="preempted"):
-        first.fit(x, y, batch_size=8, epochs=EPOCHS, shuffle=False, verbose=0,
-                  callbacks=[keras.callbacks.BackupAndRestore(backup), _Interrupt(epoch=1, batch=2)])
+        first.fit(
+            x,
+            y,
+            batch_size=8,
+            epochs=EPOCHS,
+            shuffle=False,
+            verbose=0,
+            callbacks=[keras.callbacks.BackupAndRestore(backup), _Interrupt(epoch=1, batch=2)],
+        )
     resumed = _model()  # a new process would build the model again from scratch
-    history = resumed.fit(x, y, batch_size=8, epochs=EPOCHS, shuffle=False, verbose=0,
-                          callbacks=[keras.callbacks.BackupAndRestore(backup)])
+    history = resumed.fit(
+        x,
+        y,
+        batch_size=8,
+        epochs=EPOCHS,
+        shuffle=False,
+        verbose=0,
+        callbacks=[keras.callbacks.BackupAndRestore(backup)],
+    )
     assert len(history.history["loss"]) == EPOCHS - 1  # epoch 0 was not run again
     for a, b in zip(resumed.get_weights(), uninterrupted.get_weights()):
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
@@ -68,15 +87,27 @@ def test_model_checkpoint_files_load_as_the_model_was(tmp_path):
     x, y = _data()
     model = _model()
     path = str(tmp_path / "best.keras")
-    model.fit(x, y, batch_size=8, epochs=EPOCHS, verbose=0,
-              callbacks=[keras.callbacks.ModelCheckpoint(path, monitor="loss", save_best_only=True)])
+    model.fit(
+        x,
+        y,
+        batch_size=8,
+        epochs=EPOCHS,
+        verbose=0,
+        callbacks=[keras.callbacks.ModelCheckpoint(path, monitor="loss", save_best_only=True)],
+    )
     loaded = keras.models.load_model(path)
     assert loaded.balance == [2, 3] and loaded.devices == cpu_devices(2)
     np.testing.assert_array_equal(loaded.predict(x, verbose=0), model.predict(x, verbose=0))  # loss fell each epoch
 
     weights = str(tmp_path / "w{epoch}.weights.h5")
-    model.fit(x, y, batch_size=8, epochs=1, verbose=0,
-              callbacks=[keras.callbacks.ModelCheckpoint(weights, save_weights_only=True)])
+    model.fit(
+        x,
+        y,
+        batch_size=8,
+        epochs=1,
+        verbose=0,
+        callbacks=[keras.callbacks.ModelCheckpoint(weights, save_weights_only=True)],
+    )
     again = _model()
     again.build((None, 6))
     again.optimizer.build(again.trainable_variables)  # so that its state loads too
@@ -100,8 +131,9 @@ def _xplane_events(path):
 def test_tensorboard_writes_scalars_and_a_profile_of_every_task(tmp_path):
     x, y = _data(64)
     logs = str(tmp_path / "logs")
-    _model().fit(x, y, batch_size=8, epochs=2, verbose=0,
-                 callbacks=[keras.callbacks.TensorBoard(logs, profile_batch=(2, 3))])
+    _model().fit(
+        x, y, batch_size=8, epochs=2, verbose=0, callbacks=[keras.callbacks.TensorBoard(logs, profile_batch=(2, 3))]
+    )
     events = glob.glob(os.path.join(logs, "train", "events.out.tfevents.*"))
     tags = {v.tag for e in tf.compat.v1.train.summary_iterator(events[0]) for v in e.summary.value}
     assert "epoch_loss" in tags
@@ -127,4 +159,6 @@ def test_learning_rate_callbacks_change_the_optimizer():
     model = _model(lr=0.1)
     plateau = keras.callbacks.ReduceLROnPlateau(monitor="loss", factor=0.5, patience=0, min_delta=100.0)
     model.fit(x, y, batch_size=8, epochs=EPOCHS, verbose=0, callbacks=[plateau])
-    assert float(model.optimizer.learning_rate) == pytest.approx(0.1 * 0.5 ** (EPOCHS - 1))  # the first epoch sets the best loss
+    assert float(model.optimizer.learning_rate) == pytest.approx(
+        0.1 * 0.5 ** (EPOCHS - 1)
+    )  # the first epoch sets the best loss

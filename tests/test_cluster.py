@@ -145,7 +145,7 @@ def test_cluster_arguments_and_connect_errors():
         with pytest.raises(ValueError, match="connect\\(\\) needs a cluster"):
             cluster.connect()
         os.environ["TF_CONFIG"] = "{not json"
-        with pytest.raises(ValueError, match="TF_CONFIG=.* has no readable \"cluster\" entry"):
+        with pytest.raises(ValueError, match='TF_CONFIG=.* has no readable "cluster" entry'):
             cluster.connect()
     finally:
         os.environ.pop("TF_CONFIG", None)
@@ -163,12 +163,15 @@ def test_connect_joins_servers_started_elsewhere_from_tf_config():
             s.bind(("127.0.0.1", 0))
             ports.append(s.getsockname()[1])
     addresses = [f"localhost:{p}" for p in ports]
-    server = ("import tensorflow as tf; tf.distribute.Server(tf.train.ClusterSpec({'worker': %r}), "
-              "job_name='worker', task_index=%d).join()")
+    server = (
+        "import tensorflow as tf; tf.distribute.Server(tf.train.ClusterSpec({'worker': %r}), "
+        "job_name='worker', task_index=%d).join()"
+    )
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")
     servers = [subprocess.Popen([sys.executable, "-c", server % (addresses, k)], env=env) for k in range(2)]
     try:
-        proc = run_fresh("""
+        proc = run_fresh(
+            """
             import numpy as np, keras, tfpipe
             devices = tfpipe.cluster.connect()
             print("DEVICES", devices)
@@ -177,7 +180,9 @@ def test_connect_joins_servers_started_elsewhere_from_tf_config():
             model.compile(optimizer="sgd", loss="mse")
             history = model.fit(np.ones((8, 3), "float32"), np.ones((8, 1), "float32"), batch_size=4, verbose=0)
             print("LOSS", history.history["loss"][-1])
-        """, env={"TF_CONFIG": json.dumps({"cluster": {"worker": addresses}})})
+        """,
+            env={"TF_CONFIG": json.dumps({"cluster": {"worker": addresses}})},
+        )
     finally:
         for s in servers:
             s.kill()
@@ -188,7 +193,8 @@ def test_connect_joins_servers_started_elsewhere_from_tf_config():
 
 
 def test_a_killed_worker_fails_fit_quickly_naming_the_worker():
-    proc = run_fresh("""
+    proc = run_fresh(
+        """
         import os, signal, threading, time
         import numpy as np, keras, tfpipe
         from tfpipe.cluster import LocalCluster, WorkerError
@@ -212,7 +218,9 @@ def test_a_killed_worker_fails_fit_quickly_naming_the_worker():
             print("SECONDS", time.monotonic() - killed["at"])
             print("LEFT", [p for p in cluster.pids if os.path.exists(f"/proc/{p}")])  # checked while we live
             print("MESSAGE", err)
-    """, timeout=240)
+    """,
+        timeout=240,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "MESSAGE" in proc.stdout, proc.stdout[-2000:]
     seconds = float(proc.stdout.split("SECONDS")[1].split()[0])
@@ -223,7 +231,8 @@ def test_a_killed_worker_fails_fit_quickly_naming_the_worker():
 
 
 def test_resume_after_a_fault_reaches_the_uninterrupted_weights(tmp_path):
-    proc = run_fresh(f"""
+    proc = run_fresh(
+        f"""
         import os, signal, time
         import numpy as np, keras, tfpipe
         from tfpipe.cluster import LocalCluster, WorkerError
@@ -258,7 +267,9 @@ def test_resume_after_a_fault_reaches_the_uninterrupted_weights(tmp_path):
         with LocalCluster(2) as cluster:  # a new cluster; BackupAndRestore resumes at epoch 2
             resumed = train(cluster, {str(tmp_path / "b")!r})
         print("ERROR", max_rel_error(resumed, reference))
-    """, timeout=300)
+    """,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "FAULT Worker task 1 at localhost:" in proc.stdout
     assert "latest.weights.h5" in proc.stdout.split("BACKUP")[1]

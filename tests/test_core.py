@@ -120,8 +120,9 @@ def _train_graph(k, m, remat):
 
     @tf.function(autograph=False)
     def step():
-        result = pipeline.train([tf.constant(x[j:j + 1]) for j in range(m)],
-                                lambda j, y: tf.reduce_sum(y), [tf.constant(1.0 / m)] * m)
+        result = pipeline.train(
+            [tf.constant(x[j : j + 1]) for j in range(m)], lambda j, y: tf.reduce_sum(y), [tf.constant(1.0 / m)] * m
+        )
         return result.loss, result.gradients
 
     return step, x, log
@@ -137,7 +138,7 @@ def test_pipeline_loss_and_gradients_of_fake_cells(remat):
     for i, g in enumerate(grads):
         assert float(g) == pytest.approx(x.sum() * np.prod(w) / w[i])
     forwards = [t.cell for t in schedule.flatten(schedule.gpipe(k, m, backward=True)) if t.kind == "F"]
-    assert log[:len(forwards)] == forwards  # forward tasks are built in schedule order
+    assert log[: len(forwards)] == forwards  # forward tasks are built in schedule order
     assert len(log) == len(forwards) * (2 if remat == "always" else 1)  # remat runs each forward again
 
 

@@ -37,7 +37,8 @@ def test_convolution_flops():
 def test_embedding_is_free_and_elementwise_layers_count_their_elements():
     ids = np.zeros((3, 10), "int32")
     embedding, relu, norm = _flops(
-        [keras.layers.Embedding(50, 8), keras.layers.Activation("relu"), keras.layers.LayerNormalization()], ids)
+        [keras.layers.Embedding(50, 8), keras.layers.Activation("relu"), keras.layers.LayerNormalization()], ids
+    )
     assert embedding == 0.0  # a gather moves data, it does no arithmetic
     assert relu == 10 * 8
     assert 4 * 80 <= norm <= 12 * 80  # mean, variance, normalize, scale, shift: a few ops per element
@@ -99,8 +100,9 @@ def test_unknown_ops_and_untraceable_layers_fall_back_and_are_reported():
 
 
 def test_output_bytes_per_sample_and_params():
-    estimate = cost.estimate([keras.layers.Dense(6), keras.layers.Dense(2, dtype="float64")],
-                             np.zeros((4, 3), "float32"), "params")
+    estimate = cost.estimate(
+        [keras.layers.Dense(6), keras.layers.Dense(2, dtype="float64")], np.zeros((4, 3), "float32"), "params"
+    )
     assert estimate.costs == [3 * 6 + 6, 6 * 2 + 2]
     assert estimate.output_bytes == [6 * 4, 2 * 8]
 
@@ -154,13 +156,16 @@ def test_memory_needs_an_allocator_that_reports():
 
 
 def test_memory_with_the_bfc_allocator_counts_weights_and_activations():
-    proc = run_fresh("""
+    proc = run_fresh(
+        """
         import keras, numpy as np
         from tfpipe import cost
         x = np.ones((32, 64), "float32")
         est = cost.estimate([keras.layers.Dense(512), keras.layers.Dense(8)], x, "memory")
         print("COSTS", *est.costs)
-    """, env={"TF_CPU_ALLOCATOR_USE_BFC": "true"})
+    """,
+        env={"TF_CPU_ALLOCATOR_USE_BFC": "true"},
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     big, small = (float(v) for v in proc.stdout.split("COSTS")[1].split())
     weights_big, weights_small = (64 * 512 + 512) * 4, (512 * 8 + 8) * 4

@@ -12,20 +12,27 @@ def _layers(n=3):
     return [keras.layers.Dense(4) for _ in range(n)]
 
 
-@pytest.mark.parametrize("kwargs,error,message", [
-    (dict(balance=[1, 1]), ValueError, r"balance=\[1, 1\] sums to 2 but there are 3 layers"),
-    (dict(balance=[3, 0]), ValueError, r"at least one layer; balance=\[3, 0\]"),
-    (dict(balance=[1, 1, 1], devices=["/CPU:0", "/CPU:1"]), ValueError, r"3 cells but only 2 devices"),
-    (dict(num_partitions=2, num_micro_batches=0), ValueError, r"num_micro_batches must be an integer >= 1, got 0"),
-    (dict(num_partitions=2, num_micro_batches=2.5), ValueError, r"num_micro_batches must be an integer >= 1, got 2.5"),
-    (dict(num_partitions=2, num_micro_batches=True), ValueError, r"num_micro_batches must be an integer >= 1"),
-    (dict(num_partitions=2.5), ValueError, r"num_partitions must be an integer >= 1, got 2.5"),
-    (dict(num_partitions=2, remat="sometimes"), ValueError, r"Unknown remat='sometimes'; use one of 'always'"),
-    (dict(num_partitions=2, devices=["/CPU:0", "/GPU:7"]), ValueError, r"Unknown device '/GPU:7'"),
-    (dict(balance=[1, 2], num_partitions=2), ValueError, r"exactly one of balance=.* or num_partitions"),
-    (dict(), ValueError, r"exactly one of balance=.* or num_partitions"),
-    (dict(num_partitions=4), ValueError, r"num_partitions=4 is more than the 3 layers"),
-])
+@pytest.mark.parametrize(
+    "kwargs,error,message",
+    [
+        (dict(balance=[1, 1]), ValueError, r"balance=\[1, 1\] sums to 2 but there are 3 layers"),
+        (dict(balance=[3, 0]), ValueError, r"at least one layer; balance=\[3, 0\]"),
+        (dict(balance=[1, 1, 1], devices=["/CPU:0", "/CPU:1"]), ValueError, r"3 cells but only 2 devices"),
+        (dict(num_partitions=2, num_micro_batches=0), ValueError, r"num_micro_batches must be an integer >= 1, got 0"),
+        (
+            dict(num_partitions=2, num_micro_batches=2.5),
+            ValueError,
+            r"num_micro_batches must be an integer >= 1, got 2.5",
+        ),
+        (dict(num_partitions=2, num_micro_batches=True), ValueError, r"num_micro_batches must be an integer >= 1"),
+        (dict(num_partitions=2.5), ValueError, r"num_partitions must be an integer >= 1, got 2.5"),
+        (dict(num_partitions=2, remat="sometimes"), ValueError, r"Unknown remat='sometimes'; use one of 'always'"),
+        (dict(num_partitions=2, devices=["/CPU:0", "/GPU:7"]), ValueError, r"Unknown device '/GPU:7'"),
+        (dict(balance=[1, 2], num_partitions=2), ValueError, r"exactly one of balance=.* or num_partitions"),
+        (dict(), ValueError, r"exactly one of balance=.* or num_partitions"),
+        (dict(num_partitions=4), ValueError, r"num_partitions=4 is more than the 3 layers"),
+    ],
+)
 def test_construction_errors(kwargs, error, message):
     with pytest.raises(error, match=message):
         tfpipe.PipelineModel(_layers(), **kwargs)
@@ -90,8 +97,7 @@ def test_weights_shared_between_cells():
 
 
 def test_unsupported_mixed_reductions():
-    model = tfpipe.PipelineModel([keras.layers.Dense(2), keras.layers.Dense(2)], num_partitions=2,
-                                 num_micro_batches=2)
+    model = tfpipe.PipelineModel([keras.layers.Dense(2), keras.layers.Dense(2)], num_partitions=2, num_micro_batches=2)
     model.compile(optimizer="sgd", loss=keras.losses.MeanSquaredError(reduction="none"))
     with pytest.raises(ValueError, match=r"reduction=.none. into micro-batches"):
         model.fit(np.ones((4, 2)), np.ones((4, 2)), verbose=0)

@@ -43,8 +43,9 @@ def _ancestors(op):
 @pytest.mark.parametrize("k,m,devices", [(2, 3, None), (3, 2, ["/CPU:0", "/CPU:1", "/CPU:0"])])
 def test_each_device_runs_its_tasks_in_schedule_order(k, m, devices):
     devices = devices or cpu_devices(k)
-    model = tfpipe.PipelineModel(mlp_layers(depth=3), num_partitions=k, devices=devices,
-                                 num_micro_batches=m, remat="except_last")
+    model = tfpipe.PipelineModel(
+        mlp_layers(depth=3), num_partitions=k, devices=devices, num_micro_batches=m, remat="except_last"
+    )
     tasks = _task_ops(_train_graph(model, batch=6))
     order = schedule.device_order(schedule.gpipe(k, m), devices)
     assert sum(len(v) for v in order.values()) == 2 * k * m
@@ -57,8 +58,9 @@ def test_each_device_runs_its_tasks_in_schedule_order(k, m, devices):
 
 
 def test_task_ops_are_placed_on_their_cells_device():
-    model = tfpipe.PipelineModel(mlp_layers(depth=2), num_partitions=2, devices=["/CPU:2", "/CPU:3"],
-                                 num_micro_batches=2)
+    model = tfpipe.PipelineModel(
+        mlp_layers(depth=2), num_partitions=2, devices=["/CPU:2", "/CPU:3"], num_micro_batches=2
+    )
     tasks = _task_ops(_train_graph(model))
     for name, ops in tasks.items():
         cell = int(name.split("_")[1])
@@ -92,12 +94,16 @@ def _forward_matmuls(op, functions):
 
 def test_recomputation_runs_in_the_backward_task_and_only_when_asked():
     def matmuls_in_backward(remat):
-        model = tfpipe.PipelineModel([keras.layers.Dense(4), keras.layers.Dense(3)], num_partitions=2,
-                                     num_micro_batches=2, remat=remat)
+        model = tfpipe.PipelineModel(
+            [keras.layers.Dense(4), keras.layers.Dense(3)], num_partitions=2, num_micro_batches=2, remat=remat
+        )
         graph = _train_graph(model)
         functions = _functions(graph)
-        return {name: sum(_forward_matmuls(op, functions) for op in ops)
-                for name, ops in _task_ops(graph).items() if name.startswith("B")}
+        return {
+            name: sum(_forward_matmuls(op, functions) for op in ops)
+            for name, ops in _task_ops(graph).items()
+            if name.startswith("B")
+        }
 
     assert matmuls_in_backward("never") == {"B_0_0": 0, "B_0_1": 0, "B_1_0": 0, "B_1_1": 0}
     assert matmuls_in_backward("except_last") == {"B_0_0": 1, "B_0_1": 0, "B_1_0": 1, "B_1_1": 0}
@@ -106,8 +112,9 @@ def test_recomputation_runs_in_the_backward_task_and_only_when_asked():
 
 def test_cell_functions_run_on_their_cells_device():
     """Ops inside a called cell function are on the cell's device, or unplaced and so on the call op's."""
-    model = tfpipe.PipelineModel(mlp_layers(depth=2), num_partitions=2, devices=["/CPU:2", "/CPU:3"],
-                                 num_micro_batches=2, remat="except_last")
+    model = tfpipe.PipelineModel(
+        mlp_layers(depth=2), num_partitions=2, devices=["/CPU:2", "/CPU:3"], num_micro_batches=2, remat="except_last"
+    )
     graph = _train_graph(model)
     functions = _functions(graph)
     calls = 0
@@ -125,8 +132,9 @@ def test_cell_functions_run_on_their_cells_device():
 
 def test_each_cell_is_traced_once_whatever_the_number_of_micro_batches():
     def traces(m):
-        model = tfpipe.PipelineModel(mlp_layers(depth=3), num_partitions=3, devices=cpu_devices(3),
-                                     num_micro_batches=m, remat="always")
+        model = tfpipe.PipelineModel(
+            mlp_layers(depth=3), num_partitions=3, devices=cpu_devices(3), num_micro_batches=m, remat="always"
+        )
         _train_graph(model, batch=8)
         return [cell.num_traces for cell in model.cells]
 
@@ -134,8 +142,9 @@ def test_each_cell_is_traced_once_whatever_the_number_of_micro_batches():
 
 
 def test_weight_updates_run_on_each_cells_device():
-    model = tfpipe.PipelineModel(mlp_layers(depth=2), num_partitions=2, devices=["/CPU:2", "/CPU:3"],
-                                 num_micro_batches=2)
+    model = tfpipe.PipelineModel(
+        mlp_layers(depth=2), num_partitions=2, devices=["/CPU:2", "/CPU:3"], num_micro_batches=2
+    )
     graph = _train_graph(model, optimizer="adam")
     inside = {id(outer): inner for outer, inner in graph.captures}
     for cell in model.cells:

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 import tfpipe
-from tfpipe import state
 from tests.util import cpu_devices, run_fresh
+from tfpipe import state
 
 
 def _data(n=16, d=4, seed=0):
@@ -20,8 +20,12 @@ def _data(n=16, d=4, seed=0):
     return rng.standard_normal((n, d)).astype("float32"), rng.standard_normal((n, 1)).astype("float32")
 
 
-@pytest.mark.xfail(strict=True, raises=ValueError, reason="only seed states and BatchNorm statistics are merged "
-                   "across micro-batches; other assigned state is refused when M > 1")
+@pytest.mark.xfail(
+    strict=True,
+    raises=ValueError,
+    reason="only seed states and BatchNorm statistics are merged "
+    "across micro-batches; other assigned state is refused when M > 1",
+)
 def test_a_layer_assigning_other_state_trains_with_micro_batches():
     x, y = _data()
     layers = [keras.layers.Dense(8), keras.layers.BatchNormalization(renorm=True), keras.layers.Dense(1)]
@@ -41,13 +45,20 @@ class _Tied(keras.layers.Layer):
         return keras.ops.matmul(x, keras.ops.transpose(self.source.kernel))
 
 
-@pytest.mark.xfail(strict=True, raises=ValueError, reason="a variable used by two cells would get two gradients; "
-                   "tied weights must share a cell")
+@pytest.mark.xfail(
+    strict=True,
+    raises=ValueError,
+    reason="a variable used by two cells would get two gradients; tied weights must share a cell",
+)
 def test_weights_tied_across_cells_train_like_keras():
     x, y = _data()
     dense = keras.layers.Dense(4, use_bias=False)
-    model = tfpipe.PipelineModel([dense, keras.layers.Activation("tanh"), _Tied(dense), keras.layers.Dense(1)],
-                                 balance=[2, 2], devices=cpu_devices(2), num_micro_batches=2)
+    model = tfpipe.PipelineModel(
+        [dense, keras.layers.Activation("tanh"), _Tied(dense), keras.layers.Dense(1)],
+        balance=[2, 2],
+        devices=cpu_devices(2),
+        num_micro_batches=2,
+    )
     model.compile(optimizer="sgd", loss="mse")
     model.fit(x, y, batch_size=8, epochs=1, verbose=0)
 
@@ -62,20 +73,28 @@ def test_a_keras_mask_crosses_a_cell_boundary():
     np.testing.assert_allclose(model.predict(tokens, verbose=0), expected, rtol=1e-6)
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason="seed-generator states are created with their "
-                   "layer, on the default device, before the cell places it")
+@pytest.mark.xfail(
+    strict=True,
+    raises=AssertionError,
+    reason="seed-generator states are created with their layer, on the default device, before the cell places it",
+)
 def test_seed_states_live_on_their_cells_device():
-    model = tfpipe.PipelineModel([keras.layers.Dense(4), keras.layers.Dropout(0.5)], balance=[1, 1],
-                                 devices=cpu_devices(2))
+    model = tfpipe.PipelineModel(
+        [keras.layers.Dense(4), keras.layers.Dropout(0.5)], balance=[1, 1], devices=cpu_devices(2)
+    )
     model.build((None, 3))
     (seed,) = state.seed_states(model.pipeline_layers)
     assert seed.value.device.endswith("CPU:1")
 
 
-@pytest.mark.xfail(strict=True, raises=subprocess.TimeoutExpired, reason="a worker that hangs without dying "
-                   "blocks the step forever (issue 16: a timeout)")
+@pytest.mark.xfail(
+    strict=True,
+    raises=subprocess.TimeoutExpired,
+    reason="a worker that hangs without dying blocks the step forever (issue 16: a timeout)",
+)
 def test_a_hung_worker_fails_the_step_within_a_timeout():
-    proc = run_fresh("""
+    proc = run_fresh(
+        """
         import os, signal
         import numpy as np, keras, tfpipe
         from tfpipe.cluster import LocalCluster, WorkerError
@@ -90,5 +109,7 @@ def test_a_hung_worker_fails_the_step_within_a_timeout():
                 model.fit(x, y, batch_size=8, epochs=1, verbose=0)
             except WorkerError as err:
                 print("WORKER ERROR", err)
-    """, timeout=45)
+    """,
+        timeout=45,
+    )
     assert "WORKER ERROR" in proc.stdout, proc.stderr[-2000:]

@@ -13,8 +13,9 @@ LINE = "tfpipe: building the pipelined training step"
 
 def _model(k, m):
     layers = mlp_layers(depth=2)  # Dense, LayerNormalization, tanh, Dense
-    model = tfpipe.PipelineModel(layers, num_partitions=k, cost=lambda layer: 1.0, devices=cpu_devices(k),
-                                 num_micro_batches=m)
+    model = tfpipe.PipelineModel(
+        layers, num_partitions=k, cost=lambda layer: 1.0, devices=cpu_devices(k), num_micro_batches=m
+    )
     model.compile(optimizer="sgd", loss="mse")
     return model
 

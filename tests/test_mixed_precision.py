@@ -38,10 +38,16 @@ def float32_step():
 
 def _boundary_dtypes(model, x):
     """Dtypes of the tensors that arrive at cell 1 (the first ops of its forward tasks)."""
-    graph = tf.function(lambda t: model(t, training=False)).get_concrete_function(
-        tf.TensorSpec((None,) + x.shape[1:], tf.float32)).graph
-    return {op.outputs[0].dtype for op in graph.get_operations()
-            if op.type == "Identity" and op.name.split("/")[-2:-1] and op.name.split("/")[-2].startswith("F_1_")}
+    graph = (
+        tf.function(lambda t: model(t, training=False))
+        .get_concrete_function(tf.TensorSpec((None,) + x.shape[1:], tf.float32))
+        .graph
+    )
+    return {
+        op.outputs[0].dtype
+        for op in graph.get_operations()
+        if op.type == "Identity" and op.name.split("/")[-2:-1] and op.name.split("/")[-2].startswith("F_1_")
+    }
 
 
 @pytest.mark.parametrize("policy", ["mixed_float16", "mixed_bfloat16"])

@@ -17,8 +17,11 @@ def _classification(n=64, seed=0):
 
 
 def _classifier(**kwargs):
-    layers = [keras.layers.Dense(32, activation="relu"), keras.layers.Dense(32, activation="relu"),
-              keras.layers.Dense(2)]
+    layers = [
+        keras.layers.Dense(32, activation="relu"),
+        keras.layers.Dense(32, activation="relu"),
+        keras.layers.Dense(2),
+    ]
     kwargs.setdefault("num_partitions", 3)
     kwargs.setdefault("num_micro_batches", 4)
     return tfpipe.PipelineModel(layers, **kwargs)
@@ -27,8 +30,11 @@ def _classifier(**kwargs):
 def test_fit_evaluate_predict_with_metrics_and_dataset():
     x, y = _classification()
     model = _classifier()
-    model.compile(optimizer=keras.optimizers.Adam(0.01),
-                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True), metrics=["accuracy"])
+    model.compile(
+        optimizer=keras.optimizers.Adam(0.01),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        metrics=["accuracy"],
+    )
     dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(16)
     history = model.fit(dataset, epochs=8, verbose=0)
     assert history.history["loss"][-1] < 0.5 * history.history["loss"][0]
@@ -64,8 +70,9 @@ def test_weights_are_ordered_as_in_sequential():
     layers = [keras.layers.Dense(5), keras.layers.BatchNormalization(), keras.layers.Dense(2)]
     model = tfpipe.PipelineModel(layers, balance=[2, 1], num_micro_batches=2)
     model.build((None, 3))
-    reference = keras.Sequential([keras.Input((3,)), keras.layers.Dense(5), keras.layers.BatchNormalization(),
-                                  keras.layers.Dense(2)])
+    reference = keras.Sequential(
+        [keras.Input((3,)), keras.layers.Dense(5), keras.layers.BatchNormalization(), keras.layers.Dense(2)]
+    )
     assert [w.shape for w in model.get_weights()] == [w.shape for w in reference.get_weights()]
     reference.set_weights(model.get_weights())
     x = np.random.default_rng(0).normal(size=(6, 3)).astype("float32")
@@ -122,8 +129,11 @@ def test_dict_inputs_and_integer_tokens():
         def call(self, inputs):
             return inputs["tokens"]
 
-    model = tfpipe.PipelineModel([Pick(), keras.layers.Embedding(10, 4), keras.layers.GlobalAveragePooling1D(),
-                                  keras.layers.Dense(2)], balance=[2, 2], num_micro_batches=2)
+    model = tfpipe.PipelineModel(
+        [Pick(), keras.layers.Embedding(10, 4), keras.layers.GlobalAveragePooling1D(), keras.layers.Dense(2)],
+        balance=[2, 2],
+        num_micro_batches=2,
+    )
     x = {"tokens": np.random.default_rng(0).integers(0, 10, size=(8, 5))}
     y = np.arange(8) % 2
     model.compile(optimizer="adam", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
@@ -191,8 +201,9 @@ def test_each_step_is_traced_once(as_dataset):
     x, y = _classification(32)
     model = CountingTraces(mlp_layers(out=2), num_partitions=2, devices=cpu_devices(2), num_micro_batches=2)
     model.traces = {"train": 0, "test": 0}
-    model.compile(optimizer="adam", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-                  metrics=["accuracy"])
+    model.compile(
+        optimizer="adam", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True), metrics=["accuracy"]
+    )
     data = (tf.data.Dataset.from_tensor_slices((x, y)).batch(8),) if as_dataset else (x, y)
     batch = {} if as_dataset else {"batch_size": 8}
     model.evaluate(*data, verbose=0, **batch)  # before any training: metric variables exist already

@@ -32,8 +32,9 @@ def test_flops_balance_is_decided_at_build_on_copies():
 
 
 def test_fit_builds_and_balances_inside_keras_traced_step():
-    model = tfpipe.PipelineModel(_uneven_layers(), num_partitions=2, devices=cpu_devices(2), num_micro_batches=2,
-                                 cost="time")
+    model = tfpipe.PipelineModel(
+        _uneven_layers(), num_partitions=2, devices=cpu_devices(2), num_micro_batches=2, cost="time"
+    )
     model.compile(optimizer="sgd", loss="mse")
     x, y = np.ones((16, 64), "float32"), np.ones((16, 4), "float32")
     history = model.fit(tf.data.Dataset.from_tensor_slices((x, y)).batch(8), epochs=2, verbose=0)
@@ -66,10 +67,14 @@ def test_cost_errors():
     with pytest.raises(ValueError, match=r"cost='memory' needs a measurement .* balance=tfpipe.balance.by_memory"):
         tfpipe.PipelineModel(_uneven_layers(), num_partitions=2, devices=cpu_devices(2), cost="memory")
     with pytest.raises(ValueError, match=r"The cost of layer 0 \(.*\) is nan; costs must be finite"):
-        tfpipe.PipelineModel(_uneven_layers(), num_partitions=2, devices=cpu_devices(2),
-                             cost=lambda layer: float("nan"))
-    model = tfpipe.PipelineModel([keras.layers.Embedding(10, 4), keras.layers.Dense(3), keras.layers.Dense(2)],
-                                 num_partitions=2, devices=cpu_devices(2))
+        tfpipe.PipelineModel(
+            _uneven_layers(), num_partitions=2, devices=cpu_devices(2), cost=lambda layer: float("nan")
+        )
+    model = tfpipe.PipelineModel(
+        [keras.layers.Embedding(10, 4), keras.layers.Dense(3), keras.layers.Dense(2)],
+        num_partitions=2,
+        devices=cpu_devices(2),
+    )
     with pytest.raises(ValueError, match=r"needs the input's full shape .* model.build\(\(None, 128\)\)"):
         model.build((None, None))
 
@@ -77,8 +82,9 @@ def test_cost_errors():
 def test_summary_shows_costs_shares_bytes_and_predicted_efficiency():
     units = {"a": 4.0, "b": 1.0, "c": 1.0, "d": 2.0}
     layers = [keras.layers.Dense(8, name=n) for n in units]
-    model = tfpipe.PipelineModel(layers, num_partitions=2, devices=cpu_devices(2), num_micro_batches=4,
-                                 cost=lambda layer: units[layer.name])
+    model = tfpipe.PipelineModel(
+        layers, num_partitions=2, devices=cpu_devices(2), num_micro_batches=4, cost=lambda layer: units[layer.name]
+    )
     assert model.balance == [1, 3]
     model.build((None, 3))
     text = "\n".join(_lines(model))
@@ -107,8 +113,7 @@ def test_summary_says_why_costs_are_missing():
         def get_config(self):
             raise NotImplementedError("no config")
 
-    model = tfpipe.PipelineModel([NoCopy(4, name="nc"), keras.layers.Dense(2)], balance=[1, 1],
-                                 devices=cpu_devices(2))
+    model = tfpipe.PipelineModel([NoCopy(4, name="nc"), keras.layers.Dense(2)], balance=[1, 1], devices=cpu_devices(2))
     model.build((None, 3))
     text = "\n".join(_lines(model))
     assert "Costs not estimated: Cannot copy layer 'nc' (NoCopy)" in text

@@ -30,8 +30,7 @@ def tiny_transformer(**options):
 MODELS = {
     "resnet": (tiny_resnet, IMAGE, "float32", resnet_loss),
     "amoebanet": (tiny_amoebanet, IMAGE, "float32", amoebanet_loss),
-    "transformer": (lambda: tiny_transformer(logit_clip=15.0, scaled_init=True), (LENGTH,), "int32",
-                    transformer_loss),
+    "transformer": (lambda: tiny_transformer(logit_clip=15.0, scaled_init=True), (LENGTH,), "int32", transformer_loss),
 }
 
 
@@ -53,11 +52,13 @@ def _trainable_count(net):
 
 # Parameter counts ------------------------------------------------------------------------------
 
+
 # keras.applications.ResNet50/ResNet101(weights=None).count_params() (include_top=True, Keras 3.15):
 # 25,636,712 and 44,707,176. Without the convolution biases and BatchNorm moving statistics they are
 # torchvision's published resnet50/resnet101 sizes 25,557,032 and 44,549,160 (its convolutions have no bias).
-@pytest.mark.parametrize("depth, keras_total, without_conv_bias", [(50, 25_636_712, 25_557_032),
-                                                                   (101, 44_707_176, 44_549_160)])
+@pytest.mark.parametrize(
+    "depth, keras_total, without_conv_bias", [(50, 25_636_712, 25_557_032), (101, 44_707_176, 44_549_160)]
+)
 def test_resnet_parameter_count(depth, keras_total, without_conv_bias):
     net = _sequential(resnet(depth), (224, 224, 3))
     assert net.count_params() == keras_total
@@ -84,6 +85,7 @@ def test_resnet50_equals_keras_applications():
 
 def amoebanet_parameters(num_layers, num_filters, num_classes, per_batch_norm_channel):
     """AmoebaNet-D's parameter count summed op by op (independently of models/amoebanet.py)."""
+
     def bn(c):
         return per_batch_norm_channel * c
 
@@ -116,9 +118,16 @@ def amoebanet_parameters(num_layers, num_filters, num_classes, per_batch_norm_ch
 
 # torchgpipe's benchmarks/amoebanetd-memory/README.md gives the sizes of the models of GPipe's Table 1
 # (PyTorch parameters: BatchNorm's scale and offset, not its moving statistics), 1000 classes.
-@pytest.mark.parametrize("num_layers, num_filters, published, last_digit", [
-    (18, 208, 81.5e6, 0.1e6), (18, 416, 319.0e6, 0.1e6), (18, 544, 542.7e6, 0.1e6),
-    (36, 544, 1.06e9, 0.01e9), (72, 512, 1.84e9, 0.01e9)])
+@pytest.mark.parametrize(
+    "num_layers, num_filters, published, last_digit",
+    [
+        (18, 208, 81.5e6, 0.1e6),
+        (18, 416, 319.0e6, 0.1e6),
+        (18, 544, 542.7e6, 0.1e6),
+        (36, 544, 1.06e9, 0.01e9),
+        (72, 512, 1.84e9, 0.01e9),
+    ],
+)
 def test_amoebanet_formula_matches_published_sizes(num_layers, num_filters, published, last_digit):
     assert abs(amoebanet_parameters(num_layers, num_filters, 1000, 2) - published) <= last_digit / 2
 
@@ -144,6 +153,7 @@ def test_transformer_parameter_count(options):
 
 # Transformer options (GPipe section 5) -------------------------------------------------------------
 
+
 def test_logit_clip_bounds_the_logits():
     net = _sequential(tiny_transformer(logit_clip=0.01), (LENGTH,), "int32")
     net.layers[-1].set_weights([w * 1e3 for w in net.layers[-1].get_weights()])
@@ -164,6 +174,7 @@ def test_scaled_init_divides_feed_forward_weights_by_the_depth():
 
 
 # Training under PipelineModel ------------------------------------------------------------------------
+
 
 # Training runs eagerly, which runs the same pipeline code: tracing the first graph-mode step costs 10-40 s
 # on this 2-core machine (a 2-block Transformer at K=4, M=4: ~11 s; the tiny AmoebaNet-D: up to ~40 s).
@@ -215,10 +226,15 @@ def test_one_step_matches_sequential(name, m, eager):
 
 # Clones from config (tfpipe copies layers to estimate their costs) --------------------------------------
 
+
 def _custom(layers):
     """Every layer defined in models/, top-level or nested."""
-    return [sub for layer in layers for sub in layer._flatten_layers(include_self=True)
-            if type(sub).__module__.startswith("models.")]
+    return [
+        sub
+        for layer in layers
+        for sub in layer._flatten_layers(include_self=True)
+        if type(sub).__module__.startswith("models.")
+    ]
 
 
 @pytest.mark.parametrize("name", sorted(MODELS))
@@ -238,13 +254,17 @@ def test_custom_layers_clone_from_config(name):
 
 # Bad arguments ------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("make, message", [
-    (lambda: resnet(34), "depth=34"),
-    (lambda: resnet(50, stage_blocks=(3, 0)), "stage_blocks"),
-    (lambda: amoebanet_d(num_layers=4), "num_layers=4"),
-    (lambda: amoebanet_d(num_filters=100), "num_filters=100"),
-    (lambda: tiny_transformer(logit_clip=-1.0), "logit_clip=-1.0"),
-])
+
+@pytest.mark.parametrize(
+    "make, message",
+    [
+        (lambda: resnet(34), "depth=34"),
+        (lambda: resnet(50, stage_blocks=(3, 0)), "stage_blocks"),
+        (lambda: amoebanet_d(num_layers=4), "num_layers=4"),
+        (lambda: amoebanet_d(num_filters=100), "num_filters=100"),
+        (lambda: tiny_transformer(logit_clip=-1.0), "logit_clip=-1.0"),
+    ],
+)
 def test_bad_arguments_are_named(make, message):
     with pytest.raises(ValueError, match=message):
         make()

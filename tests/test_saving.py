@@ -11,8 +11,14 @@ from tests.util import cpu_devices, mlp_layers
 
 def _stateful_layers():
     """Dense, BatchNormalization (moving statistics) and Dropout (seed state): every kind of state."""
-    return [keras.layers.Dense(16), keras.layers.BatchNormalization(), keras.layers.Activation("relu"),
-            keras.layers.Dropout(0.2), keras.layers.Dense(16, activation="tanh"), keras.layers.Dense(3)]
+    return [
+        keras.layers.Dense(16),
+        keras.layers.BatchNormalization(),
+        keras.layers.Activation("relu"),
+        keras.layers.Dropout(0.2),
+        keras.layers.Dense(16, activation="tanh"),
+        keras.layers.Dense(3),
+    ]
 
 
 def _data(n=32, seed=0):
@@ -40,22 +46,27 @@ def _assert_same_weights(a, b, atol=0.0):
 
 
 def test_keras_file_round_trip_keeps_everything(tmp_path):
-    model = _trained(_stateful_layers(), num_partitions=3, devices=cpu_devices(3), num_micro_batches=2,
-                     remat="always")
+    model = _trained(_stateful_layers(), num_partitions=3, devices=cpu_devices(3), num_micro_batches=2, remat="always")
     path = str(tmp_path / "m.keras")
     model.save(path)
     loaded = keras.models.load_model(path)
 
     assert isinstance(loaded, tfpipe.PipelineModel)
     assert (loaded.balance, loaded.devices, loaded.num_micro_batches, loaded.remat, loaded.cost) == (
-        model.balance, model.devices, 2, "always", "flops")
+        model.balance,
+        model.devices,
+        2,
+        "always",
+        "flops",
+    )
     x, y = _data(seed=1)
     np.testing.assert_array_equal(loaded.predict(x, verbose=0), model.predict(x, verbose=0))
     # variables and optimizer state come back on their cells' devices, with their values
     assert _devices_of(loaded.weights) == _devices_of(model.weights)
     assert _devices_of(loaded.optimizer.variables) == _devices_of(model.optimizer.variables)
-    _assert_same_weights([v.numpy() for v in loaded.optimizer.variables],
-                         [v.numpy() for v in model.optimizer.variables])
+    _assert_same_weights(
+        [v.numpy() for v in loaded.optimizer.variables], [v.numpy() for v in model.optimizer.variables]
+    )
     assert loaded.get_compile_config() == model.get_compile_config()
     # the next step (Dropout masks, BatchNorm statistics, Adam moments) is the same step
     for m in (model, loaded):
@@ -106,13 +117,25 @@ def test_a_saved_model_loads_where_its_devices_do_not_exist():
 
 
 def test_config_round_trip_before_the_split_is_known():
-    model = tfpipe.PipelineModel(mlp_layers(), num_partitions=2, cost="params", devices=cpu_devices(2),
-                                 num_micro_batches=3, remat="never", name="net")
+    model = tfpipe.PipelineModel(
+        mlp_layers(),
+        num_partitions=2,
+        cost="params",
+        devices=cpu_devices(2),
+        num_micro_batches=3,
+        remat="never",
+        name="net",
+    )
     config = model.get_config()
     assert config["num_partitions"] == 2 and "balance" not in config and config["cost"] == "params"
     again = tfpipe.PipelineModel.from_config(config)
     assert (again.name, again.balance, again.cost, again.num_micro_batches, again.remat) == (
-        "net", None, "params", 3, "never")
+        "net",
+        None,
+        "params",
+        3,
+        "never",
+    )
     again.build((None, 5))
     model.build((None, 5))
     assert again.balance == model.balance

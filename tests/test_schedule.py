@@ -8,8 +8,7 @@ from tfpipe.schedule import Task
 
 def test_forward_cycles_are_diagonals():
     cycles = schedule.gpipe(3, 2, backward=False)
-    assert [[str(t) for t in c] for c in cycles] == [
-        ["F(0,0)"], ["F(0,1)", "F(1,0)"], ["F(1,1)", "F(2,0)"], ["F(2,1)"]]
+    assert [[str(t) for t in c] for c in cycles] == [["F(0,0)"], ["F(0,1)", "F(1,0)"], ["F(1,1)", "F(2,0)"], ["F(2,1)"]]
 
 
 def test_backward_mirrors_forward():
@@ -22,7 +21,8 @@ def test_backward_mirrors_forward():
 def test_every_task_once_and_dependencies_first(k, m):
     order = schedule.flatten(schedule.gpipe(k, m))
     assert sorted(order, key=str) == sorted(
-        [Task(kind, i, j) for kind in "FB" for i in range(k) for j in range(m)], key=str)
+        [Task(kind, i, j) for kind in "FB" for i in range(k) for j in range(m)], key=str
+    )
     pos = {t: n for n, t in enumerate(order)}
     for i in range(k):
         for j in range(m):
@@ -39,7 +39,15 @@ def test_device_order_per_device_and_shared_device():
     assert [str(t) for t in order["/GPU:1"]] == ["F(1,0)", "F(1,1)", "B(1,1)", "B(1,0)"]
     shared = schedule.device_order(cycles, ["/CPU:0", "/CPU:0"])
     assert [str(t) for t in shared["/CPU:0"]] == [
-        "F(0,0)", "F(0,1)", "F(1,0)", "F(1,1)", "B(1,1)", "B(0,1)", "B(1,0)", "B(0,0)"]
+        "F(0,0)",
+        "F(0,1)",
+        "F(1,0)",
+        "F(1,1)",
+        "B(1,1)",
+        "B(0,1)",
+        "B(1,0)",
+        "B(0,0)",
+    ]
 
 
 def test_bubble_and_ideal_speedup():
@@ -69,8 +77,15 @@ def test_simulated_equal_costs_take_m_plus_k_minus_1_cycles_and_idle_the_bubble(
 def test_simulated_uneven_cells_wait_for_inputs_and_for_their_device():
     timed = schedule.simulate(2, 2, [1, 2], [2, 4])
     assert [(str(task), start, end) for task, start, end in timed] == [
-        ("F(0,0)", 0, 1), ("F(0,1)", 1, 2), ("F(1,0)", 1, 3), ("F(1,1)", 3, 5),  # F(1,1) waits for cell 1
-        ("B(1,1)", 5, 9), ("B(1,0)", 9, 13), ("B(0,1)", 9, 11), ("B(0,0)", 13, 15)]  # B(0,0) waits for B(1,0)
+        ("F(0,0)", 0, 1),
+        ("F(0,1)", 1, 2),
+        ("F(1,0)", 1, 3),
+        ("F(1,1)", 3, 5),  # F(1,1) waits for cell 1
+        ("B(1,1)", 5, 9),
+        ("B(1,0)", 9, 13),
+        ("B(0,1)", 9, 11),
+        ("B(0,0)", 13, 15),
+    ]  # B(0,0) waits for B(1,0)
 
 
 def test_simulated_tasks_respect_every_dependency():
@@ -85,9 +100,16 @@ def test_simulated_tasks_respect_every_dependency():
         assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:]))
 
 
-@pytest.mark.parametrize("f,b,name", [([1.0], [1.0, 1.0], "f_cost"), ([1.0, 1.0], [1.0, -1.0], "b_cost"),
-                                      ([1.0, "x"], [1.0, 1.0], "f_cost"), (1.0, [1.0, 1.0], "f_cost"),
-                                      ([1.0, float("nan")], [1.0, 1.0], "f_cost")])
+@pytest.mark.parametrize(
+    "f,b,name",
+    [
+        ([1.0], [1.0, 1.0], "f_cost"),
+        ([1.0, 1.0], [1.0, -1.0], "b_cost"),
+        ([1.0, "x"], [1.0, 1.0], "f_cost"),
+        (1.0, [1.0, 1.0], "f_cost"),
+        ([1.0, float("nan")], [1.0, 1.0], "f_cost"),
+    ],
+)
 def test_simulate_refuses_costs_that_are_not_one_duration_per_cell(f, b, name):
     with pytest.raises(ValueError, match=rf"{name} must be a list of 2 durations >= 0, one per cell"):
         schedule.simulate(2, 3, f, b)

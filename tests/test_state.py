@@ -10,17 +10,24 @@ from tests.util import cpu_devices, max_rel_error
 
 
 def _noisy_layers():
-    return [keras.layers.Dense(16, activation="relu"), keras.layers.BatchNormalization(momentum=0.8),
-            keras.layers.Dropout(0.3, seed=7), keras.layers.Dense(16, activation="tanh"),
-            keras.layers.Dropout(0.2, seed=11), keras.layers.BatchNormalization(), keras.layers.Dense(3)]
+    return [
+        keras.layers.Dense(16, activation="relu"),
+        keras.layers.BatchNormalization(momentum=0.8),
+        keras.layers.Dropout(0.3, seed=7),
+        keras.layers.Dense(16, activation="tanh"),
+        keras.layers.Dropout(0.2, seed=11),
+        keras.layers.BatchNormalization(),
+        keras.layers.Dense(3),
+    ]
 
 
 def _train(remat, k=3, m=3, steps=3):
     rng = np.random.default_rng(1)
     x, y = rng.normal(size=(30, 8)).astype("float32"), rng.normal(size=(30, 3)).astype("float32")
     keras.utils.set_random_seed(3)
-    model = tfpipe.PipelineModel(_noisy_layers(), num_partitions=k, devices=cpu_devices(k),
-                                 num_micro_batches=m, remat=remat)
+    model = tfpipe.PipelineModel(
+        _noisy_layers(), num_partitions=k, devices=cpu_devices(k), num_micro_batches=m, remat=remat
+    )
     model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
     model.fit(x, y, batch_size=10, epochs=1, steps_per_epoch=steps, shuffle=False, verbose=0)
     return model.get_weights()
@@ -67,8 +74,13 @@ def test_batchnorm_moving_statistics_follow_the_whole_mini_batch(m, n):
     x, y = rng.normal(2.0, 3.0, size=(n, 6)).astype("float32"), rng.normal(size=(n, 5)).astype("float32")
     dense = keras.layers.Dense(5)
     bn = keras.layers.BatchNormalization(momentum=0.9)
-    model = tfpipe.PipelineModel([dense, bn, keras.layers.Dense(5)], balance=[1, 1, 1],
-                                 devices=cpu_devices(3), num_micro_batches=m, remat="always")
+    model = tfpipe.PipelineModel(
+        [dense, bn, keras.layers.Dense(5)],
+        balance=[1, 1, 1],
+        devices=cpu_devices(3),
+        num_micro_batches=m,
+        remat="always",
+    )
     model.build((None, 6))
     model.compile(optimizer="sgd", loss="mse")
     kernel, bias = dense.kernel.numpy(), dense.bias.numpy()
@@ -80,8 +92,9 @@ def test_batchnorm_moving_statistics_follow_the_whole_mini_batch(m, n):
 
 
 def test_batchnorm_normalizes_each_micro_batch_with_its_own_statistics():
-    model = tfpipe.PipelineModel([keras.layers.BatchNormalization(center=False, scale=False, epsilon=0.0)],
-                                 balance=[1], num_micro_batches=2)
+    model = tfpipe.PipelineModel(
+        [keras.layers.BatchNormalization(center=False, scale=False, epsilon=0.0)], balance=[1], num_micro_batches=2
+    )
     x = np.array([[0.0], [2.0], [10.0], [14.0]], "float32")
     out = model(x, training=True).numpy()[:, 0]
     np.testing.assert_allclose(out, [-1, 1, -1, 1], atol=1e-5)
@@ -97,8 +110,7 @@ def test_unmergeable_training_state_is_a_clear_error():
                 self.count.assign(self.count + 1.0)
             return x
 
-    model = tfpipe.PipelineModel([Counter(name="counter"), keras.layers.Dense(2)], balance=[1, 1],
-                                 num_micro_batches=2)
+    model = tfpipe.PipelineModel([Counter(name="counter"), keras.layers.Dense(2)], balance=[1, 1], num_micro_batches=2)
     model.compile(optimizer="sgd", loss="mse")
     with pytest.raises(ValueError, match=r"Layer 'counter' assigns its non-trainable variable"):
         model.fit(np.ones((4, 2)), np.ones((4, 2)), verbose=0)

@@ -1,4 +1,4 @@
-"""tf.distribute strategies: the default and OneDeviceStrategy work, data-parallel ones are refused, TPU cores resolve."""
+"""tf.distribute strategies: default and OneDeviceStrategy work, data-parallel ones are refused, TPU cores resolve."""
 
 import types
 
@@ -8,8 +8,8 @@ import pytest
 import tensorflow as tf
 
 import tfpipe
-from tfpipe import devices as devices_lib
 from tests.util import cpu_devices, max_rel_error, mlp_layers
+from tfpipe import devices as devices_lib
 
 
 def _one_step(strategy=None, **kwargs):
@@ -28,7 +28,9 @@ def test_one_device_strategy_puts_every_cell_on_its_device_and_trains_as_usual()
     strategy = tf.distribute.OneDeviceStrategy("/CPU:1")
     model = _one_step(strategy)
     assert model.devices == ["/CPU:1", "/CPU:1"]
-    assert {tf.DeviceSpec.from_string(v.value.device).device_index for v in model.weights + model.optimizer.variables} == {1}
+    assert {
+        tf.DeviceSpec.from_string(v.value.device).device_index for v in model.weights + model.optimizer.variables
+    } == {1}
     reference = _one_step(devices=cpu_devices(2))  # no strategy
     assert max_rel_error(model.get_weights(), reference.get_weights()) < 1e-5
 
@@ -57,9 +59,15 @@ def _fake_tpu_strategy(cores_per_replica):
 def test_tpu_cells_go_to_the_logical_cores_of_a_replica():
     strategy = _fake_tpu_strategy(4)
     assert devices_lib.resolve(None, 3, strategy=strategy) == [
-        "/device:TPU_REPLICATED_CORE:0", "/device:TPU_REPLICATED_CORE:1", "/device:TPU_REPLICATED_CORE:2"]
-    with pytest.raises(ValueError, match=r"5 cells but each TPU replica has 4 logical core\(s\).*"
-                                         r"computation_shape=\[1, 1, 1, 5\]"):
+        "/device:TPU_REPLICATED_CORE:0",
+        "/device:TPU_REPLICATED_CORE:1",
+        "/device:TPU_REPLICATED_CORE:2",
+    ]
+    with pytest.raises(
+        ValueError,
+        match=r"5 cells but each TPU replica has 4 logical core\(s\).*"
+        r"computation_shape=\[1, 1, 1, 5\]",
+    ):
         devices_lib.resolve(None, 5, strategy=strategy)
     with pytest.raises(ValueError, match=r"leave devices unset"):
         devices_lib.resolve(["/CPU:0", "/CPU:1"], 2, strategy=strategy)

@@ -40,47 +40,115 @@ def test_markers_parse_into_kind_cell_and_micro_batch():
     assert parse_marker("B_1_3/task_start") == Task("B", 1, 3)
     found = parse_marker("F_12_0/task_start")
     assert (found.kind, found.cell, found.micro_batch) == ("F", 12, 0)
-    for name in ["F_0_0", "F_0_0/task_start_1", "F_0_0/x/task_start", "gradient_tape/F_0_0/task_start",
-                 "task_start", "G_0_0/task_start"]:
+    for name in [
+        "F_0_0",
+        "F_0_0/task_start_1",
+        "F_0_0/x/task_start",
+        "gradient_tape/F_0_0/task_start",
+        "task_start",
+        "G_0_0/task_start",
+    ]:
         assert parse_marker(name) is None, name
 
 
 def test_ops_belong_to_the_task_whose_marker_precedes_them():
-    names = ["x", "F_0_0/task_start", "F_0_0/MatMul", "gradient_tape/F_0_0/MatMul", "F_0_1/task_start",
-             "F_0_1/add", "Identity", "F_0_1/late", "B_0_1/task_start", "gradient_tape/F_0_1/add",
-             "B_0_1/PartitionedCall", "F_1_0/stray", "B_0_1/after_stray", "SGD/update"]
-    assert assign_tasks(names) == ["", "F_0_0", "F_0_0", "F_0_0", "F_0_1",
-                                   "F_0_1", "", "", "B_0_1", "B_0_1",
-                                   "B_0_1", "", "", ""]
+    names = [
+        "x",
+        "F_0_0/task_start",
+        "F_0_0/MatMul",
+        "gradient_tape/F_0_0/MatMul",
+        "F_0_1/task_start",
+        "F_0_1/add",
+        "Identity",
+        "F_0_1/late",
+        "B_0_1/task_start",
+        "gradient_tape/F_0_1/add",
+        "B_0_1/PartitionedCall",
+        "F_1_0/stray",
+        "B_0_1/after_stray",
+        "SGD/update",
+    ]
+    assert assign_tasks(names) == [
+        "",
+        "F_0_0",
+        "F_0_0",
+        "F_0_0",
+        "F_0_1",
+        "F_0_1",
+        "",
+        "",
+        "B_0_1",
+        "B_0_1",
+        "B_0_1",
+        "",
+        "",
+        "",
+    ]
     assert assign_tasks([]) == []
 
 
 def test_phases_of_a_forward_with_the_loss_a_backward_and_the_update():
-    ops = [("F_1_0/task_start", "NoOp", False), ("F_1_0/MatMul", "MatMul", False),
-           ("F_1_0/compile_loss/mse/Mean", "Mean", False), ("F_1_0/Cast", "Cast", False),
-           ("gradient_tape/F_1_0/compile_loss/mse/Mul", "Mul", False), ("F_1_0/after_grad", "Identity", False),
-           ("F_1_0/send", "_Send", False),
-           ("B_1_0/task_start", "NoOp", False), ("B_1_0/PartitionedCall", "PartitionedCall", False),
-           ("B_1_0/PartitionedCall_1", "PartitionedCall", True), ("B_1_0/add_1", "AddV2", False),
-           ("B_1_0/concat_2/axis", "Const", False), ("B_1_0/mul", "Mul", False),
-           ("gradient_tape/B_1_0/add", "AddV2", False),
-           ("F_0_1/task_start", "NoOp", False), ("F_0_1/MatMul", "MatMul", False),
-           ("SGD/update", "ResourceApplyGradientDescent", False), ("AssignVariableOp", "AssignVariableOp", False),
-           ("Adam/Pow", "Pow", False), ("Identity", "Identity", False)]
+    ops = [
+        ("F_1_0/task_start", "NoOp", False),
+        ("F_1_0/MatMul", "MatMul", False),
+        ("F_1_0/compile_loss/mse/Mean", "Mean", False),
+        ("F_1_0/Cast", "Cast", False),
+        ("gradient_tape/F_1_0/compile_loss/mse/Mul", "Mul", False),
+        ("F_1_0/after_grad", "Identity", False),
+        ("F_1_0/send", "_Send", False),
+        ("B_1_0/task_start", "NoOp", False),
+        ("B_1_0/PartitionedCall", "PartitionedCall", False),
+        ("B_1_0/PartitionedCall_1", "PartitionedCall", True),
+        ("B_1_0/add_1", "AddV2", False),
+        ("B_1_0/concat_2/axis", "Const", False),
+        ("B_1_0/mul", "Mul", False),
+        ("gradient_tape/B_1_0/add", "AddV2", False),
+        ("F_0_1/task_start", "NoOp", False),
+        ("F_0_1/MatMul", "MatMul", False),
+        ("SGD/update", "ResourceApplyGradientDescent", False),
+        ("AssignVariableOp", "AssignVariableOp", False),
+        ("Adam/Pow", "Pow", False),
+        ("Identity", "Identity", False),
+    ]
     tasks = assign_tasks([name for name, _, _ in ops])
     assert assign_phases(ops, tasks) == [
-        "forward", "forward", "loss", "forward", "loss", "loss", "transfer",
-        "recompute", "recompute", "backward", "accumulate", "accumulate", "backward", "backward",
-        "forward", "forward",  # a new task starts before its gradients
-        "optimizer", "optimizer", "optimizer", "other"]
+        "forward",
+        "forward",
+        "loss",
+        "forward",
+        "loss",
+        "loss",
+        "transfer",
+        "recompute",
+        "recompute",
+        "backward",
+        "accumulate",
+        "accumulate",
+        "backward",
+        "backward",
+        "forward",
+        "forward",  # a new task starts before its gradients
+        "optimizer",
+        "optimizer",
+        "optimizer",
+        "other",
+    ]
     assert set(assign_phases(ops, tasks)) <= set(PHASES)
 
 
 def test_a_backward_without_recomputation_starts_with_its_gradient():
-    ops = [("B_0_1/task_start", "NoOp", False), ("gradient_tape/F_0_1/MatMul", "MatMul", False),
-           ("B_0_1/add", "AddV2", False), ("B_0_1/recv", "_Recv", False)]
+    ops = [
+        ("B_0_1/task_start", "NoOp", False),
+        ("gradient_tape/F_0_1/MatMul", "MatMul", False),
+        ("B_0_1/add", "AddV2", False),
+        ("B_0_1/recv", "_Recv", False),
+    ]
     assert assign_phases(ops, assign_tasks([name for name, _, _ in ops])) == [
-        "recompute", "backward", "accumulate", "transfer"]
+        "recompute",
+        "backward",
+        "accumulate",
+        "transfer",
+    ]
 
 
 def test_phases_need_one_task_per_op():
@@ -109,8 +177,13 @@ def test_lookup_falls_back_to_the_innermost_known_scope():
 
 
 def test_a_traced_step_is_attributed_to_its_tasks_phases_and_devices():
-    model = tfpipe.PipelineModel([keras.layers.Dense(4), keras.layers.Dense(3)], num_partitions=2,
-                                 devices=["/CPU:2", "/CPU:3"], num_micro_batches=2, remat="except_last")
+    model = tfpipe.PipelineModel(
+        [keras.layers.Dense(4), keras.layers.Dense(3)],
+        num_partitions=2,
+        devices=["/CPU:2", "/CPU:3"],
+        num_micro_batches=2,
+        remat="except_last",
+    )
     model.compile(optimizer="sgd", loss="mse")
     model.build((None, 8))
     model.optimizer.build(model.trainable_variables)
@@ -124,7 +197,11 @@ def test_a_traced_step_is_attributed_to_its_tasks_phases_and_devices():
     recomputed = {task for task, phase, op_type in phases if phase == "recompute" and op_type == "PartitionedCall"}
     assert recomputed == {"B_0_0", "B_1_0"}  # except_last: the last micro-batch keeps its activations
     assert {task for task, phase, op_type in phases if phase == "backward" and op_type == "PartitionedCall"} == {
-        "B_0_0", "B_0_1", "B_1_0", "B_1_1"}
+        "B_0_0",
+        "B_0_1",
+        "B_1_0",
+        "B_1_1",
+    }
     assert {task for task, phase, _ in phases if phase == "loss"} == {"F_1_0", "F_1_1"}  # the last cell's
     for name, op in ops.items():
         task = parse_task_name(info[name].task) if info[name].task else None

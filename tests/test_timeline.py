@@ -1,4 +1,4 @@
-"""scripts/timeline.py runs in its smallest mode: a CSV row for every task of the schedule, a PNG if matplotlib is there."""
+"""scripts/timeline.py in its smallest mode: a CSV row for every task of the schedule, a PNG if matplotlib is there."""
 
 import csv
 import os
@@ -21,9 +21,19 @@ def _has_matplotlib() -> bool:
 def run(tmp_path_factory):
     """Run the script once on 2 logical CPU devices, tiny Transformer, one profiled step."""
     out = str(tmp_path_factory.mktemp("timeline") / "tl")
-    proc = run_script("timeline.py", "--devices=cpu:2", "--micro_batches=2", "--batch_size=4", "--blocks=1", "--dim=16",
-                      "--seq_len=4", "--steps=1", "--warmup=1", f"--out={out}",
-                      *([] if _has_matplotlib() else ["--nopng"]))
+    proc = run_script(
+        "timeline.py",
+        "--devices=cpu:2",
+        "--micro_batches=2",
+        "--batch_size=4",
+        "--blocks=1",
+        "--dim=16",
+        "--seq_len=4",
+        "--steps=1",
+        "--warmup=1",
+        f"--out={out}",
+        *([] if _has_matplotlib() else ["--nopng"]),
+    )
     return proc, out
 
 

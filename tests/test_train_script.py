@@ -15,8 +15,7 @@ TINY_TRANSFORMER = ("--examples=256", "--blocks=1", "--dim=32", "--hidden=64", "
 
 def _run(*flags, timeout=300):
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")
-    return subprocess.run([sys.executable, SCRIPT, *flags], capture_output=True, text=True, env=env,
-                          timeout=timeout)
+    return subprocess.run([sys.executable, SCRIPT, *flags], capture_output=True, text=True, env=env, timeout=timeout)
 
 
 def _losses(stdout):
@@ -50,7 +49,8 @@ def test_resume_from_model_dir_continues_where_the_backup_left_off(tmp_path):
 
 
 def test_tfds_image_and_text_data_sets_train_under_mock_data():
-    proc = run_fresh("""
+    proc = run_fresh(
+        """
         import sys
         import tensorflow as tf
         import tensorflow_datasets as tfds
@@ -69,7 +69,9 @@ def test_tfds_image_and_text_data_sets_train_under_mock_data():
                 reports[name] = train.run()
         print("REPORT", reports["mnist"]["balance"], reports["imdb_reviews"]["balance"],
               reports["mnist"]["final_loss"], reports["imdb_reviews"]["final_loss"])
-    """, timeout=600)
+    """,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     line = proc.stdout.split("REPORT")[1]
     assert "(images)" in proc.stdout and "(next bytes)" in proc.stdout
@@ -87,7 +89,10 @@ def test_bad_flags_name_the_flag():
         (["--dataset=imagenet"], "train.py: error: --dataset=imagenet: write 'synthetic' or tfds:NAME"),
         (["--tensorboard"], "--tensorboard writes under --model_dir"),
         (["--model=amoebanet", "--blocks=4"], "--model=amoebanet sizes: num_layers=4"),
-        (["--partitions=9", "--blocks=1"], "--balance/--partitions/--devices/--micro_batches: num_partitions=9 is more"),
+        (
+            ["--partitions=9", "--blocks=1"],
+            "--balance/--partitions/--devices/--micro_batches: num_partitions=9 is more",
+        ),
         (["--devices=local:1"], "--devices=local:1 starts 1 workers for 2 cells; use local:2"),
     ]:
         proc = _run(*flags)

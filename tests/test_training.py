@@ -5,18 +5,21 @@ import numpy as np
 import pytest
 
 import tfpipe
-from tfpipe import training
 from tests.util import cpu_devices, max_rel_error, mlp_layers
+from tfpipe import training
 
 
-@pytest.mark.parametrize("loss,reduction", [
-    ("mse", "sum_over_batch_size"),
-    ("crossentropy", "sum_over_batch_size"),
-    (keras.losses.MeanSquaredError(reduction="sum"), "sum"),
-    ([keras.losses.MeanAbsoluteError(reduction="sum"), None], "sum"),
-    ({"a": "mae", "b": keras.losses.Huber()}, "sum_over_batch_size"),
-    (None, "sum"),
-])
+@pytest.mark.parametrize(
+    "loss,reduction",
+    [
+        ("mse", "sum_over_batch_size"),
+        ("crossentropy", "sum_over_batch_size"),
+        (keras.losses.MeanSquaredError(reduction="sum"), "sum"),
+        ([keras.losses.MeanAbsoluteError(reduction="sum"), None], "sum"),
+        ({"a": "mae", "b": keras.losses.Huber()}, "sum_over_batch_size"),
+        (None, "sum"),
+    ],
+)
 def test_loss_reduction_from_the_compiled_losses(loss, reduction):
     assert training.loss_reduction(loss) == reduction
 
@@ -43,7 +46,8 @@ def test_an_overridden_compute_loss_trains_like_keras(m):
     layers = mlp_layers(width=8, depth=3)
     reference = _with_activity_penalty(keras.Sequential)([keras.Input((5,)), *layers])
     model = _with_activity_penalty(tfpipe.PipelineModel).from_sequential(
-        reference, balance=[4, 3], devices=cpu_devices(2), num_micro_batches=m)
+        reference, balance=[4, 3], devices=cpu_devices(2), num_micro_batches=m
+    )
     for net in (reference, model):
         net.compile(optimizer="sgd", loss="mse")
     history = model.fit(x, y, batch_size=10, epochs=2, shuffle=False, verbose=0)  # micro-batches 4, 3, 3 at M=3

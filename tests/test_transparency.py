@@ -21,8 +21,9 @@ def _one_step_each(make_layers, k, m, optimizer, n, remat="except_last", loss="m
     keras.utils.set_random_seed(0)
     reference = keras.Sequential([keras.Input((8,))] + make_layers())
     start = reference.get_weights()
-    model = tfpipe.PipelineModel(make_layers(), num_partitions=k, devices=cpu_devices(k),
-                                 num_micro_batches=m, remat=remat)
+    model = tfpipe.PipelineModel(
+        make_layers(), num_partitions=k, devices=cpu_devices(k), num_micro_batches=m, remat=remat
+    )
     model.build((None, 8))
     model.set_weights(start)
     for net in (reference, model):
@@ -48,9 +49,13 @@ def test_uneven_micro_batches_match_sequential(m):
 
 def test_sample_weights_and_regularizers_match_sequential():
     def layers():
-        return [keras.layers.Dense(16, activation="tanh", kernel_regularizer=keras.regularizers.L2(0.01)),
-                keras.layers.Dense(16, activity_regularizer=keras.regularizers.L1(0.001)),
-                keras.layers.LayerNormalization(), keras.layers.Dense(3)]
+        return [
+            keras.layers.Dense(16, activation="tanh", kernel_regularizer=keras.regularizers.L2(0.01)),
+            keras.layers.Dense(16, activity_regularizer=keras.regularizers.L1(0.001)),
+            keras.layers.LayerNormalization(),
+            keras.layers.Dense(3),
+        ]
+
     weights = np.linspace(0.2, 2.0, 10).astype("float32")
     got, want = _one_step_each(layers, 4, 3, "sgd", n=10, sample_weight=weights)
     assert max_rel_error(got, want) < 1e-5

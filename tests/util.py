@@ -41,11 +41,17 @@ def run_fresh(code: str, env: dict | None = None, timeout: int = 300) -> subproc
     """Run Python code in a fresh process (TensorFlow's device setup happens once per process)."""
     full_env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", PYTHONPATH=REPO)
     full_env.update(env or {})
-    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
-                          env=full_env, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, env=full_env, timeout=timeout
+    )
 
 
 def run_script(name: str, *flags: str, timeout: int = 600) -> subprocess.CompletedProcess:
     """Run ``scripts/<name>`` with ``flags`` in a fresh process, TensorFlow's C++ logging off."""
-    return subprocess.run([sys.executable, os.path.join(REPO, "scripts", name), *flags], capture_output=True,
-                          text=True, timeout=timeout, env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3"))
+    return subprocess.run(
+        [sys.executable, os.path.join(REPO, "scripts", name), *flags],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3"),
+    )

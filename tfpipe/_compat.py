@@ -7,7 +7,8 @@ silently change what tfpipe does: nothing below falls back quietly.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator, Optional
+from collections.abc import Iterator
+from typing import Any
 
 import keras
 import tensorflow as tf
@@ -51,7 +52,7 @@ def flatten_layers(layer: keras.layers.Layer) -> list[keras.layers.Layer]:
     return list(layer._flatten_layers(include_self=True))  # noqa: SLF001
 
 
-def function_graph(graph: tf.Graph, name: str) -> Optional[tf.Graph]:
+def function_graph(graph: tf.Graph, name: str) -> tf.Graph | None:
     """The FuncGraph of the function ``name`` registered in ``graph``, or None (no public lookup by name)."""
     found = graph._get_function(name)  # noqa: SLF001
     return None if found is None else found.graph

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence, Union
+from collections.abc import Sequence
+from typing import Any, Union
 
 import numpy as np
 
 from tfpipe import cost as cost_lib
-from tfpipe._args import positive_int
 from tfpipe import schedule
+from tfpipe._args import positive_int
 from tfpipe.sequence import layer_list
 
 
@@ -80,7 +81,7 @@ def _fits(prefix: np.ndarray, limit: float, k: int) -> bool:
     return True
 
 
-def partition(costs: Sequence[float], k: int, boundary_bytes: Optional[Sequence[float]] = None) -> list[int]:
+def partition(costs: Sequence[float], k: int, boundary_bytes: Sequence[float] | None = None) -> list[int]:
     """The contiguous split of layers into k cells that minimizes the most expensive cell, exactly.
 
     Ties are broken by the smaller sum of squared deviations of the cell costs from
@@ -115,7 +116,7 @@ def partition(costs: Sequence[float], k: int, boundary_bytes: Optional[Sequence[
     moved = np.zeros(n + 1)
     choices = []
     for _ in range(1, k):
-        total = np.where(allowed, squares[None, :] + cost_to ** 2, np.inf)
+        total = np.where(allowed, squares[None, :] + cost_to**2, np.inf)
         best = total.min(axis=1)
         tied = total <= best[:, None] + 1e-12 * np.maximum(np.abs(best[:, None]), 1.0)
         traffic = np.where(tied, moved[None, :] + crossing[None, :], np.inf)
@@ -146,8 +147,10 @@ def by_params(layers: Any, k: int, sample: Any = None, return_costs: bool = Fals
         layers = layer_list(layers)
         unbuilt = [layer.name for layer in layers if not layer.built]
         if unbuilt:
-            raise ValueError(f"Layers {unbuilt[:3]} are not built, so they have no parameters yet; pass sample= "
-                             "(a batch of inputs) to build copies of them.")
+            raise ValueError(
+                f"Layers {unbuilt[:3]} are not built, so they have no parameters yet; pass sample= "
+                "(a batch of inputs) to build copies of them."
+            )
         costs = [float(layer.count_params()) for layer in layers]
         split = partition(costs, k)
         return (split, costs) if return_costs else split
@@ -159,13 +162,14 @@ def by_flops(layers: Any, k: int, sample: Any, return_costs: bool = False) -> Ba
     return _by("flops", layers, k, sample, return_costs)
 
 
-def by_time(layers: Any, k: int, sample: Any, return_costs: bool = False, device: Optional[str] = None,
-            repeats: int = 5) -> Balance:
+def by_time(
+    layers: Any, k: int, sample: Any, return_costs: bool = False, device: str | None = None, repeats: int = 5
+) -> Balance:
     """Balance by measured forward+backward time of each layer on ``sample`` (ideally one micro-batch)."""
     return _by("time", layers, k, sample, return_costs, device=device, repeats=repeats)
 
 
-def by_memory(layers: Any, k: int, sample: Any, return_costs: bool = False, device: Optional[str] = None) -> Balance:
+def by_memory(layers: Any, k: int, sample: Any, return_costs: bool = False, device: str | None = None) -> Balance:
     """Balance by measured peak memory of each layer's forward+backward on ``sample``, plus its weights.
 
     Needs an allocator that reports peaks: a GPU, or on a CPU ``TF_CPU_ALLOCATOR_USE_BFC=true``.

@@ -5,7 +5,8 @@ from __future__ import annotations
 import dataclasses
 import warnings
 import weakref
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import keras
 import tensorflow as tf
@@ -98,7 +99,9 @@ class Cell:
         Nothing is assigned: Keras' StatelessScope maps every variable to the
         given tensor and collects assignments and ``add_loss`` terms instead.
         """
-        mapping = list(zip(self.trainable_variables, trainable)) + list(zip(self.non_trainable_variables, non_trainable))
+        mapping = list(zip(self.trainable_variables, trainable)) + list(
+            zip(self.non_trainable_variables, non_trainable)
+        )
         with keras.StatelessScope(state_mapping=mapping, collect_losses=training) as scope:
             for layer in self.layers:
                 x = layer(x, training=training)
@@ -131,16 +134,22 @@ class Cell:
         leaves = tf.nest.flatten(x)
         xs = [tf.convert_to_tensor(t) for t in leaves if t is not None]
         args = xs + list(trainable) + list(non_trainable)
-        key = (bool(training), repr(tf.nest.map_structure(lambda t: t is None, x)),
-               tuple((tuple(a.shape), a.dtype) for a in args))
+        key = (
+            bool(training),
+            repr(tf.nest.map_structure(lambda t: t is None, x)),
+            tuple((tuple(a.shape), a.dtype) for a in args),
+        )
         traces = self._traces.setdefault(tf.compat.v1.get_default_graph(), {})
         trace = traces.get(key)
         if trace is None:
             try:
                 trace = traces[key] = self._trace(x, args, len(xs), len(trainable), training)
             except Exception as error:  # noqa: BLE001 - any tracing failure: run the layers inline instead
-                warnings.warn(f"Cell {self.index} ({self.describe()}) cannot be traced as a function, so its layers "
-                              f"run inline once per micro-batch (slower to trace): {type(error).__name__}: {error}")
+                warnings.warn(
+                    f"Cell {self.index} ({self.describe()}) cannot be traced as a function, so its layers "
+                    f"run inline once per micro-batch (slower to trace): {type(error).__name__}: {error}",
+                    stacklevel=2,
+                )
                 self._traceable = False
                 return self.run_inline(trainable, non_trainable, x, training)
         outputs = trace.function(*args)
@@ -154,16 +163,16 @@ class Cell:
             new_state[k] = value
         return y, new_state, outputs[-1]
 
-    def _trace(self, x: Any, args: Sequence[tf.Tensor], n_x: int, n_w: int, training: bool) -> "_Trace":
+    def _trace(self, x: Any, args: Sequence[tf.Tensor], n_x: int, n_w: int, training: bool) -> _Trace:
         """Trace the cell as a concrete function of (inputs, trainable values, non-trainable values)."""
         found: dict[str, Any] = {}
 
         def body(*flat: tf.Tensor) -> list[tf.Tensor]:
             it = iter(flat[:n_x])
             x_in = tf.nest.pack_sequence_as(x, [None if leaf is None else next(it) for leaf in tf.nest.flatten(x)])
-            old = list(flat[n_x + n_w:])
+            old = list(flat[n_x + n_w :])
             with devices.scope(self.device):  # explicit, so the body stays on the cell's device wherever it runs
-                y, new_state, added = self.run_inline(list(flat[n_x:n_x + n_w]), old, x_in, training)
+                y, new_state, added = self.run_inline(list(flat[n_x : n_x + n_w]), old, x_in, training)
             found["y"] = y
             found["changed"] = [k for k, (new, was) in enumerate(zip(new_state, old)) if new is not was]
             return [t for t in tf.nest.flatten(y) if t is not None] + [new_state[k] for k in found["changed"]] + [added]

@@ -8,7 +8,8 @@ Because cells are pure functions of tensors, recomputation changes no result.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import tensorflow as tf
 
@@ -38,14 +39,13 @@ def _differentiable(t: Any) -> bool:
 class Checkpoint:
     """The forward of a pure function ``fn(*sources)`` whose VJP is taken later by ``vjp``."""
 
-    def __init__(self, fn: Callable[..., Any], sources: Sequence[tf.Tensor], recompute: bool,
-                 constant: int = 0):
+    def __init__(self, fn: Callable[..., Any], sources: Sequence[tf.Tensor], recompute: bool, constant: int = 0):
         """``constant``: how many leading sources need no gradient (the inputs of the first cell)."""
         self._fn = fn
         self._sources = list(sources)
         self._recompute = recompute
         self._wanted = [i for i, s in enumerate(self._sources) if i >= constant and _differentiable(s)]
-        self._tape: Optional[tf.GradientTape] = None
+        self._tape: tf.GradientTape | None = None
         if recompute:
             self.outputs = fn(*self._sources)
         else:
@@ -59,24 +59,30 @@ class Checkpoint:
             outputs = self._fn(*self._sources)
         return tape, outputs
 
-    def vjp(self, select: Callable[[Any], Sequence[tf.Tensor]], output_grads: Sequence[tf.Tensor]) -> list[Optional[tf.Tensor]]:
+    def vjp(
+        self, select: Callable[[Any], Sequence[tf.Tensor]], output_grads: Sequence[tf.Tensor]
+    ) -> list[tf.Tensor | None]:
         """Gradients of the sources for the given gradients of ``select(outputs)``.
 
         Call it inside the backward task's device and control-dependency scope: a
         recomputation then runs there, after the incoming gradients exist.
         """
-        tape, outputs = (self._record() if self._recompute else (self._tape, self.outputs))
+        tape, outputs = self._record() if self._recompute else (self._tape, self.outputs)
         self._tape = None  # a kept tape is used once; let its activations go
         targets = list(select(outputs))
         pairs = [(t, g) for t, g in zip(targets, output_grads) if _differentiable(t) and g is not None]
         wanted = self._wanted
-        grads = tape.gradient(
-            [t for t, _ in pairs],
-            [self._sources[i] for i in wanted],
-            output_gradients=[g for _, g in pairs],
-            unconnected_gradients=tf.UnconnectedGradients.ZERO,
-        ) if pairs else [tf.zeros_like(self._sources[i]) for i in wanted]
-        result: list[Optional[tf.Tensor]] = [None] * len(self._sources)
+        grads = (
+            tape.gradient(
+                [t for t, _ in pairs],
+                [self._sources[i] for i in wanted],
+                output_gradients=[g for _, g in pairs],
+                unconnected_gradients=tf.UnconnectedGradients.ZERO,
+            )
+            if pairs
+            else [tf.zeros_like(self._sources[i]) for i in wanted]
+        )
+        result: list[tf.Tensor | None] = [None] * len(self._sources)
         for i, g in zip(wanted, grads):
             result[i] = g
         return result

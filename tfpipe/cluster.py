@@ -20,7 +20,8 @@ import sys
 import tempfile
 import threading
 import time
-from typing import Any, Iterator, Optional
+from collections.abc import Iterator
+from typing import Any
 
 import tensorflow as tf
 from absl import logging as absl_logging
@@ -33,7 +34,8 @@ START_TIMEOUT = 60.0  # seconds for a worker process to start serving
 START_ATTEMPTS = 3  # a free port can be taken between choosing it and the worker binding it: retry
 
 # What each worker process runs: only TensorFlow, a server for its task, until it is stopped.
-_WORKER_CODE = """
+_WORKER_CODE = (
+    """
 import json, sys
 import tensorflow as tf
 spec, task, threads = json.loads(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
@@ -41,7 +43,9 @@ config = tf.compat.v1.ConfigProto(intra_op_parallelism_threads=threads, inter_op
 server = tf.distribute.Server(tf.train.ClusterSpec(spec), job_name=%r, task_index=task, config=config, start=True)
 print("READY", flush=True)
 server.join()
-""" % JOB
+"""
+    % JOB
+)
 
 
 class WorkerError(RuntimeError):
@@ -98,7 +102,7 @@ class LocalCluster:
         """The process ids of the workers."""
         return [p.pid for p in self.processes]
 
-    def start(self) -> "LocalCluster":
+    def start(self) -> LocalCluster:
         """Start the workers, wait until each serves, and connect this process to them."""
         for attempt in range(START_ATTEMPTS):
             try:
@@ -125,9 +129,16 @@ class LocalCluster:
         env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL=os.environ.get("TF_CPP_MIN_LOG_LEVEL", "2"))
         for task in range(self.num_workers):
             self._logs.append(tempfile.TemporaryFile(mode="w+"))
-            self.processes.append(subprocess.Popen(
-                [sys.executable, "-c", _WORKER_CODE, spec, str(task), str(self.threads_per_worker)],
-                stdout=subprocess.PIPE, stderr=self._logs[-1], text=True, preexec_fn=tie, env=env))
+            self.processes.append(
+                subprocess.Popen(
+                    [sys.executable, "-c", _WORKER_CODE, spec, str(task), str(self.threads_per_worker)],
+                    stdout=subprocess.PIPE,
+                    stderr=self._logs[-1],
+                    text=True,
+                    preexec_fn=tie,
+                    env=env,
+                )
+            )
         for task, process in enumerate(self.processes):
             self._wait_ready(task, process)
 
@@ -165,20 +176,25 @@ class LocalCluster:
 
     def dead_workers(self) -> list[str]:
         """Workers whose process has exited, as 'task k at host:port (exit code c)'."""
-        return [f"task {k} at {self.addresses[k]} (exit code {p.returncode})"
-                for k, p in enumerate(self.processes) if p.poll() is not None]
+        return [
+            f"task {k} at {self.addresses[k]} (exit code {p.returncode})"
+            for k, p in enumerate(self.processes)
+            if p.poll() is not None
+        ]
 
-    def __enter__(self) -> "LocalCluster":
+    def __enter__(self) -> LocalCluster:
         return self.start()
 
-    def __exit__(self, exc_type: Any, exc: Optional[BaseException], tb: Any) -> None:
+    def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> None:
         dead = self._dead_after(exc) if exc is not None else []
         self.stop()
         if dead and not isinstance(exc, WorkerError):
             lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
             cause = lines[-1][:300] if lines else type(exc).__name__  # TensorFlow puts the RPC's error last
-            raise WorkerError(f"Worker {', '.join(dead)} died during the run ({type(exc).__name__}: {cause}). "
-                              "Start a new cluster and resume from the last checkpoint.") from exc
+            raise WorkerError(
+                f"Worker {', '.join(dead)} died during the run ({type(exc).__name__}: {cause}). "
+                "Start a new cluster and resume from the last checkpoint."
+            ) from exc
 
     def _dead_after(self, exc: BaseException) -> list[str]:
         """The dead workers; after a TensorFlow runtime error, give a just-killed worker a moment to be seen."""
@@ -217,12 +233,14 @@ def connect(cluster: Any = None, job: str = JOB, device_type: str = "CPU") -> li
     if cluster is None:
         config = os.environ.get("TF_CONFIG")
         if not config:
-            raise ValueError("connect() needs a cluster: pass a tf.train.ClusterSpec or a dict, or set TF_CONFIG "
-                             "to {\"cluster\": {\"worker\": [\"host:port\", ...]}}.")
+            raise ValueError(
+                "connect() needs a cluster: pass a tf.train.ClusterSpec or a dict, or set TF_CONFIG "
+                'to {"cluster": {"worker": ["host:port", ...]}}.'
+            )
         try:
             cluster = json.loads(config)["cluster"]
         except (ValueError, KeyError, TypeError) as err:
-            raise ValueError(f"TF_CONFIG={config!r} has no readable \"cluster\" entry ({err}).") from None
+            raise ValueError(f'TF_CONFIG={config!r} has no readable "cluster" entry ({err}).') from None
     spec = cluster if isinstance(cluster, tf.train.ClusterSpec) else tf.train.ClusterSpec(cluster)
     if job not in spec.jobs:
         raise ValueError(f"The cluster has no job {job!r} (jobs: {spec.jobs}); name the job that runs the cells.")

@@ -16,7 +16,8 @@ import os
 import random
 import timeit
 import warnings
-from typing import Any, Callable, Iterator, Optional, Sequence, Union
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, Union
 
 import keras
 import numpy as np
@@ -52,8 +53,7 @@ def check_kind(cost: Any) -> Cost:
     raise ValueError(f"Unknown cost={cost!r}; use one of {', '.join(map(repr, KINDS))} or a callable layer -> float.")
 
 
-def estimate(layers: Any, sample: Any, cost: Cost = "flops", device: Optional[str] = None,
-             repeats: int = 5) -> Estimate:
+def estimate(layers: Any, sample: Any, cost: Cost = "flops", device: str | None = None, repeats: int = 5) -> Estimate:
     """Estimate every layer's cost on copies of the layers fed with ``sample`` (a batch, possibly nested).
 
     A callable cost is applied to the user's layers; with ``sample=None`` it needs no
@@ -95,8 +95,9 @@ def estimate(layers: Any, sample: Any, cost: Cost = "flops", device: Optional[st
                 result.notes[index] = note
     if result.notes:
         lines = "; ".join(f"layer {i} ({layers[i].name}): {n}" for i, n in result.notes.items())
-        warnings.warn(f"Some {result.kind} costs are estimates by a fallback rule: {lines}", CostEstimateWarning,
-                      stacklevel=2)
+        warnings.warn(
+            f"Some {result.kind} costs are estimates by a fallback rule: {lines}", CostEstimateWarning, stacklevel=2
+        )
     return result
 
 
@@ -160,8 +161,9 @@ def _default_device() -> str:
     return "/GPU:0" if tf.config.list_logical_devices("GPU") else "/CPU:0"
 
 
-def _measure_fn(cost: Cost, batch: int, device: str,
-                repeats: int) -> Optional[Callable[[Any, Any], tuple[float, Optional[str]]]]:
+def _measure_fn(
+    cost: Cost, batch: int, device: str, repeats: int
+) -> Callable[[Any, Any], tuple[float, str | None]] | None:
     """How to measure a built copy given its input: (cost, fallback note); None for a callable cost."""
     if cost == "flops":
         return lambda copy, spec: _flops(copy, spec, batch)
@@ -175,7 +177,7 @@ def _measure_fn(cost: Cost, batch: int, device: str,
 
 
 # FLOPs -------------------------------------------------------------------------------------------
-def _flops(copy: keras.layers.Layer, spec: Any, batch: int) -> tuple[float, Optional[str]]:
+def _flops(copy: keras.layers.Layer, spec: Any, batch: int) -> tuple[float, str | None]:
     """Forward FLOPs per sample of a built layer, counted op by op in its traced training graph."""
     signature = tf.nest.map_structure(lambda t: tf.TensorSpec(t.shape, t.dtype), spec)
 
@@ -192,7 +194,7 @@ def _flops(copy: keras.layers.Layer, spec: Any, batch: int) -> tuple[float, Opti
     return total / batch, note
 
 
-def _graph_flops(graph: Optional[tf.Graph]) -> tuple[float, set[str]]:
+def _graph_flops(graph: tf.Graph | None) -> tuple[float, set[str]]:
     """FLOPs of every op of a graph, looking into loops, branches and function calls; unknown op types."""
     total, unknown = 0.0, set()
     if graph is None:
@@ -220,7 +222,7 @@ def _graph_flops(graph: Optional[tf.Graph]) -> tuple[float, set[str]]:
     return total, unknown
 
 
-def _function_graph(op: tf.Operation, attr: str) -> Optional[tf.Graph]:
+def _function_graph(op: tf.Operation, attr: str) -> tf.Graph | None:
     """The graph of the function an op's attribute names, looked up from the op's graph outwards."""
     name, graph = op.get_attr(attr).name, op.graph
     while graph is not None:
@@ -231,7 +233,7 @@ def _function_graph(op: tf.Operation, attr: str) -> Optional[tf.Graph]:
     return None
 
 
-def _static_value(t: tf.Tensor) -> Optional[np.ndarray]:
+def _static_value(t: tf.Tensor) -> np.ndarray | None:
     """A tensor's value when the graph fixes it: constants, and max/min over constants (loop trip counts)."""
     value = tf.get_static_value(t)
     if value is None and t.op.type in ("Max", "Min"):
@@ -242,7 +244,7 @@ def _static_value(t: tf.Tensor) -> Optional[np.ndarray]:
     return value
 
 
-def _elements(shape: tf.TensorShape) -> Optional[int]:
+def _elements(shape: tf.TensorShape) -> int | None:
     if shape.rank is None or any(d is None for d in shape):
         return None
     return math.prod(shape)
@@ -250,36 +252,144 @@ def _elements(shape: tf.TensorShape) -> Optional[int]:
 
 # Ops that move or describe data: no arithmetic.
 _FREE = {
-    "Const", "Placeholder", "ReadVariableOp", "Identity", "IdentityN", "NoOp", "Reshape", "Shape", "ShapeN", "Size",
-    "Rank", "StridedSlice", "Slice", "Pack", "Unpack", "ConcatV2", "Concat", "Split", "SplitV", "Transpose",
-    "ExpandDims", "Squeeze", "GatherV2", "ResourceGather", "GatherNd", "Fill", "ZerosLike", "OnesLike",
-    "StopGradient", "AssignVariableOp", "AssignAddVariableOp", "AssignSubVariableOp", "VarHandleOp", "Cast",
-    "Tile", "BroadcastTo", "BroadcastArgs", "Range", "Pad", "PadV2", "MirrorPad", "OneHot", "MatrixBandPart",
-    "StatelessRandomUniformV2", "StatelessRandomNormalV2", "StatelessRandomGetKeyCounter",
-    "StatelessRandomGetKeyCounterAlg", "StatelessRandomUniformIntV2", "RandomUniform", "RandomStandardNormal",
-    "StatelessRandomUniform", "StatelessRandomNormal", "Bitcast", "LogicalAnd", "LogicalOr", "LogicalNot",
-    "Equal", "NotEqual", "Less", "LessEqual", "Greater", "GreaterEqual", "PreventGradient", "EnsureShape",
-    "CheckNumerics", "Assert", "ArgMax", "ArgMin", "Where",
+    "Const",
+    "Placeholder",
+    "ReadVariableOp",
+    "Identity",
+    "IdentityN",
+    "NoOp",
+    "Reshape",
+    "Shape",
+    "ShapeN",
+    "Size",
+    "Rank",
+    "StridedSlice",
+    "Slice",
+    "Pack",
+    "Unpack",
+    "ConcatV2",
+    "Concat",
+    "Split",
+    "SplitV",
+    "Transpose",
+    "ExpandDims",
+    "Squeeze",
+    "GatherV2",
+    "ResourceGather",
+    "GatherNd",
+    "Fill",
+    "ZerosLike",
+    "OnesLike",
+    "StopGradient",
+    "AssignVariableOp",
+    "AssignAddVariableOp",
+    "AssignSubVariableOp",
+    "VarHandleOp",
+    "Cast",
+    "Tile",
+    "BroadcastTo",
+    "BroadcastArgs",
+    "Range",
+    "Pad",
+    "PadV2",
+    "MirrorPad",
+    "OneHot",
+    "MatrixBandPart",
+    "StatelessRandomUniformV2",
+    "StatelessRandomNormalV2",
+    "StatelessRandomGetKeyCounter",
+    "StatelessRandomGetKeyCounterAlg",
+    "StatelessRandomUniformIntV2",
+    "RandomUniform",
+    "RandomStandardNormal",
+    "StatelessRandomUniform",
+    "StatelessRandomNormal",
+    "Bitcast",
+    "LogicalAnd",
+    "LogicalOr",
+    "LogicalNot",
+    "Equal",
+    "NotEqual",
+    "Less",
+    "LessEqual",
+    "Greater",
+    "GreaterEqual",
+    "PreventGradient",
+    "EnsureShape",
+    "CheckNumerics",
+    "Assert",
+    "ArgMax",
+    "ArgMin",
+    "Where",
 }
 # One FLOP per output element.
 _ELEMENTWISE = {
-    "Add", "AddV2", "AddN", "Sub", "Mul", "RealDiv", "Div", "DivNoNan", "FloorDiv", "FloorMod", "Mod", "Maximum",
-    "Minimum", "Neg", "Abs", "Sign", "Square", "SquaredDifference", "Sqrt", "Rsqrt", "Reciprocal", "Inv", "Exp",
-    "Expm1", "Log", "Log1p", "Pow", "Tanh", "Sigmoid", "Relu", "Relu6", "Elu", "Selu", "LeakyRelu", "Softplus",
-    "Softsign", "Erf", "Erfc", "BiasAdd", "Select", "SelectV2", "Floor", "Ceil", "Round", "ClipByValue", "Sin",
-    "Cos", "Softmax", "LogSoftmax", "Gelu",
+    "Add",
+    "AddV2",
+    "AddN",
+    "Sub",
+    "Mul",
+    "RealDiv",
+    "Div",
+    "DivNoNan",
+    "FloorDiv",
+    "FloorMod",
+    "Mod",
+    "Maximum",
+    "Minimum",
+    "Neg",
+    "Abs",
+    "Sign",
+    "Square",
+    "SquaredDifference",
+    "Sqrt",
+    "Rsqrt",
+    "Reciprocal",
+    "Inv",
+    "Exp",
+    "Expm1",
+    "Log",
+    "Log1p",
+    "Pow",
+    "Tanh",
+    "Sigmoid",
+    "Relu",
+    "Relu6",
+    "Elu",
+    "Selu",
+    "LeakyRelu",
+    "Softplus",
+    "Softsign",
+    "Erf",
+    "Erfc",
+    "BiasAdd",
+    "Select",
+    "SelectV2",
+    "Floor",
+    "Ceil",
+    "Round",
+    "ClipByValue",
+    "Sin",
+    "Cos",
+    "Softmax",
+    "LogSoftmax",
+    "Gelu",
 }
 _REDUCTIONS = {"Sum", "Mean", "Max", "Min", "Prod", "All", "Any", "EuclideanNorm"}
 _POOLS = {"MaxPool", "MaxPoolV2", "AvgPool", "MaxPool3D", "AvgPool3D"}
 
 
-def op_flops(op: tf.Operation) -> Optional[float]:
+def op_flops(op: tf.Operation) -> float | None:
     """Floating-point operations of one graph op from its static shapes; ``None`` if it cannot count them.
 
     Integer and boolean ops (index arithmetic, masks) count nothing.
     """
     kind = op.type
-    if kind in _FREE or kind.startswith("TensorList") or not any(o.dtype.is_floating or o.dtype.is_complex for o in op.outputs):
+    if (
+        kind in _FREE
+        or kind.startswith("TensorList")
+        or not any(o.dtype.is_floating or o.dtype.is_complex for o in op.outputs)
+    ):
         return 0.0
     out = _elements(op.outputs[0].shape) if op.outputs else 0
     if out is None:
@@ -311,7 +421,7 @@ def op_flops(op: tf.Operation) -> Optional[float]:
     return None
 
 
-def _einsum_flops(op: tf.Operation) -> Optional[float]:
+def _einsum_flops(op: tf.Operation) -> float | None:
     equation = op.get_attr("equation").decode()
     inputs = equation.split("->")[0].split(",")
     sizes: dict[str, int] = {}
@@ -342,10 +452,15 @@ def _forward_backward(copy: keras.layers.Layer) -> Callable[[Any], Any]:
         with tf.GradientTape() as tape:
             tape.watch(floats)
             y = copy(x, training=True)
-            loss = tf.add_n([tf.reduce_sum(tf.cast(t, tf.float32)) for t in tf.nest.flatten(y)
-                             if t.dtype.is_floating] or [tf.constant(0.0)])
-        return tape.gradient(loss, [v.value for v in copy.trainable_variables] + floats,
-                             unconnected_gradients=tf.UnconnectedGradients.ZERO)
+            loss = tf.add_n(
+                [tf.reduce_sum(tf.cast(t, tf.float32)) for t in tf.nest.flatten(y) if t.dtype.is_floating]
+                or [tf.constant(0.0)]
+            )
+        return tape.gradient(
+            loss,
+            [v.value for v in copy.trainable_variables] + floats,
+            unconnected_gradients=tf.UnconnectedGradients.ZERO,
+        )
 
     return step
 

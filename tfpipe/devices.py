@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import re
-from typing import Any, ContextManager, Optional, Sequence
+from collections.abc import Sequence
+from typing import Any, ContextManager
 
 import tensorflow as tf
 
@@ -30,11 +31,15 @@ def _matches(spec: tf.DeviceSpec, logical_name: str) -> bool:
     local = spec.job is None or spec.job == "localhost"
     if local and have.job not in (None, "localhost"):
         return False
-    if not local and (spec.job != have.job or (spec.task or 0) != (have.task or 0) or (spec.replica or 0) != (have.replica or 0)):
+    if not local and (
+        spec.job != have.job or (spec.task or 0) != (have.task or 0) or (spec.replica or 0) != (have.replica or 0)
+    ):
         return False
     if spec.device_type is None:
         return False
-    return spec.device_type.upper() == (have.device_type or "").upper() and (spec.device_index or 0) == have.device_index
+    return (
+        spec.device_type.upper() == (have.device_type or "").upper() and (spec.device_index or 0) == have.device_index
+    )
 
 
 def check(device: str) -> str:
@@ -58,7 +63,7 @@ def check(device: str) -> str:
 TPU_CORE = "/device:TPU_REPLICATED_CORE:{}"  # logical core k of the replica a TPU computation runs on
 
 
-def tpu_core(device: str) -> Optional[int]:
+def tpu_core(device: str) -> int | None:
     """The logical core k of a ``TPU_CORE`` device string, else None."""
     core = re.fullmatch(r"/device:TPU_REPLICATED_CORE:(\d+)", device)
     return int(core.group(1)) if core else None
@@ -77,7 +82,7 @@ def scope(device: str, strategy: Any = None) -> ContextManager:
     return tf.device(device)
 
 
-def resolve(devices: Optional[Sequence[str]], num_cells: int, strategy: Any = None) -> list[str]:
+def resolve(devices: Sequence[str] | None, num_cells: int, strategy: Any = None) -> list[str]:
     """One device string per cell; ``None`` picks the machine's devices (see ``available``).
 
     Under a ``tf.distribute`` strategy (default: the current one) the strategy decides
@@ -107,7 +112,7 @@ def resolve(devices: Optional[Sequence[str]], num_cells: int, strategy: Any = No
     return devices[:num_cells]
 
 
-def restore(saved: Sequence[str], num_cells: int) -> tuple[list[str], Optional[str]]:
+def restore(saved: Sequence[str], num_cells: int) -> tuple[list[str], str | None]:
     """Devices for a loaded model: the saved ones if this machine has them all, else the machine's own.
 
     When the machine has fewer devices than cells, neighbouring cells share one
@@ -119,8 +124,10 @@ def restore(saved: Sequence[str], num_cells: int) -> tuple[list[str], Optional[s
         return list(saved[:num_cells]), None
     found = available()
     chosen = [found[k * len(found) // num_cells] for k in range(num_cells)]
-    return chosen, (f"the saved devices {list(saved)} are not all on this machine (missing {missing}); "
-                    f"the {num_cells} cells go to {chosen} instead")
+    return chosen, (
+        f"the saved devices {list(saved)} are not all on this machine (missing {missing}); "
+        f"the {num_cells} cells go to {chosen} instead"
+    )
 
 
 def _exists(device: str) -> bool:
@@ -141,7 +148,7 @@ def _kind(strategy: Any) -> str:
     return "unsupported"
 
 
-def for_strategy(strategy: tf.distribute.Strategy, devices: Optional[Sequence[str]], num_cells: int) -> list[str]:
+def for_strategy(strategy: tf.distribute.Strategy, devices: Sequence[str] | None, num_cells: int) -> list[str]:
     """The cells' devices under a strategy, or a ValueError for a strategy tfpipe cannot run under.
 
     - ``OneDeviceStrategy`` puts every variable on its device, so every cell goes there.
@@ -154,8 +161,9 @@ def for_strategy(strategy: tf.distribute.Strategy, devices: Optional[Sequence[st
     if kind == "one_device":
         device = strategy.extended.worker_devices[0]
         wanted = tf.DeviceSpec.from_string(device)
-        if devices is not None and any(not _same_device(tf.DeviceSpec.from_string(check(d)), wanted)
-                                       for d in devices[:num_cells]):
+        if devices is not None and any(
+            not _same_device(tf.DeviceSpec.from_string(check(d)), wanted) for d in devices[:num_cells]
+        ):
             raise ValueError(
                 f"Under OneDeviceStrategy({_short_name(device)!r}) every variable lives on {_short_name(device)}, "
                 f"so cells cannot go to {list(devices)}; leave devices unset, or create the model outside "
@@ -171,8 +179,10 @@ def for_strategy(strategy: tf.distribute.Strategy, devices: Optional[Sequence[st
                 f"computation_shape=[1, 1, 1, {num_cells}], num_replicas=...), or use at most {cores} cells."
             )
         if devices is not None:
-            raise ValueError(f"Under TPUStrategy the cells go to the replica's logical cores; leave devices unset "
-                             f"(got {list(devices)}).")
+            raise ValueError(
+                f"Under TPUStrategy the cells go to the replica's logical cores; leave devices unset "
+                f"(got {list(devices)})."
+            )
         return [TPU_CORE.format(k) for k in range(num_cells)]
     raise ValueError(
         f"tfpipe does not run under {type(strategy).__name__}: a pipeline places its own cells on devices and "
@@ -182,5 +192,7 @@ def for_strategy(strategy: tf.distribute.Strategy, devices: Optional[Sequence[st
 
 
 def _same_device(a: tf.DeviceSpec, b: tf.DeviceSpec) -> bool:
-    return ((a.device_type or "").upper(), a.device_index or 0) == ((b.device_type or "").upper(), b.device_index or 0) \
-        and (a.job in (None, "localhost")) == (b.job in (None, "localhost"))
+    return ((a.device_type or "").upper(), a.device_index or 0) == (
+        (b.device_type or "").upper(),
+        b.device_index or 0,
+    ) and (a.job in (None, "localhost")) == (b.job in (None, "localhost"))

@@ -20,6 +20,8 @@ def say(message: str) -> None:
 def building_step(model_name: str, num_cells: int, num_micro_batches: int, remat: str) -> str:
     """The line shown before a pipelined training step is traced, so that a quiet first step is not taken for a hang."""
     tasks = 2 * num_cells * num_micro_batches
-    return (f"tfpipe: building the pipelined training step of {model_name!r}: K={num_cells} cells x "
-            f"M={num_micro_batches} micro-batches = {tasks} tasks (remat={remat!r}); tracing and optimizing "
-            "it makes the first step take a while.")
+    return (
+        f"tfpipe: building the pipelined training step of {model_name!r}: K={num_cells} cells x "
+        f"M={num_micro_batches} micro-batches = {tasks} tasks (remat={remat!r}); tracing and optimizing "
+        "it makes the first step take a while."
+    )

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any, Sequence, Union
+from collections.abc import Sequence
+from typing import Any, Union
 
 import tensorflow as tf
 
@@ -55,8 +56,11 @@ def sizes(structure: Any, num_micro_batches: int, allow_empty: bool = False) -> 
         return split_sizes(n, m)
     if not allow_empty:
         check = tf.debugging.assert_greater_equal(
-            n, m, message=f"tfpipe: a training batch is smaller than num_micro_batches={m}; "
-            "use a larger batch size or drop the remainder (e.g. dataset.batch(..., drop_remainder=True))")
+            n,
+            m,
+            message=f"tfpipe: a training batch is smaller than num_micro_batches={m}; "
+            "use a larger batch size or drop the remainder (e.g. dataset.batch(..., drop_remainder=True))",
+        )
         with tf.control_dependencies([check]):
             n = tf.identity(n)
     dynamic = _dynamic_sizes(n, m)

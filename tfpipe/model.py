@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import warnings
-from typing import Any, Callable, Optional, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import keras
 import numpy as np
@@ -47,10 +48,10 @@ class PipelineModel(keras.Model):
         self,
         layers: Sequence[keras.layers.Layer] | keras.Sequential,
         *,
-        balance: Optional[Sequence[int]] = None,
-        num_partitions: Optional[int] = None,
+        balance: Sequence[int] | None = None,
+        num_partitions: int | None = None,
         cost: cost_lib.Cost = "flops",
-        devices: Optional[Sequence[str]] = None,
+        devices: Sequence[str] | None = None,
         num_micro_batches: int = 1,
         remat: str = "except_last",
         **kwargs: Any,
@@ -63,8 +64,10 @@ class PipelineModel(keras.Model):
             )
         cost = cost_lib.check_kind(cost)
         if cost == "memory":
-            raise ValueError("cost='memory' needs a measurement outside the training graph; compute "
-                             "balance=tfpipe.balance.by_memory(layers, K, sample) first and pass it as balance=.")
+            raise ValueError(
+                "cost='memory' needs a measurement outside the training graph; compute "
+                "balance=tfpipe.balance.by_memory(layers, K, sample) first and pass it as balance=."
+            )
         cell_sizes = balance_lib.check(balance, len(layers_)) if balance is not None else None
         num_cells = len(cell_sizes) if cell_sizes else balance_lib.check_num_partitions(num_partitions, len(layers_))
         m = positive_int("num_micro_batches", num_micro_batches, "Use 1 to disable micro-batching.")
@@ -74,9 +77,9 @@ class PipelineModel(keras.Model):
         self.pipeline_layers = layers_  # tracked first, so weights are ordered as in keras.Sequential
         self._cost = cost
         self._num_cells, self._m, self._remat, self._devices = num_cells, m, remat, list(cell_devices)
-        self._estimate: Optional[cost_lib.Estimate] = None
+        self._estimate: cost_lib.Estimate | None = None
         self._inputs: Any = None  # symbolic inputs the model was built for, batch dimension included
-        self._pipeline: Optional[Pipeline] = None
+        self._pipeline: Pipeline | None = None
         if cell_sizes is None and num_cells in (1, len(layers_)):
             cell_sizes = balance_lib.uniform(len(layers_), num_cells)  # the only split there is
         elif cell_sizes is None and callable(cost):
@@ -89,14 +92,15 @@ class PipelineModel(keras.Model):
     def _make_pipeline(self, cell_sizes: Sequence[int]) -> None:
         starts = np.cumsum([0] + list(cell_sizes))
         layers = self.pipeline_layers
-        cells = [Cell(k, layers[starts[k]:starts[k + 1]], d) for k, d in enumerate(self._devices)]
+        cells = [Cell(k, layers[starts[k] : starts[k + 1]], d) for k, d in enumerate(self._devices)]
         self._pipeline = Pipeline(cells, self._m, self._remat)
 
     def _split_by_cost(self, input_shape: Any) -> list[int]:
         """Estimate every layer's cost for inputs shaped ``input_shape``; return the optimal balance."""
         self._estimate = self._estimate_costs(input_shape)
-        return balance_lib.partition(self._estimate.costs, self._num_cells,
-                                     boundary_bytes=self._estimate.output_bytes or None)
+        return balance_lib.partition(
+            self._estimate.costs, self._num_cells, boundary_bytes=self._estimate.output_bytes or None
+        )
 
     def _estimate_costs(self, input_shape: Any) -> cost_lib.Estimate:
         """Per-layer costs; string costs are measured on copies fed with a generated micro-batch."""
@@ -107,7 +111,7 @@ class PipelineModel(keras.Model):
 
     # Read-only configuration --------------------------------------------------------------
     @property
-    def balance(self) -> Optional[list[int]]:
+    def balance(self) -> list[int] | None:
         """Layers per cell; ``None`` until built when ``num_partitions`` splits by an estimated cost."""
         return [len(cell.layers) for cell in self._pipeline.cells] if self._pipeline else None
 
@@ -156,7 +160,7 @@ class PipelineModel(keras.Model):
         check_no_shared_variables(self._pipeline.cells)
         self.built = True
 
-    def call(self, inputs: Any, training: Optional[bool] = False) -> Any:
+    def call(self, inputs: Any, training: bool | None = False) -> Any:
         """Pipelined forward pass over micro-batches; in training mode state updates are merged and applied."""
         training = bool(training)
         sizes = microbatch.sizes(inputs, self.num_micro_batches, allow_empty=not training)
@@ -185,8 +189,9 @@ class PipelineModel(keras.Model):
         if self.optimizer is not None:
             training_lib.place_on_variable_devices(self.optimizer)
 
-    def compute_loss(self, x: Any = None, y: Any = None, y_pred: Any = None, sample_weight: Any = None,
-                     training: bool = True) -> Any:
+    def compute_loss(
+        self, x: Any = None, y: Any = None, y_pred: Any = None, sample_weight: Any = None, training: bool = True
+    ) -> Any:
         """Keras' loss hook. In a pipelined train step it is called once per micro-batch and returns
         the compiled loss alone: the pipeline adds each cell's ``add_loss`` and regularization terms.
 
@@ -210,8 +215,9 @@ class PipelineModel(keras.Model):
             messages.say(messages.building_step(self.name, self._num_cells, self.num_micro_batches, self.remat))
         scale = self.optimizer.scale_loss(tf.constant(1.0)) if self.optimizer is not None else 1.0
         result = self._pipeline.train(xs, loss_fn, microbatch.fractions(sizes), loss_scale=scale)
-        _compat.loss_tracker(self).update_state(training_lib.unscale_for_distribution(result.loss),
-                                                sample_weight=microbatch.batch_size(x))
+        _compat.loss_tracker(self).update_state(
+            training_lib.unscale_for_distribution(result.loss), sample_weight=microbatch.batch_size(x)
+        )
         if result.variables:
             self.optimizer.apply_gradients(zip(result.gradients, result.variables))
         self._assign(result.state_updates)
@@ -219,7 +225,7 @@ class PipelineModel(keras.Model):
             y_pred = microbatch.merge(result.outputs)
         return self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
 
-    def fit(self, x: Any = None, y: Any = None, batch_size: Optional[int] = None, *args: Any, **kwargs: Any):
+    def fit(self, x: Any = None, y: Any = None, batch_size: int | None = None, *args: Any, **kwargs: Any):
         """Keras ``fit``; checks first that no training batch will be smaller than num_micro_batches."""
         training_lib.check_batches(x, batch_size, kwargs.get("validation_split") or 0.0, self.num_micro_batches)
         training_lib.build_before_tracing(self, x, y, kwargs.get("sample_weight"))
@@ -263,7 +269,7 @@ class PipelineModel(keras.Model):
         return config
 
     @classmethod
-    def from_config(cls, config: dict[str, Any], custom_objects: Any = None) -> "PipelineModel":
+    def from_config(cls, config: dict[str, Any], custom_objects: Any = None) -> PipelineModel:
         """A model from ``get_config``; saved devices this machine lacks are replaced by its own (with a warning)."""
         config = dict(config)
         layers = [keras.saving.deserialize_keras_object(c, custom_objects=custom_objects) for c in config.pop("layers")]
@@ -273,11 +279,11 @@ class PipelineModel(keras.Model):
             warnings.warn(f"Loading PipelineModel {config.get('name')!r}: {why}.", stacklevel=2)
         return cls(layers, devices=devices, **config)
 
-    def get_build_config(self) -> Optional[dict[str, Any]]:
+    def get_build_config(self) -> dict[str, Any] | None:
         """The shapes and dtypes of the inputs the model was built for."""
         return {"inputs": specs.to_config(self._inputs)} if self._inputs is not None else None
 
-    def build_from_config(self, config: Optional[dict[str, Any]]) -> None:
+    def build_from_config(self, config: dict[str, Any] | None) -> None:
         """Build for the inputs recorded by ``get_build_config`` (loading then finds every variable)."""
         if config and "inputs" in config:
             self.build(specs.from_config(config["inputs"]))
@@ -289,7 +295,7 @@ class PipelineModel(keras.Model):
             self.optimizer.build(self.trainable_variables)
 
     @property
-    def _tfpipe_seed_states(self) -> "saving.SeedStates":
+    def _tfpipe_seed_states(self) -> saving.SeedStates:
         # Keras saves every KerasSaveable attribute of a model, so this one puts the seed
         # states in their own group (a keras.Sequential loading the file ignores it). Set
         # without Keras' attribute tracking, so that it is not one of the model's layers.
@@ -299,7 +305,7 @@ class PipelineModel(keras.Model):
         return self.__dict__["_seed_saver"]
 
     @classmethod
-    def from_sequential(cls, model: keras.Sequential, *, copy: bool = True, **kwargs: Any) -> "PipelineModel":
+    def from_sequential(cls, model: keras.Sequential, *, copy: bool = True, **kwargs: Any) -> PipelineModel:
         """A PipelineModel of a Sequential's layers; ``kwargs`` as for the constructor.
 
         ``copy=True`` (default) clones the layers and copies their weights, so the new
@@ -318,14 +324,19 @@ class PipelineModel(keras.Model):
         return saving.to_sequential(self.pipeline_layers, self._inputs, f"{self.name}_sequential", copy)
 
     # Presentation -------------------------------------------------------------------------------
-    def layer_costs(self) -> Optional[cost_lib.Estimate]:
+    def layer_costs(self) -> cost_lib.Estimate | None:
         """Per-layer costs under ``cost``: those the split used, else estimated now (needs a built model)."""
         if self._estimate is None and (callable(self._cost) or self._inputs is not None):
             self._estimate = self._estimate_costs(self._inputs)
         return self._estimate
 
-    def summary(self, line_length: Optional[int] = None, positions: Any = None,
-                print_fn: Optional[Callable[[str], None]] = None, **kwargs: Any) -> None:
+    def summary(
+        self,
+        line_length: int | None = None,
+        positions: Any = None,
+        print_fn: Callable[[str], None] | None = None,
+        **kwargs: Any,
+    ) -> None:
         """Print each cell: device, layers, parameters, estimated cost and its share, bytes handed on.
 
         Ends with the predicted pipeline efficiency: M / (M + K - 1) times mean / max cell cost.

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from typing import Any, Callable, Iterator, Optional, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 import keras
 import tensorflow as tf
@@ -36,7 +37,7 @@ class StepResult:
     """What one pipelined step produced."""
 
     outputs: list[Any]  # per micro-batch outputs of the last cell
-    loss: Optional[tf.Tensor] = None  # total (unscaled) loss of the mini-batch
+    loss: tf.Tensor | None = None  # total (unscaled) loss of the mini-batch
     gradients: list[tf.Tensor] = dataclasses.field(default_factory=list)  # aligned with ``variables``
     variables: list[keras.Variable] = dataclasses.field(default_factory=list)
     state_updates: list[tuple[keras.Variable, tf.Tensor]] = dataclasses.field(default_factory=list)
@@ -82,14 +83,20 @@ class Pipeline:
         return schedule.flatten(schedule.gpipe(len(self.cells), self.num_micro_batches, backward=backward))
 
     @tf.autograph.experimental.do_not_convert  # plain Python loops over tasks: converting them only costs trace time
-    def forward(self, inputs: Sequence[Any], training: bool = False,
-                fractions: Optional[Sequence[tf.Tensor]] = None) -> StepResult:
+    def forward(
+        self, inputs: Sequence[Any], training: bool = False, fractions: Sequence[tf.Tensor] | None = None
+    ) -> StepResult:
         """Forward-only pass over the micro-batches ``inputs``; training mode also merges state updates."""
         return self._run(inputs, training=training, loss_fn=None, fractions=fractions)
 
     @tf.autograph.experimental.do_not_convert
-    def train(self, inputs: Sequence[Any], loss_fn: LossFn, fractions: Sequence[tf.Tensor],
-              loss_scale: tf.Tensor | float = 1.0) -> StepResult:
+    def train(
+        self,
+        inputs: Sequence[Any],
+        loss_fn: LossFn,
+        fractions: Sequence[tf.Tensor],
+        loss_scale: tf.Tensor | float = 1.0,
+    ) -> StepResult:
         """Forward and backward of one step: summed gradients, loss and merged state updates.
 
         ``loss_fn(j, y_j)`` is micro-batch j's share of the mini-batch loss (already
@@ -99,8 +106,14 @@ class Pipeline:
         return self._run(inputs, training=True, loss_fn=loss_fn, fractions=fractions, loss_scale=loss_scale)
 
     def _run(self, inputs, training, loss_fn, fractions, loss_scale=1.0) -> StepResult:
-        step = _Step(inputs=inputs, training=training, loss_fn=loss_fn, fractions=fractions,
-                     loss_scale=loss_scale, weights=[cell.read() for cell in self.cells])  # read once per step
+        step = _Step(
+            inputs=inputs,
+            training=training,
+            loss_fn=loss_fn,
+            fractions=fractions,
+            loss_scale=loss_scale,
+            weights=[cell.read() for cell in self.cells],
+        )  # read once per step
         chain = _Chain(self.cells)
         for task in self._schedule(backward=loss_fn is not None):
             if task.kind == "F":
@@ -118,12 +131,17 @@ class Pipeline:
         if training:
             for i, cell in enumerate(self.cells):
                 with devices.scope(cell.device):
-                    result.state_updates.extend(cell.merger.merge(
-                        cell.non_trainable_variables, step.weights[i][1],
-                        [step.new_state[(i, j)] for j in range(m)], fractions))
+                    result.state_updates.extend(
+                        cell.merger.merge(
+                            cell.non_trainable_variables,
+                            step.weights[i][1],
+                            [step.new_state[(i, j)] for j in range(m)],
+                            fractions,
+                        )
+                    )
         return result
 
-    def _forward_task(self, task: schedule.Task, step: "_Step", chain: _Chain) -> None:
+    def _forward_task(self, task: schedule.Task, step: _Step, chain: _Chain) -> None:
         """F(i, j): run cell i on micro-batch j; on the last cell also the loss and its gradient."""
         i, j = task.cell, task.micro_batch
         cell, (trainable, other) = self.cells[i], step.weights[i]
@@ -131,8 +149,14 @@ class Pipeline:
         x = step.inputs[j] if i == 0 else step.acts[(i - 1, j)]
         with chain.task(task) as produced:
             x = tf.nest.map_structure(lambda t: None if t is None else tf.identity(t), x)  # arrive on this device
-            seeds = [state.micro_batch_seed(s, j) if state.is_seed_state(v) else s
-                     for v, s in zip(cell.non_trainable_variables, other)] if training else other
+            seeds = (
+                [
+                    state.micro_batch_seed(s, j) if state.is_seed_state(v) else s
+                    for v, s in zip(cell.non_trainable_variables, other)
+                ]
+                if training
+                else other
+            )
             share = step.fractions[j] if step.fractions is not None else 1.0
             with_reg = backward and j == 0  # weight regularizers count once per step
 
@@ -148,8 +172,10 @@ class Pipeline:
                 n_x = len(flat_x)
                 record = checkpoint.Checkpoint(
                     lambda *src: fn(tf.nest.pack_sequence_as(x, _unflat(x, src)), *src[n_x:]),
-                    flat_x + list(trainable), recompute=checkpoint.recomputes(self.remat, j, self.num_micro_batches),
-                    constant=n_x if i == 0 else 0)
+                    flat_x + list(trainable),
+                    recompute=checkpoint.recomputes(self.remat, j, self.num_micro_batches),
+                    constant=n_x if i == 0 else 0,
+                )
                 step.records[(i, j)] = record
                 y, new_state, added = record.outputs
             else:
@@ -161,7 +187,7 @@ class Pipeline:
                 produced.append(self._loss_task(i, j, y, step))
 
     @staticmethod
-    def _loss_task(i: int, j: int, y: Any, step: "_Step") -> tf.Tensor:
+    def _loss_task(i: int, j: int, y: Any, step: _Step) -> tf.Tensor:
         """Micro-batch j's weighted loss and its gradient for the outputs ``y`` of the last cell i."""
         ys = _flat(y)
         floating = [t for t in ys if t.dtype.is_floating]
@@ -174,7 +200,7 @@ class Pipeline:
         step.losses[j] = loss
         return loss
 
-    def _backward_task(self, task: schedule.Task, step: "_Step", chain: _Chain) -> None:
+    def _backward_task(self, task: schedule.Task, step: _Step, chain: _Chain) -> None:
         """B(i, j): the VJP of cell i on micro-batch j (recomputing it if so recorded); sum weight gradients."""
         i, j = task.cell, task.micro_batch
         record, dy = step.records.pop((i, j)), step.dys.pop((i, j))
@@ -182,7 +208,7 @@ class Pipeline:
         with chain.task(task, extra_deps=[g for g in dy if g is not None]) as produced:
             scale = tf.cast(step.loss_scale, tf.float32)  # the gradient of the added losses
             grads = record.vjp(lambda out: _flat(out[0]) + [out[2]], list(dy) + [scale])
-            dx, dw = grads[:len(grads) - n_w], grads[len(grads) - n_w:]
+            dx, dw = grads[: len(grads) - n_w], grads[len(grads) - n_w :]
             if i > 0:
                 step.dys[(i - 1, j)] = dx
             total = step.grads[i]
@@ -196,8 +222,8 @@ class _Step:
 
     inputs: Sequence[Any]
     training: bool
-    loss_fn: Optional[LossFn]
-    fractions: Optional[Sequence[tf.Tensor]]
+    loss_fn: LossFn | None
+    fractions: Sequence[tf.Tensor] | None
     loss_scale: Any
     weights: list[tuple[list[tf.Tensor], list[tf.Tensor]]]
     acts: dict = dataclasses.field(default_factory=dict)  # cell outputs
@@ -215,8 +241,7 @@ class _Step:
 def _add(a: Any, b: Any) -> Any:
     """Sum two gradients; sparse ones (embeddings) stay sparse by concatenating their slices."""
     if isinstance(a, tf.IndexedSlices) and isinstance(b, tf.IndexedSlices):
-        return tf.IndexedSlices(tf.concat([a.values, b.values], 0), tf.concat([a.indices, b.indices], 0),
-                                a.dense_shape)
+        return tf.IndexedSlices(tf.concat([a.values, b.values], 0), tf.concat([a.indices, b.indices], 0), a.dense_shape)
     return tf.convert_to_tensor(a) + tf.convert_to_tensor(b)
 
 

@@ -1,8 +1,9 @@
-"""What PipelineModel saves beyond Keras' defaults (layer configs, seed states) and its conversion to and from keras.Sequential."""
+"""What PipelineModel saves beyond Keras' defaults (layer configs, seed states); conversion to and from Sequential."""
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import keras
 import tensorflow as tf
@@ -56,8 +57,10 @@ def copy_weights(source: Sequence[keras.layers.Layer], target: Sequence[keras.la
 def from_sequential(cls: type, model: keras.Sequential, copy: bool, kwargs: dict[str, Any]) -> Any:
     """``cls(layers of model, **kwargs)``: with copies of the layers and their weights, or sharing them."""
     if not isinstance(model, keras.Sequential):
-        raise TypeError(f"from_sequential takes a keras.Sequential, got {type(model).__name__}; "
-                        "for a list of layers use PipelineModel(layers, ...).")
+        raise TypeError(
+            f"from_sequential takes a keras.Sequential, got {type(model).__name__}; "
+            "for a list of layers use PipelineModel(layers, ...)."
+        )
     if not copy:
         return cls(model, **kwargs)
     layers = layer_list(model)
@@ -68,15 +71,16 @@ def from_sequential(cls: type, model: keras.Sequential, copy: bool, kwargs: dict
     return pipelined
 
 
-def to_sequential(layers: Sequence[keras.layers.Layer], inputs: Optional[Any], name: str,
-                  copy: bool) -> keras.Sequential:
+def to_sequential(layers: Sequence[keras.layers.Layer], inputs: Any | None, name: str, copy: bool) -> keras.Sequential:
     """A keras.Sequential of ``layers`` (or of copies with their weights), built for ``inputs`` if given."""
     new = [clone(layer) for layer in layers] if copy else list(layers)
     if inputs is None:
         return keras.Sequential(new, name=name)
     if not isinstance(inputs, keras.KerasTensor):
-        raise ValueError("keras.Sequential takes a single input; this model was built for "
-                         f"{tf.nest.map_structure(lambda t: tuple(t.shape), inputs)}.")
+        raise ValueError(
+            "keras.Sequential takes a single input; this model was built for "
+            f"{tf.nest.map_structure(lambda t: tuple(t.shape), inputs)}."
+        )
     sequential = keras.Sequential([keras.Input(shape=inputs.shape[1:], dtype=inputs.dtype), *new], name=name)
     if copy:
         copy_weights(layers, new)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
+from collections.abc import Sequence
 
 from tfpipe._args import positive_int
 
@@ -58,8 +58,9 @@ def device_order(cycles: Sequence[Sequence[Task]], cell_devices: Sequence[str]) 
     return order
 
 
-def simulate(num_cells: int, num_micro_batches: int, f_cost: Sequence[float],
-             b_cost: Sequence[float]) -> list[tuple[Task, float, float]]:
+def simulate(
+    num_cells: int, num_micro_batches: int, f_cost: Sequence[float], b_cost: Sequence[float]
+) -> list[tuple[Task, float, float]]:
     """(task, start, end) of every GPipe task, cell i on its own device taking f_cost[i] per F and b_cost[i] per B.
 
     Tasks come in clock-cycle order. A task starts when its device has finished the

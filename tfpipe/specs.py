@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 import keras
 import numpy as np
@@ -13,7 +13,9 @@ ESTIMATION_BATCH = 8  # samples per estimation batch when the model's batch size
 
 def is_shape(s: Any) -> bool:
     """Whether ``s`` is one shape (a tuple, list or TensorShape of ints and Nones), not a structure of them."""
-    return isinstance(s, (tuple, list, tf.TensorShape)) and all(d is None or isinstance(d, (int, np.integer)) for d in s)
+    return isinstance(s, (tuple, list, tf.TensorShape)) and all(
+        d is None or isinstance(d, (int, np.integer)) for d in s
+    )
 
 
 def symbolic(input_shape: Any, keep_batch: bool = False) -> Any:
@@ -32,7 +34,7 @@ def symbolic(input_shape: Any, keep_batch: bool = False) -> Any:
     return type(input_shape)(symbolic(s, keep_batch) for s in input_shape)
 
 
-def first_batch_dim(input_shape: Any) -> Optional[int]:
+def first_batch_dim(input_shape: Any) -> int | None:
     """The batch dimension of the first input of a shape, tensor or structure of them (None if unknown)."""
     if is_shape(input_shape):
         return input_shape[0] if len(input_shape) else None
@@ -42,7 +44,7 @@ def first_batch_dim(input_shape: Any) -> Optional[int]:
     return first_batch_dim(leaves[0]) if leaves else None
 
 
-def estimation_sample(spec: Any, batch: Optional[int], num_micro_batches: int) -> Any:
+def estimation_sample(spec: Any, batch: int | None, num_micro_batches: int) -> Any:
     """Generated data shaped like one micro-batch of a batch of ``batch`` inputs (or of ESTIMATION_BATCH)."""
     n = -(-int(batch) // num_micro_batches) if batch else ESTIMATION_BATCH
     rng = np.random.default_rng(0)

@@ -17,7 +17,7 @@ merged without knowing what it means, so it is an error rather than a guess.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import keras
 import tensorflow as tf

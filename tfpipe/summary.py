@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
@@ -14,8 +15,7 @@ COLUMNS = ("Cell", "Device", "Layers", "Params", "Cost", "Share", "Out bytes/sam
 WIDTHS = [4, 24, 0, 12, 20, 6, 16]  # 0: the layers column takes what the line length leaves
 
 
-def print_summary(model: Any, line_length: Optional[int] = None,
-                  print_fn: Optional[Callable[[str], None]] = None) -> None:
+def print_summary(model: Any, line_length: int | None = None, print_fn: Callable[[str], None] | None = None) -> None:
     """Print ``model``'s cells, its parameter counts and the predicted pipeline efficiency."""
     print_fn = print_fn or print
     width = line_length or 120
@@ -37,7 +37,7 @@ def print_summary(model: Any, line_length: Optional[int] = None,
             total = sum(per_cell) or 1.0
             cost, share = si(per_cell[k]), f"{100.0 * per_cell[k] / total:.1f}%"
             if estimate.output_bytes:
-                out = si(estimate.output_bytes[sum(balance[:k + 1]) - 1]) + "B"
+                out = si(estimate.output_bytes[sum(balance[: k + 1]) - 1]) + "B"
         rows.append((str(k), cell.device, cell.describe(), params, cost, share, out))
     widths = list(WIDTHS)
     widths[2] = max(12, width - sum(widths) - 2 * (len(widths) - 1))
@@ -46,8 +46,10 @@ def print_summary(model: Any, line_length: Optional[int] = None,
         return "  ".join(str(c)[:w].ljust(w) for c, w in zip(row, widths)).rstrip()
 
     k, m = model.num_partitions, model.num_micro_batches
-    print_fn(f'PipelineModel "{model.name}": {k} cells, balance={balance}, '
-             f"num_micro_batches={m}, remat={model.remat!r}, cost={cost_name!r}")
+    print_fn(
+        f'PipelineModel "{model.name}": {k} cells, balance={balance}, '
+        f"num_micro_batches={m}, remat={model.remat!r}, cost={cost_name!r}"
+    )
     print_fn("=" * width)
     print_fn(fmt(rows[0]))
     print_fn("-" * width)
@@ -64,9 +66,11 @@ def print_summary(model: Any, line_length: Optional[int] = None,
         print_fn(f"Non-trainable params: {total - trainable:,}")
     if per_cell is not None:
         bubble_free = 1.0 - schedule.bubble_fraction(k, m)
-        print_fn(f"Predicted pipeline efficiency: {100 * balance_lib.efficiency(per_cell, m):.1f}% "
-                 f"= M/(M+K-1) {100 * bubble_free:.1f}% x mean/max cell cost "
-                 f"{100 * balance_lib.evenness(per_cell):.1f}%")
+        print_fn(
+            f"Predicted pipeline efficiency: {100 * balance_lib.efficiency(per_cell, m):.1f}% "
+            f"= M/(M+K-1) {100 * bubble_free:.1f}% x mean/max cell cost "
+            f"{100 * balance_lib.evenness(per_cell):.1f}%"
+        )
     elif problem:
         print_fn(f"Costs not estimated: {problem}")
 

@@ -74,8 +74,9 @@ def assign_phases(ops: Sequence[tuple[str, str, bool]], tasks: Sequence[str]) ->
     "accumulate". Outside tasks, ops are "optimizer" or "other".
     """
     if len(ops) != len(tasks):
-        raise ValueError(f"assign_phases got {len(ops)} ops but {len(tasks)} tasks; pass the ops' "
-                         "assign_tasks(names) result.")
+        raise ValueError(
+            f"assign_phases got {len(ops)} ops but {len(tasks)} tasks; pass the ops' assign_tasks(names) result."
+        )
     phases, previous, seen_grad = [], "", False
     for (name, op_type, calls_gradient), task in zip(ops, tasks):
         seen_grad = seen_grad and task == previous  # each task starts before its gradients

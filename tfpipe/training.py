@@ -4,7 +4,8 @@ checks before fit, variables created before tracing, and optimizer updates place
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Optional, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import keras
 import numpy as np
@@ -30,15 +31,21 @@ def loss_reduction(loss: Any) -> str:
     return reductions.pop() if reductions else "sum"
 
 
-def micro_batch_loss(model: keras.Model, default_hook: Callable, xs: Sequence[Any], ys: Sequence[Any],
-                     sws: Sequence[Any], sizes: Sequence[Any]) -> Callable[[int, Any], tf.Tensor]:
+def micro_batch_loss(
+    model: keras.Model,
+    default_hook: Callable,
+    xs: Sequence[Any],
+    ys: Sequence[Any],
+    sws: Sequence[Any],
+    sizes: Sequence[Any],
+) -> Callable[[int, Any], tf.Tensor]:
     """``loss_fn(j, y_pred)``: micro-batch j's share of the mini-batch loss, weighted so the shares add up.
 
     Without an override of ``compute_loss`` (``default_hook`` is the class's own) the
     compiled loss is weighted by its reduction. An override is called per micro-batch
     and, as Keras' losses do by default, taken as a mean over the micro-batch.
     """
-    overridden = getattr(type(model), "compute_loss") is not default_hook
+    overridden = type(model).compute_loss is not default_hook
     compiled = _compat.compiled_loss(model)
     weights: list[tf.Tensor] = []
 
@@ -63,7 +70,7 @@ def unscale_for_distribution(loss: tf.Tensor) -> tf.Tensor:
     return loss * replicas if replicas > 1 else loss
 
 
-def check_batches(x: Any, batch_size: Optional[int], validation_split: float, num_micro_batches: int) -> None:
+def check_batches(x: Any, batch_size: int | None, validation_split: float, num_micro_batches: int) -> None:
     """Refuse, before fit starts, a batch size or sample count that leaves a batch smaller than M."""
     m = num_micro_batches
     if batch_size is not None and batch_size < m:
@@ -95,14 +102,20 @@ def build_before_tracing(model: keras.Model, x: Any, y: Any, sample_weight: Any)
         return
     if isinstance(x, tf.data.Dataset):
         batch = x.element_spec
-    elif all(isinstance(leaf, (np.ndarray, tf.Tensor)) for leaf in tf.nest.flatten((x, y, sample_weight))
-             if leaf is not None):
+    elif all(
+        isinstance(leaf, (np.ndarray, tf.Tensor)) for leaf in tf.nest.flatten((x, y, sample_weight)) if leaf is not None
+    ):
         batch = (x, y, sample_weight)
     else:
         return  # generators and PyDatasets: Keras builds while tracing, as usual
     symbolic = tf.nest.map_structure(
-        lambda t: None if t is None else keras.KerasTensor((None,) + tuple(t.shape[1:]),
-                                                           keras.backend.standardize_dtype(t.dtype)), batch)
+        lambda t: (
+            None
+            if t is None
+            else keras.KerasTensor((None,) + tuple(t.shape[1:]), keras.backend.standardize_dtype(t.dtype))
+        ),
+        batch,
+    )
     with model.distribute_strategy.scope():  # where Keras itself would create them
         if not model.built:  # ourselves: Keras would build inside a StatelessScope, which defers variable
             model.build(keras.utils.unpack_x_y_sample_weight(symbolic)[0])  # creation past our device scopes
