@@ -84,6 +84,26 @@ def test_workers_stop_on_exit_and_after_an_error():
     assert "NORMAL 2 []" in proc.stdout and "ERROR 2 []" in proc.stdout
 
 
+@pytest.mark.parametrize("client_value,worker_value", [(None, "true"), ("false", "false")])
+def test_workers_use_the_bfc_allocator_unless_told_otherwise(client_value, worker_value):
+    env = {"TF_CPU_ALLOCATOR_USE_BFC": client_value or "unset"}
+    proc = run_fresh(
+        """
+        import os
+        if os.environ["TF_CPU_ALLOCATOR_USE_BFC"] == "unset":
+            del os.environ["TF_CPU_ALLOCATOR_USE_BFC"]
+        from tfpipe.cluster import LocalCluster
+        with LocalCluster(1) as cluster:
+            with open(f"/proc/{cluster.pids[0]}/environ", "rb") as f:
+                worker_env = dict(e.split(b"=", 1) for e in f.read().split(b"\\0") if b"=" in e)
+        print("BFC", worker_env.get(b"TF_CPU_ALLOCATOR_USE_BFC", b"missing").decode())
+    """,
+        env=env,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"BFC {worker_value}" in proc.stdout
+
+
 def test_workers_die_with_a_killed_client():
     code = textwrap.dedent("""
         import time

@@ -30,6 +30,7 @@ from tfpipe import _compat
 from tfpipe._args import positive_int
 
 JOB = "worker"
+BFC_ENV = "TF_CPU_ALLOCATOR_USE_BFC"  # workers use TensorFlow's BFC allocator unless this is set otherwise
 START_TIMEOUT = 60.0  # seconds for a worker process to start serving
 START_ATTEMPTS = 3  # a free port can be taken between choosing it and the worker binding it: retry
 
@@ -81,7 +82,9 @@ class LocalCluster:
 
     Every worker it started is stopped on exit, also after an error; a worker also
     dies with this process. ``threads_per_worker`` sets each worker's intra- and
-    inter-op thread pools, so a worker runs one thing at a time by default.
+    inter-op thread pools, so a worker runs one thing at a time by default. Workers
+    allocate with TensorFlow's BFC allocator (``TF_CPU_ALLOCATOR_USE_BFC=true``)
+    unless this process's environment sets that variable.
     """
 
     def __init__(self, num_workers: int, threads_per_worker: int = 1, start_timeout: float = START_TIMEOUT):
@@ -127,6 +130,10 @@ class LocalCluster:
         # PR_SET_PDEATHSIG fires when the *thread* that started the worker ends: only tie workers to the main thread.
         tie = _die_with_parent if threading.current_thread() is threading.main_thread() else None
         env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL=os.environ.get("TF_CPP_MIN_LOG_LEVEL", "2"))
+        # TensorFlow's default CPU allocator maps and unmaps every large buffer: each weight gradient of each
+        # micro-batch then pays page faults on fresh pages. The BFC allocator reuses its memory. Measured on
+        # single-thread workers, K=2, M=8, 16 x Dense(768), batch 256: backward task 42 -> 19 ms, step 560 -> 312 ms.
+        env.setdefault(BFC_ENV, "true")
         for task in range(self.num_workers):
             self._logs.append(tempfile.TemporaryFile(mode="w+"))
             self.processes.append(
