@@ -218,10 +218,12 @@ def test_one_step_matches_sequential(name, m, eager):
         net.compile(optimizer=keras.optimizers.SGD(0.1), loss=loss(), run_eagerly=eager)
         net.fit(x, y, batch_size=len(x), epochs=1, shuffle=False, verbose=0)
     assert max_rel_error(start, reference.get_weights()) > 1e-3  # the step did change the weights
-    # Relative to each tensor's scale; the absolute 1e-8 is for the attention key biases, whose gradient is
-    # exactly zero (softmax ignores a per-query constant), so they hold only rounding noise of ~1e-10.
+    # Relative to each tensor's scale. The absolute 1e-6 is for biases whose gradient is exactly zero, so
+    # that after the step they hold only rounding noise: attention key biases (softmax ignores a per-query
+    # constant; ~1e-10) and convolution biases before a BatchNorm (it subtracts the batch mean; ~1e-7 here,
+    # and its pattern changes with the order of float sums, e.g. tfpipe's CPU MatMul gradient layout).
     for got, want in zip(model.get_weights(), reference.get_weights()):
-        assert np.max(np.abs(got - want)) <= 1e-5 * np.max(np.abs(want)) + 1e-8
+        assert np.max(np.abs(got - want)) <= 1e-5 * np.max(np.abs(want)) + 1e-6
 
 
 # Clones from config (tfpipe copies layers to estimate their costs) --------------------------------------

@@ -11,7 +11,7 @@ from typing import Any
 import keras
 import tensorflow as tf
 
-from tfpipe import devices, state
+from tfpipe import cpu_gradients, devices, state
 
 
 class Cell:
@@ -171,7 +171,9 @@ class Cell:
             it = iter(flat[:n_x])
             x_in = tf.nest.pack_sequence_as(x, [None if leaf is None else next(it) for leaf in tf.nest.flatten(x)])
             old = list(flat[n_x + n_w :])
-            with devices.scope(self.device):  # explicit, so the body stays on the cell's device wherever it runs
+            # The device explicit, so the body stays on the cell's device wherever it runs; on a CPU, MatMuls
+            # get the gradient laid out for CPU kernels (tfpipe/cpu_gradients.py).
+            with devices.scope(self.device), cpu_gradients.scope(self.device):
                 y, new_state, added = self.run_inline(list(flat[n_x : n_x + n_w]), old, x_in, training)
             found["y"] = y
             found["changed"] = [k for k, (new, was) in enumerate(zip(new_state, old)) if new is not was]

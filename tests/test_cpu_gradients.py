@@ -1,0 +1,42 @@
+"""The CPU MatMul gradient: TensorFlow's numbers for every operand layout, used only inside CPU cells' graphs."""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from tfpipe import cpu_gradients
+
+
+@pytest.mark.parametrize("transpose_a", [False, True])
+@pytest.mark.parametrize("transpose_b", [False, True])
+def test_gradient_matches_tensorflows(transpose_a, transpose_b):
+    rng = np.random.default_rng(0)
+    a = tf.constant(rng.standard_normal((3, 5) if not transpose_a else (5, 3)), tf.float32)
+    b = tf.constant(rng.standard_normal((5, 4) if not transpose_b else (4, 5)), tf.float32)
+    dy = tf.constant(rng.standard_normal((3, 4)), tf.float32)
+
+    def grads(device):
+        @tf.function(autograph=False)
+        def run():
+            with cpu_gradients.scope(device):
+                y = tf.matmul(a, b, transpose_a=transpose_a, transpose_b=transpose_b)
+            return tf.gradients(y, [a, b], grad_ys=dy)
+
+        graph = run.get_concrete_function().graph
+        kinds = {
+            op.get_attr("_gradient_op_type")
+            for op in graph.get_operations()
+            if op.type == "MatMul" and "_gradient_op_type" in op.node_def.attr
+        }
+        return run(), kinds
+
+    (ga, gb), ours = grads("/CPU:0")
+    (ra, rb), theirs = grads("/GPU:0")  # not a CPU: TensorFlow's own gradient (the graph is not run on a GPU)
+    assert ours == {cpu_gradients.GRADIENT_NAME.encode()} and theirs == set()
+    np.testing.assert_allclose(ga.numpy(), ra.numpy(), rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(gb.numpy(), rb.numpy(), rtol=1e-6, atol=1e-6)
+
+
+def test_only_cpu_devices_get_it():
+    assert cpu_gradients.on_cpu("/CPU:1") and cpu_gradients.on_cpu("/job:worker/task:1/device:CPU:0")
+    assert not cpu_gradients.on_cpu("/GPU:0") and not cpu_gradients.on_cpu("/job:worker/replica:0/task:0/device:TPU:1")
