@@ -55,3 +55,17 @@ def test_an_overridden_compute_loss_trains_like_keras(m):
     assert max_rel_error(model.get_weights(), reference.get_weights()) < 1e-5
     np.testing.assert_allclose(history.history["loss"], expected.history["loss"], rtol=1e-5)
     assert model.evaluate(x, y, verbose=0) == pytest.approx(reference.evaluate(x, y, verbose=0), rel=1e-5)
+
+
+def test_keras_symbolic_build_does_not_trace_the_pipeline():
+    """Keras builds metrics from the model's output spec; that needs the layers once, not K x M cell traces."""
+    x, y = np.zeros((8, 5), "float32"), np.zeros((8, 3), "float32")
+    model = tfpipe.PipelineModel(
+        mlp_layers(width=8, depth=3), balance=[4, 3], devices=cpu_devices(2), num_micro_batches=4
+    )
+    model.compile(optimizer="sgd", loss="mse", metrics=["mae"])
+    training.build_before_tracing(model, x, y, None)
+    assert model.compiled_metrics is not None and len(model.metrics_variables) > 2
+    assert [cell.num_traces for cell in model.cells] == [0, 0]
+    model.fit(x, y, batch_size=8, epochs=1, verbose=0)
+    assert [cell.num_traces for cell in model.cells] == [1, 1]  # the training step traces each cell once

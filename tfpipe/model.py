@@ -163,6 +163,12 @@ class PipelineModel(keras.Model):
     def call(self, inputs: Any, training: bool | None = False) -> Any:
         """Pipelined forward pass over micro-batches; in training mode state updates are merged and applied."""
         training = bool(training)
+        if not training and _compat.in_stateless_scope():
+            # Keras' symbolic build (compute_output_spec) needs only the outputs' spec, and in inference the
+            # layers give the same values unpipelined: run them once instead of tracing K x M tasks.
+            for layer in self.pipeline_layers:
+                inputs = layer(inputs, training=False)
+            return inputs
         sizes = microbatch.sizes(inputs, self.num_micro_batches, allow_empty=not training)
         parts = microbatch.split(inputs, sizes)
         result = self._pipeline.forward(parts, training=training, fractions=microbatch.fractions(sizes))
