@@ -105,3 +105,17 @@ def test_tpu_strategy_keeps_its_device_assignment_privately():
 def test_default_strategy_is_recognized():
     assert _compat.is_default_strategy(tf.distribute.get_strategy())
     assert not _compat.is_default_strategy(tf.distribute.OneDeviceStrategy("/CPU:0"))
+
+
+def test_functional_graph_history():
+    inputs = keras.Input((3,))
+    dense = keras.layers.Dense(3, name="d")
+    outputs = keras.layers.Add(name="add")([dense(inputs), inputs])
+    keras.Model(inputs, outputs)
+    operation, node = _compat.producer(outputs)
+    assert operation.name == "add" and node == 0
+    tensors, kwargs = _compat.call_arguments(operation, node)
+    assert tensors[1] is inputs and kwargs == {} and _compat.producer(tensors[0])[0] is dense
+    assert _compat.num_calls(dense) == 1
+    dense(inputs)
+    assert _compat.num_calls(dense) == 2

@@ -85,3 +85,24 @@ def tpu_cores_per_replica(strategy: tf.distribute.Strategy) -> int:
 def is_default_strategy(strategy: tf.distribute.Strategy) -> bool:
     """Whether ``strategy`` is TensorFlow's default (no ``strategy.scope()`` entered); its class is not exported."""
     return type(strategy).__name__ == "_DefaultDistributionStrategy"
+
+
+def producer(tensor: keras.KerasTensor) -> tuple[Any, int]:
+    """The operation of a Functional graph that produced ``tensor``, and the index of that call (its node).
+
+    Keras records this on each symbolic tensor (``_keras_history``) and keeps the
+    calls on each operation (``_inbound_nodes``); neither is public.
+    """
+    history = tensor._keras_history  # noqa: SLF001
+    return history.operation, history.node_index
+
+
+def call_arguments(operation: Any, node_index: int) -> tuple[list[keras.KerasTensor], dict[str, Any]]:
+    """The symbolic tensors one call of ``operation`` took, and its keyword arguments."""
+    node = operation._inbound_nodes[node_index]  # noqa: SLF001
+    return list(node.arguments.keras_tensors), dict(node.arguments.kwargs)
+
+
+def num_calls(operation: Any) -> int:
+    """How many times ``operation`` was called on symbolic tensors (its nodes, in every graph)."""
+    return len(operation._inbound_nodes)  # noqa: SLF001

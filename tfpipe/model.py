@@ -28,7 +28,8 @@ class PipelineModel(keras.Model):
     """A sequence of Keras layers cut into cells on devices and trained as a GPipe pipeline.
 
     Args:
-      layers: a list of Keras layers, or a ``keras.Sequential``; each layer feeds the next.
+      layers: a list of Keras layers, a ``keras.Sequential``, or a Functional ``keras.Model``
+        whose layers form one chain; each layer feeds the next.
       balance: layers per cell, summing to ``len(layers)``.
       num_partitions: instead of ``balance``, the number of cells K; the layers are then
         split to minimize the most expensive cell under ``cost``.
@@ -84,7 +85,7 @@ class PipelineModel(keras.Model):
             cell_sizes = balance_lib.uniform(len(layers_), num_cells)  # the only split there is
         elif cell_sizes is None and callable(cost):
             cell_sizes = self._split_by_cost(None)
-        elif cell_sizes is None and isinstance(layers, keras.Sequential) and layers.built and layers.inputs:
+        elif cell_sizes is None and isinstance(layers, keras.Model) and layers.built and layers.inputs:
             cell_sizes = self._split_by_cost(layers.inputs[0] if len(layers.inputs) == 1 else layers.inputs)
         if cell_sizes is not None:
             self._make_pipeline(cell_sizes)
