@@ -46,9 +46,8 @@ def on_cpu(device: str) -> bool:
 @contextlib.contextmanager
 def scope(device: str) -> Iterator[None]:
     """Inside a graph, give the MatMuls created here the CPU-friendly gradient if ``device`` is a CPU."""
-    graph = tf.compat.v1.get_default_graph()
     if not on_cpu(device) or tf.executing_eagerly():
         yield
         return
-    with graph.gradient_override_map({"MatMul": GRADIENT_NAME}):
+    with tf.compat.v1.get_default_graph().gradient_override_map({"MatMul": GRADIENT_NAME}):
         yield

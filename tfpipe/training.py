@@ -46,18 +46,15 @@ def micro_batch_loss(
     and, as Keras' losses do by default, taken as a mean over the micro-batch.
     """
     overridden = type(model).compute_loss is not default_hook
-    compiled = _compat.compiled_loss(model)
+    if not overridden and _compat.compiled_loss(model) is None:
+        return lambda j, y_pred: tf.constant(0.0)
+    reduction = DEFAULT_REDUCTION if overridden else loss_reduction(model.loss)
     weights: list[tf.Tensor] = []
 
     def loss_fn(j: int, y_pred: Any) -> tf.Tensor:
-        if overridden:
-            value = model.compute_loss(x=xs[j], y=ys[j], y_pred=y_pred, sample_weight=sws[j], training=True)
-            reduction = DEFAULT_REDUCTION
-        elif compiled is None:
-            return tf.constant(0.0)
-        else:
-            value, reduction = compiled(ys[j], y_pred, sws[j]), loss_reduction(model.loss)
-        if not weights:
+        # Not overridden, the model's hook returns the compiled loss alone in training.
+        value = model.compute_loss(x=xs[j], y=ys[j], y_pred=y_pred, sample_weight=sws[j], training=True)
+        if not weights:  # made at the first loss, inside the task that uses them
             weights.extend(microbatch.loss_weights(reduction, sizes, sws))
         return tf.cast(value, tf.float32) * weights[j]
 
