@@ -92,6 +92,7 @@ class FakeCell:
             self.w = keras.Variable(float(index + 2), name=f"w{index}")
         self.noinline = False
         self.merger = _NoState()
+        self.traceable, self.vjps, self.has_regularizers = False, None, False
 
     @property
     def trainable_variables(self):

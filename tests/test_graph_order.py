@@ -81,14 +81,15 @@ def _functions(graph):
 def _forward_matmuls(op, functions):
     """Forward MatMuls that ``op`` runs: itself, or those in the body of the cell function it calls.
 
-    Gradient MatMuls are named under "gradient_tape/" in the step's graph and under
-    "gradients/" in the generated gradient functions.
+    Gradient MatMuls are named under "gradient_tape/" in the step's graph and in traced
+    backward functions, and under "gradients/" in the gradient functions TensorFlow generates.
     """
     if op.type == "MatMul" and not op.name.startswith("gradient_tape/"):
         return 1
     if op.type in CALLS:
         body = functions[op.get_attr("f").name].node_def
-        return sum(1 for node in body if node.op == "MatMul" and not node.name.startswith("gradients/"))
+        gradient = ("gradients/", "gradient_tape/")
+        return sum(1 for node in body if node.op == "MatMul" and not node.name.startswith(gradient))
     return 0
 
 
@@ -130,7 +131,7 @@ def test_cell_functions_run_on_their_cells_device():
     assert calls >= 8  # every F and B task calls its cell's function
 
 
-def test_each_cell_is_traced_once_whatever_the_number_of_micro_batches():
+def test_each_cell_is_traced_once_forward_and_once_backward_whatever_the_number_of_micro_batches():
     def traces(m):
         model = tfpipe.PipelineModel(
             mlp_layers(depth=3), num_partitions=3, devices=cpu_devices(3), num_micro_batches=m, remat="always"
@@ -138,7 +139,7 @@ def test_each_cell_is_traced_once_whatever_the_number_of_micro_batches():
         _train_graph(model, batch=8)
         return [cell.num_traces for cell in model.cells]
 
-    assert traces(1) == traces(8) == [1, 1, 1]
+    assert traces(1) == traces(8) == [2, 2, 2]  # the cell function, and its recompute-and-VJP function
 
 
 def test_weight_updates_run_on_each_cells_device():

@@ -17,6 +17,7 @@ from tfpipe.tasks import (
     assign_tasks,
     attribute,
     calls_gradient_function,
+    calls_traced_vjp,
     lookup,
     parse_marker,
     parse_task_name,
@@ -194,17 +195,25 @@ def test_a_traced_step_is_attributed_to_its_tasks_phases_and_devices():
     found = {info[name].task for name in ops} - {""}
     assert found == {task_scope_name(t) for t in schedule.flatten(schedule.gpipe(2, 2))}
     phases = {(info[name].task, info[name].phase, op.type) for name, op in ops.items() if info[name].task}
-    recomputed = {task for task, phase, op_type in phases if phase == "recompute" and op_type == "PartitionedCall"}
-    assert recomputed == {"B_0_0", "B_1_0"}  # except_last: the last micro-batch keeps its activations
+    # except_last: micro-batch 0 is recomputed and differentiated in one call; the last keeps its activations.
+    recomputed = {info[name].task for name, op in ops.items() if calls_traced_vjp(op)}
+    assert recomputed == {"B_0_0", "B_1_0"}
     assert {task for task, phase, op_type in phases if phase == "backward" and op_type == "PartitionedCall"} == {
         "B_0_0",
         "B_0_1",
         "B_1_0",
         "B_1_1",
     }
+    call = next(name for name, op in ops.items() if calls_traced_vjp(op) and name.startswith("B_1_0/"))
+    # Inlined, the call's ops are named under it: recomputed forward, tape gradients, sums into the running ones.
+    assert lookup(info, f"{call}/dense_1/MatMul").phase == "recompute"
+    assert lookup(info, f"{call}/gradient_tape/dense_1/MatMul").phase == "backward"
+    assert lookup(info, f"{call}/add_1").phase == "accumulate"
+    assert lookup(info, call).phase == "backward"
     assert {task for task, phase, _ in phases if phase == "loss"} == {"F_1_0", "F_1_1"}  # the last cell's
     for name, op in ops.items():
         task = parse_task_name(info[name].task) if info[name].task else None
         if task is not None:
             assert tf.DeviceSpec.from_string(op.device).device_index == task.cell + 2, name
-    assert lookup(info, "B_0_0/PartitionedCall_1/gradients/MatMul").phase == "backward"
+    kept = next(name for name, op in ops.items() if name.startswith("B_0_1/") and calls_gradient_function(op))
+    assert lookup(info, f"{kept}/gradients/MatMul").phase == "backward"  # inside TensorFlow's gradient function

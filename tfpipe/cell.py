@@ -2,16 +2,17 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import warnings
 import weakref
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import keras
 import tensorflow as tf
 
-from tfpipe import cpu_gradients, devices, state
+from tfpipe import checkpoint, cpu_gradients, devices, state
 
 
 class Cell:
@@ -25,9 +26,28 @@ class Cell:
         # TPU cores are entered through the strategy, where nested function calls are untested: run inline there.
         self._traceable = devices.tpu_core(device) is None
         self._traces: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # outer graph -> {signature: _Trace}
-        self.num_traces = 0  # how many times the layers' Python ran to trace a function
-        # Whether the traced function stays one call op (not inlined): see Pipeline.__init__.
+        self._forward_traces = 0
+        # Whether the traced functions stay one call op each (not inlined): see Pipeline.__init__.
         self.noinline = False
+        # The traced backward of re-materialized micro-batches (checkpoint.TracedVJPs).
+        self.vjps = checkpoint.TracedVJPs(self._placed, lambda: self.noinline)
+
+    @property
+    def traceable(self) -> bool:
+        """Whether the cell runs as traced functions (False on TPU cores, or once tracing failed)."""
+        return self._traceable
+
+    @property
+    def num_traces(self) -> int:
+        """How many times the layers' Python ran to trace a function (forward or backward)."""
+        return self._forward_traces + self.vjps.num_traces
+
+    @contextlib.contextmanager
+    def _placed(self) -> Iterator[None]:
+        # The device explicit, so a traced body stays on the cell's device wherever it runs; on a CPU,
+        # MatMuls get the gradient laid out for CPU kernels (tfpipe/cpu_gradients.py).
+        with devices.scope(self.device), cpu_gradients.scope(self.device):
+            yield
 
     # Variables -----------------------------------------------------------------------
     def _unique(self, attr: str) -> list[keras.Variable]:
@@ -76,6 +96,11 @@ class Cell:
             trainable = [tf.identity(v.value) for v in self.trainable_variables]
             other = [tf.identity(v.value) for v in self.non_trainable_variables]
         return trainable, other
+
+    @property
+    def has_regularizers(self) -> bool:
+        """Whether any trainable variable of the cell has a weight regularizer."""
+        return any(getattr(v, "regularizer", None) is not None for v in self.trainable_variables)
 
     def regularization_loss(self, trainable: Sequence[tf.Tensor]) -> tf.Tensor:
         """Sum of the weight regularizers of the cell, evaluated on the given weight values."""
@@ -129,7 +154,7 @@ class Cell:
         TF 2.21 the tape's eager gradient of a concrete-function call was wrong for
         AmoebaNet-D in training mode (BatchNorm), while the graph-mode gradient is exact.
         """
-        if not self._traceable or tf.executing_eagerly():
+        if not self._traceable or tf.executing_eagerly() or checkpoint.in_vjp_trace():
             return self.run_inline(trainable, non_trainable, x, training)
         leaves = tf.nest.flatten(x)
         xs = [tf.convert_to_tensor(t) for t in leaves if t is not None]
@@ -171,15 +196,13 @@ class Cell:
             it = iter(flat[:n_x])
             x_in = tf.nest.pack_sequence_as(x, [None if leaf is None else next(it) for leaf in tf.nest.flatten(x)])
             old = list(flat[n_x + n_w :])
-            # The device explicit, so the body stays on the cell's device wherever it runs; on a CPU, MatMuls
-            # get the gradient laid out for CPU kernels (tfpipe/cpu_gradients.py).
-            with devices.scope(self.device), cpu_gradients.scope(self.device):
+            with self._placed():
                 y, new_state, added = self.run_inline(list(flat[n_x : n_x + n_w]), old, x_in, training)
             found["y"] = y
             found["changed"] = [k for k, (new, was) in enumerate(zip(new_state, old)) if new is not was]
             return [t for t in tf.nest.flatten(y) if t is not None] + [new_state[k] for k in found["changed"]] + [added]
 
-        self.num_traces += 1
+        self._forward_traces += 1
         specs = [tf.TensorSpec(a.shape, a.dtype) for a in args]
         attributes = {"_noinline": True} if self.noinline else None
         function = tf.function(body, autograph=False, experimental_attributes=attributes).get_concrete_function(*specs)

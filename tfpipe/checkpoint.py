@@ -4,16 +4,30 @@ A recomputed cell keeps no activations after its forward task; its backward task
 runs the pure cell function again under a tape (same inputs, same seeds, so the
 same result) and differentiates that. A kept cell records its forward on a tape.
 Because cells are pure functions of tensors, recomputation changes no result.
+
+Inside a graph, a recomputed backward can be one traced function (``TracedVJPs``):
+recompute, VJP and the sum into the running weight gradients, traced once per cell
+and called once per micro-batch, so that the step graph does not grow with M by a
+tape gradient and a sum per weight for every task.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from typing import Any
+import contextlib
+import contextvars
+import dataclasses
+import functools
+import weakref
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, ContextManager
 
 import tensorflow as tf
 
+from tfpipe.tasks import GRADIENT_SUM, TRACED_VJP
+
 REMAT_MODES = ("always", "except_last", "never")
+
+_IN_VJP_TRACE: contextvars.ContextVar[bool] = contextvars.ContextVar("tfpipe_in_vjp_trace", default=False)
 
 
 def check_mode(remat: str) -> str:
@@ -32,57 +46,263 @@ def recomputes(remat: str, micro_batch: int, num_micro_batches: int) -> bool:
     return False
 
 
+def in_vjp_trace() -> bool:
+    """Whether a ``TracedVJPs`` function is being traced here (a cell then runs its layers inline)."""
+    return _IN_VJP_TRACE.get()
+
+
 def _differentiable(t: Any) -> bool:
     return t is not None and t.dtype.is_floating
 
 
-class Checkpoint:
-    """The forward of a pure function ``fn(*sources)`` whose VJP is taken later by ``vjp``."""
+def add(a: Any, b: Any) -> Any:
+    """Sum two gradients; sparse ones (embeddings) stay sparse by concatenating their slices."""
+    if isinstance(a, tf.IndexedSlices) and isinstance(b, tf.IndexedSlices):
+        return tf.IndexedSlices(tf.concat([a.values, b.values], 0), tf.concat([a.indices, b.indices], 0), a.dense_shape)
+    return tf.convert_to_tensor(a) + tf.convert_to_tensor(b)
 
-    def __init__(self, fn: Callable[..., Any], sources: Sequence[tf.Tensor], recompute: bool, constant: int = 0):
-        """``constant``: how many leading sources need no gradient (the inputs of the first cell)."""
+
+class _Sparse(Exception):
+    """Gradients at these source positions came out as IndexedSlices; trace again returning them as slices."""
+
+    def __init__(self, positions: frozenset[int]):
+        super().__init__(sorted(positions))
+        self.positions = positions
+
+
+@dataclasses.dataclass
+class _Traced:
+    function: Any  # ConcreteFunction: (sources, extras, output grads, running sums) -> gradients, flattened
+    sparse: frozenset[int]  # source positions whose gradient is returned as (values, indices, dense_shape)
+
+
+class TracedVJPs:
+    """The traced backward functions of one cell, per outer graph and input signature."""
+
+    def __init__(self, scope: Callable[[], ContextManager], noinline: Callable[[], bool]):
+        """``scope()`` is entered around the traced body (the cell's device); ``noinline()`` marks the function."""
+        self._scope = scope
+        self._noinline = noinline
+        self._graphs: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # outer graph -> {key: _Traced}
+        self._sparse: dict[Any, frozenset[int]] = {}  # key -> positions found sparse when first traced
+        self.num_traces = 0
+
+    def sparse(self, key: Any) -> frozenset[int]:
+        """The source positions known to get sparse gradients under ``key``."""
+        return self._sparse.get(key, frozenset())
+
+    def lookup(self, key: Any, build: Callable[[frozenset[int]], _Traced]) -> _Traced:
+        """The function for ``key`` in the current graph, traced by ``build(sparse positions)`` the first time."""
+        traces = self._graphs.setdefault(tf.compat.v1.get_default_graph(), {})
+        if key not in traces:
+            try:
+                traces[key] = build(self.sparse(key))
+            except _Sparse as found:
+                self._sparse[key] = self.sparse(key) | found.positions
+                raise
+        return traces[key]
+
+    def sum(self, a: Sequence[tf.Tensor], b: Sequence[tf.Tensor]) -> list[tf.Tensor]:
+        """``[x + y for x, y in zip(a, b)]`` as one call of a function traced once per signature."""
+        args = [tf.convert_to_tensor(t) for t in list(a) + list(b)]
+        key = ("sum", tuple((tuple(t.shape), t.dtype) for t in args))
+        traces = self._graphs.setdefault(tf.compat.v1.get_default_graph(), {})
+        if key not in traces:
+            n = len(a)
+
+            def body(*flat: tf.Tensor) -> list[tf.Tensor]:
+                return [x + y for x, y in zip(flat[:n], flat[n:])]
+
+            body.__name__ = GRADIENT_SUM  # how tfpipe.tasks recognizes the call in a step's graph
+            specs = [tf.TensorSpec(t.shape, t.dtype) for t in args]
+            function = tf.function(body, autograph=False, experimental_attributes=self.attributes())
+            traces[key] = _Traced(function.get_concrete_function(*specs), frozenset())
+        return list(traces[key].function(*args))
+
+    def attributes(self) -> dict[str, Any] | None:
+        """The tf.function attributes of a new trace: not inlined when the cell's forward is not."""
+        return {"_noinline": True} if self._noinline() else None
+
+    @contextlib.contextmanager
+    def tracing(self) -> Iterator[None]:
+        """The context of a traced body: the cell's scope, and cells run inline within."""
+        token = _IN_VJP_TRACE.set(True)
+        try:
+            with self._scope():
+                yield
+        finally:
+            _IN_VJP_TRACE.reset(token)
+
+
+class Checkpoint:
+    """The forward of a pure function ``fn(*sources, *extras)`` whose VJP is taken later by ``vjp``."""
+
+    def __init__(
+        self,
+        fn: Callable[..., Any],
+        sources: Sequence[tf.Tensor],
+        recompute: bool,
+        constant: int = 0,
+        extras: Sequence[tf.Tensor] = (),
+        traced: TracedVJPs | None = None,
+        key: Any = None,
+    ):
+        """``constant``: how many leading sources need no gradient (the inputs of the first cell).
+
+        ``extras`` are further inputs that need no gradient (seeds, weights of terms). With
+        ``traced``, a recomputed VJP inside a graph is a function cached under ``key``, which
+        must tell apart every ``fn`` that differs other than through sources and extras.
+        """
         self._fn = fn
         self._sources = list(sources)
+        self._extras = list(extras)
         self._recompute = recompute
+        self._cache = traced
+        self._traced = traced if recompute else None  # only a recomputation can be traced whole
+        self._key = key
         self._wanted = [i for i, s in enumerate(self._sources) if i >= constant and _differentiable(s)]
         self._tape: tf.GradientTape | None = None
         if recompute:
-            self.outputs = fn(*self._sources)
+            self.outputs = fn(*self._sources, *self._extras)
         else:
-            self._tape, self.outputs = self._record()
+            self._tape, self.outputs = self._record(self._sources, self._extras)
 
-    def _record(self):
+    def _record(self, sources: Sequence[tf.Tensor], extras: Sequence[tf.Tensor]):
         tape = tf.GradientTape(watch_accessed_variables=False)
         with tape:
             for i in self._wanted:
-                tape.watch(self._sources[i])
-            outputs = self._fn(*self._sources)
+                tape.watch(sources[i])
+            outputs = self._fn(*sources, *extras)
         return tape, outputs
 
     def vjp(
-        self, select: Callable[[Any], Sequence[tf.Tensor]], output_grads: Sequence[tf.Tensor]
+        self,
+        select: Callable[[Any], Sequence[tf.Tensor]],
+        output_grads: Sequence[tf.Tensor | None],
+        accumulate: Sequence[Any] | None = None,
     ) -> list[tf.Tensor | None]:
         """Gradients of the sources for the given gradients of ``select(outputs)``.
 
-        Call it inside the backward task's device and control-dependency scope: a
-        recomputation then runs there, after the incoming gradients exist.
+        ``accumulate``, if given, holds running sums for the last ``len(accumulate)``
+        sources: their gradients come back added to them. Call it inside the backward
+        task's device and control-dependency scope: a recomputation then runs there,
+        after the incoming gradients exist.
         """
-        tape, outputs = self._record() if self._recompute else (self._tape, self.outputs)
+        n_acc = len(accumulate) if accumulate is not None else 0
+        if self._traced is not None and not tf.executing_eagerly():
+            return self._traced_vjp(select, output_grads, list(accumulate or []))
+        if self._recompute:
+            tape, outputs = self._record(self._sources, self._extras)
+        else:
+            tape, outputs = self._tape, self.outputs
         self._tape = None  # a kept tape is used once; let its activations go
+        grads = self._gradient(tape, outputs, self._sources, select, output_grads)
+        result: list[Any] = [None] * len(self._sources)
+        for i, g in zip(self._wanted, grads):
+            result[i] = g
+        pairs = [(k, len(self._sources) - n_acc + k) for k in range(n_acc)]
+        pairs = [(k, i) for k, i in pairs if accumulate[k] is not None and result[i] is not None]
+        dense = [(k, i) for k, i in pairs if not isinstance(accumulate[k], tf.IndexedSlices)]
+        dense = [(k, i) for k, i in dense if not isinstance(result[i], tf.IndexedSlices)]
+        if self._cache is not None and dense and not tf.executing_eagerly():
+            # One call op for all the sums instead of one AddV2 per weight in the step graph.
+            for (_, i), total in zip(
+                dense, self._cache.sum([accumulate[k] for k, _ in dense], [result[i] for _, i in dense])
+            ):
+                result[i] = total
+            pairs = [p for p in pairs if p not in dense]
+        for k, i in pairs:
+            result[i] = add(accumulate[k], result[i])
+        return result
+
+    def _gradient(self, tape, outputs, sources, select, output_grads) -> list[Any]:
         targets = list(select(outputs))
         pairs = [(t, g) for t, g in zip(targets, output_grads) if _differentiable(t) and g is not None]
-        wanted = self._wanted
-        grads = (
-            tape.gradient(
-                [t for t, _ in pairs],
-                [self._sources[i] for i in wanted],
-                output_gradients=[g for _, g in pairs],
-                unconnected_gradients=tf.UnconnectedGradients.ZERO,
-            )
-            if pairs
-            else [tf.zeros_like(self._sources[i]) for i in wanted]
+        if not pairs:
+            return [tf.zeros_like(sources[i]) for i in self._wanted]
+        return tape.gradient(
+            [t for t, _ in pairs],
+            [sources[i] for i in self._wanted],
+            output_gradients=[g for _, g in pairs],
+            unconnected_gradients=tf.UnconnectedGradients.ZERO,
         )
-        result: list[tf.Tensor | None] = [None] * len(self._sources)
-        for i, g in zip(wanted, grads):
-            result[i] = g
+
+    def _traced_vjp(self, select, output_grads, accumulate) -> list[Any]:
+        """The VJP as one call of a function traced once per key and signature.
+
+        Dense weight gradients are summed into their running sums inside the function;
+        sparse ones (embeddings) come back as slices and are added outside, as ``add`` does.
+        """
+        n_src, n_acc = len(self._sources), len(accumulate)
+        grads_in = [tf.convert_to_tensor(g) for g in output_grads if g is not None]
+        base = (
+            self._key,
+            tuple(g is None for g in output_grads),
+            tuple(self._wanted),
+            tuple((tuple(a.shape), a.dtype) for a in self._sources + self._extras + grads_in),
+            n_acc,
+        )
+        while True:  # traced again only once, after learning which gradients are sparse
+            sparse = self._traced.sparse(base)
+            summed = [k for k in range(n_acc) if n_src - n_acc + k in self._wanted and n_src - n_acc + k not in sparse]
+            # The first task of a cell has no running sum yet: it adds zeros, so that every task calls one function.
+            sums = [
+                tf.zeros_like(self._sources[n_src - n_acc + k]) if accumulate[k] is None else accumulate[k]
+                for k in summed
+            ]
+            args = self._sources + self._extras + grads_in + sums
+            try:
+                traced = self._traced.lookup(
+                    base, functools.partial(self._trace, select, output_grads, args, summed, n_acc)
+                )
+            except _Sparse:
+                continue
+            break
+        outputs = iter(traced.function(*args))
+        result: list[Any] = [None] * n_src
+        for i in self._wanted:
+            if i in traced.sparse:
+                values, indices, shape = next(outputs), next(outputs), next(outputs)
+                result[i] = tf.IndexedSlices(values, indices, shape)
+                k = i - (n_src - n_acc)
+                if k >= 0 and accumulate[k] is not None:
+                    result[i] = add(accumulate[k], result[i])
+            else:
+                result[i] = next(outputs)
         return result
+
+    def _trace(self, select, output_grads, args, summed, n_acc, sparse: frozenset[int]) -> _Traced:
+        n_src, n_ex = len(self._sources), len(self._extras)
+        mask = [g is not None for g in output_grads]
+        n_in = sum(mask)
+        positions = {n_src - n_acc + k: s for s, k in enumerate(summed)}
+
+        def body(*flat: tf.Tensor) -> list[tf.Tensor]:
+            sources, extras = list(flat[:n_src]), list(flat[n_src : n_src + n_ex])
+            given = iter(flat[n_src + n_ex : n_src + n_ex + n_in])
+            grads_in = [next(given) if m else None for m in mask]
+            sums = flat[n_src + n_ex + n_in :]
+            with self._traced.tracing():
+                tape, outputs = self._record(sources, extras)
+                grads = self._gradient(tape, outputs, sources, select, grads_in)
+            found = frozenset(i for i, g in zip(self._wanted, grads) if isinstance(g, tf.IndexedSlices)) - sparse
+            if found:
+                raise _Sparse(found)
+            out: list[tf.Tensor] = []
+            for i, g in zip(self._wanted, grads):
+                if i in sparse:
+                    g = (
+                        g
+                        if isinstance(g, tf.IndexedSlices)
+                        else tf.IndexedSlices(g, tf.range(tf.shape(g)[0]), tf.shape(g))
+                    )
+                    out += [g.values, g.indices, tf.cast(g.dense_shape, tf.int64)]
+                else:
+                    out.append(g + sums[positions[i]] if i in positions else g)
+            return out
+
+        body.__name__ = TRACED_VJP  # how tfpipe.tasks recognizes the call in a step's graph
+        self._traced.num_traces += 1
+        specs = [tf.TensorSpec(a.shape, a.dtype) for a in args]
+        function = tf.function(body, autograph=False, experimental_attributes=self._traced.attributes())
+        return _Traced(function.get_concrete_function(*specs), sparse)

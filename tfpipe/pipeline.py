@@ -115,6 +115,12 @@ class Pipeline:
             weights=[cell.read() for cell in self.cells],
         )  # read once per step
         chain = _Chain(self.cells)
+        if loss_fn is not None:
+            for cell in self.cells:
+                with devices.scope(cell.device):
+                    step.scales.append(tf.cast(loss_scale, tf.float32))
+            step.shares = _unfoldable(fractions)
+            step.reg_weights = _unfoldable([1.0, 0.0])
         for task in self._schedule(backward=loss_fn is not None):
             if task.kind == "F":
                 self._forward_task(task, step, chain)
@@ -157,16 +163,23 @@ class Pipeline:
                 if training
                 else other
             )
-            share = step.fractions[j] if step.fractions is not None else 1.0
-            with_reg = backward and j == 0  # weight regularizers count once per step
+            if step.shares:
+                share, reg_weight = step.shares[j], step.reg_weights[0 if j == 0 else 1]
+            else:
+                share = step.fractions[j] if step.fractions is not None else tf.constant(1.0)
+                reg_weight = tf.constant(0.0)
+            regularized = backward and cell.has_regularizers  # weight regularizers count once per step
+            n_w = len(trainable)
 
-            def fn(x_in, *w):
-                y, new_state, added = cell.run_traced(list(w), seeds, x_in, training=training)
-                added = added * share  # add_loss terms are batch means, as Keras normalizes them
-                if with_reg:
-                    added = added + cell.regularization_loss(list(w))
+            def fn(x_in, *rest):
+                w, s, (share_, reg_weight_) = rest[:n_w], rest[n_w:-2], rest[-2:]
+                y, new_state, added = cell.run_traced(list(w), list(s), x_in, training=training)
+                added = added * share_  # add_loss terms are batch means, as Keras normalizes them
+                if regularized:
+                    added = added + reg_weight_ * cell.regularization_loss(list(w))
                 return y, new_state, added
 
+            extras = list(seeds) + [share, reg_weight]
             if backward:
                 flat_x = _flat(x)
                 n_x = len(flat_x)
@@ -175,11 +188,14 @@ class Pipeline:
                     flat_x + list(trainable),
                     recompute=checkpoint.recomputes(self.remat, j, self.num_micro_batches),
                     constant=n_x if i == 0 else 0,
+                    extras=extras,
+                    traced=cell.vjps if cell.traceable else None,
+                    key=repr(tf.nest.map_structure(lambda t: t is None, x)),
                 )
                 step.records[(i, j)] = record
                 y, new_state, added = record.outputs
             else:
-                y, new_state, added = fn(x, *trainable)
+                y, new_state, added = fn(x, *trainable, *extras)
             step.acts[(i, j)], step.new_state[(i, j)] = y, new_state
             step.added.append(added)
             produced.extend(_flat(y) + [added])
@@ -206,13 +222,12 @@ class Pipeline:
         record, dy = step.records.pop((i, j)), step.dys.pop((i, j))
         n_w = len(step.weights[i][0])
         with chain.task(task, extra_deps=[g for g in dy if g is not None]) as produced:
-            scale = tf.cast(step.loss_scale, tf.float32)  # the gradient of the added losses
-            grads = record.vjp(lambda out: _flat(out[0]) + [out[2]], list(dy) + [scale])
-            dx, dw = grads[: len(grads) - n_w], grads[len(grads) - n_w :]
+            scale = step.scales[i]  # the gradient of the added losses
+            running = step.grads[i] if step.grads[i] is not None else [None] * n_w
+            grads = record.vjp(lambda out: _flat(out[0]) + [out[2]], list(dy) + [scale], accumulate=running)
+            dx, step.grads[i] = grads[: len(grads) - n_w], grads[len(grads) - n_w :]
             if i > 0:
                 step.dys[(i - 1, j)] = dx
-            total = step.grads[i]
-            step.grads[i] = dw if total is None else [_add(a, b) for a, b in zip(total, dw)]
             produced.extend([g for g in dx if g is not None] + step.grads[i])
 
 
@@ -233,16 +248,24 @@ class _Step:
     losses: dict = dataclasses.field(default_factory=dict)  # weighted loss per micro-batch
     added: list = dataclasses.field(default_factory=list)  # add_loss and regularization terms
     grads: list = dataclasses.field(default_factory=list)  # summed weight gradients per cell
+    scales: list = dataclasses.field(default_factory=list)  # per cell: the loss scale, the gradient of added losses
+    shares: list = dataclasses.field(default_factory=list)  # fractions that Grappler cannot fold (see _unfoldable)
+    reg_weights: list = dataclasses.field(default_factory=list)  # 1 for micro-batch 0, else 0, likewise unfoldable
 
     def __post_init__(self):
         self.grads = [None] * len(self.weights)
 
 
-def _add(a: Any, b: Any) -> Any:
-    """Sum two gradients; sparse ones (embeddings) stay sparse by concatenating their slices."""
-    if isinstance(a, tf.IndexedSlices) and isinstance(b, tf.IndexedSlices):
-        return tf.IndexedSlices(tf.concat([a.values, b.values], 0), tf.concat([a.indices, b.indices], 0), a.dense_shape)
-    return tf.convert_to_tensor(a) + tf.convert_to_tensor(b)
+def _unfoldable(values: Sequence[Any]) -> list[tf.Tensor]:
+    """The same scalars, hidden from Grappler's constant folding.
+
+    The gradient reaching a cell's added losses is loss scale x the micro-batch's share; folded
+    into a distinct constant per micro-batch, it made Grappler's function optimizer specialize
+    (copy and re-optimize) the cell's backward function once per task: most of the first step
+    at K=2, M=32. A PlaceholderWithDefault is never folded, and costs one op per step.
+    """
+    stacked = tf.stack([tf.cast(v, tf.float32) for v in values])
+    return tf.unstack(tf.raw_ops.PlaceholderWithDefault(input=stacked, shape=stacked.shape))
 
 
 def _unflat(structure: Any, sources: Sequence[tf.Tensor]) -> list[Any]:

@@ -18,6 +18,10 @@ _ACCUMULATE = re.compile(r"^B_\d+_\d+/(add|concat)(_\d+)?(/|$)")  # summing a ce
 _TAPE = "gradient_tape/"  # tape gradients are named after their forward ops: "gradient_tape/F_1_3/..."
 _OPTIMIZERS = ("sgd", "adam", "adamw", "rmsprop", "adagrad", "lamb", "lion")
 _CALLS = ("PartitionedCall", "StatefulPartitionedCall")
+# The name of the functions that recompute a cell and take its VJP in one call (tfpipe/checkpoint.py).
+TRACED_VJP = "tfpipe_recompute_vjp"
+GRADIENT_SUM = "tfpipe_sum_gradients"  # the function that adds a task's weight gradients to the running sums
+_SUM = re.compile(r"^(add|AddV2|concat)(_\d+)?$")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -27,6 +31,7 @@ class OpInfo:
     task: str
     phase: str
     device: str
+    recomputes: bool = False  # a call that recomputes and differentiates: ops inside it have their own phases
 
 
 def task_scope_name(task: schedule.Task) -> str:
@@ -112,7 +117,16 @@ def calls_gradient_function(op: Any) -> bool:
     A cell's ops run inside function call ops; the profiler names them after the call
     ("B_1_0/PartitionedCall_1/gradients/..."), so they are attributed through the call op.
     """
-    return op.type in _CALLS and "__backward_" in op.get_attr("f").name
+    return op.type in _CALLS and ("__backward_" in op.get_attr("f").name or calls_traced_vjp(op))
+
+
+def calls_traced_vjp(op: Any) -> bool:
+    """Whether graph op ``op`` calls a function that recomputes a cell and takes its VJP (a backward task)."""
+    return _calls(op, TRACED_VJP)
+
+
+def _calls(op: Any, function: str) -> bool:
+    return op.type in _CALLS and function in op.get_attr("f").name
 
 
 def attribute(graph: Any) -> dict[str, OpInfo]:
@@ -120,7 +134,12 @@ def attribute(graph: Any) -> dict[str, OpInfo]:
     ops = graph.get_operations()
     tasks = assign_tasks([op.name for op in ops])
     phases = assign_phases([(op.name, op.type, calls_gradient_function(op)) for op in ops], tasks)
-    info = {op.name: OpInfo(task, phase, op.device) for op, task, phase in zip(ops, tasks, phases)}
+    info = {
+        op.name: OpInfo(
+            task, "accumulate" if task and _calls(op, GRADIENT_SUM) else phase, op.device, calls_traced_vjp(op)
+        )
+        for op, task, phase in zip(ops, tasks, phases)
+    }
     for name, found in list(info.items()):  # name scopes, for ops that Grappler adds or renames
         parts = name.split("/")
         for n in range(1, len(parts)):
@@ -129,10 +148,19 @@ def attribute(graph: Any) -> dict[str, OpInfo]:
 
 
 def lookup(info: dict[str, OpInfo], op: str) -> OpInfo | None:
-    """The attribution of an executed op named ``op``: its own, else that of its innermost known name scope."""
+    """The attribution of an executed op named ``op``: its own, else that of its innermost known name scope.
+
+    Inside a call that recomputes and differentiates (inlined, its ops are named under the
+    call), tape gradients are "backward", sums into the running gradients "accumulate", and
+    the rest "recompute".
+    """
     parts = op.split("/")
     for n in range(len(parts), 0, -1):
         found = info.get("/".join(parts[:n]))
+        if found is not None and found.recomputes and n < len(parts):
+            inner = parts[n:]
+            phase = "backward" if _TAPE.rstrip("/") in inner else "accumulate" if _SUM.match(inner[0]) else "recompute"
+            return dataclasses.replace(found, phase=phase, recomputes=False)
         if found is not None:
             return found
     return None
