@@ -62,14 +62,6 @@ def add(a: Any, b: Any) -> Any:
     return tf.convert_to_tensor(a) + tf.convert_to_tensor(b)
 
 
-class _Sparse(Exception):
-    """Gradients at these source positions came out as IndexedSlices; trace again returning them as slices."""
-
-    def __init__(self, positions: frozenset[int]):
-        super().__init__(sorted(positions))
-        self.positions = positions
-
-
 @dataclasses.dataclass
 class _Traced:
     function: Any  # ConcreteFunction: (sources, extras, output grads, running sums) -> gradients, flattened
@@ -91,15 +83,24 @@ class TracedVJPs:
         """The source positions known to get sparse gradients under ``key``."""
         return self._sparse.get(key, frozenset())
 
-    def lookup(self, key: Any, build: Callable[[frozenset[int]], _Traced]) -> _Traced:
-        """The function for ``key`` in the current graph, traced by ``build(sparse positions)`` the first time."""
+    def lookup(self, key: Any, build: Callable[[], _Traced]) -> _Traced:
+        """The function for ``key`` in the current graph, traced by ``build`` the first time."""
         traces = self._graphs.setdefault(tf.compat.v1.get_default_graph(), {})
         if key not in traces:
-            try:
-                traces[key] = build(self.sparse(key))
-            except _Sparse as found:
-                self._sparse[key] = self.sparse(key) | found.positions
-                raise
+            traces[key] = build()
+            self._sparse[key] = traces[key].sparse
+        return traces[key]
+
+    def placeholder(self, like: tf.Tensor) -> tf.Tensor:
+        """An empty tensor of ``like``'s dtype and rank, one per graph: every call site passes the same node.
+
+        (Grappler's function optimizer copies a function for each distinct constant input.)
+        """
+        traces = self._graphs.setdefault(tf.compat.v1.get_default_graph(), {})
+        key = ("empty", like.dtype, like.shape.rank)
+        if key not in traces:
+            with tf.control_dependencies(None):
+                traces[key] = tf.zeros([0] * like.shape.rank, like.dtype)
         return traces[key]
 
     def sum(self, a: Sequence[tf.Tensor], b: Sequence[tf.Tensor]) -> list[tf.Tensor]:
@@ -235,29 +236,26 @@ class Checkpoint:
         """
         n_src, n_acc = len(self._sources), len(accumulate)
         grads_in = [tf.convert_to_tensor(g) for g in output_grads if g is not None]
-        base = (
+        key = (
             self._key,
             tuple(g is None for g in output_grads),
             tuple(self._wanted),
             tuple((tuple(a.shape), a.dtype) for a in self._sources + self._extras + grads_in),
             n_acc,
         )
-        while True:  # traced again only once, after learning which gradients are sparse
-            sparse = self._traced.sparse(base)
-            summed = [k for k in range(n_acc) if n_src - n_acc + k in self._wanted and n_src - n_acc + k not in sparse]
-            # The first task of a cell has no running sum yet: it adds zeros, so that every task calls one function.
-            sums = [
-                tf.zeros_like(self._sources[n_src - n_acc + k]) if accumulate[k] is None else accumulate[k]
-                for k in summed
-            ]
-            args = self._sources + self._extras + grads_in + sums
-            try:
-                traced = self._traced.lookup(
-                    base, functools.partial(self._trace, select, output_grads, args, summed, n_acc)
-                )
-            except _Sparse:
-                continue
-            break
+        summed = [k for k in range(n_acc) if n_src - n_acc + k in self._wanted]
+        sparse = self._traced.sparse(key)  # known once the key was traced (in any graph)
+        sums = []
+        for k in summed:
+            source, running = self._sources[n_src - n_acc + k], accumulate[k]
+            if n_src - n_acc + k in sparse or isinstance(running, tf.IndexedSlices):
+                sums.append(self._traced.placeholder(source))  # unused: slices are summed outside
+            elif running is None:  # the first task of a cell adds zeros, so that every task calls one function
+                sums.append(tf.zeros_like(source))
+            else:
+                sums.append(running)
+        args = self._sources + self._extras + grads_in + sums
+        traced = self._traced.lookup(key, functools.partial(self._trace, select, output_grads, args, summed, n_acc))
         outputs = iter(traced.function(*args))
         result: list[Any] = [None] * n_src
         for i in self._wanted:
@@ -271,11 +269,12 @@ class Checkpoint:
                 result[i] = next(outputs)
         return result
 
-    def _trace(self, select, output_grads, args, summed, n_acc, sparse: frozenset[int]) -> _Traced:
+    def _trace(self, select, output_grads, args, summed, n_acc) -> _Traced:
         n_src, n_ex = len(self._sources), len(self._extras)
         mask = [g is not None for g in output_grads]
         n_in = sum(mask)
         positions = {n_src - n_acc + k: s for s, k in enumerate(summed)}
+        sparse: set[int] = set()
 
         def body(*flat: tf.Tensor) -> list[tf.Tensor]:
             sources, extras = list(flat[:n_src]), list(flat[n_src : n_src + n_ex])
@@ -285,24 +284,23 @@ class Checkpoint:
             with self._traced.tracing():
                 tape, outputs = self._record(sources, extras)
                 grads = self._gradient(tape, outputs, sources, select, grads_in)
-            found = frozenset(i for i, g in zip(self._wanted, grads) if isinstance(g, tf.IndexedSlices)) - sparse
-            if found:
-                raise _Sparse(found)
             out: list[tf.Tensor] = []
             for i, g in zip(self._wanted, grads):
-                if i in sparse:
-                    g = (
-                        g
-                        if isinstance(g, tf.IndexedSlices)
-                        else tf.IndexedSlices(g, tf.range(tf.shape(g)[0]), tf.shape(g))
-                    )
+                if isinstance(g, tf.IndexedSlices):  # its running sum is kept outside, as slices
+                    sparse.add(i)
                     out += [g.values, g.indices, tf.cast(g.dense_shape, tf.int64)]
+                elif i in positions:
+                    total = g + sums[positions[i]]
+                    total.set_shape(g.shape)
+                    out.append(total)
                 else:
-                    out.append(g + sums[positions[i]] if i in positions else g)
+                    out.append(g)
             return out
 
         body.__name__ = TRACED_VJP  # how tfpipe.tasks recognizes the call in a step's graph
         self._traced.num_traces += 1
-        specs = [tf.TensorSpec(a.shape, a.dtype) for a in args]
+        # Running sums are typed without a static shape: a sparse gradient's slot gets an empty placeholder.
+        specs = [tf.TensorSpec(a.shape, a.dtype) for a in args[: len(args) - len(summed)]]
+        specs += [tf.TensorSpec([None] * a.shape.rank, a.dtype) for a in args[len(args) - len(summed) :]]
         function = tf.function(body, autograph=False, experimental_attributes=self._traced.attributes())
-        return _Traced(function.get_concrete_function(*specs), sparse)
+        return _Traced(function.get_concrete_function(*specs), frozenset(sparse))
