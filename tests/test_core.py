@@ -70,6 +70,47 @@ def test_checkpoint_without_output_gradients_gives_zeros():
     assert grads[0].numpy().tolist() == [0.0, 0.0]
 
 
+def _embed_dense(ids, table, w, scale):
+    """An embedding lookup (sparse gradient for ``table``) then a dense layer; ``scale`` is an extra input."""
+    return tf.reduce_sum(tf.tanh(tf.matmul(tf.gather(table, ids), w)) * scale, axis=1)
+
+
+@pytest.mark.parametrize("recompute", [True, False])
+def test_traced_vjp_sums_micro_batches_like_the_tape_with_one_call_each(recompute):
+    """Three micro-batches' VJPs summed into running sums: traced once, one call per VJP, exact, embeddings sparse."""
+    rng = np.random.default_rng(1)
+    table = tf.constant(rng.standard_normal((7, 3)), tf.float32)
+    w = tf.constant(rng.standard_normal((3, 4)), tf.float32)
+    ids = [tf.constant(rng.integers(0, 7, size=5), tf.int32) for _ in range(3)]
+    dys = [tf.constant(rng.standard_normal(5), tf.float32) for _ in range(3)]
+    scales = [tf.constant(s) for s in (0.5, 1.0, 2.0)]
+    vjps = checkpoint.TracedVJPs(lambda: tf.name_scope("cell"), lambda: True)
+
+    def step():
+        running = [None, None]
+        for j in range(3):
+            record = checkpoint.Checkpoint(
+                _embed_dense, [ids[j], table, w], recompute, constant=1, extras=[scales[j]], traced=vjps, key="k"
+            )
+            grads = record.vjp(lambda out: [out], [dys[j]], accumulate=running)
+            running = grads[1:]
+        assert isinstance(running[0], tf.IndexedSlices)  # the embedding's gradient stays sparse
+        graph = tf.compat.v1.get_default_graph()
+        calls = [op for op in graph.get_operations() if op.type in ("PartitionedCall", "StatefulPartitionedCall")]
+        return tf.convert_to_tensor(running[0]), running[1], len(calls)
+
+    got_table, got_w, calls = tf.function(step, autograph=False)()
+    with tf.GradientTape(persistent=True) as tape:
+        tape.watch([table, w])
+        total = tf.add_n([tf.reduce_sum(_embed_dense(i, table, w, s) * dy) for i, s, dy in zip(ids, scales, dys)])
+    np.testing.assert_allclose(got_table.numpy(), tf.convert_to_tensor(tape.gradient(total, table)).numpy(), rtol=1e-5)
+    np.testing.assert_allclose(got_w.numpy(), tape.gradient(total, w).numpy(), rtol=1e-5)
+    if recompute:
+        assert vjps.num_traces == 1 and int(calls) == 3  # one function for the three micro-batches, one call each
+    else:
+        assert vjps.num_traces == 0 and int(calls) == 2  # kept tapes; the two sums are one call each
+
+
 def test_recomputes_follows_the_mode():
     assert [checkpoint.recomputes("except_last", j, 3) for j in range(3)] == [True, True, False]
     assert not any(checkpoint.recomputes("never", j, 3) for j in range(3))
