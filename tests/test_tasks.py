@@ -10,6 +10,7 @@ import tfpipe
 from tfpipe import schedule
 from tfpipe.schedule import Task
 from tfpipe.tasks import (
+    GRADIENT_SUM,
     PHASES,
     TASK_START,
     OpInfo,
@@ -217,3 +218,25 @@ def test_a_traced_step_is_attributed_to_its_tasks_phases_and_devices():
             assert tf.DeviceSpec.from_string(op.device).device_index == task.cell + 2, name
     kept = next(name for name, op in ops.items() if name.startswith("B_0_1/") and calls_gradient_function(op))
     assert lookup(info, f"{kept}/gradients/MatMul").phase == "backward"  # inside TensorFlow's gradient function
+
+
+def test_kept_tasks_sum_their_gradients_in_one_call_attributed_to_accumulate():
+    model = tfpipe.PipelineModel(
+        [keras.layers.Dense(4), keras.layers.Dense(3)],
+        num_partitions=2,
+        devices=["/CPU:2", "/CPU:3"],
+        num_micro_batches=2,
+        remat="never",
+    )
+    model.compile(optimizer="sgd", loss="mse")
+    model.build((None, 8))
+    model.optimizer.build(model.trainable_variables)
+    graph = tf.function(model.train_step).get_concrete_function((tf.ones((4, 8)), tf.ones((4, 3)))).graph
+    info = attribute(graph)
+    sums = {
+        info[op.name].task: info[op.name].phase
+        for op in graph.get_operations()
+        if op.type == "PartitionedCall" and GRADIENT_SUM in op.get_attr("f").name
+    }
+    # B_i_1 runs first and starts the running sums; B_i_0 adds to them, all weights in one call.
+    assert sums == {"B_0_0": "accumulate", "B_1_0": "accumulate"}
