@@ -178,18 +178,23 @@ def test_lookup_falls_back_to_the_innermost_known_scope():
     assert lookup({}, "x") is None
 
 
-def test_a_traced_step_is_attributed_to_its_tasks_phases_and_devices():
+def _two_cell_step_graph(remat: str) -> tf.Graph:
+    """The traced train step of Dense(4), Dense(3) as two cells on /CPU:2 and /CPU:3, M=2."""
     model = tfpipe.PipelineModel(
         [keras.layers.Dense(4), keras.layers.Dense(3)],
         num_partitions=2,
         devices=["/CPU:2", "/CPU:3"],
         num_micro_batches=2,
-        remat="except_last",
+        remat=remat,
     )
     model.compile(optimizer="sgd", loss="mse")
     model.build((None, 8))
     model.optimizer.build(model.trainable_variables)
-    graph = tf.function(model.train_step).get_concrete_function((tf.ones((4, 8)), tf.ones((4, 3)))).graph
+    return tf.function(model.train_step).get_concrete_function((tf.ones((4, 8)), tf.ones((4, 3)))).graph
+
+
+def test_a_traced_step_is_attributed_to_its_tasks_phases_and_devices():
+    graph = _two_cell_step_graph("except_last")
     info = attribute(graph)
     ops = {op.name: op for op in graph.get_operations()}
     assert set(info) >= set(ops)
@@ -221,17 +226,7 @@ def test_a_traced_step_is_attributed_to_its_tasks_phases_and_devices():
 
 
 def test_kept_tasks_sum_their_gradients_in_one_call_attributed_to_accumulate():
-    model = tfpipe.PipelineModel(
-        [keras.layers.Dense(4), keras.layers.Dense(3)],
-        num_partitions=2,
-        devices=["/CPU:2", "/CPU:3"],
-        num_micro_batches=2,
-        remat="never",
-    )
-    model.compile(optimizer="sgd", loss="mse")
-    model.build((None, 8))
-    model.optimizer.build(model.trainable_variables)
-    graph = tf.function(model.train_step).get_concrete_function((tf.ones((4, 8)), tf.ones((4, 3)))).graph
+    graph = _two_cell_step_graph("never")
     info = attribute(graph)
     sums = {
         info[op.name].task: info[op.name].phase

@@ -79,13 +79,17 @@ class TracedVJPs:
         self._sparse: dict[Any, frozenset[int]] = {}  # key -> positions found sparse when first traced
         self.num_traces = 0
 
+    def _here(self) -> dict[Any, Any]:
+        """What was traced (and the shared empty tensors) for the current graph."""
+        return self._graphs.setdefault(tf.compat.v1.get_default_graph(), {})
+
     def sparse(self, key: Any) -> frozenset[int]:
         """The source positions known to get sparse gradients under ``key``."""
         return self._sparse.get(key, frozenset())
 
     def lookup(self, key: Any, build: Callable[[], _Traced]) -> _Traced:
         """The function for ``key`` in the current graph, traced by ``build`` the first time."""
-        traces = self._graphs.setdefault(tf.compat.v1.get_default_graph(), {})
+        traces = self._here()
         if key not in traces:
             traces[key] = build()
             self._sparse[key] = traces[key].sparse
@@ -96,7 +100,7 @@ class TracedVJPs:
 
         (Grappler's function optimizer copies a function for each distinct constant input.)
         """
-        traces = self._graphs.setdefault(tf.compat.v1.get_default_graph(), {})
+        traces = self._here()
         key = ("empty", like.dtype, like.shape.rank)
         if key not in traces:
             with tf.control_dependencies(None):
@@ -107,7 +111,7 @@ class TracedVJPs:
         """``[x + y for x, y in zip(a, b)]`` as one call of a function traced once per signature."""
         args = [tf.convert_to_tensor(t) for t in list(a) + list(b)]
         key = ("sum", tuple((tuple(t.shape), t.dtype) for t in args))
-        traces = self._graphs.setdefault(tf.compat.v1.get_default_graph(), {})
+        traces = self._here()
         if key not in traces:
             n = len(a)
 
@@ -159,7 +163,6 @@ class Checkpoint:
         self._extras = list(extras)
         self._recompute = recompute
         self._cache = traced
-        self._traced = traced if recompute else None  # only a recomputation can be traced whole
         self._key = key
         self._wanted = [i for i, s in enumerate(self._sources) if i >= constant and _differentiable(s)]
         self._tape: tf.GradientTape | None = None
@@ -167,6 +170,11 @@ class Checkpoint:
             self.outputs = fn(*self._sources, *self._extras)
         else:
             self._tape, self.outputs = self._record(self._sources, self._extras)
+
+    @property
+    def _traced(self) -> TracedVJPs | None:
+        """Where the whole VJP is traced: only a recomputation can be (a kept one has its tape)."""
+        return self._cache if self._recompute else None
 
     def _record(self, sources: Sequence[tf.Tensor], extras: Sequence[tf.Tensor]):
         tape = tf.GradientTape(watch_accessed_variables=False)
@@ -205,15 +213,15 @@ class Checkpoint:
         pairs = [(k, i) for k, i in pairs if accumulate[k] is not None and result[i] is not None]
         dense = [(k, i) for k, i in pairs if not isinstance(accumulate[k], tf.IndexedSlices)]
         dense = [(k, i) for k, i in dense if not isinstance(result[i], tf.IndexedSlices)]
-        if self._cache is not None and dense and not tf.executing_eagerly():
-            # One call op for all the sums instead of one AddV2 per weight in the step graph.
-            for (_, i), total in zip(
-                dense, self._cache.sum([accumulate[k] for k, _ in dense], [result[i] for _, i in dense])
-            ):
+        if self._cache is None or tf.executing_eagerly():
+            dense = []
+        if dense:  # one call op for all the dense sums instead of one AddV2 per weight in the step graph
+            totals = self._cache.sum([accumulate[k] for k, _ in dense], [result[i] for _, i in dense])
+            for (_, i), total in zip(dense, totals):
                 result[i] = total
-            pairs = [p for p in pairs if p not in dense]
         for k, i in pairs:
-            result[i] = add(accumulate[k], result[i])
+            if (k, i) not in dense:
+                result[i] = add(accumulate[k], result[i])
         return result
 
     def _gradient(self, tape, outputs, sources, select, output_grads) -> list[Any]:

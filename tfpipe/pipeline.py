@@ -165,9 +165,9 @@ class Pipeline:
             )
             if step.shares:
                 share, reg_weight = step.shares[j], step.reg_weights[0 if j == 0 else 1]
-            else:
-                share = step.fractions[j] if step.fractions is not None else tf.constant(1.0)
-                reg_weight = tf.constant(0.0)
+            else:  # forward only: plain numbers, no ops
+                share = step.fractions[j] if step.fractions is not None else 1.0
+                reg_weight = 0.0
             regularized = backward and cell.has_regularizers  # weight regularizers count once per step
             n_w = len(trainable)
 
