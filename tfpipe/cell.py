@@ -156,8 +156,20 @@ class Cell:
         """
         if not self._traceable or tf.executing_eagerly() or checkpoint.in_vjp_trace():
             return self.run_inline(trainable, non_trainable, x, training)
-        leaves = tf.nest.flatten(x)
-        xs = [tf.convert_to_tensor(t) for t in leaves if t is not None]
+        trace = self.traced(x, trainable, non_trainable, training)
+        if trace is None:
+            return self.run_inline(trainable, non_trainable, x, training)
+        return trace.apply(x, trainable, non_trainable)
+
+    def traced(self, x: Any, trainable: Sequence[Any], non_trainable: Sequence[Any], training: bool) -> _Trace | None:
+        """The cell traced for inputs like these (tensors or TensorSpecs), once per graph and signature.
+
+        None where the cell runs inline (a TPU core, or tracing failed: then with a warning).
+        """
+        if not self._traceable:
+            return None
+        xs = [t for t in tf.nest.flatten(x) if t is not None]
+        xs = [t if isinstance(t, tf.TensorSpec) else tf.convert_to_tensor(t) for t in xs]
         args = xs + list(trainable) + list(non_trainable)
         key = (
             bool(training),
@@ -165,28 +177,18 @@ class Cell:
             tuple((tuple(a.shape), a.dtype) for a in args),
         )
         traces = self._traces.setdefault(tf.compat.v1.get_default_graph(), {})
-        trace = traces.get(key)
-        if trace is None:
+        if key not in traces:
             try:
-                trace = traces[key] = self._trace(x, args, len(xs), len(trainable), training)
+                traces[key] = self._trace(x, args, len(xs), len(trainable), training)
             except Exception as error:  # noqa: BLE001 - any tracing failure: run the layers inline instead
                 warnings.warn(
                     f"Cell {self.index} ({self.describe()}) cannot be traced as a function, so its layers "
                     f"run inline once per micro-batch (slower to trace): {type(error).__name__}: {error}",
-                    stacklevel=2,
+                    stacklevel=3,
                 )
                 self._traceable = False
-                return self.run_inline(trainable, non_trainable, x, training)
-        outputs = trace.function(*args)
-        n_y = len(trace.y_leaves)
-        flat_y: list[Any] = [None] * len(tf.nest.flatten(trace.y))
-        for position, t in zip(trace.y_leaves, outputs[:n_y]):
-            flat_y[position] = t
-        y = tf.nest.pack_sequence_as(trace.y, flat_y)
-        new_state = list(non_trainable)
-        for k, value in zip(trace.changed, outputs[n_y:-1]):
-            new_state[k] = value
-        return y, new_state, outputs[-1]
+                return None
+        return traces[key]
 
     def _trace(self, x: Any, args: Sequence[tf.Tensor], n_x: int, n_w: int, training: bool) -> _Trace:
         """Trace the cell as a concrete function of (inputs, trainable values, non-trainable values)."""
@@ -226,6 +228,19 @@ class _Trace:
     y: Any  # the structure of the cell's outputs, with None where an output is None
     y_leaves: list[int]  # positions of the tensor leaves in tf.nest.flatten(y)
     changed: list[int]  # indices of the non-trainable values that the cell assigns
+
+    def apply(self, x: Any, trainable: Sequence[tf.Tensor], non_trainable: Sequence[tf.Tensor]):
+        """Call the function: (outputs, new non-trainable values, added losses), as ``Cell.run_inline``."""
+        xs = [tf.convert_to_tensor(t) for t in tf.nest.flatten(x) if t is not None]
+        outputs = self.function(*xs, *trainable, *non_trainable)
+        n_y = len(self.y_leaves)
+        flat_y: list[Any] = [None] * len(tf.nest.flatten(self.y))
+        for position, t in zip(self.y_leaves, outputs[:n_y]):
+            flat_y[position] = t
+        new_state = list(non_trainable)
+        for k, value in zip(self.changed, outputs[n_y:-1]):
+            new_state[k] = value
+        return tf.nest.pack_sequence_as(self.y, flat_y), new_state, outputs[-1]
 
 
 def check_no_shared_variables(cells: Sequence[Cell]) -> None:

@@ -19,7 +19,7 @@ from tfpipe import summary as summary_lib
 from tfpipe import training as training_lib
 from tfpipe._args import positive_int
 from tfpipe.cell import Cell, check_no_shared_variables
-from tfpipe.pipeline import Pipeline
+from tfpipe.pipeline import Pipeline, check_unroll
 from tfpipe.sequence import layer_list
 
 
@@ -43,6 +43,13 @@ class PipelineModel(keras.Model):
       num_micro_batches: M, the number of micro-batches each mini-batch is split into.
       remat: re-materialization: ``"always"``, ``"except_last"`` (recompute all but
         the last micro-batch, torchgpipe's default) or ``"never"``.
+      unroll: how a step's graph holds the pipeline. ``True``: every task of the K x M
+        schedule is its own call (each cell's order on its device readable in the graph,
+        activations kept where ``remat`` says). ``False``: two loops over GPipe's clock
+        cycles (forward, backward), so the graph and the first step do not grow with M;
+        every micro-batch is then recomputed in the backward pass. ``None`` (default):
+        loops from 64 tasks per step (2 K M) unless ``remat="never"``, as Keras' RNN
+        ``unroll`` chooses between an unrolled graph and a symbolic loop.
     """
 
     def __init__(
@@ -55,6 +62,7 @@ class PipelineModel(keras.Model):
         devices: Sequence[str] | None = None,
         num_micro_batches: int = 1,
         remat: str = "except_last",
+        unroll: bool | None = None,
         **kwargs: Any,
     ):
         layers_ = layer_list(layers)
@@ -73,11 +81,13 @@ class PipelineModel(keras.Model):
         num_cells = len(cell_sizes) if cell_sizes else balance_lib.check_num_partitions(num_partitions, len(layers_))
         m = positive_int("num_micro_batches", num_micro_batches, "Use 1 to disable micro-batching.")
         remat = checkpoint.check_mode(remat)
+        unroll = check_unroll(unroll, remat)
         cell_devices = devices_lib.resolve(devices, num_cells)
         super().__init__(**kwargs)
         self.pipeline_layers = layers_  # tracked first, so weights are ordered as in keras.Sequential
         self._cost = cost
         self._num_cells, self._m, self._remat, self._devices = num_cells, m, remat, list(cell_devices)
+        self._unroll = unroll
         self._estimate: cost_lib.Estimate | None = None
         self._inputs: Any = None  # symbolic inputs the model was built for, batch dimension included
         self._pipeline: Pipeline | None = None
@@ -94,7 +104,7 @@ class PipelineModel(keras.Model):
         starts = np.cumsum([0] + list(cell_sizes))
         layers = self.pipeline_layers
         cells = [Cell(k, layers[starts[k] : starts[k + 1]], d) for k, d in enumerate(self._devices)]
-        self._pipeline = Pipeline(cells, self._m, self._remat)
+        self._pipeline = Pipeline(cells, self._m, self._remat, self._unroll)
 
     def _split_by_cost(self, input_shape: Any) -> list[int]:
         """Estimate every layer's cost for inputs shaped ``input_shape``; return the optimal balance."""
@@ -135,6 +145,16 @@ class PipelineModel(keras.Model):
     def remat(self) -> str:
         """The re-materialization mode."""
         return self._remat
+
+    @property
+    def unroll(self) -> bool | None:
+        """Whether each step is an unrolled graph of tasks (True), two loops (False), or decided by size (None)."""
+        return self._unroll
+
+    @property
+    def unrolled(self) -> bool | None:
+        """How the step is built now: unrolled (True) or as loops (False); None until the balance is known."""
+        return self._pipeline.unroll if self._pipeline else None
 
     @property
     def cost(self) -> cost_lib.Cost:
@@ -267,6 +287,7 @@ class PipelineModel(keras.Model):
             "devices": self.devices,
             "num_micro_batches": self._m,
             "remat": self._remat,
+            "unroll": self._unroll,
             "cost": self._cost if isinstance(self._cost, str) else "flops",
         }
         if self.balance is not None:

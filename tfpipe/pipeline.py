@@ -16,7 +16,7 @@ from typing import Any
 import keras
 import tensorflow as tf
 
-from tfpipe import checkpoint, devices, schedule, state
+from tfpipe import checkpoint, devices, loop, schedule, state
 from tfpipe.cell import Cell
 from tfpipe.tasks import TASK_START, task_scope_name
 
@@ -69,15 +69,34 @@ class _Chain:
             self._last[device] = produced
 
 
+def check_unroll(unroll: Any, remat: str) -> bool | None:
+    """Validate ``unroll``: True, False or None (decide by size); False needs re-materialization."""
+    if unroll is not None and not isinstance(unroll, bool):
+        raise TypeError(f"unroll must be True, False or None (decide by size); got {unroll!r}.")
+    if unroll is False and remat == "never":
+        raise ValueError(
+            "unroll=False runs the step as loops that recompute every cell in the backward pass, so it "
+            "cannot keep activations as remat='never' asks; use remat='always' or 'except_last', or unroll=True."
+        )
+    return unroll
+
+
 class Pipeline:
     """Runs cells over micro-batches in GPipe order, with explicit per-task backward."""
 
-    def __init__(self, cells: Sequence[Cell], num_micro_batches: int, remat: str):
+    def __init__(self, cells: Sequence[Cell], num_micro_batches: int, remat: str, unroll: bool | None = None):
         self.cells = list(cells)
         self.num_micro_batches = num_micro_batches
         self.remat = checkpoint.check_mode(remat)
+        large = 2 * len(self.cells) * num_micro_batches >= NOINLINE_TASKS
+        check_unroll(unroll, self.remat)
+        # Large pipelines run as loops (tfpipe/loop.py) unless activations are kept or a cell sits on a TPU core.
+        self.unroll = unroll if unroll is not None else not (large and self.remat != "never" and self._loopable())
         for cell in self.cells:
-            cell.noinline = 2 * len(self.cells) * num_micro_batches >= NOINLINE_TASKS
+            cell.noinline = large or not self.unroll
+
+    def _loopable(self) -> bool:
+        return all(devices.tpu_core(cell.device) is None for cell in self.cells)
 
     def _schedule(self, backward: bool) -> list[schedule.Task]:
         return schedule.flatten(schedule.gpipe(len(self.cells), self.num_micro_batches, backward=backward))
@@ -106,6 +125,11 @@ class Pipeline:
         return self._run(inputs, training=True, loss_fn=loss_fn, fractions=fractions, loss_scale=loss_scale)
 
     def _run(self, inputs, training, loss_fn, fractions, loss_scale=1.0) -> StepResult:
+        if not self.unroll:
+            try:
+                return self._run_loops(inputs, training, loss_fn, fractions, loss_scale)
+            except loop.Unsupported:
+                self.unroll = True  # e.g. a cell that cannot be traced (warned): unroll from now on
         step = _Step(
             inputs=inputs,
             training=training,
@@ -128,20 +152,46 @@ class Pipeline:
                 self._backward_task(task, step, chain)
 
         last, m = len(self.cells) - 1, self.num_micro_batches
-        result = StepResult(outputs=[step.acts[(last, j)] for j in range(m)])
+        return self._result(
+            [step.acts[(last, j)] for j in range(m)],
+            [step.losses[j] for j in range(m)] + step.added if loss_fn is not None else None,
+            step.grads,
+            step.new_state,
+            step.weights,
+            fractions if training else None,
+        )
+
+    def _run_loops(self, inputs, training, loss_fn, fractions, loss_scale) -> StepResult:
+        weights = [cell.read() for cell in self.cells]
+        loss_grads = None
         if loss_fn is not None:
-            result.loss = tf.add_n([step.losses[j] for j in range(m)] + step.added)
-            for cell, g in zip(self.cells, step.grads):
+            loss_grads = lambda j, y: _loss_and_gradients(loss_fn, j, y, loss_scale)  # noqa: E731
+        looped = loop.run(self.cells, weights, inputs, training, fractions, loss_grads, loss_scale)
+        return self._result(
+            looped.outputs,
+            looped.losses + looped.added if loss_fn is not None else None,
+            looped.grads,
+            looped.new_state,
+            weights,
+            fractions if training else None,
+        )
+
+    def _result(self, outputs, loss_terms, grads, new_state, weights, fractions) -> StepResult:
+        """The step's result: the loss from its terms, gradients per variable, merged state updates (training)."""
+        result = StepResult(outputs=list(outputs))
+        if loss_terms is not None:
+            result.loss = tf.add_n(loss_terms)
+            for cell, g in zip(self.cells, grads):
                 result.variables.extend(cell.trainable_variables)
                 result.gradients.extend(g or [])
-        if training:
+        if fractions is not None:
             for i, cell in enumerate(self.cells):
                 with devices.scope(cell.device):
                     result.state_updates.extend(
                         cell.merger.merge(
                             cell.non_trainable_variables,
-                            step.weights[i][1],
-                            [step.new_state[(i, j)] for j in range(m)],
+                            weights[i][1],
+                            [new_state[(i, j)] for j in range(self.num_micro_batches)],
                             fractions,
                         )
                     )
@@ -205,16 +255,8 @@ class Pipeline:
     @staticmethod
     def _loss_task(i: int, j: int, y: Any, step: _Step) -> tf.Tensor:
         """Micro-batch j's weighted loss and its gradient for the outputs ``y`` of the last cell i."""
-        ys = _flat(y)
-        floating = [t for t in ys if t.dtype.is_floating]
-        with tf.GradientTape(watch_accessed_variables=False) as tape:
-            tape.watch(floating)
-            loss = tf.cast(step.loss_fn(j, y), tf.float32)
-            scaled = loss * step.loss_scale
-        grads = iter(tape.gradient(scaled, floating, unconnected_gradients=tf.UnconnectedGradients.ZERO))
-        step.dys[(i, j)] = [next(grads) if t.dtype.is_floating else None for t in ys]
-        step.losses[j] = loss
-        return loss
+        step.losses[j], step.dys[(i, j)] = _loss_and_gradients(step.loss_fn, j, y, step.loss_scale)
+        return step.losses[j]
 
     def _backward_task(self, task: schedule.Task, step: _Step, chain: _Chain) -> None:
         """B(i, j): the VJP of cell i on micro-batch j (recomputing it if so recorded); sum weight gradients."""
@@ -254,6 +296,18 @@ class _Step:
 
     def __post_init__(self):
         self.grads = [None] * len(self.weights)
+
+
+def _loss_and_gradients(loss_fn: LossFn, j: int, y: Any, loss_scale: Any) -> tuple[tf.Tensor, list[Any]]:
+    """Micro-batch j's weighted loss, and the gradients of the scaled loss for the leaves of ``y`` (None if integer)."""
+    ys = _flat(y)
+    floating = [t for t in ys if t.dtype.is_floating]
+    with tf.GradientTape(watch_accessed_variables=False) as tape:
+        tape.watch(floating)
+        loss = tf.cast(loss_fn(j, y), tf.float32)
+        scaled = loss * loss_scale
+    grads = iter(tape.gradient(scaled, floating, unconnected_gradients=tf.UnconnectedGradients.ZERO))
+    return loss, [next(grads) if t.dtype.is_floating else None for t in ys]
 
 
 def _unfoldable(values: Sequence[Any]) -> list[tf.Tensor]:

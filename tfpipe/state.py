@@ -42,12 +42,17 @@ def seed_states(layers: Sequence[keras.layers.Layer]) -> list[keras.Variable]:
     return list(seen.values())
 
 
-def micro_batch_seed(state: tf.Tensor, micro_batch: int) -> tf.Tensor:
-    """The seed state micro-batch j runs with: the step's own for j=0, a folded-in one otherwise."""
-    if micro_batch == 0:
+def micro_batch_seed(state: tf.Tensor, micro_batch: int | tf.Tensor) -> tf.Tensor:
+    """The seed state micro-batch j runs with: the step's own for j=0, a folded-in one otherwise.
+
+    ``micro_batch`` may be a scalar tensor (inside a loop over micro-batches).
+    """
+    if isinstance(micro_batch, int) and micro_batch == 0:
         return state
-    folded = tf.random.experimental.stateless_fold_in(tf.cast(state, tf.int64), micro_batch)
-    return tf.cast(folded, state.dtype)
+    folded = tf.cast(tf.random.experimental.stateless_fold_in(tf.cast(state, tf.int64), micro_batch), state.dtype)
+    if isinstance(micro_batch, int):
+        return folded
+    return tf.where(tf.equal(micro_batch, 0), state, folded)
 
 
 class StateMerger:
