@@ -8,6 +8,7 @@ also reported on its own.
 
     python scripts/benchmark_scale.py                               # K=2 and K=8 at M=32, 8-block Transformer
     python scripts/benchmark_scale.py --configs=2x4,2x16,2x32,8x32 --out=docs/scale
+    python scripts/benchmark_scale.py --configs=2x32,8x32 --unroll=true,false   # the unrolled graph against the loops
 """
 
 from __future__ import annotations
@@ -30,13 +31,15 @@ flags.DEFINE_integer("dim", 64, "Transformer model dimension.", lower_bound=8)
 flags.DEFINE_integer("seq_len", 32, "Sequence length.", lower_bound=2)
 flags.DEFINE_integer("batch_size", 64, "Global batch (at least the largest M).", lower_bound=1)
 flags.DEFINE_string("remat", "except_last", "Re-materialization mode.")
+flags.DEFINE_list("unroll", ["auto"], "Step graphs to compare: auto (PipelineModel's default), true, false.")
 flags.DEFINE_integer("steps", 5, "Steps timed after the first.", lower_bound=1)
 flags.DEFINE_string("out", None, "Write the table to OUT.csv and OUT.md.")
 
-# Runs in the child process: argv = K M blocks dim seq_len batch remat steps.
+# Runs in the child process: argv = K M blocks dim seq_len batch remat steps unroll.
 _CHILD = r"""
 import json, os, resource, sys, time
-k, m, blocks, dim, seq, batch, remat, steps = sys.argv[1:]
+k, m, blocks, dim, seq, batch, remat, steps, unroll = sys.argv[1:]
+unroll = {"auto": None, "true": True, "false": False}[unroll]
 k, m, blocks, dim, seq, batch, steps = map(int, (k, m, blocks, dim, seq, batch, steps))
 import tensorflow as tf
 tf.config.set_logical_device_configuration(tf.config.list_physical_devices("CPU")[0],
@@ -48,7 +51,7 @@ keras.utils.set_random_seed(0)
 layers, x, y = random_lm(batch, seq, blocks, dim)
 began = time.perf_counter()
 model = tfpipe.PipelineModel(layers, num_partitions=k, devices=[f"/CPU:{i}" for i in range(k)],
-                             num_micro_batches=m, remat=remat)
+                             num_micro_batches=m, remat=remat, unroll=unroll)
 model.compile(optimizer=keras.optimizers.SGD(1e-3),
               loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
 tfpipe.training.build_before_tracing(model, x, y, None)  # what train_on_batch does first: split, cells, variables
@@ -60,13 +63,15 @@ for _ in range(steps):
     t = time.perf_counter(); model.train_on_batch(x, y); times.append(time.perf_counter() - t)
 rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 print("RESULT " + json.dumps({"first_s": first, "build_s": build, "step_ms": 1e3 * float(np.median(times)),
-                              "peak_rss_gb": rss / 1e9, "balance": model.balance}))
+                              "peak_rss_gb": rss / 1e9, "balance": model.balance,
+                              "graph": "unrolled" if model.unrolled else "loops"}))
 """
 
 
-def run_config(k: int, m: int) -> dict:
+def run_config(k: int, m: int, unroll: str) -> dict:
     """First-step seconds, steady step ms and peak RSS of one K x M configuration, in a fresh process."""
     args = [str(a) for a in (k, m, FLAGS.blocks, FLAGS.dim, FLAGS.seq_len, FLAGS.batch_size, FLAGS.remat, FLAGS.steps)]
+    args.append(unroll)
     done = subprocess.run([sys.executable, "-c", _CHILD, *args], capture_output=True, text=True)
     lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
     if done.returncode != 0 or not lines:
@@ -87,23 +92,27 @@ def _parse(config: str) -> tuple[int, int]:
 def main(argv: list[str]) -> None:
     del argv
     rows = []
-    for k, m in (_parse(c) for c in FLAGS.configs):
+    unrolls = [u.lower() for u in FLAGS.unroll]
+    if any(u not in ("auto", "true", "false") for u in unrolls):
+        raise app.UsageError(f"--unroll: {FLAGS.unroll} holds a value other than auto, true, false.")
+    for (k, m), unroll in ((_parse(c), u) for c in FLAGS.configs for u in unrolls):
         if FLAGS.batch_size < m:
             raise app.UsageError(f"--batch_size={FLAGS.batch_size} is smaller than M={m}.")
-        found = run_config(k, m)
+        found = run_config(k, m, unroll)
         rows.append({"K": k, "M": m, "tasks": 2 * k * m, **found})
         print(
-            f"K={k} M={m:>2}: first step {found['first_s']:6.1f} s (build {found['build_s']:.1f} s), "
+            f"K={k} M={m:>2} {found['graph']:>8}: first step {found['first_s']:6.1f} s (build {found['build_s']:.1f} s), "
             f"then {found['step_ms']:7.1f} ms/step, "
             f"peak RSS {found['peak_rss_gb']:.2f} GB, balance {found['balance']}",
             flush=True,
         )
     lines = [
-        "| K | M | tasks | first train_on_batch (s) | of which build (s) | later steps (ms) | peak RSS (GB) |",
-        "|---|---|---|---|---|---|---|",
+        "| K | M | tasks | step graph | first train_on_batch (s) | of which build (s) | later steps (ms) "
+        "| peak RSS (GB) |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     lines += [
-        f"| {r['K']} | {r['M']} | {r['tasks']} | {r['first_s']:.1f} | {r['build_s']:.1f} | {r['step_ms']:.1f} "
+        f"| {r['K']} | {r['M']} | {r['tasks']} | {r['graph']} | {r['first_s']:.1f} | {r['build_s']:.1f} | {r['step_ms']:.1f} "
         f"| {r['peak_rss_gb']:.2f} |"
         for r in rows
     ]

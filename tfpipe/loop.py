@@ -310,7 +310,8 @@ class _VJP:
         scale, valid = flat[n_x + n_w + n_s + 1 + n_y : n_x + n_w + n_s + 3 + n_y]
         sums = list(flat[n_x + n_w + n_s + 3 + n_y :])
         cell = self._cell
-        with cell.vjps.tracing():
+
+        def compute() -> list[tf.Tensor]:
             with tf.GradientTape(watch_accessed_variables=False) as tape:
                 tape.watch([x_leaves[i] for i in self._dx] + w)
                 x = tf.nest.pack_sequence_as(self._structure, _fill(self._structure, x_leaves))
@@ -329,11 +330,25 @@ class _VJP:
                     self.sparse.add(i)
                     self.values_dtype[i], self.index_dtype[i] = g.values.dtype, g.indices.dtype
                     out += [g.values, g.indices]
-                else:  # a bubble adds nothing, whatever its empty batch computed
-                    total = tf.where(valid, sums[i] + g, sums[i])
-                    total.set_shape(g.shape)
+                else:
+                    total = sums[i] + g
+                    total.set_shape(w[i].shape)
                     out.append(total)
-        return out
+            return out
+
+        def bubble() -> list[tf.Tensor]:  # nothing to add (its empty batch may even hold NaN statistics)
+            out = [tf.zeros_like(x_leaves[i]) for i in self._dx]
+            for i, v in enumerate(w):
+                if i in self.sparse:
+                    out += [tf.zeros([0, *v.shape[1:]], self.values_dtype[i]), tf.zeros([0], self.index_dtype[i])]
+                else:
+                    same = tf.identity(sums[i])
+                    same.set_shape(v.shape)
+                    out.append(same)
+            return out
+
+        with cell.vjps.tracing():
+            return tf.cond(valid, compute, bubble)  # traced in this order: bubble knows the sparse gradients
 
     def __call__(self, x, seeds, share, dy, scale, valid, sums):
         """(input gradients, new running sums, (values, indices) of each sparse gradient)."""
