@@ -101,7 +101,8 @@ def main(argv: list[str]) -> None:
         found = run_config(k, m, unroll)
         rows.append({"K": k, "M": m, "tasks": 2 * k * m, **found})
         print(
-            f"K={k} M={m:>2} {found['graph']:>8}: first step {found['first_s']:6.1f} s (build {found['build_s']:.1f} s), "
+            f"K={k} M={m:>2} {found['graph']:>8}: "
+            f"first step {found['first_s']:6.1f} s (build {found['build_s']:.1f} s), "
             f"then {found['step_ms']:7.1f} ms/step, "
             f"peak RSS {found['peak_rss_gb']:.2f} GB, balance {found['balance']}",
             flush=True,
@@ -112,8 +113,8 @@ def main(argv: list[str]) -> None:
         "|---|---|---|---|---|---|---|---|",
     ]
     lines += [
-        f"| {r['K']} | {r['M']} | {r['tasks']} | {r['graph']} | {r['first_s']:.1f} | {r['build_s']:.1f} | {r['step_ms']:.1f} "
-        f"| {r['peak_rss_gb']:.2f} |"
+        f"| {r['K']} | {r['M']} | {r['tasks']} | {r['graph']} | {r['first_s']:.1f} | {r['build_s']:.1f} "
+        f"| {r['step_ms']:.1f} | {r['peak_rss_gb']:.2f} |"
         for r in rows
     ]
     table = "\n".join(lines)
