@@ -259,9 +259,8 @@ def _backward(cells, weights, traces, structures, specs, stashes, shares, loss_g
                 with tf.GradientTape(watch_accessed_variables=False) as tape:
                     tape.watch(weights[k][0])
                     penalty = cell.regularization_loss(weights[k][0])
-                extra = tape.gradient(
-                    penalty * scales[k], weights[k][0], unconnected_gradients=tf.UnconnectedGradients.ZERO
-                )
+                    scaled = penalty * scales[k]
+                extra = tape.gradient(scaled, weights[k][0], unconnected_gradients=tf.UnconnectedGradients.ZERO)
                 grads = [
                     g + e if not isinstance(g, tf.IndexedSlices) else tf.convert_to_tensor(g) + e
                     for g, e in zip(grads, extra)
