@@ -57,3 +57,16 @@ def test_eager_steps_say_nothing(capsys):
     model.compile(optimizer="sgd", loss="mse", run_eagerly=True)
     model.train_on_batch(x, y)
     assert LINE not in capsys.readouterr().out
+
+
+def test_a_looped_step_says_so(capsys):
+    x, y = _data(16)
+    layers = mlp_layers(depth=2)
+    model = tfpipe.PipelineModel(layers, balance=[2, 2], devices=cpu_devices(2), num_micro_batches=16)
+    model.compile(optimizer="sgd", loss="mse")
+    assert model.unrolled is False  # 64 tasks
+    model.train_on_batch(x, y)
+    out = capsys.readouterr().out
+    assert (
+        "K=2 cells x M=16 micro-batches = 64 tasks (as two loops over 17 clock cycles, recomputing every cell)" in out
+    )

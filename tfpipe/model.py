@@ -239,7 +239,8 @@ class PipelineModel(keras.Model):
         xs, ys, sws = (microbatch.split(s, sizes) for s in (x, y, sample_weight))
         loss_fn = training_lib.micro_batch_loss(self, PipelineModel.compute_loss, xs, ys, sws, sizes)
         if self._num_cells * self.num_micro_batches > 1 and not tf.executing_eagerly():  # once per trace
-            messages.say(messages.building_step(self.name, self._num_cells, self.num_micro_batches, self.remat))
+            loops = not self._pipeline.unroll
+            messages.say(messages.building_step(self.name, self._num_cells, self.num_micro_batches, self.remat, loops))
         scale = self.optimizer.scale_loss(tf.constant(1.0)) if self.optimizer is not None else 1.0
         result = self._pipeline.train(xs, loss_fn, microbatch.fractions(sizes), loss_scale=scale)
         _compat.loss_tracker(self).update_state(
