@@ -133,3 +133,18 @@ def test_unroll_is_checked_and_saved():
     config = model.get_config()
     assert config["unroll"] is False
     assert tfpipe.PipelineModel.from_config(config).unroll is False
+
+
+@pytest.mark.parametrize("k,m", [(1, 3), (2, 4), (4, 3), (3, 8)])
+def test_the_loops_run_gpipes_clock_cycles(k, m):
+    """Forward cycle t and backward iteration s (cycle M+K-2-s) run exactly schedule.gpipe's tasks."""
+    from tfpipe import loop, schedule
+
+    cycles = schedule.gpipe(k, m)
+    for t in range(m + k - 1):
+        ran = {("F", i, loop.micro_batch_at(t, i)) for i in range(k) if 0 <= loop.micro_batch_at(t, i) < m}
+        assert ran == {(task.kind, task.cell, task.micro_batch) for task in cycles[t]}
+    for s in range(m + k - 1):
+        t = m + k - 2 - s
+        ran = {("B", i, loop.micro_batch_at(t, i)) for i in range(k) if 0 <= loop.micro_batch_at(t, i) < m}
+        assert ran == {(task.kind, task.cell, task.micro_batch) for task in cycles[m + k - 1 + s]}

@@ -63,11 +63,19 @@ def _rows(t: tf.Tensor, valid: tf.Tensor) -> tf.Tensor:
     return t[: tf.where(valid, tf.shape(t)[0], 0)]
 
 
+def micro_batch_at(cycle: Any, cell: int) -> Any:
+    """The micro-batch cell k runs at forward cycle t (GPipe's clock: ``schedule.gpipe``), valid or not.
+
+    The backward loop's iteration s runs the forward cycle M + K - 2 - s again, in reverse.
+    """
+    return cycle - cell
+
+
 class _Cycle:
     """Cell k at cycle t: its micro-batch j, whether there is one, and j clipped into range."""
 
     def __init__(self, t: tf.Tensor, k: int, m: int):
-        self.j = t - k
+        self.j = micro_batch_at(t, k)
         self.valid = tf.logical_and(self.j >= 0, self.j < m)
         self.clipped = tf.clip_by_value(self.j, 0, m - 1)
 

@@ -1,9 +1,11 @@
-"""The unrolled graph of one step: forward and backward tasks in schedule order, chained per device.
+"""The graph of one step: forward and backward tasks in schedule order, chained per device (or as loops).
 
 TensorFlow runs any op whose inputs are ready; the only way to make a device
 run its tasks in the schedule's order is to give each task a control
 dependency on the previous task of the same device. Each task is also a name
 scope ``F_i_j`` / ``B_i_j`` so that the order can be read back from the graph.
+A large pipeline is instead handed to ``tfpipe.loop``: two loops over the same
+clock cycles, whose graph does not grow with M.
 """
 
 from __future__ import annotations
