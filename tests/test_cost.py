@@ -107,6 +107,18 @@ def test_output_bytes_per_sample_and_params():
     assert estimate.output_bytes == [6 * 4, 2 * 8]
 
 
+def test_identical_layers_on_the_same_input_are_copied_and_traced_once(monkeypatch):
+    copies = []
+    real = cost.copy_layer
+    monkeypatch.setattr(cost, "copy_layer", lambda layer, *args: copies.append(layer.name) or real(layer, *args))
+    layers = [keras.layers.Dense(8, activation="tanh", name=f"d{i}") for i in range(4)] + [keras.layers.Dense(3)]
+    layers.insert(1, keras.layers.Dense(8, activation="relu", name="other"))  # another configuration
+    estimate = cost.estimate(layers, np.zeros((2, 8), "float32"))
+    assert copies == ["d0", "other", layers[-1].name]  # d1..d3: d0's configuration on the same 8-wide input
+    assert estimate.costs[2:5] == [estimate.costs[0]] * 3 and estimate.output_bytes[2:5] == [32.0] * 3
+    assert estimate.costs == cost.estimate(layers[:1], np.zeros((2, 8), "float32")).costs + estimate.costs[1:]
+
+
 def test_nested_inputs_and_outputs_are_walked():
     @keras.saving.register_keras_serializable("tfpipe_tests")
     class Pair(keras.layers.Layer):

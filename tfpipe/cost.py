@@ -89,8 +89,14 @@ def estimate(layers: Any, sample: Any, cost: Cost = "flops", device: str | None 
     eager = contextlib.nullcontext() if tf.executing_eagerly() else tf.init_scope()
     with eager, tf.device(device), _restoring(seeds):
         x = tf.nest.map_structure(tf.convert_to_tensor, sample)
+        measured: dict[int, tuple[float, str | None]] = {}  # id(copy) -> its cost: a reused copy is measured once
         for index, layer, copy, x_in, y in _walk(layers, x, run):
-            value, note = (float(cost(layer)), None) if callable(cost) else measure(copy, x_in)
+            if callable(cost):
+                value, note = float(cost(layer)), None
+            else:
+                if id(copy) not in measured:
+                    measured[id(copy)] = measure(copy, x_in)
+                value, note = measured[id(copy)]
             _check_value(value, index, layer)
             result.costs.append(value)
             result.output_bytes.append(_bytes(y) / batch)
@@ -115,9 +121,20 @@ def _restoring(seeds: tuple) -> Iterator[None]:
 
 # Walking the sequence ----------------------------------------------------------------------
 def _walk(layers: Sequence[keras.layers.Layer], x: Any, run: bool) -> Iterator[tuple]:
-    """For each layer: (index, layer, a built copy, its input, its output); inputs are values if ``run``."""
+    """For each layer: (index, layer, a built copy, its input, its output); inputs are values if ``run``.
+
+    Without running (FLOPs, parameters), a layer configured like an earlier one and fed the same
+    spec shares that one's copy: a Transformer's identical blocks are copied, built and traced once.
+    """
     spec = specs.symbolic(x, keep_batch=True)
+    seen: dict[str, tuple[keras.layers.Layer, Any]] = {}
     for index, layer in enumerate(layers):
+        key = None if run else _same_layer_key(layer, spec)
+        if key is not None and key in seen:
+            copy, out_spec = seen[key]
+            yield index, layer, copy, spec, out_spec
+            spec = out_spec
+            continue
         copy = copy_layer(layer, "to estimate its cost", "pass balance=[...] or a cost callable instead")
         try:
             out_spec = copy(spec)
@@ -129,8 +146,19 @@ def _walk(layers: Sequence[keras.layers.Layer], x: Any, run: bool) -> Iterator[t
                 "the model's real input batch."
             ) from None
         y = copy(x, training=False) if run else out_spec
+        if key is not None:
+            seen[key] = (copy, out_spec)
         yield index, layer, copy, (x if run else spec), y
         x, spec = y, out_spec
+
+
+def _same_layer_key(layer: keras.layers.Layer, spec: Any) -> str | None:
+    """What makes two layers' costs and outputs equal: class, configuration but the name, input spec."""
+    try:
+        config = {k: v for k, v in layer.get_config().items() if k != "name"}
+        return f"{type(layer).__module__}.{type(layer).__qualname__}|{config!r}|{_describe(spec)}"
+    except Exception:  # noqa: BLE001 - no usable config: copy it on its own
+        return None
 
 
 def _describe(spec: Any) -> str:
