@@ -50,6 +50,12 @@ flags.DEFINE_enum(
     ["always", "except_last", "never"],
     "Re-materialization of the pipelined entries (the K=1 M=1 reference never recomputes).",
 )
+flags.DEFINE_enum(
+    "unroll",
+    "auto",
+    ["auto", "true", "false"],
+    "Step graph of the pipelined entries: PipelineModel's default, unrolled, or loops (the reference: default).",
+)
 flags.DEFINE_string("out", None, "Write the table to OUT.csv and OUT.md.")
 
 
@@ -73,7 +79,7 @@ def _layers_and_data(dim: int, n: int):
     return layers, rng.normal(size=(n, size, size, 3)).astype("float32"), rng.integers(0, 10, size=n)
 
 
-def time_entry(devices: list[str], m: int, remat: str, dim: int, batch_size: int) -> float:
+def time_entry(devices: list[str], m: int, remat: str, dim: int, batch_size: int, unroll: bool | None = None) -> float:
     """Median seconds of one training step with the cells on ``devices``, M = m and ``remat``."""
     import keras
     import numpy as np
@@ -82,7 +88,9 @@ def time_entry(devices: list[str], m: int, remat: str, dim: int, batch_size: int
 
     keras.utils.set_random_seed(0)
     layers, x, y = _layers_and_data(dim, batch_size)
-    model = tfpipe.PipelineModel(layers, num_partitions=len(devices), devices=devices, num_micro_batches=m, remat=remat)
+    model = tfpipe.PipelineModel(
+        layers, num_partitions=len(devices), devices=devices, num_micro_batches=m, remat=remat, unroll=unroll
+    )
     model.compile(
         optimizer=keras.optimizers.SGD(1e-3), loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True)
     )
@@ -112,7 +120,8 @@ def main(argv: list[str]) -> None:
                 for m in ms:
                     if n < m:
                         continue
-                    rate = n / time_entry(cluster.devices, m, FLAGS.remat, dim, n)
+                    unroll = {"auto": None, "true": True, "false": False}[FLAGS.unroll]
+                    rate = n / time_entry(cluster.devices, m, FLAGS.remat, dim, n, unroll)
                     ideal = schedule.ideal_speedup(k, m)
                     one_cell = next(
                         (r["examples_per_s"] for r in rows if r["size"] == size and r["K"] == 1 and r["M"] == m), rate
@@ -139,7 +148,8 @@ def main(argv: list[str]) -> None:
                         flush=True,
                     )
     table = "\n\n".join(
-        f"### {FLAGS.model} {size}, remat={FLAGS.remat!r}\n\n" + _markdown([r for r in rows if r["size"] == size], ms)
+        f"### {FLAGS.model} {size}, remat={FLAGS.remat!r}, unroll={FLAGS.unroll}\n\n"
+        + _markdown([r for r in rows if r["size"] == size], ms)
         for size in dict.fromkeys(r["size"] for r in rows)
     )
     print("\n" + table)
