@@ -128,11 +128,11 @@ def run(
                 if backward:
                     stashes[k] = [a.write(t, x) for a, x in zip(stashes[k], leaves)]
                 x = tf.nest.pack_sequence_as(structures[k], _fill(structures[k], leaves))
-                y, new_state, terms = traces[k].apply(x, weights[k][0], _seeds(cell, weights[k][1], c.clipped))
-                states[k] = [a.write(t, new_state[i]) for a, i in zip(states[k], traces[k].changed)]
+                seeds = _seeds(cell, weights[k][1], c.clipped)
+                y_leaves, changed, terms = _forward_or_bubble(traces[k], x, weights[k][0], seeds, c.valid, specs[k + 1])
+                states[k] = [a.write(t, v) for a, v in zip(states[k], changed)]
                 share = tf.where(c.valid, tf.gather(shares, c.clipped), 0.0)
-                added[k] = added[k] + tf.where(c.valid, terms * share, 0.0)
-                y_leaves = [leaf for leaf in tf.nest.flatten(y) if leaf is not None]
+                added[k] = added[k] + terms * share
                 if k < k_cells - 1:
                     carries[k] = y_leaves
                 else:
@@ -161,6 +161,22 @@ def run(
     if backward:
         _backward(cells, weights, traces, structures, specs, stashes, shares, loss_grads, loss_scale, result)
     return result
+
+
+def _forward_or_bubble(trace, x, trainable, seeds, valid, out_specs):
+    """The cell's forward at one cycle: (output leaves, changed state values, added losses); a bubble skips it.
+
+    A bubble's outputs are empty batches, its state values the ones it was given, its added loss 0.
+    """
+
+    def forward():
+        y, new_state, terms = trace.apply(x, trainable, seeds)
+        return [leaf for leaf in tf.nest.flatten(y) if leaf is not None], [new_state[i] for i in trace.changed], terms
+
+    def bubble():
+        return [_empty(s) for s in out_specs], [tf.identity(seeds[i]) for i in trace.changed], tf.constant(0.0)
+
+    return tf.cond(valid, forward, bubble)
 
 
 def _fill(structure: Any, leaves: Sequence[tf.Tensor]) -> list[Any]:
