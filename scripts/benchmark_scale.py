@@ -31,7 +31,7 @@ flags.DEFINE_integer("dim", 64, "Transformer model dimension.", lower_bound=8)
 flags.DEFINE_integer("seq_len", 32, "Sequence length.", lower_bound=2)
 flags.DEFINE_integer("batch_size", 64, "Global batch (at least the largest M).", lower_bound=1)
 flags.DEFINE_string("remat", "except_last", "Re-materialization mode.")
-flags.DEFINE_list("unroll", ["auto"], "Step graphs to compare: auto (PipelineModel's default), true, false.")
+flags.DEFINE_list("unroll", ["true"], "Step graphs to compare: true (unrolled, the default), false (loops).")
 flags.DEFINE_integer("steps", 5, "Steps timed after the first.", lower_bound=1)
 flags.DEFINE_string("out", None, "Write the table to OUT.csv and OUT.md.")
 
@@ -39,7 +39,7 @@ flags.DEFINE_string("out", None, "Write the table to OUT.csv and OUT.md.")
 _CHILD = r"""
 import json, os, resource, sys, time
 k, m, blocks, dim, seq, batch, remat, steps, unroll = sys.argv[1:]
-unroll = {"auto": None, "true": True, "false": False}[unroll]
+unroll = unroll == "true"
 k, m, blocks, dim, seq, batch, steps = map(int, (k, m, blocks, dim, seq, batch, steps))
 import tensorflow as tf
 tf.config.set_logical_device_configuration(tf.config.list_physical_devices("CPU")[0],
@@ -93,8 +93,8 @@ def main(argv: list[str]) -> None:
     del argv
     rows = []
     unrolls = [u.lower() for u in FLAGS.unroll]
-    if any(u not in ("auto", "true", "false") for u in unrolls):
-        raise app.UsageError(f"--unroll: {FLAGS.unroll} holds a value other than auto, true, false.")
+    if any(u not in ("true", "false") for u in unrolls):
+        raise app.UsageError(f"--unroll: {FLAGS.unroll} holds a value other than true, false.")
     for (k, m), unroll in ((_parse(c), u) for c in FLAGS.configs for u in unrolls):
         if FLAGS.batch_size < m:
             raise app.UsageError(f"--batch_size={FLAGS.batch_size} is smaller than M={m}.")

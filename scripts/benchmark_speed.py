@@ -50,11 +50,8 @@ flags.DEFINE_enum(
     ["always", "except_last", "never"],
     "Re-materialization of the pipelined entries (the K=1 M=1 reference never recomputes).",
 )
-flags.DEFINE_enum(
-    "unroll",
-    "auto",
-    ["auto", "true", "false"],
-    "Step graph of the pipelined entries: PipelineModel's default, unrolled, or loops (the reference: default).",
+flags.DEFINE_bool(
+    "unroll", True, "Pipelined entries unrolled (default) or, with --nounroll, as loops (the reference: unrolled)."
 )
 flags.DEFINE_string("out", None, "Write the table to OUT.csv and OUT.md.")
 
@@ -79,7 +76,7 @@ def _layers_and_data(dim: int, n: int):
     return layers, rng.normal(size=(n, size, size, 3)).astype("float32"), rng.integers(0, 10, size=n)
 
 
-def time_entry(devices: list[str], m: int, remat: str, dim: int, batch_size: int, unroll: bool | None = None) -> float:
+def time_entry(devices: list[str], m: int, remat: str, dim: int, batch_size: int, unroll: bool = True) -> float:
     """Median seconds of one training step with the cells on ``devices``, M = m and ``remat``."""
     import keras
     import numpy as np
@@ -120,8 +117,7 @@ def main(argv: list[str]) -> None:
                 for m in ms:
                     if n < m:
                         continue
-                    unroll = {"auto": None, "true": True, "false": False}[FLAGS.unroll]
-                    rate = n / time_entry(cluster.devices, m, FLAGS.remat, dim, n, unroll)
+                    rate = n / time_entry(cluster.devices, m, FLAGS.remat, dim, n, FLAGS.unroll)
                     ideal = schedule.ideal_speedup(k, m)
                     one_cell = next(
                         (r["examples_per_s"] for r in rows if r["size"] == size and r["K"] == 1 and r["M"] == m), rate

@@ -109,24 +109,29 @@ def test_the_looped_step_holds_one_forward_and_one_backward_loop_whatever_m():
     assert sum(unrolled.count(c) for c in calls) >= 2 * 2 * 16  # one call per task, at least
 
 
-def test_unroll_default_picks_loops_for_large_pipelines_with_recomputation():
-    def unrolled(m, remat, unroll=None):
-        model = tfpipe.PipelineModel(
-            mlp_layers(), balance=[5, 5], devices=cpu_devices(2), num_micro_batches=m, remat=remat, unroll=unroll
-        )
-        return model.unrolled
+def test_steps_are_unrolled_unless_asked_and_a_cell_that_cannot_be_traced_unrolls(monkeypatch):
+    from tfpipe.cell import Cell
 
-    assert unrolled(16, "except_last") is False  # 64 tasks
-    assert unrolled(16, "always") is False
-    assert unrolled(16, "never") is True  # loops would recompute
-    assert unrolled(8, "always") is True
-    assert unrolled(16, "always", unroll=True) is True
-    assert unrolled(2, "always", unroll=False) is False
+    def model(unroll=True):
+        return tfpipe.PipelineModel(
+            mlp_layers(), balance=[5, 5], devices=cpu_devices(2), num_micro_batches=16, remat="always", unroll=unroll
+        )
+
+    assert model().unrolled is True and model(unroll=False).unrolled is False
+    monkeypatch.setattr(Cell, "_trace", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("not traceable")))
+    looped = model(unroll=False)
+    looped.compile(optimizer="sgd", loss="mse")
+    x = np.zeros((16, 8), "float32")
+    with pytest.warns(UserWarning, match="cannot be traced as a function"):
+        looped.train_on_batch(x, np.zeros((16, 3), "float32"))
+    assert looped.unroll is False and looped.unrolled is True
 
 
 def test_unroll_is_checked_and_saved():
-    with pytest.raises(TypeError, match="unroll must be True, False or None.*'no'"):
+    with pytest.raises(TypeError, match="unroll must be True .* or False .*; got 'no'"):
         tfpipe.PipelineModel(mlp_layers(), num_partitions=1, unroll="no")
+    with pytest.raises(TypeError, match="got None"):
+        tfpipe.PipelineModel(mlp_layers(), num_partitions=1, unroll=None)
     with pytest.raises(ValueError, match="unroll=False.*remat='never'.*use remat='always'"):
         tfpipe.PipelineModel(mlp_layers(), num_partitions=1, remat="never", unroll=False)
     model = tfpipe.PipelineModel(mlp_layers(), num_partitions=2, devices=cpu_devices(2), unroll=False)

@@ -13,7 +13,7 @@ from tests.util import cpu_devices, mlp_layers
 TOLERANCE = {"mixed_float16": 1e-2, "mixed_bfloat16": 5e-2}
 
 
-def _one_step(policy, unroll=None):
+def _one_step(policy, unroll=True):
     """The weight update of one SGD step (lr 1, so it is the gradient), and the model."""
     rng = np.random.default_rng(0)
     x, y = rng.normal(size=(16, 5)).astype("float32"), rng.normal(size=(16, 3)).astype("float32")

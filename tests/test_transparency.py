@@ -15,7 +15,7 @@ def _data(n, seed=0):
     return rng.normal(size=(n, 8)).astype("float32"), rng.normal(size=(n, 3)).astype("float32")
 
 
-def _one_step_each(make_layers, k, m, optimizer, n, remat="except_last", loss="mse", unroll=None, **fit_kwargs):
+def _one_step_each(make_layers, k, m, optimizer, n, remat="except_last", loss="mse", unroll=True, **fit_kwargs):
     """Weights after one fit step of a PipelineModel and of a Sequential from the same initial weights."""
     x, y = _data(n)
     keras.utils.set_random_seed(0)
@@ -25,7 +25,7 @@ def _one_step_each(make_layers, k, m, optimizer, n, remat="except_last", loss="m
         make_layers(), num_partitions=k, devices=cpu_devices(k), num_micro_batches=m, remat=remat, unroll=unroll
     )
     model.build((None, 8))
-    assert unroll is None or model.unrolled is unroll
+    assert model.unrolled is unroll
     model.set_weights(start)
     for net in (reference, model):
         net.compile(optimizer=OPTIMIZERS[optimizer](), loss=loss)
@@ -95,7 +95,7 @@ def test_cells_called_as_functions_that_are_not_inlined_are_exact(remat):
     from tfpipe.pipeline import NOINLINE_TASKS
 
     assert 2 * 2 * 16 >= NOINLINE_TASKS > 2 * 4 * 4
-    got, want = _one_step_each(mlp_layers, 2, 16, "adam", n=36, remat=remat, unroll=True)  # uneven: 4x3 + 12x2
+    got, want = _one_step_each(mlp_layers, 2, 16, "adam", n=36, remat=remat)  # uneven: 4x3 + 12x2
     assert max_rel_error(got, want) < 1e-5
 
 

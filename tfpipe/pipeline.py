@@ -71,10 +71,10 @@ class _Chain:
             self._last[device] = produced
 
 
-def check_unroll(unroll: Any, remat: str) -> bool | None:
-    """Validate ``unroll``: True, False or None (decide by size); False needs re-materialization."""
-    if unroll is not None and not isinstance(unroll, bool):
-        raise TypeError(f"unroll must be True, False or None (decide by size); got {unroll!r}.")
+def check_unroll(unroll: Any, remat: str) -> bool:
+    """Validate ``unroll``: True or False; False (loops) needs re-materialization."""
+    if not isinstance(unroll, bool):
+        raise TypeError(f"unroll must be True (one call per task) or False (two loops); got {unroll!r}.")
     if unroll is False and remat == "never":
         raise ValueError(
             "unroll=False runs the step as loops that recompute every cell in the backward pass, so it "
@@ -86,19 +86,21 @@ def check_unroll(unroll: Any, remat: str) -> bool | None:
 class Pipeline:
     """Runs cells over micro-batches in GPipe order, with explicit per-task backward."""
 
-    def __init__(self, cells: Sequence[Cell], num_micro_batches: int, remat: str, unroll: bool | None = None):
+    def __init__(self, cells: Sequence[Cell], num_micro_batches: int, remat: str, unroll: bool = True):
         self.cells = list(cells)
         self.num_micro_batches = num_micro_batches
         self.remat = checkpoint.check_mode(remat)
+        # Loops (tfpipe/loop.py) build in a time that does not grow with M, but their later steps were
+        # 10-55% slower than unrolled ones on CPUs (docs/benchmarks.md): the user chooses.
+        self.unroll = check_unroll(unroll, self.remat)
+        tpu = [cell.device for cell in self.cells if devices.tpu_core(cell.device) is not None]
+        if not self.unroll and tpu:
+            raise ValueError(
+                f"unroll=False needs cells traced as functions, which TPU cores {tpu} do not run; use unroll=True."
+            )
         large = 2 * len(self.cells) * num_micro_batches >= NOINLINE_TASKS
-        check_unroll(unroll, self.remat)
-        # Large pipelines run as loops (tfpipe/loop.py) unless activations are kept or a cell sits on a TPU core.
-        self.unroll = unroll if unroll is not None else not (large and self.remat != "never" and self._loopable())
         for cell in self.cells:
             cell.noinline = large or not self.unroll
-
-    def _loopable(self) -> bool:
-        return all(devices.tpu_core(cell.device) is None for cell in self.cells)
 
     def _schedule(self, backward: bool) -> list[schedule.Task]:
         return schedule.flatten(schedule.gpipe(len(self.cells), self.num_micro_batches, backward=backward))
