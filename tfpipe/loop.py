@@ -3,9 +3,9 @@
 At clock cycle t, cell k runs micro-batch j = t - k (``schedule.gpipe``). Unrolled, a
 step holds 2 K M cell calls; here it holds 2 K, inside two ``tf.while_loop``s of
 M + K - 1 iterations whose iterations may overlap, so each cell runs as soon as its
-input has arrived. A cycle where a cell has no micro-batch (a bubble) runs it on an
-empty batch and adds nothing. Every backward recomputes its cell from the input
-stashed by the forward loop, so re-materialization is always on.
+input has arrived. At a cycle where a cell has no micro-batch (a bubble) a ``tf.cond``
+skips it: an empty batch goes on, nothing is added. Every backward recomputes its
+cell from the input stashed by the forward loop, so re-materialization is always on.
 """
 
 from __future__ import annotations
@@ -24,7 +24,8 @@ LossGrads = Callable[[int, Any], tuple[tf.Tensor, list[tf.Tensor | None]]]
 
 
 class Unsupported(Exception):
-    """A cell cannot run inside the loops (it cannot be traced as a function); unroll instead."""
+    """The pipeline cannot run as loops (a cell cannot be traced, or a tensor between cells has an unknown
+    inner dimension); raised before any op is made, so the caller can unroll instead."""
 
 
 @dataclasses.dataclass
@@ -48,8 +49,6 @@ def _unknown_batch(shape: tf.TensorShape) -> tf.TensorShape:
 
 def _empty(spec: tf.TensorSpec) -> tf.Tensor:
     """An empty batch of ``spec``, typed with an unknown batch size (so loop variables keep their type)."""
-    if not spec.shape[1:].is_fully_defined():
-        raise Unsupported(f"a tensor between cells has an unknown inner dimension: {spec}")
     zeros = tf.zeros([0] + spec.shape[1:].as_list(), spec.dtype)
     return tf.raw_ops.PlaceholderWithDefault(input=zeros, shape=_unknown_batch(spec.shape))
 
@@ -143,7 +142,7 @@ def run(
         lambda t, *_: t < cycles,
         forward_body,
         (tf.constant(0), carries, stashes, states, outs, added),
-        parallel_iterations=cycles,
+        parallel_iterations=cycles,  # any cycle may start once its inputs exist: cell 0 runs ahead, as in GPipe
     )
 
     result = Looped(outputs=[], losses=[], added=list(added), grads=[], new_state={})
@@ -211,6 +210,9 @@ def _trace_forward(cells, weights, first_input, training):
         structure = tf.nest.pack_sequence_as(
             trace.y, [None if t is None else tf.TensorSpec(_unknown_batch(t.shape), t.dtype) for t in leaves]
         )
+        unknown = [t for t in _leaf_specs(structure) if not t.shape[1:].is_fully_defined()]
+        if unknown:  # a bubble passes on an empty batch, which needs every other dimension
+            raise Unsupported(f"cell {k} outputs {unknown[0]}, whose inner dimensions are not all known")
         traces.append(trace)
         structures.append(structure)
     return traces, structures

@@ -4,14 +4,15 @@ TensorFlow runs any op whose inputs are ready; the only way to make a device
 run its tasks in the schedule's order is to give each task a control
 dependency on the previous task of the same device. Each task is also a name
 scope ``F_i_j`` / ``B_i_j`` so that the order can be read back from the graph.
-A large pipeline is instead handed to ``tfpipe.loop``: two loops over the same
-clock cycles, whose graph does not grow with M.
+With ``unroll=False`` the step is instead handed to ``tfpipe.loop``: two loops
+over the same clock cycles, whose graph does not grow with M.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -132,8 +133,9 @@ class Pipeline:
         if not self.unroll:
             try:
                 return self._run_loops(inputs, training, loss_fn, fractions, loss_scale)
-            except loop.Unsupported:
-                self.unroll = True  # e.g. a cell that cannot be traced (warned): unroll from now on
+            except loop.Unsupported as why:
+                warnings.warn(f"unroll=False: the step cannot run as loops, so it is unrolled: {why}.", stacklevel=3)
+                self.unroll = True
         step = _Step(
             inputs=inputs,
             training=training,
