@@ -106,3 +106,19 @@ def call_arguments(operation: Any, node_index: int) -> tuple[list[keras.KerasTen
 def num_calls(operation: Any) -> int:
     """How many times ``operation`` was called on symbolic tensors (its nodes, in every graph)."""
     return len(operation._inbound_nodes)  # noqa: SLF001
+
+
+def partition_graphs(fn: Any, *args: Any) -> list[Any]:
+    """Run the tf.function ``fn`` eagerly once and return the GraphDefs TensorFlow partitioned it into.
+
+    The only place the runtime shows a device's incarnation, which an explicit ``_Send``
+    to another process must name (tfpipe/sendrecv.py); run metadata is not public API.
+    """
+    ctx = _tf_context.context()
+    ctx.enable_run_metadata()
+    try:
+        fn(*args)
+        metadata = ctx.export_run_metadata()
+    finally:
+        ctx.disable_run_metadata()
+    return [graph for function in metadata.function_graphs for graph in function.partition_graphs]

@@ -257,23 +257,35 @@ class PipelineModel(keras.Model):
     def fit(self, x: Any = None, y: Any = None, batch_size: int | None = None, *args: Any, **kwargs: Any):
         """Keras ``fit``; checks first that no training batch will be smaller than num_micro_batches."""
         training_lib.check_batches(x, batch_size, kwargs.get("validation_split") or 0.0, self.num_micro_batches)
-        training_lib.build_before_tracing(self, x, y, kwargs.get("sample_weight"))
+        self._before_tracing(x, y, kwargs.get("sample_weight"))
         return super().fit(x, y, batch_size, *args, **kwargs)
 
     def evaluate(self, x: Any = None, y: Any = None, *args: Any, **kwargs: Any):
         """Keras ``evaluate``."""
-        training_lib.build_before_tracing(self, x, y, kwargs.get("sample_weight"))
+        self._before_tracing(x, y, kwargs.get("sample_weight"))
         return super().evaluate(x, y, *args, **kwargs)
+
+    def predict(self, x: Any, *args: Any, **kwargs: Any):
+        """Keras ``predict``."""
+        self._before_tracing(None, None, None)
+        return super().predict(x, *args, **kwargs)
 
     def train_on_batch(self, x: Any = None, y: Any = None, sample_weight: Any = None, *args: Any, **kwargs: Any):
         """Keras ``train_on_batch``, with the variables created before the step is traced."""
-        training_lib.build_before_tracing(self, x, y, sample_weight)
+        self._before_tracing(x, y, sample_weight)
         return super().train_on_batch(x, y, sample_weight, *args, **kwargs)
 
     def test_on_batch(self, x: Any = None, y: Any = None, sample_weight: Any = None, *args: Any, **kwargs: Any):
         """Keras ``test_on_batch``, with the variables created before the step is traced."""
-        training_lib.build_before_tracing(self, x, y, sample_weight)
+        self._before_tracing(x, y, sample_weight)
         return super().test_on_batch(x, y, sample_weight, *args, **kwargs)
+
+    def _before_tracing(self, x: Any, y: Any, sample_weight: Any) -> None:
+        """Variables created, and explicit transfers between processes prepared, before Keras traces a step."""
+        if x is not None:
+            training_lib.build_before_tracing(self, x, y, sample_weight)
+        if self._pipeline is not None:
+            self._pipeline.prepare()
 
     # Saving and converting ------------------------------------------------------------------------
     def get_config(self) -> dict[str, Any]:

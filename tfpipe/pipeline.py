@@ -19,7 +19,7 @@ from typing import Any
 import keras
 import tensorflow as tf
 
-from tfpipe import checkpoint, devices, loop, schedule, state
+from tfpipe import checkpoint, devices, loop, schedule, sendrecv, state
 from tfpipe.cell import Cell
 from tfpipe.tasks import TASK_START, task_scope_name
 
@@ -102,6 +102,11 @@ class Pipeline:
         large = 2 * len(self.cells) * num_micro_batches >= NOINLINE_TASKS
         for cell in self.cells:
             cell.noinline = large or not self.unroll
+
+    def prepare(self) -> None:
+        """Eagerly, before a step is traced: learn what explicit transfers between processes need."""
+        if self.unroll:
+            sendrecv.discover([(a.device, b.device) for a, b in zip(self.cells, self.cells[1:])])
 
     def _schedule(self, backward: bool) -> list[schedule.Task]:
         return schedule.flatten(schedule.gpipe(len(self.cells), self.num_micro_batches, backward=backward))
@@ -255,6 +260,13 @@ class Pipeline:
             step.acts[(i, j)], step.new_state[(i, j)] = y, new_state
             step.added.append(added)
             produced.extend(_flat(y) + [added])
+            consumer = self.cells[i + 1].device if i + 1 < len(self.cells) else None
+            if consumer is not None and sendrecv.known(cell.device, consumer):
+                # The next task of this device waits for the sends (see tfpipe/sendrecv.py).
+                step.acts[(i, j)], sends = sendrecv.transfer(
+                    y, f"tfpipe_{task_scope_name(task)}", cell.device, consumer
+                )
+                produced.extend(sends)
             if backward and i == len(self.cells) - 1:
                 produced.append(self._loss_task(i, j, y, step))
 

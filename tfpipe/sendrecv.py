@@ -1,0 +1,115 @@
+"""Explicit transfers between processes: a ``_Send`` that the producer's next task waits for.
+
+Across worker processes, the transfer TensorFlow inserts for a cell's output is a
+``_Send`` that a one-thread worker queues behind its next forward, so the next cell
+waited for most of the forwards before its first input arrived (docs/benchmarks.md).
+An explicit ``_Send`` made part of the producing task runs before the producer moves
+on; the consumer's ``_Recv`` waits without holding a thread. Within one process the
+inserted transfers are kept.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import tensorflow as tf
+
+from tfpipe import _compat
+
+# (src, dst) -> (full send device, full receive device, the sender's incarnation), refreshed by ``discover``.
+_ENDPOINTS: dict[tuple[str, str], tuple[str, str, int]] = {}
+
+
+def _process(device: str) -> tuple[str, int, int]:
+    spec = tf.DeviceSpec.from_string(device)
+    return spec.job or "localhost", spec.replica or 0, spec.task or 0
+
+
+def _place(device: str) -> tuple[Any, ...]:
+    spec = tf.DeviceSpec.from_string(device)
+    return (*_process(device), (spec.device_type or "CPU").upper(), spec.device_index or 0)
+
+
+def crosses_processes(src: str, dst: str) -> bool:
+    """Whether a tensor from device ``src`` to device ``dst`` leaves its process."""
+    return _process(src) != _process(dst)
+
+
+def discover(pairs: list[tuple[str, str]]) -> None:
+    """Learn, eagerly, the full names and the sender's incarnation for each (src, dst) pair across processes.
+
+    Read from the transfer TensorFlow itself makes in a two-op function. Called before each
+    fit, evaluate or predict, since a restarted worker has a new incarnation under the same name.
+    Inside a trace, run metadata came back empty (measured with TF 2.21), hence eagerly.
+    """
+    wanted = [(a, b) for a, b in pairs if crosses_processes(a, b)]
+    if not wanted or not tf.executing_eagerly():
+        return
+    for src, dst in wanted:
+
+        @tf.function(autograph=False)
+        def move(x, src=src, dst=dst):
+            with tf.device(src):
+                y = x + 1.0
+            with tf.device(dst):
+                return y * 2.0
+
+        want = _place(src)
+        for graph in _compat.partition_graphs(move, tf.constant(0.0)):
+            for node in graph.node:
+                if node.op == "_Send" and _place(node.attr["send_device"].s.decode()) == want:
+                    _ENDPOINTS[(src, dst)] = (
+                        node.attr["send_device"].s.decode(),
+                        node.attr["recv_device"].s.decode(),
+                        node.attr["send_device_incarnation"].i,
+                    )
+
+
+def known(src: str, dst: str) -> bool:
+    """Whether ``discover`` found the endpoints of (src, dst): only then can ``transfer`` send between them."""
+    return (src, dst) in _ENDPOINTS
+
+
+def send(tensor: tf.Tensor, name: str, src: str, dst: str) -> tf.Operation:
+    """Send ``tensor`` from ``src`` (the current device scope) to ``dst`` under ``name``, unique in the step."""
+    send_device, recv_device, incarnation = _ENDPOINTS[(src, dst)]
+    return tf.raw_ops.Send(
+        tensor=tensor,
+        tensor_name=name,
+        send_device=send_device,
+        send_device_incarnation=incarnation,
+        recv_device=recv_device,
+        client_terminated=False,
+    )
+
+
+def recv(like: tf.Tensor, name: str, src: str, dst: str) -> tf.Tensor:
+    """Receive on ``dst`` what ``send`` sent under ``name``; typed and shaped like ``like``."""
+    send_device, recv_device, incarnation = _ENDPOINTS[(src, dst)]
+    with tf.device(dst), tf.control_dependencies(None):  # waits for the data alone, not the producer's chain
+        received = tf.raw_ops.Recv(
+            tensor_type=like.dtype,
+            tensor_name=name,
+            send_device=send_device,
+            send_device_incarnation=incarnation,
+            recv_device=recv_device,
+            client_terminated=False,
+        )
+    received.set_shape(like.shape)
+    return received
+
+
+def transfer(value: Any, name: str, src: str, dst: str) -> tuple[Any, list[tf.Operation]]:
+    """Each tensor leaf of ``value`` sent from ``src`` and received on ``dst``: (received value, the sends)."""
+    sends: list[tf.Operation] = []
+
+    def one(path_index: int, t: Any) -> Any:
+        if t is None:
+            return None
+        key = f"{name}_{path_index}"
+        sends.append(send(t, key, src, dst))
+        return recv(t, key, src, dst)
+
+    leaves = tf.nest.flatten(value)
+    received = [one(i, t) for i, t in enumerate(leaves)]
+    return tf.nest.pack_sequence_as(value, received), sends
