@@ -66,6 +66,35 @@ def test_training_on_workers_matches_one_process(workers):
     assert all(f"/job:worker/replica:0/task:{k}/device:CPU:0" in places for k in range(workers))
 
 
+def test_outputs_cross_processes_through_explicit_sends_the_producer_waits_for():
+    """Each forward's output goes to the next worker by a _Send in the producing task (tfpipe/sendrecv.py)."""
+    proc = run_fresh("""
+        import numpy as np, keras, tensorflow as tf
+        import tfpipe
+        from tfpipe import sendrecv
+        from tfpipe.cluster import LocalCluster
+        from tests.util import mlp_layers
+
+        x = np.zeros((6, 5), "float32"); y = np.zeros((6, 3), "float32")
+        with LocalCluster(2) as cluster:
+            model = tfpipe.PipelineModel(mlp_layers(), num_partitions=2, devices=cluster.devices, num_micro_batches=3)
+            model.compile(optimizer="sgd", loss="mse")
+            model.train_on_batch(x, y)  # learns the endpoints first
+            spec = (tf.TensorSpec((6, 5)), tf.TensorSpec((6, 3)))
+            graph = tf.function(lambda a, b: model.train_step((a, b))).get_concrete_function(*spec).graph
+            ops = graph.get_operations()
+            sends = [op for op in ops if op.type == "Send"]  # the raw op; TensorFlow inserts _Send
+            waits = [op for op in ops if any(c in sends for c in op.control_inputs)]
+            print("RESULT", sendrecv.known(*cluster.devices), len(sends), sum(op.type == "Recv" for op in ops),
+                  ",".join(sorted({op.name.split("/")[0] for op in sends})), len(waits))
+    """)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    known, sends, recvs, scopes, waits = proc.stdout.split("RESULT")[1].split()[:5]
+    assert (known, sends, recvs) == ("True", "3", "3")
+    assert scopes == "F_0_0,F_0_1,F_0_2"  # in cell 0's forward tasks
+    assert int(waits) >= 2  # cell 0's next tasks wait for the sends
+
+
 def test_workers_stop_on_exit_and_after_an_error():
     proc = run_fresh("""
         import os

@@ -119,3 +119,17 @@ def test_functional_graph_history():
     assert _compat.num_calls(dense) == 1
     dense(inputs)
     assert _compat.num_calls(dense) == 2
+
+
+def test_partition_graphs_show_the_transfers_tensorflow_makes():
+    @tf.function(autograph=False)
+    def move(x):
+        with tf.device("/CPU:0"):
+            y = x + 1.0
+        with tf.device("/CPU:1"):
+            return y * 2.0
+
+    graphs = _compat.partition_graphs(move, tf.constant(1.0))
+    sends = [n for g in graphs for n in g.node if n.op == "_Send"]
+    assert any(n.attr["send_device"].s.decode().endswith("/device:CPU:0") for n in sends)
+    assert all(n.attr["send_device_incarnation"].i != 0 for n in sends)
