@@ -3,9 +3,9 @@
 Across worker processes, the transfer TensorFlow inserts for a cell's output is a
 ``_Send`` that a one-thread worker queues behind its next forward, so the next cell
 waited for most of the forwards before its first input arrived (docs/benchmarks.md).
-An explicit ``_Send`` made part of the producing task runs before the producer moves
-on; the consumer's ``_Recv`` waits without holding a thread. Within one process the
-inserted transfers are kept.
+An explicit send (the raw op ``Send``, the kernel of ``_Send``) made part of the
+producing task runs before the producer moves on; the consumer's ``Recv`` waits
+without holding a thread. Within one process the inserted transfers are kept.
 """
 
 from __future__ import annotations
@@ -46,6 +46,7 @@ def discover(pairs: list[tuple[str, str]]) -> None:
     if not wanted or not tf.executing_eagerly():
         return
     for src, dst in wanted:
+        _ENDPOINTS.pop((src, dst), None)  # never a stale incarnation: without a fresh one, TensorFlow's transfers
 
         @tf.function(autograph=False)
         def move(x, src=src, dst=dst):
