@@ -17,20 +17,6 @@ def test_loops_match_sequential(k, m, n):
     assert max_rel_error(got, want) < 1e-5
 
 
-def test_loops_with_sample_weights_regularizers_and_added_losses_match_sequential():
-    def layers():
-        return [
-            keras.layers.Dense(16, activation="tanh", kernel_regularizer=keras.regularizers.L2(0.01)),
-            keras.layers.Dense(16, activity_regularizer=keras.regularizers.L1(0.001)),
-            keras.layers.LayerNormalization(),
-            keras.layers.Dense(3),
-        ]
-
-    weights = np.linspace(0.2, 2.0, 10).astype("float32")
-    got, want = _one_step_each(layers, 3, 3, "sgd", n=10, unroll=False, sample_weight=weights)
-    assert max_rel_error(got, want) < 1e-5
-
-
 def _fit(unroll, make_layers, k=3, m=3, steps=3, **kwargs):
     rng = np.random.default_rng(1)
     x, y = rng.normal(size=(30, 8)).astype("float32"), rng.normal(size=(30, 3)).astype("float32")

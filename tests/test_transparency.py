@@ -48,7 +48,8 @@ def test_uneven_micro_batches_match_sequential(m):
     assert max_rel_error(got, want) < 1e-5
 
 
-def test_sample_weights_and_regularizers_match_sequential():
+@pytest.mark.parametrize("k,unroll", [(4, True), (3, False)])  # unroll=False: tfpipe/loop.py
+def test_sample_weights_and_regularizers_match_sequential(k, unroll):
     def layers():
         return [
             keras.layers.Dense(16, activation="tanh", kernel_regularizer=keras.regularizers.L2(0.01)),
@@ -58,7 +59,7 @@ def test_sample_weights_and_regularizers_match_sequential():
         ]
 
     weights = np.linspace(0.2, 2.0, 10).astype("float32")
-    got, want = _one_step_each(layers, 4, 3, "sgd", n=10, sample_weight=weights)
+    got, want = _one_step_each(layers, k, 3, "sgd", n=10, unroll=unroll, sample_weight=weights)
     assert max_rel_error(got, want) < 1e-5
 
 

@@ -71,12 +71,13 @@ def micro_batch_at(cycle: Any, cell: int) -> Any:
 
 
 class _Cycle:
-    """Cell k at cycle t: its micro-batch j, whether there is one, and j clipped into range."""
+    """Cell k at cycle t: its micro-batch j, whether there is one, j clipped into range, and j's share n_j/N."""
 
-    def __init__(self, t: tf.Tensor, k: int, m: int):
+    def __init__(self, t: tf.Tensor, k: int, m: int, shares: tf.Tensor):
         self.j = micro_batch_at(t, k)
         self.valid = tf.logical_and(self.j >= 0, self.j < m)
         self.clipped = tf.clip_by_value(self.j, 0, m - 1)
+        self.share = tf.where(self.valid, tf.gather(shares, self.clipped), 0.0)  # a bubble adds nothing
 
 
 def run(
@@ -122,16 +123,15 @@ def run(
         carries, stashes, states, added = list(carries), list(stashes), list(states), list(added)
         for k, cell in enumerate(cells):
             with devices.scope(cell.device):
-                c = _Cycle(t, k, m)
+                c = _Cycle(t, k, m, shares)
                 leaves = [_rows(a.read(c.clipped), c.valid) for a in sources] if k == 0 else arrived[k - 1]
                 if backward:
                     stashes[k] = [a.write(t, x) for a, x in zip(stashes[k], leaves)]
                 x = tf.nest.pack_sequence_as(structures[k], _fill(structures[k], leaves))
-                seeds = _seeds(cell, weights[k][1], c.clipped)
+                seeds = state.micro_batch_states(cell.non_trainable_variables, weights[k][1], c.clipped)
                 y_leaves, changed, terms = _forward_or_bubble(traces[k], x, weights[k][0], seeds, c.valid, specs[k + 1])
                 states[k] = [a.write(t, v) for a, v in zip(states[k], changed)]
-                share = tf.where(c.valid, tf.gather(shares, c.clipped), 0.0)
-                added[k] = added[k] + terms * share
+                added[k] = added[k] + terms * c.share
                 if k < k_cells - 1:
                     carries[k] = y_leaves
                 else:
@@ -186,13 +186,6 @@ def _fill(structure: Any, leaves: Sequence[tf.Tensor]) -> list[Any]:
 
 def _leaf_specs(structure: Any) -> list[tf.TensorSpec]:
     return [leaf for leaf in tf.nest.flatten(structure) if leaf is not None]
-
-
-def _seeds(cell: Cell, values: Sequence[tf.Tensor], j: tf.Tensor) -> list[tf.Tensor]:
-    return [
-        state.micro_batch_seed(s, j) if state.is_seed_state(v) else s
-        for v, s in zip(cell.non_trainable_variables, values)
-    ]
 
 
 def _trace_forward(cells, weights, first_input, training):
@@ -254,12 +247,11 @@ def _backward(cells, weights, traces, structures, specs, stashes, shares, loss_g
         for k in reversed(range(k_cells)):
             cell = cells[k]
             with devices.scope(cell.device):
-                c = _Cycle(t, k, m)
+                c = _Cycle(t, k, m, shares)
                 dy = [_rows(a.read(c.clipped), c.valid) for a in dys] if k == k_cells - 1 else arrived[k]
                 x = [a.read(t) for a in stashes[k]]
-                share = tf.where(c.valid, tf.gather(shares, c.clipped), 0.0)
-                seeds = _seeds(cell, weights[k][1], c.clipped)
-                dx, sums[k], pieces = vjps[k](x, seeds, share, dy, scales[k], c.valid, sums[k])
+                seeds = state.micro_batch_states(cell.non_trainable_variables, weights[k][1], c.clipped)
+                dx, sums[k], pieces = vjps[k](x, seeds, c.share, dy, scales[k], c.valid, sums[k])
                 sparse[k] = [(v.write(t, a), i.write(t, b)) for (v, i), (a, b) in zip(sparse[k], pieces)]
                 if k > 0:
                     dcarry[k - 1] = dx
@@ -323,7 +315,6 @@ class _VJP:
         self._function = tf.function(
             self._body, autograph=False, experimental_attributes={"_noinline": True}
         ).get_concrete_function(*arg_specs)
-        self._empty = {}
 
     def _body(self, *flat):
         n_x, n_w, n_s, n_y = self._n_x, len(self._trainable), len(self._other), len(self._dy)
@@ -379,12 +370,8 @@ class _VJP:
         """(input gradients, new running sums, (values, indices) of each sparse gradient)."""
         running, dense = [], iter(sums)
         for i, w in enumerate(self._trainable):
-            if i in self.sparse:
-                key = (w.dtype, w.shape.rank)
-                if key not in self._empty:
-                    with tf.control_dependencies(None):
-                        self._empty[key] = tf.zeros([0] * w.shape.rank, w.dtype)
-                running.append(self._empty[key])
+            if i in self.sparse:  # unused: the slices leave the loop in arrays
+                running.append(self._cell.vjps.placeholder(w))
             else:
                 running.append(next(dense))
         outputs = iter(self._function(*x, *self._trainable, *seeds, share, *dy, scale, valid, *running))

@@ -216,14 +216,7 @@ class Pipeline:
         x = step.inputs[j] if i == 0 else step.acts[(i - 1, j)]
         with chain.task(task) as produced:
             x = tf.nest.map_structure(lambda t: None if t is None else tf.identity(t), x)  # arrive on this device
-            seeds = (
-                [
-                    state.micro_batch_seed(s, j) if state.is_seed_state(v) else s
-                    for v, s in zip(cell.non_trainable_variables, other)
-                ]
-                if training
-                else other
-            )
+            seeds = state.micro_batch_states(cell.non_trainable_variables, other, j) if training else other
             if step.shares:
                 share, reg_weight = step.shares[j], step.reg_weights[0 if j == 0 else 1]
             else:  # forward only: plain numbers, no ops

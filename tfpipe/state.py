@@ -55,6 +55,13 @@ def micro_batch_seed(state: tf.Tensor, micro_batch: int | tf.Tensor) -> tf.Tenso
     return tf.where(tf.equal(micro_batch, 0), state, folded)
 
 
+def micro_batch_states(
+    variables: Sequence[keras.Variable], values: Sequence[tf.Tensor], micro_batch: int | tf.Tensor
+) -> list[tf.Tensor]:
+    """The non-trainable ``values`` micro-batch j runs with: each seed-generator state its own, the rest as given."""
+    return [micro_batch_seed(s, micro_batch) if is_seed_state(v) else s for v, s in zip(variables, values)]
+
+
 class StateMerger:
     """Knows which non-trainable variables of a group of layers change in training, and how to merge them."""
 
