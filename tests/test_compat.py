@@ -107,18 +107,14 @@ def test_default_strategy_is_recognized():
     assert not _compat.is_default_strategy(tf.distribute.OneDeviceStrategy("/CPU:0"))
 
 
-def test_functional_graph_history():
+def test_functional_execution_order_is_by_depth_without_input_nodes():
     inputs = keras.Input((3,))
     dense = keras.layers.Dense(3, name="d")
     outputs = keras.layers.Add(name="add")([dense(inputs), inputs])
-    keras.Model(inputs, outputs)
-    operation, node = _compat.producer(outputs)
-    assert operation.name == "add" and node == 0
-    tensors, kwargs = _compat.call_arguments(operation, node)
-    assert tensors[1] is inputs and kwargs == {} and _compat.producer(tensors[0])[0] is dense
-    assert _compat.num_calls(dense) == 1
-    dense(inputs)
-    assert _compat.num_calls(dense) == 2
+    model = keras.Model(inputs, outputs)
+    nodes = _compat.execution_order(model)
+    assert [n.operation.name for n in nodes] == ["d", "add"]
+    assert list(nodes[1].arguments.keras_tensors)[1] is inputs
 
 
 def test_partition_graphs_show_the_transfers_tensorflow_makes():

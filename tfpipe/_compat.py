@@ -87,25 +87,13 @@ def is_default_strategy(strategy: tf.distribute.Strategy) -> bool:
     return type(strategy).__name__ == "_DefaultDistributionStrategy"
 
 
-def producer(tensor: keras.KerasTensor) -> tuple[Any, int]:
-    """The operation of a Functional graph that produced ``tensor``, and the index of that call (its node).
+def execution_order(model: keras.Model) -> list[Any]:
+    """The nodes of a Functional model in the order its call runs them (``Functional._run_through_graph``).
 
-    Keras records this on each symbolic tensor (``_keras_history``) and keeps the
-    calls on each operation (``_inbound_nodes``); neither is public.
+    By decreasing depth, each depth in Keras' order, input nodes left out; ``_nodes_by_depth`` is not public.
     """
-    history = tensor._keras_history  # noqa: SLF001
-    return history.operation, history.node_index
-
-
-def call_arguments(operation: Any, node_index: int) -> tuple[list[keras.KerasTensor], dict[str, Any]]:
-    """The symbolic tensors one call of ``operation`` took, and its keyword arguments."""
-    node = operation._inbound_nodes[node_index]  # noqa: SLF001
-    return list(node.arguments.keras_tensors), dict(node.arguments.kwargs)
-
-
-def num_calls(operation: Any) -> int:
-    """How many times ``operation`` was called on symbolic tensors (its nodes, in every graph)."""
-    return len(operation._inbound_nodes)  # noqa: SLF001
+    by_depth = model._nodes_by_depth  # noqa: SLF001
+    return [node for depth in sorted(by_depth, reverse=True) for node in by_depth[depth] if not node.is_input]
 
 
 def partition_graphs(fn: Any, *args: Any) -> list[Any]:

@@ -6,7 +6,7 @@ import contextlib
 import dataclasses
 import warnings
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import keras
@@ -16,12 +16,23 @@ from tfpipe import checkpoint, cpu_gradients, devices, state
 
 
 class Cell:
-    """Layers ``layers`` on ``device``, callable as ``y = f(weights, state, x)`` without side effects."""
+    """Layers ``layers`` on ``device``, callable as ``y = f(weights, state, x)`` without side effects.
 
-    def __init__(self, index: int, layers: Sequence[keras.layers.Layer], device: str):
+    The layers run one after the other, each on the previous one's output; or, given a
+    ``program`` (a segment of a Functional graph, ``tfpipe.functional.Segment``), as it calls them.
+    """
+
+    def __init__(
+        self,
+        index: int,
+        layers: Sequence[keras.layers.Layer],
+        device: str,
+        program: Callable[[Any, bool], Any] | None = None,
+    ):
         self.index = index
         self.layers = list(layers)
         self.device = device
+        self.program = program
         self._merger: state.StateMerger | None = None
         # TPU cores are entered through the strategy, where nested function calls are untested: run inline there.
         self._traceable = devices.tpu_core(device) is None
@@ -85,6 +96,8 @@ class Cell:
     def build(self, input_spec: Any) -> Any:
         """Create the cell's variables on its device from the input spec; return the output spec."""
         x = input_spec
+        if self.program is not None:  # a Functional graph's layers were built when the graph was
+            return None
         with tf.init_scope(), devices.scope(self.device):
             for layer in self.layers:
                 x = layer.compute_output_spec(x) if layer.built else layer(x)
@@ -128,7 +141,9 @@ class Cell:
             zip(self.non_trainable_variables, non_trainable)
         )
         with keras.StatelessScope(state_mapping=mapping, collect_losses=training) as scope:
-            for layer in self.layers:
+            if self.program is not None:
+                x = self.program(x, training)
+            for layer in self.layers if self.program is None else ():
                 x = layer(x, training=training)
             new_state = [scope.get_current_value(v) for v in self.non_trainable_variables]
             losses = [tf.cast(tf.reduce_sum(loss), tf.float32) for loss in scope.losses] if training else []

@@ -24,7 +24,7 @@ import numpy as np
 import tensorflow as tf
 
 from tfpipe import flops as flops_lib
-from tfpipe import specs
+from tfpipe import functional, specs
 from tfpipe._args import positive_int
 from tfpipe.sequence import copy_layer, layer_list
 
@@ -108,6 +108,81 @@ def estimate(layers: Any, sample: Any, cost: Cost = "flops", device: str | None 
             f"Some {result.kind} costs are estimates by a fallback rule: {lines}", CostEstimateWarning, stacklevel=2
         )
     return result
+
+
+def estimate_graph(
+    graph: functional.Graph,
+    cost: Cost,
+    batch: int | None,
+    num_micro_batches: int = 1,
+    device: str | None = None,
+    repeats: int = 5,
+) -> Estimate:
+    """Every node's cost in a Functional graph, for micro-batches of a batch of ``batch`` samples.
+
+    As ``estimate``, one value per node; the nodes call the model's own (built) layers with
+    nothing assigned, since a Functional model has its variables already. A layer called at
+    several nodes counts its parameters at the first. ``output_bytes`` are the bytes per
+    sample of every tensor that would cross a cut after each node, skips included. A callable
+    cost is applied to each node's layer or ``keras.ops`` operation.
+    """
+    cost = check_kind(cost)
+    result = Estimate(kind=cost if isinstance(cost, str) else "custom", costs=[], output_bytes=graph.live_bytes())
+    device = device or _default_device()
+    n = -(-int(batch) // num_micro_batches) if batch else specs.ESTIMATION_BATCH
+    measure = _measure_fn(cost, n, device, positive_int("repeats", repeats))
+    measured: dict[str, tuple[float, str | None]] = {}  # identical nodes (class, config, input spec) counted once
+    counted: set[int] = set()
+    eager = contextlib.nullcontext() if tf.executing_eagerly() else tf.init_scope()
+    with eager, tf.device(device):
+        for index, node in enumerate(graph.nodes):
+            call = _NodeCall(node)
+            spec = tuple(graph.specs[k] for k in node.inputs)
+            if callable(cost):
+                value, note = float(cost(node.operation)), None
+            elif cost == "params":
+                value, note = (0.0 if id(node.operation) in counted else float(call.count_params())), None
+                counted.add(id(node.operation))
+            else:
+                sample = specs.estimation_sample(spec, n * num_micro_batches, num_micro_batches)
+                x = (
+                    sample
+                    if cost != "flops"
+                    else tuple(keras.KerasTensor((n,) + tuple(t.shape[1:]), t.dtype) for t in spec)
+                )
+                key = _same_layer_key(node.operation, x) if cost == "flops" else None
+                if key is None or key not in measured:
+                    found = measure(call, tuple(tf.convert_to_tensor(a) for a in x) if cost != "flops" else x)
+                    measured[key or f"node {index}"] = found
+                value, note = measured[key or f"node {index}"]
+            _check_value(value, index, node.operation)
+            result.costs.append(value)
+            if note:
+                result.notes[index] = note
+    if result.notes:
+        lines = "; ".join(f"node {i} ({graph.nodes[i].name}): {n}" for i, n in result.notes.items())
+        warnings.warn(
+            f"Some {result.kind} costs are estimates by a fallback rule: {lines}", CostEstimateWarning, stacklevel=2
+        )
+    return result
+
+
+class _NodeCall:
+    """A graph node called as the measurements call a layer copy: ``call(x, training)`` with ``x`` its inputs."""
+
+    def __init__(self, node: functional.Node):
+        self._node = node
+        layer = node.operation if isinstance(node.operation, keras.layers.Layer) else None
+        self.trainable_variables = list(layer.trainable_variables) if layer else []
+        self.weights = list(layer.weights) if layer else []
+
+    def count_params(self) -> int:
+        """The parameters of the node's layer (none for a keras.ops call)."""
+        return int(sum(math.prod(v.shape) for v in self.weights))
+
+    def __call__(self, x: Sequence[Any], training: bool | None = None) -> list[Any]:
+        with keras.StatelessScope():  # the model's own layers: measured, nothing assigned
+            return self._node.run(dict(zip(self._node.inputs, x)), training)
 
 
 @contextlib.contextmanager

@@ -10,7 +10,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tfpipe import _compat, checkpoint, messages, microbatch, saving, specs
+from tfpipe import _compat, checkpoint, functional, messages, microbatch, saving, specs
 from tfpipe import balance as balance_lib
 from tfpipe import cost as cost_lib
 from tfpipe import devices as devices_lib
@@ -28,9 +28,11 @@ class PipelineModel(keras.Model):
     """A sequence of Keras layers cut into cells on devices and trained as a GPipe pipeline.
 
     Args:
-      layers: a list of Keras layers, a ``keras.Sequential``, or a Functional ``keras.Model``
-        whose layers form one chain; each layer feeds the next.
-      balance: layers per cell, summing to ``len(layers)``.
+      layers: a list of Keras layers or a ``keras.Sequential`` (each layer feeds the next), or a
+        Functional ``keras.Model``: its nodes (every layer call and ``keras.ops`` call, nested
+        models flattened) in Keras' execution order are cut into cells, and every tensor that
+        crosses a cut goes straight from the cell that makes it to each cell that reads it.
+      balance: layers per cell, summing to ``len(layers)``; for a Functional model, nodes per cell.
       num_partitions: instead of ``balance``, the number of cells K; the layers are then
         split to minimize the most expensive cell under ``cost``.
       cost: per-layer cost for ``num_partitions`` (and shown by ``summary``): ``"flops"``
@@ -66,7 +68,9 @@ class PipelineModel(keras.Model):
         unroll: bool = True,
         **kwargs: Any,
     ):
-        layers_ = layer_list(layers)
+        graph = functional.Graph(layers) if functional.is_functional(layers) else None
+        layers_ = graph.layers if graph is not None else layer_list(layers)
+        units = len(graph.nodes) if graph is not None else len(layers_)
         if (balance is None) == (num_partitions is None):
             raise ValueError(
                 "Give exactly one of balance=[layers per cell] or num_partitions=K; got "
@@ -78,30 +82,37 @@ class PipelineModel(keras.Model):
                 "cost='memory' needs a measurement outside the training graph; compute "
                 "balance=tfpipe.balance.by_memory(layers, K, sample) first and pass it as balance=."
             )
-        cell_sizes = balance_lib.check(balance, len(layers_)) if balance is not None else None
-        num_cells = len(cell_sizes) if cell_sizes else balance_lib.check_num_partitions(num_partitions, len(layers_))
+        cell_sizes = balance_lib.check(balance, units) if balance is not None else None
+        num_cells = len(cell_sizes) if cell_sizes else balance_lib.check_num_partitions(num_partitions, units)
         m = positive_int("num_micro_batches", num_micro_batches, "Use 1 to disable micro-batching.")
         remat = checkpoint.check_mode(remat)
         unroll = check_unroll(unroll, remat)
         cell_devices = devices_lib.resolve(devices, num_cells)
         super().__init__(**kwargs)
         self.pipeline_layers = layers_  # tracked first, so weights are ordered as in keras.Sequential
+        self._graph = graph  # a Functional model's nodes, or None for a layer sequence
         self._cost = cost
         self._num_cells, self._m, self._remat, self._devices = num_cells, m, remat, list(cell_devices)
         self._unroll = unroll
         self._estimate: cost_lib.Estimate | None = None
         self._inputs: Any = None  # symbolic inputs the model was built for, batch dimension included
         self._pipeline: Pipeline | None = None
-        if cell_sizes is None and num_cells in (1, len(layers_)):
-            cell_sizes = balance_lib.uniform(len(layers_), num_cells)  # the only split there is
+        if cell_sizes is None and num_cells in (1, units):
+            cell_sizes = balance_lib.uniform(units, num_cells)  # the only split there is
         elif cell_sizes is None and callable(cost):
             cell_sizes = self._split_by_cost(None)
-        elif cell_sizes is None and isinstance(layers, keras.Model) and layers.built and layers.inputs:
-            cell_sizes = self._split_by_cost(layers.inputs[0] if len(layers.inputs) == 1 else layers.inputs)
+        elif cell_sizes is None and graph is not None:
+            cell_sizes = self._split_by_cost(None)  # the graph knows its shapes
         if cell_sizes is not None:
             self._make_pipeline(cell_sizes)
 
     def _make_pipeline(self, cell_sizes: Sequence[int]) -> None:
+        self._balance = [int(n) for n in cell_sizes]
+        if self._graph is not None:
+            segments = self._graph.cut(cell_sizes)
+            cells = [Cell(k, s.layers, d, program=s) for k, (s, d) in enumerate(zip(segments, self._devices))]
+            self._pipeline = Pipeline(cells, self._m, self._remat, self._unroll, routes=self._graph.routes(segments))
+            return
         starts = np.cumsum([0] + list(cell_sizes))
         layers = self.pipeline_layers
         cells = [Cell(k, layers[starts[k] : starts[k + 1]], d) for k, d in enumerate(self._devices)]
@@ -116,6 +127,9 @@ class PipelineModel(keras.Model):
 
     def _estimate_costs(self, input_shape: Any) -> cost_lib.Estimate:
         """Per-layer costs; string costs are measured on copies fed with a generated micro-batch."""
+        if self._graph is not None:
+            batch = specs.first_batch_dim(input_shape) if input_shape is not None else None
+            return cost_lib.estimate_graph(self._graph, self._cost, batch, self._m)
         sample = None
         if not callable(self._cost):
             sample = specs.estimation_sample(specs.symbolic(input_shape), specs.first_batch_dim(input_shape), self._m)
@@ -125,7 +139,7 @@ class PipelineModel(keras.Model):
     @property
     def balance(self) -> list[int] | None:
         """Layers per cell; ``None`` until built when ``num_partitions`` splits by an estimated cost."""
-        return [len(cell.layers) for cell in self._pipeline.cells] if self._pipeline else None
+        return list(self._balance) if self._pipeline else None
 
     @property
     def devices(self) -> list[str]:
@@ -177,7 +191,7 @@ class PipelineModel(keras.Model):
         self._inputs = specs.symbolic(input_shape, keep_batch=True)
         if self._pipeline is None:
             self._make_pipeline(self._split_by_cost(input_shape))
-        for cell in self._pipeline.cells:
+        for cell in self._pipeline.cells if self._graph is None else ():  # a graph's layers are built
             x = cell.build(x)
         check_no_shared_variables(self._pipeline.cells)
         self.built = True
@@ -188,6 +202,8 @@ class PipelineModel(keras.Model):
         if not training and _compat.in_stateless_scope():
             # Keras' symbolic build (compute_output_spec) needs only the outputs' spec, and in inference the
             # layers give the same values unpipelined: run them once instead of tracing K x M tasks.
+            if self._graph is not None:
+                return self._graph.model(inputs, training=False)
             for layer in self.pipeline_layers:
                 inputs = layer(inputs, training=False)
             return inputs
@@ -297,13 +313,16 @@ class PipelineModel(keras.Model):
             "name": self.name,
             "trainable": self.trainable,
             "dtype": keras.dtype_policies.serialize(self.dtype_policy),
-            "layers": [saving.layer_config(layer) for layer in self.pipeline_layers],
             "devices": self.devices,
             "num_micro_batches": self._m,
             "remat": self._remat,
             "unroll": self._unroll,
             "cost": self._cost if isinstance(self._cost, str) else "flops",
         }
+        if self._graph is not None:
+            config["model"] = keras.saving.serialize_keras_object(self._graph.model)
+        else:
+            config["layers"] = [saving.layer_config(layer) for layer in self.pipeline_layers]
         if self.balance is not None:
             config["balance"] = self.balance
         else:
@@ -314,7 +333,12 @@ class PipelineModel(keras.Model):
     def from_config(cls, config: dict[str, Any], custom_objects: Any = None) -> PipelineModel:
         """A model from ``get_config``; saved devices this machine lacks are replaced by its own (with a warning)."""
         config = dict(config)
-        layers = [keras.saving.deserialize_keras_object(c, custom_objects=custom_objects) for c in config.pop("layers")]
+        if "model" in config:  # a Functional model
+            layers = keras.saving.deserialize_keras_object(config.pop("model"), custom_objects=custom_objects)
+        else:
+            layers = [
+                keras.saving.deserialize_keras_object(c, custom_objects=custom_objects) for c in config.pop("layers")
+            ]
         num_cells = len(config["balance"]) if config.get("balance") else config["num_partitions"]
         devices, why = devices_lib.restore(config.pop("devices"), num_cells)
         if why:
@@ -363,7 +387,30 @@ class PipelineModel(keras.Model):
         ``copy=False`` (default) shares the layers and weights: training one trains the
         other. ``copy=True`` clones the layers and copies the current weights.
         """
+        if self._graph is not None:
+            raise TypeError(
+                f"PipelineModel {self.name!r} was made from the Functional model {self._graph.model.name!r}; "
+                "use to_functional() to get it back."
+            )
         return saving.to_sequential(self.pipeline_layers, self._inputs, f"{self.name}_sequential", copy)
+
+    def to_functional(self, *, copy: bool = False) -> keras.Model:
+        """The Functional model this one was made from: the same graph over the same layers.
+
+        ``copy=False`` (default) returns that model, sharing the layers and weights. ``copy=True``
+        clones it (``keras.models.clone_model``) with the current weights.
+        """
+        if self._graph is None:
+            raise TypeError(
+                f"PipelineModel {self.name!r} was made from a layer sequence, not a Functional model; "
+                "use to_sequential() (or keras.Sequential(model.pipeline_layers))."
+            )
+        model = self._graph.model
+        if not copy:
+            return model
+        clone = keras.models.clone_model(model)
+        clone.set_weights(model.get_weights())
+        return clone
 
     # Presentation -------------------------------------------------------------------------------
     def layer_costs(self) -> cost_lib.Estimate | None:

@@ -21,6 +21,7 @@ import tensorflow as tf
 
 from tfpipe import checkpoint, devices, loop, schedule, sendrecv, state
 from tfpipe.cell import Cell
+from tfpipe.routes import MODEL_INPUT, Routes
 from tfpipe.tasks import TASK_START, task_scope_name
 
 LossFn = Callable[[int, Any], tf.Tensor]
@@ -85,10 +86,25 @@ def check_unroll(unroll: Any, remat: str) -> bool:
 
 
 class Pipeline:
-    """Runs cells over micro-batches in GPipe order, with explicit per-task backward."""
+    """Runs cells over micro-batches in GPipe order, with explicit per-task backward.
 
-    def __init__(self, cells: Sequence[Cell], num_micro_batches: int, remat: str, unroll: bool = True):
+    Without ``routes`` each cell takes the previous cell's output (the first the
+    micro-batch) and the last cell's output is the model's. With ``routes`` (a
+    Functional graph) each cell takes tensors from any earlier cell and the model's
+    inputs, straight from their producers; a tensor's gradient is the sum of what
+    every cell that reads it sends back.
+    """
+
+    def __init__(
+        self,
+        cells: Sequence[Cell],
+        num_micro_batches: int,
+        remat: str,
+        unroll: bool = True,
+        routes: Routes | None = None,
+    ):
         self.cells = list(cells)
+        self.routes = routes
         self.num_micro_batches = num_micro_batches
         self.remat = checkpoint.check_mode(remat)
         # Loops (tfpipe/loop.py) build in a time that does not grow with M, but their later steps were
@@ -105,8 +121,13 @@ class Pipeline:
 
     def prepare(self) -> None:
         """Eagerly, before a step is traced: learn what explicit transfers between processes need."""
-        if self.unroll:
+        if not self.unroll:
+            return
+        if self.routes is None:
             sendrecv.discover([(a.device, b.device) for a, b in zip(self.cells, self.cells[1:])])
+        else:
+            pairs = {(p.device, self.cells[c].device) for p in self.cells for c in self.routes.readers(p.index)}
+            sendrecv.discover(sorted((a, b) for a, b in pairs if a != b))
 
     def _schedule(self, backward: bool) -> list[schedule.Task]:
         return schedule.flatten(schedule.gpipe(len(self.cells), self.num_micro_batches, backward=backward))
@@ -149,6 +170,8 @@ class Pipeline:
             loss_scale=loss_scale,
             weights=[cell.read() for cell in self.cells],
         )  # read once per step
+        if self.routes is not None:
+            step.flat_inputs = [self.routes.flatten_inputs(x) for x in inputs]
         chain = _Chain(self.cells)
         if loss_fn is not None:
             for cell in self.cells:
@@ -162,9 +185,9 @@ class Pipeline:
             else:
                 self._backward_task(task, step, chain)
 
-        last, m = len(self.cells) - 1, self.num_micro_batches
+        m = self.num_micro_batches
         return self._result(
-            [step.acts[(last, j)] for j in range(m)],
+            [step.outputs[j] for j in range(m)],
             [step.losses[j] for j in range(m)] + step.added if loss_fn is not None else None,
             step.grads,
             step.new_state,
@@ -173,6 +196,8 @@ class Pipeline:
         )
 
     def _run_loops(self, inputs, training, loss_fn, fractions, loss_scale) -> StepResult:
+        if self.routes is not None:
+            raise loop.Unsupported("tensors of the Functional graph skip cells, which the loops do not carry")
         weights = [cell.read() for cell in self.cells]
         loss_grads = None
         if loss_fn is not None:
@@ -213,7 +238,7 @@ class Pipeline:
         i, j = task.cell, task.micro_batch
         cell, (trainable, other) = self.cells[i], step.weights[i]
         backward, training = step.loss_fn is not None, step.training
-        x = step.inputs[j] if i == 0 else step.acts[(i - 1, j)]
+        x = self._input_of(i, j, step)
         with chain.task(task) as produced:
             x = tf.nest.map_structure(lambda t: None if t is None else tf.identity(t), x)  # arrive on this device
             seeds = state.micro_batch_states(cell.non_trainable_variables, other, j) if training else other
@@ -241,7 +266,7 @@ class Pipeline:
                     lambda *src: fn(tf.nest.pack_sequence_as(x, _unflat(x, src)), *src[n_x:]),
                     flat_x + list(trainable),
                     recompute=checkpoint.recomputes(self.remat, j, self.num_micro_batches),
-                    constant=n_x if i == 0 else 0,
+                    constant=(n_x if i == 0 else 0) if self.routes is None else self.routes.constants(i),
                     extras=extras,
                     traced=cell.vjps if cell.traceable else None,
                     key=repr(tf.nest.map_structure(lambda t: t is None, x)),
@@ -253,33 +278,86 @@ class Pipeline:
             step.acts[(i, j)], step.new_state[(i, j)] = y, new_state
             step.added.append(added)
             produced.extend(_flat(y) + [added])
-            consumer = self.cells[i + 1].device if i + 1 < len(self.cells) else None
-            if consumer is not None and sendrecv.known(cell.device, consumer):
-                # The next task of this device waits for the sends (see tfpipe/sendrecv.py).
-                step.acts[(i, j)], sends = sendrecv.transfer(
-                    y, f"tfpipe_{task_scope_name(task)}", cell.device, consumer
-                )
-                produced.extend(sends)
-            if backward and i == len(self.cells) - 1:
-                produced.append(self._loss_task(i, j, y, step))
+            produced.extend(self._send(task, y, step))
+            if i == len(self.cells) - 1:
+                step.outputs[j] = y if self.routes is None else self._model_outputs(j, step)
+                if backward:
+                    produced.append(self._loss_task(i, j, step.outputs[j], step))
+
+    def _input_of(self, i: int, j: int, step: _Step) -> Any:
+        """Cell i's input for micro-batch j: the previous cell's output, or its sources' tensors (routes)."""
+        if self.routes is None:
+            return step.inputs[j] if i == 0 else step.acts[(i - 1, j)]
+        return tuple(self._leaf(source, j, step, self.cells[i].device) for source in self.routes.feeds[i])
+
+    def _model_outputs(self, j: int, step: _Step) -> Any:
+        """Micro-batch j's outputs of a routed graph, in the model's output structure, read on the last device."""
+        device = self.cells[-1].device
+        return self.routes.pack_outputs([self._leaf(source, j, step, device) for source in self.routes.results])
 
     @staticmethod
-    def _loss_task(i: int, j: int, y: Any, step: _Step) -> tf.Tensor:
-        """Micro-batch j's weighted loss and its gradient for the outputs ``y`` of the last cell i."""
-        step.losses[j], step.dys[(i, j)] = _loss_and_gradients(step.loss_fn, j, y, step.loss_scale)
+    def _leaf(source: tuple[int, int], j: int, step: _Step, device: str) -> tf.Tensor:
+        """A routed tensor as read on ``device``: the producer's, or the copy sent there explicitly."""
+        p, pos = source
+        if p == MODEL_INPUT:
+            return step.flat_inputs[j][pos]
+        return step.received.get((p, j, device), {}).get(pos, step.acts[(p, j)][pos])
+
+    def _send(self, task: schedule.Task, y: Any, step: _Step) -> list[Any]:
+        """Explicit sends of F(i, j)'s outputs to the devices in other processes that read them.
+
+        The next task of this device waits for the sends (see tfpipe/sendrecv.py).
+        """
+        i, j, src = task.cell, task.micro_batch, self.cells[task.cell].device
+        if self.routes is None:
+            dst = self.cells[i + 1].device if i + 1 < len(self.cells) else None
+            if dst is None or not sendrecv.known(src, dst):
+                return []
+            step.acts[(i, j)], sends = sendrecv.transfer(y, f"tfpipe_{task_scope_name(task)}", src, dst)
+            return sends
+        wanted: dict[str, set[int]] = {}
+        for consumer, positions in self.routes.readers(i).items():
+            dst = self.cells[consumer].device
+            if dst != src and sendrecv.known(src, dst):
+                wanted.setdefault(dst, set()).update(positions)
+        sends: list[Any] = []
+        for n, (dst, positions) in enumerate(sorted(wanted.items())):
+            moved, made = sendrecv.transfer(
+                [y[p] for p in sorted(positions)], f"tfpipe_{task_scope_name(task)}_{n}", src, dst
+            )
+            step.received[(i, j, dst)] = dict(zip(sorted(positions), moved))
+            sends.extend(made)
+        return sends
+
+    def _loss_task(self, i: int, j: int, y: Any, step: _Step) -> tf.Tensor:
+        """Micro-batch j's weighted loss and its gradient for the model's outputs ``y`` (the last cell i's)."""
+        step.losses[j], grads = _loss_and_gradients(step.loss_fn, j, y, step.loss_scale)
+        if self.routes is None:
+            step.dys[(i, j)] = grads
+        else:
+            _deliver(step, j, self.routes.results, grads)
         return step.losses[j]
 
     def _backward_task(self, task: schedule.Task, step: _Step, chain: _Chain) -> None:
         """B(i, j): the VJP of cell i on micro-batch j (recomputing it if so recorded); sum weight gradients."""
         i, j = task.cell, task.micro_batch
-        record, dy = step.records.pop((i, j)), step.dys.pop((i, j))
+        record = step.records.pop((i, j))
+        if self.routes is None:
+            dy = step.dys.pop((i, j))
+        else:  # the gradient of each output is the sum of what its readers sent back, added on this device
+            sent = step.dys.pop((i, j), {})
+            dy = [sent.get(pos) for pos in range(len(step.acts[(i, j)]))]
         n_w = len(step.weights[i][0])
-        with chain.task(task, extra_deps=[g for g in dy if g is not None]) as produced:
+        with chain.task(task, extra_deps=[g for g in tf.nest.flatten(dy) if g is not None]) as produced:
+            if self.routes is not None:
+                dy = [None if g is None else g[0] if len(g) == 1 else tf.add_n(g) for g in dy]
             scale = step.scales[i]  # the gradient of the added losses
             running = step.grads[i] if step.grads[i] is not None else [None] * n_w
             grads = record.vjp(lambda out: _flat(out[0]) + [out[2]], list(dy) + [scale], accumulate=running)
             dx, step.grads[i] = grads[: len(grads) - n_w], grads[len(grads) - n_w :]
-            if i > 0:
+            if self.routes is not None:
+                _deliver(step, j, self.routes.feeds[i], dx)
+            elif i > 0:
                 step.dys[(i - 1, j)] = dx
             produced.extend([g for g in dx if g is not None] + step.grads[i])
 
@@ -295,9 +373,12 @@ class _Step:
     loss_scale: Any
     weights: list[tuple[list[tf.Tensor], list[tf.Tensor]]]
     acts: dict = dataclasses.field(default_factory=dict)  # cell outputs
+    outputs: dict = dataclasses.field(default_factory=dict)  # the model's outputs per micro-batch
+    flat_inputs: list = dataclasses.field(default_factory=list)  # routes: each micro-batch's input leaves
+    received: dict = dataclasses.field(default_factory=dict)  # routes: (cell, micro-batch, device) -> {pos: copy}
     records: dict = dataclasses.field(default_factory=dict)  # checkpoints awaiting their backward
     new_state: dict = dataclasses.field(default_factory=dict)  # non-trainable values after each forward
-    dys: dict = dataclasses.field(default_factory=dict)  # gradients arriving at each cell's outputs
+    dys: dict = dataclasses.field(default_factory=dict)  # gradients arriving at each cell's outputs (routes: lists)
     losses: dict = dataclasses.field(default_factory=dict)  # weighted loss per micro-batch
     added: list = dataclasses.field(default_factory=list)  # add_loss and regularization terms
     grads: list = dataclasses.field(default_factory=list)  # summed weight gradients per cell
@@ -307,6 +388,13 @@ class _Step:
 
     def __post_init__(self):
         self.grads = [None] * len(self.weights)
+
+
+def _deliver(step: _Step, j: int, sources: Sequence[tuple[int, int]], grads: Sequence[Any]) -> None:
+    """Hand each gradient back to the cell that produced its tensor, to be summed there (routes)."""
+    for (p, pos), g in zip(sources, grads):
+        if p != MODEL_INPUT and g is not None:
+            step.dys.setdefault((p, j), {}).setdefault(pos, []).append(g)
 
 
 def _loss_and_gradients(loss_fn: LossFn, j: int, y: Any, loss_scale: Any) -> tuple[tf.Tensor, list[Any]]:

@@ -10,11 +10,11 @@ from tfpipe import functional
 
 
 def layer_list(layers: Any) -> list[keras.layers.Layer]:
-    """The layers of a list, a ``keras.Sequential`` or a chain-shaped Functional model, each a distinct layer."""
+    """The layers of a list, a ``keras.Sequential`` or a Functional model (in node order), each a distinct layer."""
     if isinstance(layers, keras.Sequential):
         layers = layers.layers
     elif functional.is_functional(layers):
-        layers = functional.chain_layers(layers)
+        layers = functional.Graph(layers).layers
     elif isinstance(layers, keras.layers.Layer):
         raise TypeError(
             f"layers must be a list of Keras layers or a keras.Sequential, got the single layer {layers.name!r}; "
