@@ -38,6 +38,28 @@ def pattern_images(num_examples: int, size: int, num_classes: int, seed: int = 0
     return images.astype("float32"), labels.astype("int32")
 
 
+def shapes_segmentation(num_examples: int, size: int, seed: int = 0, noise: float = 0.5):
+    """Noisy images of a bright rectangle and a dark disc; the target marks the rectangle's pixels.
+
+    Learnable by a U-Net (it must tell the two shapes apart, not only find bright pixels).
+    Returns (images float32 (N, size, size, 3), masks float32 (N, size, size, 1)).
+    """
+    rng = np.random.default_rng(seed)
+    rows, cols = np.mgrid[:size, :size]
+    images = noise * rng.normal(size=(num_examples, size, size, 3))
+    masks = np.zeros((num_examples, size, size, 1))
+    for n in range(num_examples):
+        top, left = rng.integers(0, size // 2, size=2)
+        height, width = rng.integers(size // 4, size // 2 + 1, size=2)
+        box = (rows >= top) & (rows < top + height) & (cols >= left) & (cols < left + width)
+        cy, cx, radius = rng.integers(0, size), rng.integers(0, size), rng.integers(size // 8 + 1, size // 4 + 2)
+        disc = (rows - cy) ** 2 + (cols - cx) ** 2 <= radius**2
+        images[n][disc] += 1.5
+        images[n][box] += 1.5
+        masks[n, ..., 0] = box
+    return images.astype("float32"), masks.astype("float32")
+
+
 @dataclasses.dataclass
 class TfdsData:
     """A tensorflow-datasets split made into batches of (inputs, targets[, weights]) for one model kind."""

@@ -3,6 +3,8 @@
 python scripts/train.py                      # small Transformer, 2 cells, generated copy task
 python scripts/train.py --model=resnet --depth=50 --width=16 --devices=cpu:4 --partitions=4 --micro_batches=8
 python scripts/train.py --model=amoebanet --dataset=tfds:cifar10 --model_dir=/tmp/run --tensorboard
+python scripts/train.py --model=unet --unet_depth=3 --image_size=32   # a Functional model: skips cross the cuts
+python scripts/train.py --model=keras:MobileNetV2 --partitions=4      # any keras.applications model by name
 """
 
 from __future__ import annotations
@@ -20,7 +22,13 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 from absl import app, flags  # noqa: E402
 
 FLAGS = flags.FLAGS
-flags.DEFINE_enum("model", "transformer", ["transformer", "amoebanet", "resnet"], "Reference model to train.")
+MODELS = ("transformer", "amoebanet", "resnet", "unet")
+flags.DEFINE_string(
+    "model",
+    "transformer",
+    f"Reference model to train: one of {', '.join(MODELS)}, or keras:NAME for a keras.applications model "
+    "(weights=None, on the image task).",
+)
 # model sizes
 flags.DEFINE_integer(
     "blocks",
@@ -36,6 +44,9 @@ flags.DEFINE_integer("filters", 32, "AmoebaNet-D filters (D, a multiple of 8).",
 flags.DEFINE_enum("depth", "50", ["50", "101"], "ResNet depth.")
 flags.DEFINE_integer("width", 16, "ResNet stem filters (64 in the paper).", lower_bound=1)
 flags.DEFINE_list("stage_blocks", None, "ResNet bottleneck blocks per stage, e.g. 1,1,1,1; overrides --depth.")
+flags.DEFINE_integer("unet_depth", 3, "U-Net down/up stages (5 in torchgpipe).", lower_bound=1)
+flags.DEFINE_integer("unet_convs", 2, "U-Net convolutions per stage (5 in torchgpipe).", lower_bound=1)
+flags.DEFINE_integer("unet_channels", 8, "U-Net channels of the first stage (64 in torchgpipe).", lower_bound=1)
 flags.DEFINE_integer("image_size", 32, "Image height and width for the image models.", lower_bound=8)
 flags.DEFINE_integer("num_classes", 10, "Classes of the generated image task.", lower_bound=2)
 # data
@@ -82,7 +93,7 @@ class UsageError(Exception):
 class Task:
     """What to train: the layers, their loss and metrics, and the data."""
 
-    layers: list
+    layers: Any  # a list of layers, or a Functional keras.Model
     loss: Any
     metrics: dict  # keyword arguments for compile: metrics or weighted_metrics
     dataset: Any  # tf.data.Dataset of whole batches: (inputs, targets[, weights])
@@ -140,6 +151,12 @@ def _ints(name: str) -> list[int] | None:
 
 def check_flags() -> None:
     """Flag combinations that cannot work, found before anything is built."""
+    if FLAGS.model not in MODELS and not FLAGS.model.startswith("keras:"):
+        raise UsageError(f"--model={FLAGS.model}: use one of {', '.join(MODELS)} or keras:NAME, e.g. keras:ResNet50")
+    if FLAGS.model == "unet" and FLAGS.image_size % 2**FLAGS.unet_depth:
+        raise UsageError(f"--image_size={FLAGS.image_size} must be divisible by 2**--unet_depth={2**FLAGS.unet_depth}")
+    if FLAGS.model == "unet" and FLAGS.dataset != "synthetic":
+        raise UsageError("--model=unet trains on the generated segmentation task; use --dataset=synthetic")
     if FLAGS.batch_size < FLAGS.micro_batches:
         raise UsageError(f"--batch_size={FLAGS.batch_size} is smaller than --micro_batches={FLAGS.micro_batches}")
     if FLAGS.tensorboard and not FLAGS.model_dir:
@@ -207,6 +224,20 @@ def make_task() -> Task:
             scored,
         )
 
+    size = FLAGS.image_size
+    if FLAGS.model == "unet":
+        from models.unet import unet
+
+        images, masks = data.shapes_segmentation(FLAGS.examples, size, seed=FLAGS.seed)
+        model = unet((size, size, 3), 1, FLAGS.unet_depth, FLAGS.unet_convs, FLAGS.unet_channels)
+        return Task(
+            model,
+            keras.losses.BinaryCrossentropy(from_logits=True),
+            {"metrics": [keras.metrics.BinaryAccuracy(threshold=0.0, name="accuracy")]},
+            _batches((images, masks), FLAGS.batch_size, FLAGS.seed),
+            (None, size, size, 3),
+            "pixels",
+        )
     if FLAGS.dataset == "synthetic":
         images, labels = data.pattern_images(FLAGS.examples, FLAGS.image_size, FLAGS.num_classes, seed=FLAGS.seed)
         dataset, classes = _batches((images, labels), FLAGS.batch_size, FLAGS.seed), FLAGS.num_classes
@@ -217,11 +248,19 @@ def make_task() -> Task:
         from models.amoebanet import amoebanet_d
 
         layers = amoebanet_d(classes, FLAGS.blocks or 3, FLAGS.filters)
+    elif FLAGS.model.startswith("keras:"):
+        name = FLAGS.model[len("keras:") :]
+        application = getattr(keras.applications, name, None)
+        if not callable(application):
+            raise UsageError(f"--model={FLAGS.model}: keras.applications has no model {name!r}, e.g. keras:ResNet50")
+        try:
+            layers = application(weights=None, input_shape=(size, size, 3), classes=classes, classifier_activation=None)
+        except ValueError as err:
+            raise UsageError(f"--model={FLAGS.model}: {str(err).splitlines()[0]}") from None
     else:
         from models.resnet import resnet
 
         layers = resnet(int(FLAGS.depth), classes, FLAGS.width, stage_blocks=_ints("stage_blocks"))
-    size = FLAGS.image_size
     return Task(
         layers,
         keras.losses.SparseCategoricalCrossentropy(from_logits=True),

@@ -13,8 +13,8 @@ from tfpipe._args import positive_int
 from tfpipe.sequence import layer_list
 
 
-def check(balance: Sequence[int], num_layers: int) -> list[int]:
-    """Validate a user's balance (layers per cell) against the number of layers."""
+def check(balance: Sequence[int], num_layers: int, unit: str = "layers") -> list[int]:
+    """Validate a user's balance (layers per cell) against the number of layers (or other ``unit``s)."""
     if isinstance(balance, (str, bytes)) or not hasattr(balance, "__iter__"):
         raise TypeError(f"balance must be a list of ints (layers per cell), got {balance!r}.")
     balance = list(balance)
@@ -27,18 +27,18 @@ def check(balance: Sequence[int], num_layers: int) -> list[int]:
             raise ValueError(f"Every cell needs at least one layer; balance={balance} has an entry {b} < 1.")
     if sum(balance) != num_layers:
         raise ValueError(
-            f"balance={balance} sums to {sum(balance)} but there are {num_layers} layers; "
+            f"balance={balance} sums to {sum(balance)} but there are {num_layers} {unit}; "
             f"make the entries sum to {num_layers}."
         )
     return balance
 
 
-def check_num_partitions(num_partitions: int, num_layers: int) -> int:
-    """Validate a number of cells K for ``num_layers`` layers."""
+def check_num_partitions(num_partitions: int, num_layers: int, unit: str = "layers") -> int:
+    """Validate a number of cells K for ``num_layers`` layers (or other ``unit``s)."""
     num_partitions = positive_int("num_partitions", num_partitions)
     if num_partitions > num_layers:
         raise ValueError(
-            f"num_partitions={num_partitions} is more than the {num_layers} layers; "
+            f"num_partitions={num_partitions} is more than the {num_layers} {unit}; "
             f"use at most {num_layers} partitions."
         )
     return int(num_partitions)

@@ -6,6 +6,12 @@ Functional model replaced by its own nodes. Every layer call and every
 ``keras.ops`` call is a node. Cut into contiguous segments, every edge points
 forward: a segment reads the model's inputs and the outputs of earlier
 segments, and hands on what later segments (or the model's outputs) read.
+
+Keras hangs two things on a tensor that a cut would lose: its mask
+(``_keras_mask``, which the next layers read) and, on a softmax or sigmoid
+output, its logits (``_keras_logits``, which Keras' cross-entropy reads for
+exactness). Each travels as a companion tensor of its own key, read wherever
+the tensor is read, and is hung back on it there.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ from typing import Any
 
 import keras
 import numpy as np
+import tensorflow as tf
 
 from tfpipe import _compat
 from tfpipe.routes import MODEL_INPUT, Routes
@@ -55,6 +62,18 @@ class Node:
         return keras.tree.flatten(self.operation(*args, **kwargs))
 
 
+ATTRIBUTES = ("_keras_mask", "_keras_logits")  # what Keras hangs on a tensor, carried as companions
+Companions = dict[int, list[tuple[str, int]]]  # key -> [(attribute, key of the companion tensor)]
+
+
+def hang(values: dict[int, Any], keys: Sequence[int], companions: Companions) -> None:
+    """Hang the companions present in ``values`` back on their tensors (as Keras would have left them)."""
+    for k in keys:
+        for attribute, c in companions.get(k, ()):
+            if c in values and k in values:
+                setattr(values[k], attribute, values[c])
+
+
 @dataclasses.dataclass
 class Segment:
     """Consecutive nodes run as one cell: ``outputs = segment(inputs)``, both tuples of tensors by key order."""
@@ -62,6 +81,7 @@ class Segment:
     nodes: list[Node]
     inputs: list[int]  # keys read from outside: the model's inputs first, then earlier segments' outputs
     outputs: list[int]  # keys produced here and read later (by later segments or as the model's outputs)
+    companions: Companions = dataclasses.field(default_factory=dict)
 
     @property
     def layers(self) -> list[keras.layers.Layer]:
@@ -72,8 +92,17 @@ class Segment:
     def __call__(self, x: Sequence[Any], training: bool | None = None) -> tuple[Any, ...]:
         """Run the nodes on the inputs ``x`` (ordered as ``inputs``); the outputs, ordered as ``outputs``."""
         values = dict(zip(self.inputs, x))
+        hang(values, self.inputs, self.companions)
         for node in self.nodes:
             values.update(zip(node.outputs, node.run(values, training)))
+            for k in node.outputs:
+                for attribute, c in self.companions.get(k, ()):
+                    values[c] = getattr(values[k], attribute, None)
+                    if values[c] is None:
+                        raise ValueError(
+                            f"Node {node.name!r} gave a tensor without the {attribute} that its symbolic call "
+                            "had; tfpipe carries it across cuts and needs it in every call."
+                        )
         return tuple(values[k] for k in self.outputs)
 
 
@@ -86,11 +115,17 @@ class Graph:
         self.model = model
         self.specs: dict[int, keras.KerasTensor] = {}  # key -> symbolic tensor (shape, dtype)
         self.nodes: list[Node] = []
-        self._expanded: set[int] = {id(model)}  # the models whose nodes are in the graph (nested ones flattened)
         self.inputs = [self._new_key(t) for t in model.inputs]
         aliases = {id(t): k for t, k in zip(model.inputs, self.inputs)}
         self.outputs = self._expand(model, aliases, model.name)
         self._check_layers_called_once()
+        self.companions: Companions = {}
+        for k, spec in list(self.specs.items()):
+            mask = getattr(spec, "_keras_mask", None)
+            if mask is not None and k not in self.inputs:
+                self.companions[k] = [("_keras_mask", self._new_key(mask))]
+        for k in _with_logits(self.nodes, self.outputs, self.specs):
+            self.companions.setdefault(k, []).append(("_keras_logits", self._new_key(self.specs[k])))
 
     def _new_key(self, tensor: keras.KerasTensor) -> int:
         key = len(self.specs)
@@ -110,9 +145,8 @@ class Graph:
             missing = [t.name for t in args if id(t) not in aliases]
             if missing:
                 raise ValueError(f"The node {where} reads {missing}, which nothing before it in the graph produces.")
-            if is_functional(operation) and not node.arguments.kwargs:
+            if is_functional(operation) and not any(v is not None for v in node.arguments.kwargs.values()):
                 inner = dict(zip((id(t) for t in operation.inputs), (aliases[id(t)] for t in _inputs_of(node))))
-                self._expanded.add(id(operation))
                 outer = self._expand(operation, inner, f"{path}/{operation.name}")
                 for t, key in zip(node.outputs, outer):
                     aliases[id(t)] = key
@@ -132,21 +166,14 @@ class Graph:
 
     @property
     def layers(self) -> list[keras.layers.Layer]:
-        """The model's layers in its own order (``model.layers``, weights ordered alike), nested models flattened."""
-        return self._layers_of(self.model)
-
-    def _layers_of(self, model: keras.Model) -> list[keras.layers.Layer]:
-        found: list[keras.layers.Layer] = []
-        for layer in model.layers:
-            if id(layer) in self._expanded:
-                found.extend(self._layers_of(layer))
-            elif not isinstance(layer, keras.layers.InputLayer):
-                found.append(layer)
-        return found
+        """The model's own layers (``model.layers`` without its inputs): weights and saved files as the model's."""
+        return [layer for layer in self.model.layers if not isinstance(layer, keras.layers.InputLayer)]
 
     def pack_outputs(self, leaves: Sequence[Any]) -> Any:
-        """The model's output structure (``model.output``) with ``leaves`` in place of its tensors."""
-        return keras.tree.pack_sequence_as(self.model.output, list(leaves))
+        """The model's output structure (``model.output``) from the tensors of ``results``, companions hung on."""
+        values = dict(zip(self.results, leaves))
+        hang(values, self.outputs, self.companions)
+        return keras.tree.pack_sequence_as(self.model.output, [values[k] for k in self.outputs])
 
     def flatten_inputs(self, x: Any) -> list[Any]:
         """The leaves of a batch shaped like ``model.input``, in the order of ``inputs``."""
@@ -170,21 +197,29 @@ class Graph:
         owner = {k: -1 for k in self.inputs}
         for index, nodes in enumerate(groups):
             for node in nodes:
-                owner.update((k, index) for k in node.outputs)
+                owner.update((k, index) for k in self._with_companions(node.outputs))
         read_after: dict[int, set[int]] = {}  # key -> segments that read it; len(sizes) stands for the outputs
         for index, nodes in enumerate(groups):
             for node in nodes:
-                for k in node.inputs:
+                for k in self._with_companions(node.inputs):
                     if owner[k] != index:
                         read_after.setdefault(k, set()).add(index)
-        for k in self.outputs:
+        for k in self.results:
             read_after.setdefault(k, set()).add(len(sizes))
         segments = []
         for index, nodes in enumerate(groups):
             inputs = sorted((k for k, readers in read_after.items() if index in readers), key=lambda k: (owner[k], k))
             outputs = sorted(k for k, readers in read_after.items() if owner[k] == index and readers)
-            segments.append(Segment(nodes, inputs, outputs))
+            segments.append(Segment(nodes, inputs, outputs, self.companions))
         return segments
+
+    def _with_companions(self, keys: Sequence[int]) -> list[int]:
+        return [c for k in keys for c in [k] + [c for _, c in self.companions.get(k, ())]]
+
+    @property
+    def results(self) -> list[int]:
+        """The keys the model's outputs need: the outputs, then their companions (masks, logits)."""
+        return self.outputs + [c for k in self.outputs for _, c in self.companions.get(k, ())]
 
     def routes(self, segments: Sequence[Segment]) -> Routes:
         """Where each segment's inputs and the model's outputs come from, for a pipeline of these segments."""
@@ -193,7 +228,7 @@ class Graph:
             source.update((k, (index, pos)) for pos, k in enumerate(segment.outputs))
         return Routes(
             feeds=[[source[k] for k in segment.inputs] for segment in segments],
-            results=[source[k] for k in self.outputs],
+            results=[source[k] for k in self.results],
             flatten_inputs=self.flatten_inputs,
             pack_outputs=self.pack_outputs,
         )
@@ -224,15 +259,53 @@ class Graph:
             for cut in range(len(self.nodes))
         ]
 
-    def crossing(self, segments: Sequence[Segment]) -> list[list[int]]:
-        """For each cut between segments, the keys of the tensors that cross it."""
+    def crossing(self, segments: Sequence[Segment]) -> list[list[tuple[str, tuple, float]]]:
+        """For each cut between segments, the tensors that cross it: (what makes it, shape, bytes per sample)."""
         produced_before, result = set(self.inputs), []
         for index in range(len(segments) - 1):
             for node in segments[index].nodes:
                 produced_before.update(node.outputs)
             later = {k for s in segments[index + 1 :] for k in s.inputs} | set(self.outputs)
-            result.append(sorted(produced_before & later))
+            result.append([self._describe(k) for k in sorted(produced_before & later)])
         return result
+
+    def _describe(self, key: int) -> tuple[str, tuple, float]:
+        spec = self.specs[key]
+        if key in self.inputs:
+            name = f"input {self.model.inputs[self.inputs.index(key)].name!r}"
+        else:
+            node = next(n for n in self.nodes if key in n.outputs)
+            name = node.name if len(node.outputs) == 1 else f"{node.name}[{node.outputs.index(key)}]"
+        return name, tuple(spec.shape), tensor_bytes(spec)
+
+
+def _with_logits(nodes: Sequence[Node], outputs: Sequence[int], specs: Mapping[int, Any]) -> list[int]:
+    """The model outputs that Keras' backend gives logits (softmax, sigmoid), found by tracing their nodes once."""
+    found = []
+    for node in nodes:
+        wanted = [k for k in node.outputs if k in outputs]
+        if wanted:
+            made = _trace_alone(node, specs)
+            found.extend(k for k in wanted if getattr(made.get(k), "_keras_logits", None) is not None)
+    return found
+
+
+def _trace_alone(node: Node, specs: Mapping[int, Any]) -> dict[int, Any]:
+    """The node's outputs, traced on its own in a function graph (empty if it cannot be)."""
+    made: dict[int, Any] = {}
+
+    def trace(*x: tf.Tensor) -> list[tf.Tensor]:
+        with keras.StatelessScope():
+            made.update(zip(node.outputs, node.run(dict(zip(node.inputs, x)), training=False)))
+        return list(made.values())
+
+    try:
+        tf.function(trace, autograph=False).get_concrete_function(
+            *[tf.TensorSpec(specs[k].shape, specs[k].dtype) for k in node.inputs]
+        )
+    except Exception:  # noqa: BLE001 - a node that cannot be traced alone: its outputs carry no logits
+        return {}
+    return made
 
 
 def tensor_bytes(spec: keras.KerasTensor) -> float:

@@ -82,8 +82,9 @@ class PipelineModel(keras.Model):
                 "cost='memory' needs a measurement outside the training graph; compute "
                 "balance=tfpipe.balance.by_memory(layers, K, sample) first and pass it as balance=."
             )
-        cell_sizes = balance_lib.check(balance, units) if balance is not None else None
-        num_cells = len(cell_sizes) if cell_sizes else balance_lib.check_num_partitions(num_partitions, units)
+        unit = "layers" if graph is None else f"nodes (layer and keras.ops calls) in {layers.name!r}"
+        cell_sizes = balance_lib.check(balance, units, unit) if balance is not None else None
+        num_cells = len(cell_sizes) if cell_sizes else balance_lib.check_num_partitions(num_partitions, units, unit)
         m = positive_int("num_micro_batches", num_micro_batches, "Use 1 to disable micro-batching.")
         remat = checkpoint.check_mode(remat)
         unroll = check_unroll(unroll, remat)
@@ -103,8 +104,12 @@ class PipelineModel(keras.Model):
             cell_sizes = self._split_by_cost(None)
         elif cell_sizes is None and graph is not None:
             cell_sizes = self._split_by_cost(None)  # the graph knows its shapes
+        elif cell_sizes is None and isinstance(layers, keras.Model) and layers.built and layers.inputs:
+            cell_sizes = self._split_by_cost(layers.inputs[0] if len(layers.inputs) == 1 else layers.inputs)
         if cell_sizes is not None:
             self._make_pipeline(cell_sizes)
+        if graph is not None:  # its layers are built: so is this model, for the graph's inputs
+            self.build(graph.model.input)
 
     def _make_pipeline(self, cell_sizes: Sequence[int]) -> None:
         self._balance = [int(n) for n in cell_sizes]
@@ -418,6 +423,12 @@ class PipelineModel(keras.Model):
         if self._estimate is None and (callable(self._cost) or self._inputs is not None):
             self._estimate = self._estimate_costs(self._inputs)
         return self._estimate
+
+    def _cut_tensors(self) -> list[list[tuple[str, tuple, float]]] | None:
+        """For a Functional model split into cells: per cut, the tensors crossing it (maker, shape, bytes/sample)."""
+        if self._graph is None or self._pipeline is None:
+            return None
+        return self._graph.crossing([cell.program for cell in self._pipeline.cells])
 
     def summary(
         self,

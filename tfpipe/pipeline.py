@@ -280,9 +280,10 @@ class Pipeline:
             produced.extend(_flat(y) + [added])
             produced.extend(self._send(task, y, step))
             if i == len(self.cells) - 1:
-                step.outputs[j] = y if self.routes is None else self._model_outputs(j, step)
+                leaves = _flat(y) if self.routes is None else self._result_leaves(j, step)
+                step.outputs[j] = y if self.routes is None else self.routes.pack_outputs(leaves)
                 if backward:
-                    produced.append(self._loss_task(i, j, step.outputs[j], step))
+                    produced.append(self._loss_task(i, j, step.outputs[j], leaves, step))
 
     def _input_of(self, i: int, j: int, step: _Step) -> Any:
         """Cell i's input for micro-batch j: the previous cell's output, or its sources' tensors (routes)."""
@@ -290,10 +291,10 @@ class Pipeline:
             return step.inputs[j] if i == 0 else step.acts[(i - 1, j)]
         return tuple(self._leaf(source, j, step, self.cells[i].device) for source in self.routes.feeds[i])
 
-    def _model_outputs(self, j: int, step: _Step) -> Any:
-        """Micro-batch j's outputs of a routed graph, in the model's output structure, read on the last device."""
+    def _result_leaves(self, j: int, step: _Step) -> list[tf.Tensor]:
+        """Micro-batch j's tensors that make the model's outputs of a routed graph, read on the last device."""
         device = self.cells[-1].device
-        return self.routes.pack_outputs([self._leaf(source, j, step, device) for source in self.routes.results])
+        return [self._leaf(source, j, step, device) for source in self.routes.results]
 
     @staticmethod
     def _leaf(source: tuple[int, int], j: int, step: _Step, device: str) -> tf.Tensor:
@@ -329,9 +330,9 @@ class Pipeline:
             sends.extend(made)
         return sends
 
-    def _loss_task(self, i: int, j: int, y: Any, step: _Step) -> tf.Tensor:
-        """Micro-batch j's weighted loss and its gradient for the model's outputs ``y`` (the last cell i's)."""
-        step.losses[j], grads = _loss_and_gradients(step.loss_fn, j, y, step.loss_scale)
+    def _loss_task(self, i: int, j: int, y: Any, leaves: list[tf.Tensor], step: _Step) -> tf.Tensor:
+        """Micro-batch j's weighted loss of the model's outputs ``y`` and its gradient for the tensors ``leaves``."""
+        step.losses[j], grads = _loss_and_gradients(step.loss_fn, j, y, step.loss_scale, leaves)
         if self.routes is None:
             step.dys[(i, j)] = grads
         else:
@@ -397,9 +398,12 @@ def _deliver(step: _Step, j: int, sources: Sequence[tuple[int, int]], grads: Seq
             step.dys.setdefault((p, j), {}).setdefault(pos, []).append(g)
 
 
-def _loss_and_gradients(loss_fn: LossFn, j: int, y: Any, loss_scale: Any) -> tuple[tf.Tensor, list[Any]]:
-    """Micro-batch j's weighted loss, and the gradients of the scaled loss for the leaves of ``y`` (None if integer)."""
-    ys = _flat(y)
+def _loss_and_gradients(
+    loss_fn: LossFn, j: int, y: Any, loss_scale: Any, leaves: Sequence[tf.Tensor] | None = None
+) -> tuple[tf.Tensor, list[Any]]:
+    """Micro-batch j's weighted loss, and the gradients of the scaled loss for ``leaves`` (default: the leaves
+    of ``y``; None where integer). The leaves may include tensors hung on ``y``'s, such as Keras' logits."""
+    ys = _flat(y) if leaves is None else list(leaves)
     floating = [t for t in ys if t.dtype.is_floating]
     with tf.GradientTape(watch_accessed_variables=False) as tape:
         tape.watch(floating)

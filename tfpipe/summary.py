@@ -58,6 +58,10 @@ def print_summary(model: Any, line_length: int | None = None, print_fn: Callable
     for row in rows[1:]:
         print_fn(fmt(row))
     print_fn("=" * width)
+    for cut, tensors in enumerate(model._cut_tensors() or []):  # noqa: SLF001 - the model's own summary
+        total = si(sum(b for _, _, b in tensors)) + "B"
+        listed = ", ".join(f"{name} {list(shape[1:])} {si(b)}B" for name, shape, b in tensors)
+        print_fn(f"Cut {cut}|{cut + 1}: {len(tensors)} tensors, {total}/sample: {listed}")
     if model.built:
         trainable = sum(int(np.prod(v.shape)) for v in model.trainable_weights)
         total = sum(int(np.prod(v.shape)) for v in model.weights)
