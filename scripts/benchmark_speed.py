@@ -29,8 +29,10 @@ FLAGS = flags.FLAGS
 flags.DEFINE_enum(
     "model",
     "transformer",
-    ["transformer", "amoebanet", "mlp"],
-    "Model to time; mlp: --blocks Dense(--dims) + tanh layers and a Dense(10) classifier.",
+    ["transformer", "amoebanet", "mlp", "unet", "resnet50"],
+    "Model to time; mlp: --blocks Dense(--dims) + tanh layers and a Dense(10) classifier; unet: models/unet.py "
+    "(a Functional model: depth 3, 2 convolutions per stage, --dims base channels, --seq_len pixels square); "
+    "resnet50: keras.applications.ResNet50 (Functional, --seq_len pixels square, --dims ignored).",
 )
 flags.DEFINE_integer("max_partitions", 2, "Largest K (powers of two from 1).", lower_bound=1)
 flags.DEFINE_list("micro_batches", ["1", "2", "4", "8", "16", "32"], "Values of M.")
@@ -69,9 +71,19 @@ def _layers_and_data(dim: int, n: int):
     if FLAGS.model == "mlp":
         layers = [keras.layers.Dense(dim, activation="tanh") for _ in range(FLAGS.blocks)] + [keras.layers.Dense(10)]
         return layers, rng.normal(size=(n, dim)).astype("float32"), rng.integers(0, 10, size=n)
+    size = FLAGS.seq_len
+    if FLAGS.model == "unet":
+        from models.unet import unet
+
+        model = unet((size, size, 3), output_channels=2, depth=3, num_convs=2, base_channels=dim)
+        return model, rng.normal(size=(n, size, size, 3)).astype("float32"), rng.integers(0, 2, size=(n, size, size))
+    if FLAGS.model == "resnet50":
+        model = keras.applications.ResNet50(
+            weights=None, input_shape=(size, size, 3), classes=10, classifier_activation=None
+        )
+        return model, rng.normal(size=(n, size, size, 3)).astype("float32"), rng.integers(0, 10, size=n)
     from models.amoebanet import amoebanet_d
 
-    size = FLAGS.seq_len
     layers = amoebanet_d(10, FLAGS.blocks, dim)
     return layers, rng.normal(size=(n, size, size, 3)).astype("float32"), rng.integers(0, 10, size=n)
 

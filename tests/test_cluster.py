@@ -95,6 +95,45 @@ def test_outputs_cross_processes_through_explicit_sends_the_producer_waits_for()
     assert int(waits) >= 2  # cell 0's next tasks wait for the sends
 
 
+def test_a_functional_model_sends_each_skip_straight_to_the_worker_that_reads_it():
+    """A U-Net on 3 workers: cell 0's first skip goes to worker 2 by its own send, not through worker 1."""
+    proc = run_fresh("""
+        import numpy as np, keras, tensorflow as tf
+        import tfpipe
+        from models.unet import unet
+        from tfpipe.cluster import LocalCluster
+        from tests.util import max_rel_error
+
+        def make():
+            keras.utils.set_random_seed(3)
+            return unet((16, 16, 3), output_channels=2, depth=2, num_convs=1, base_channels=4, batch_norm=False)
+
+        rng = np.random.default_rng(0)
+        x = rng.standard_normal((6, 16, 16, 3)).astype("float32")
+        y = rng.standard_normal((6, 16, 16, 2)).astype("float32")
+        reference = make()
+        reference.compile(optimizer="sgd", loss="mse")
+        reference.fit(x, y, batch_size=6, epochs=2, verbose=0, shuffle=False)
+        with LocalCluster(3) as cluster:
+            # 12 nodes: down0 conv+pool, down1 conv+pool | middle, up1 | up0, logits
+            model = tfpipe.PipelineModel(make(), balance=[4, 4, 4], devices=cluster.devices, num_micro_batches=2)
+            model.compile(optimizer="sgd", loss="mse")
+            model.fit(x, y, batch_size=6, epochs=2, verbose=0, shuffle=False)
+            error = max_rel_error(model.get_weights(), reference.get_weights())
+            spec = (tf.TensorSpec((6, 16, 16, 3)), tf.TensorSpec((6, 16, 16, 2)))
+            graph = tf.function(lambda a, b: model.train_step((a, b))).get_concrete_function(*spec).graph
+            sends = [op for op in graph.get_operations() if op.type == "Send"]
+            workers = [op.get_attr("recv_device").decode().split("task:")[1][0] for op in sends]
+            to = sorted({(op.name.split("/")[0], worker) for op, worker in zip(sends, workers)})
+        print("RESULT", error)
+        print("SENDS", ";".join(f"{task}>{worker}" for task, worker in to))
+    """)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert float(proc.stdout.split("RESULT")[1].split()[0]) < 1e-5
+    sends = proc.stdout.split("SENDS")[1].split()[0]
+    assert sends == "F_0_0>1;F_0_0>2;F_0_1>1;F_0_1>2;F_1_0>2;F_1_1>2"
+
+
 def test_workers_stop_on_exit_and_after_an_error():
     proc = run_fresh("""
         import os

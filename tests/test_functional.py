@@ -1,5 +1,7 @@
 """Functional models enter PipelineModel: skips go straight to their readers, and training equals the model's own."""
 
+import types
+
 import keras
 import numpy as np
 import pytest
@@ -8,7 +10,7 @@ import tensorflow as tf
 import tfpipe
 from models.unet import unet
 from tests.util import cpu_devices, max_rel_error
-from tfpipe import functional
+from tfpipe import _compat, functional
 
 
 def _unet():
@@ -190,6 +192,15 @@ def test_a_layer_called_twice_trains_within_one_cell():
 def test_a_layer_called_in_two_cells_is_refused_with_the_fix():
     with pytest.raises(ValueError, match=r"Layer 'twice' is called at nodes \[1, 2\].*cells \[0, 1\].*balance"):
         tfpipe.PipelineModel(_shared_twice(), balance=[2, 2], devices=cpu_devices(2))
+
+
+def test_a_node_that_is_not_a_keras_operation_is_refused_naming_it(monkeypatch):
+    model = _shared_twice()
+    nodes = list(_compat.execution_order(model))
+    nodes[1] = types.SimpleNamespace(operation=np.tanh, arguments=nodes[1].arguments, outputs=nodes[1].outputs)
+    monkeypatch.setattr(_compat, "execution_order", lambda m: nodes if m is model else [])
+    with pytest.raises(ValueError, match=r"The node ufunc <ufunc 'tanh'> of .* is not a Keras layer or operation.*Layer"):
+        tfpipe.PipelineModel(model, num_partitions=2, devices=cpu_devices(2))
 
 
 def test_balance_counts_nodes():

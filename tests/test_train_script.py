@@ -33,6 +33,38 @@ def test_small_default_run_lowers_the_loss():
     assert "examples/s" in proc.stdout and "Predicted pipeline efficiency" in proc.stdout
 
 
+def test_unet_a_functional_model_learns_the_segmentation_task():
+    proc = _run(
+        "--model=unet",
+        "--unet_depth=2",
+        "--image_size=16",
+        "--examples=256",
+        "--epochs=3",
+        "--verbose=0",
+        "--devices=cpu:4",
+        "--partitions=4",
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    found = re.search(r"accuracy ([\d.]+) -> ([\d.]+) \(pixels\)", proc.stdout)
+    assert found and float(found.group(2)) > 0.8, proc.stdout[-2000:]
+    assert "Cut 2|3:" in proc.stdout  # the summary lists the tensors crossing each cut
+
+
+def test_a_keras_application_trains_by_name():
+    proc = _run(
+        "--model=keras:MobileNetV2",
+        "--image_size=32",
+        "--examples=16",
+        "--batch_size=8",
+        "--micro_batches=1",
+        "--epochs=1",
+        "--verbose=0",
+        "--devices=cpu:2",
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "balance [" in proc.stdout and "Cut 0|1:" in proc.stdout
+
+
 def test_resume_from_model_dir_continues_where_the_backup_left_off(tmp_path):
     model_dir = str(tmp_path / "run")
     first = _run(*TINY_TRANSFORMER, "--epochs=1", f"--model_dir={model_dir}", "--tensorboard")
@@ -94,6 +126,9 @@ def test_bad_flags_name_the_flag():
             "--balance/--partitions/--devices/--micro_batches: num_partitions=9 is more",
         ),
         (["--devices=local:1"], "--devices=local:1 starts 1 workers for 2 cells; use local:2"),
+        (["--model=vgg"], "--model=vgg: use one of transformer, amoebanet, resnet, unet or keras:NAME"),
+        (["--model=keras:Nope"], "--model=keras:Nope: keras.applications has no model 'Nope'"),
+        (["--model=unet", "--image_size=20"], "--image_size=20 must be divisible by 2**--unet_depth=8"),
     ]:
         proc = _run(*flags)
         assert proc.returncode == 2 and message in proc.stderr, (flags, proc.stderr[-1500:])

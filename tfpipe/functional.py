@@ -138,9 +138,13 @@ class Graph:
         ``aliases`` maps the id of each of its input tensors to the key of the tensor fed to it.
         """
         for node in _compat.execution_order(model):
-            operation, where = node.operation, f"{type(node.operation).__name__} {node.operation.name!r} of {path}"
+            operation = node.operation
+            where = f"{type(operation).__name__} {getattr(operation, 'name', operation)!r} of {path}"
             if not isinstance(operation, keras.Operation):
-                raise ValueError(f"The node {where} calls {operation!r}, which is not a Keras layer or operation.")
+                raise ValueError(
+                    f"The node {where} is not a Keras layer or operation, so tfpipe cannot run it in a cell; "
+                    "wrap it in a keras.layers.Layer."
+                )
             args = list(node.arguments.keras_tensors)
             missing = [t.name for t in args if id(t) not in aliases]
             if missing:
