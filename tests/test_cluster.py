@@ -125,13 +125,17 @@ def test_a_functional_model_sends_each_skip_straight_to_the_worker_that_reads_it
             sends = [op for op in graph.get_operations() if op.type == "Send"]
             workers = [op.get_attr("recv_device").decode().split("task:")[1][0] for op in sends]
             to = sorted({(op.name.split("/")[0], worker) for op, worker in zip(sends, workers)})
+            places = sorted({v.value.device.split("/device")[0] for v in model.trainable_variables})
         print("RESULT", error)
         print("SENDS", ";".join(f"{task}>{worker}" for task, worker in to))
+        print("PLACES", ",".join(places))  # the model's weights moved to the workers of their cells
     """)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert float(proc.stdout.split("RESULT")[1].split()[0]) < 1e-5
     sends = proc.stdout.split("SENDS")[1].split()[0]
     assert sends == "F_0_0>1;F_0_0>2;F_0_1>1;F_0_1>2;F_1_0>2;F_1_1>2"
+    places = proc.stdout.split("PLACES")[1].split()[0].split(",")
+    assert places == [f"/job:worker/replica:0/task:{k}" for k in range(3)]
 
 
 def test_workers_stop_on_exit_and_after_an_error():

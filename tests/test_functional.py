@@ -184,6 +184,16 @@ def _shared_twice():
     return keras.Model(inputs, keras.layers.Dense(2, name="last")(x))
 
 
+def test_the_weights_move_to_their_cells_devices():
+    own = _two_inputs()
+    model = tfpipe.PipelineModel(own, balance=[3, 4], devices=cpu_devices(2))
+    for cell in model.cells:
+        assert cell.trainable_variables
+        assert all(v.value.device.endswith(f"CPU:{cell.index}") for v in cell.trainable_variables)
+    x, _ = _data(own, 2)
+    np.testing.assert_allclose(own.predict(x, verbose=0), model.predict(x, verbose=0), rtol=1e-6)  # still shared
+
+
 def test_a_layer_called_twice_trains_within_one_cell():
     reference, model, _, _ = _fit_both(_shared_twice, 2, m=2, n=4, balance=[1, 3])
     assert max_rel_error(model.get_weights(), reference.get_weights()) < 1e-5
@@ -199,7 +209,9 @@ def test_a_node_that_is_not_a_keras_operation_is_refused_naming_it(monkeypatch):
     nodes = list(_compat.execution_order(model))
     nodes[1] = types.SimpleNamespace(operation=np.tanh, arguments=nodes[1].arguments, outputs=nodes[1].outputs)
     monkeypatch.setattr(_compat, "execution_order", lambda m: nodes if m is model else [])
-    with pytest.raises(ValueError, match=r"The node ufunc <ufunc 'tanh'> of .* is not a Keras layer or operation.*Layer"):
+    with pytest.raises(
+        ValueError, match=r"The node ufunc <ufunc 'tanh'> of .* is not a Keras layer or operation.*Layer"
+    ):
         tfpipe.PipelineModel(model, num_partitions=2, devices=cpu_devices(2))
 
 
@@ -259,6 +271,14 @@ def test_crossing_bytes_feed_the_balance():
     # The first skip (16x16x4 float32) is live across every cut until the concatenation that reads it.
     concat = next(i for i, n in enumerate(graph.nodes) if n.name == "up0_concat")
     assert all(b >= 16 * 16 * 4 * 4 for b in live[:concat])
+
+
+def test_balance_functions_count_the_nodes_of_a_functional_model():
+    x, _ = _data(_unet(), 4)
+    split, costs = tfpipe.balance.by_flops(_unet(), 3, x, return_costs=True)
+    assert len(costs) == 12 and sum(split) == 12
+    assert split == tfpipe.PipelineModel(_unet(), num_partitions=3, devices=cpu_devices(3)).balance
+    assert sum(tfpipe.balance.by_params(_unet(), 2)) == 12
 
 
 def test_unroll_false_falls_back_to_unrolled_for_a_graph_with_skips():

@@ -96,6 +96,17 @@ def execution_order(model: keras.Model) -> list[Any]:
     return [node for depth in sorted(by_depth, reverse=True) for node in by_depth[depth] if not node.is_input]
 
 
+def move_variable(variable: keras.Variable, device: str) -> None:
+    """Re-create the TensorFlow variable behind a Keras variable on ``device``, with its value.
+
+    Keras creates a variable where its layer is built and has no public way to move it;
+    the TensorFlow backend keeps the tf.Variable in ``_value`` and makes it in ``_initialize``.
+    """
+    old = variable._value  # noqa: SLF001
+    with tf.init_scope(), tf.device(device):
+        variable._initialize(tf.identity(old.read_value()))  # noqa: SLF001
+
+
 def partition_graphs(fn: Any, *args: Any) -> list[Any]:
     """Run the tf.function ``fn`` eagerly once and return the GraphDefs TensorFlow partitioned it into.
 

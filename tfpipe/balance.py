@@ -8,7 +8,7 @@ from typing import Any, Union
 import numpy as np
 
 from tfpipe import cost as cost_lib
-from tfpipe import schedule
+from tfpipe import functional, schedule
 from tfpipe._args import positive_int
 from tfpipe.sequence import layer_list
 
@@ -136,14 +136,18 @@ Balance = Union[list[int], tuple[list[int], list[float]]]
 
 
 def _by(kind: str, layers: Any, k: int, sample: Any, return_costs: bool, **options: Any) -> Balance:
-    estimate = cost_lib.estimate(layers, sample, kind, **options)
+    if functional.is_functional(layers):  # a balance of a Functional model counts its nodes
+        batch = cost_lib.batch_size(sample) if sample is not None else None
+        estimate = cost_lib.estimate_graph(functional.Graph(layers), kind, batch, **options)
+    else:
+        estimate = cost_lib.estimate(layers, sample, kind, **options)
     split = partition(estimate.costs, k, boundary_bytes=estimate.output_bytes)
     return (split, estimate.costs) if return_costs else split
 
 
 def by_params(layers: Any, k: int, sample: Any = None, return_costs: bool = False) -> Balance:
     """Balance by parameter count; ``sample`` (a batch) is needed only when the layers are not built yet."""
-    if sample is None:
+    if sample is None and not functional.is_functional(layers):
         layers = layer_list(layers)
         unbuilt = [layer.name for layer in layers if not layer.built]
         if unbuilt:

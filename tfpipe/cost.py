@@ -78,7 +78,7 @@ def estimate(layers: Any, sample: Any, cost: Cost = "flops", device: str | None 
     repeats = positive_int("repeats", repeats)
     if cost == "memory" and not tf.executing_eagerly():
         raise ValueError("cost='memory' is measured eagerly only; call tfpipe.balance.by_memory outside tf.function.")
-    batch = _batch_size(sample)
+    batch = batch_size(sample)
     device = device or _default_device()
     measure = _measure_fn(cost, batch, device, repeats)
     run = cost in ("time", "memory")
@@ -247,7 +247,8 @@ def _bytes(structure: Any) -> float:
     return float(total)
 
 
-def _batch_size(sample: Any) -> int:
+def batch_size(sample: Any) -> int:
+    """The batch size of a sample batch (possibly nested); a ValueError if it is not a batch."""
     leaves = tf.nest.flatten(sample)
     shapes = [getattr(leaf, "shape", None) for leaf in leaves]
     if not leaves or any(s is None or len(s) == 0 or s[0] is None for s in shapes):

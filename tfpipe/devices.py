@@ -69,6 +69,13 @@ def tpu_core(device: str) -> int | None:
     return int(core.group(1)) if core else None
 
 
+def matches(actual: str, wanted: str) -> bool:
+    """Whether the full device name ``actual`` is ``wanted`` in every field that ``wanted`` names."""
+    a, w = tf.DeviceSpec.from_string(actual), tf.DeviceSpec.from_string(wanted)
+    fields = ("job", "replica", "task", "device_type", "device_index")
+    return all(getattr(w, f) is None or getattr(w, f) == getattr(a, f) for f in fields)
+
+
 def scope(device: str, strategy: Any = None) -> ContextManager:
     """Where a cell's variables and ops go: ``tf.device(device)``, or a TPU replica's logical core.
 

@@ -109,6 +109,7 @@ class PipelineModel(keras.Model):
         if cell_sizes is not None:
             self._make_pipeline(cell_sizes)
         if graph is not None:  # its layers are built: so is this model, for the graph's inputs
+            self._move_graph_variables()
             self.build(graph.model.input)
 
     def _make_pipeline(self, cell_sizes: Sequence[int]) -> None:
@@ -122,6 +123,21 @@ class PipelineModel(keras.Model):
         layers = self.pipeline_layers
         cells = [Cell(k, layers[starts[k] : starts[k + 1]], d) for k, d in enumerate(self._devices)]
         self._pipeline = Pipeline(cells, self._m, self._remat, self._unroll)
+
+    def _move_graph_variables(self) -> None:
+        """A Functional model's weights were created where it was built: move each to its cell's device.
+
+        As a layer list's are created there. Not under a distribution strategy, which owns placement.
+        """
+        if not _compat.is_default_strategy(tf.distribute.get_strategy()):
+            return
+        for cell in self._pipeline.cells:
+            if devices_lib.tpu_core(cell.device) is not None:
+                continue
+            for layer in cell.layers:
+                for variable in layer.weights:
+                    if not devices_lib.matches(variable.value.device, cell.device):
+                        _compat.move_variable(variable, cell.device)
 
     def _split_by_cost(self, input_shape: Any) -> list[int]:
         """Estimate every layer's cost for inputs shaped ``input_shape``; return the optimal balance."""
