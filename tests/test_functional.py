@@ -133,8 +133,9 @@ def test_softmax_outputs_keep_their_logits_across_the_cut_so_the_loss_is_exact()
     assert max_rel_error(model.get_weights(), reference.get_weights()) < 1e-5
 
 
+@pytest.mark.parametrize("k", [2, 4])
 @pytest.mark.parametrize("name", ["MobileNetV2", "ResNet50", "DenseNet121"])
-def test_keras_applications_train_like_themselves(name):
+def test_keras_applications_train_like_themselves(name, k):
     # M=1: they have BatchNormalization, whose per-micro-batch statistics are GPipe's semantics at M>1.
     def make():
         keras.utils.set_random_seed(1)
@@ -143,8 +144,8 @@ def test_keras_applications_train_like_themselves(name):
     rng = np.random.default_rng(0)
     x, y = rng.standard_normal((4, 32, 32, 3)).astype("float32"), rng.integers(0, 5, 4)
     reference, own = make(), make()
-    model = tfpipe.PipelineModel(own, num_partitions=4, devices=cpu_devices(4))
-    assert len(model.cells) == 4 and all(cell.layers for cell in model.cells)
+    model = tfpipe.PipelineModel(own, num_partitions=k, devices=cpu_devices(k))
+    assert len(model.cells) == k and all(cell.layers for cell in model.cells)
     for net in (reference, model):
         net.compile(optimizer="sgd", loss="sparse_categorical_crossentropy")
         net.fit(x, y, batch_size=4, epochs=1, verbose=0)
