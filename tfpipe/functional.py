@@ -118,7 +118,7 @@ class Graph:
         self.inputs = [self._new_key(t) for t in model.inputs]
         aliases = {id(t): k for t, k in zip(model.inputs, self.inputs)}
         self.outputs = self._expand(model, aliases, model.name)
-        self._check_layers_called_once()
+        self._find_shared_layers()
         self.companions: Companions = {}
         for k, spec in list(self.specs.items()):
             mask = getattr(spec, "_keras_mask", None)
@@ -161,7 +161,8 @@ class Graph:
             self.nodes.append(Node(operation, node.arguments, keys, outputs))
         return [aliases[id(t)] for t in model.outputs]
 
-    def _check_layers_called_once(self) -> None:
+    def _find_shared_layers(self) -> None:
+        """Layers with weights called at several nodes: ``cut`` keeps each within one segment."""
         calls: dict[int, list[int]] = {}
         for index, node in enumerate(self.nodes):
             if isinstance(node.operation, keras.layers.Layer) and node.operation.weights:
