@@ -7,6 +7,7 @@ L under a budget. The method, in full: docs/benchmarks.md, "Memory: GPipe Table 
     python scripts/benchmark_memory.py                             # defaults: L=4 table, 2 GiB budget, M=8
     python scripts/benchmark_memory.py --out=docs/memory            # also write .csv and .md
     python scripts/benchmark_memory.py --max_blocks=32              # the full remat search (about 20 min)
+    python scripts/benchmark_memory.py --schedules --table_micro_batches=2,4,8,16   # GPipe against 1F1B, K=2
 """
 
 from __future__ import annotations
@@ -52,6 +53,12 @@ flags.DEFINE_integer(
 flags.DEFINE_integer("jobs", 2, "Child processes run at once.", lower_bound=1)
 flags.DEFINE_integer("seed", 0, "Seed for the weights and the data.")
 flags.DEFINE_string("out", None, "Write every measurement to OUT.csv and the tables to OUT.md.")
+flags.DEFINE_bool(
+    "schedules",
+    False,
+    "Instead of parts 1 and 2: the step's transient memory under each schedule (tfpipe.schedule) with K=2 cells "
+    "on 2 logical CPU devices, remat='never', for every M of --table_micro_batches.",
+)
 flags.DEFINE_string("_child", None, "Internal: measure the JSON configuration in this process.")
 
 GIB, MIB = 1 << 30, 1 << 20
@@ -71,6 +78,9 @@ def measure(config: dict[str, Any]) -> dict[str, int]:
     import tfpipe
     from models.transformer import transformer_lm
 
+    if config["model"] in ("gpipe", "1f1b"):  # two cells on two logical devices, before TensorFlow starts
+        cpu = tf.config.list_physical_devices("CPU")[0]
+        tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
     keras.utils.set_random_seed(config["seed"])
     dim = config["dim"]
     layers = transformer_lm(config["vocab"], config["seq_len"], config["blocks"], dim, 4 * dim, config["heads"])
@@ -78,6 +88,16 @@ def measure(config: dict[str, Any]) -> dict[str, int]:
     if config["model"] == "plain":
         model = keras.Sequential(layers)
         model.compile(optimizer=keras.optimizers.Adam(1e-3), loss=loss, jit_compile=False)
+    elif config["model"] in ("gpipe", "1f1b"):
+        model = tfpipe.PipelineModel(
+            layers,
+            num_partitions=2,
+            devices=["/CPU:0", "/CPU:1"],
+            num_micro_batches=config["m"],
+            remat="never",
+            schedule=config["model"],
+        )
+        model.compile(optimizer=keras.optimizers.Adam(1e-3), loss=loss)
     else:
         model = tfpipe.PipelineModel(
             layers, balance=[len(layers)], devices=["/CPU:0"], num_micro_batches=config["m"], remat="always"
@@ -245,6 +265,9 @@ def main(argv: list[str]) -> None:
         print(RESULT + json.dumps(measure(json.loads(FLAGS._child))), flush=True)
         return
     ms = _validate_flags()
+    if FLAGS.schedules:
+        _schedules(ms)
+        return
     n, big_l, m_search = boundary_bytes(), FLAGS.blocks, FLAGS.micro_batches
     budget = FLAGS.budget_gib * GIB
     print(
@@ -306,6 +329,33 @@ def main(argv: list[str]) -> None:
             "note",
         ]
         write_table(FLAGS.out, rows, text, fields)
+
+
+def _schedules(ms: list[int]) -> None:
+    """The schedule table: per M, each schedule's transient bytes in one step and 1F1B's share of GPipe's."""
+    probes = Probes()
+    with concurrent.futures.ThreadPoolExecutor(FLAGS.jobs) as pool:
+        futures = {(name, m): pool.submit(probes.run, name, FLAGS.blocks, m) for m in ms for name in ("gpipe", "1f1b")}
+        results = {key: f.result() for key, f in futures.items()}
+    lines = [
+        f"### Transient memory of one step by schedule: L={FLAGS.blocks} Transformer, K=2, remat='never', "
+        f"batch {FLAGS.batch_size}",
+        "",
+        "| M | GPipe | 1F1B | 1F1B / GPipe |",
+        "|---|---|---|---|",
+    ]
+    rows = []
+    for m in ms:
+        gpipe, one = results[("gpipe", m)]["transient"], results[("1f1b", m)]["transient"]
+        lines.append(f"| {m} | {_mib(gpipe)} | {_mib(one)} | {one / gpipe:.2f} |")
+        for name in ("gpipe", "1f1b"):
+            r = results[(name, m)]
+            rows.append({"schedule": name, "M": m, "before_bytes": r["before"], "peak_bytes": r["peak"],
+                         "transient_bytes": r["transient"], "max_rss_bytes": r["max_rss"]})  # fmt: skip
+    text = "\n".join(lines)
+    print("\n" + text)
+    if FLAGS.out:
+        write_table(FLAGS.out, rows, text, list(rows[0]))
 
 
 def _row(

@@ -63,6 +63,7 @@ flags.DEFINE_list("balance", None, "Layers per cell, e.g. 2,2,3; overrides --par
 flags.DEFINE_enum("cost", "flops", ["flops", "params", "time"], "Per-layer cost that --partitions balances.")
 flags.DEFINE_integer("micro_batches", 4, "Micro-batches per mini-batch (M).", lower_bound=1)
 flags.DEFINE_enum("remat", "except_last", ["always", "except_last", "never"], "Re-materialization mode.")
+flags.DEFINE_enum("schedule", "gpipe", ["gpipe", "1f1b"], "Task order: GPipe's, or 1F1B (fewer activations held).")
 flags.DEFINE_string(
     "devices",
     "auto",
@@ -322,6 +323,7 @@ def _run(stack: contextlib.ExitStack) -> dict:
             devices=devices,
             num_micro_batches=FLAGS.micro_batches,
             remat=FLAGS.remat,
+            schedule=FLAGS.schedule,
         )
         model.build(task.input_shape)
     except (ValueError, TypeError) as err:
@@ -377,7 +379,7 @@ def _run(stack: contextlib.ExitStack) -> dict:
     )
     print(
         f"balance {report['balance']} on {report['devices']}, {report['micro_batches']} micro-batches, "
-        f"remat={FLAGS.remat!r}"
+        f"remat={FLAGS.remat!r}" + (f", schedule={FLAGS.schedule!r}" if FLAGS.schedule != "gpipe" else "")
     )
     return report
 

@@ -57,6 +57,21 @@ def test_each_device_runs_its_tasks_in_schedule_order(k, m, devices):
                 assert _ancestors(op) & earlier_ops, f"{op.name} of {later} can start before {earlier} ends"
 
 
+@pytest.mark.parametrize("k,m", [(2, 4), (3, 5)])
+def test_each_device_runs_its_tasks_in_the_1f1b_order(k, m):
+    model = tfpipe.PipelineModel(
+        mlp_layers(depth=3), num_partitions=k, devices=cpu_devices(k), num_micro_batches=m, schedule="1f1b"
+    )
+    tasks = _task_ops(_train_graph(model, batch=m))
+    for cell_order in schedule.cell_orders("1f1b", k, m):
+        names = [task_scope_name(t) for t in cell_order]
+        assert names[: min(k - cell_order[0].cell, m) + 1][-1].startswith("B")  # the warm-up, then a backward
+        for earlier, later in zip(names, names[1:]):
+            earlier_ops = {op.name for op in tasks[earlier]}
+            for op in tasks[later]:
+                assert _ancestors(op) & earlier_ops, f"{op.name} of {later} can start before {earlier} ends"
+
+
 def test_task_ops_are_placed_on_their_cells_device():
     model = tfpipe.PipelineModel(
         mlp_layers(depth=2), num_partitions=2, devices=["/CPU:2", "/CPU:3"], num_micro_batches=2

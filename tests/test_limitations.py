@@ -66,20 +66,6 @@ def test_weights_tied_across_cells_train_like_keras():
 @pytest.mark.xfail(
     strict=True,
     raises=AssertionError,
-    reason="Keras masks cross cuts of Functional models (tests/test_functional.py) but not of layer lists",
-)
-def test_a_keras_mask_crosses_a_cell_boundary():
-    tokens = np.array([[3, 5, 0, 0], [7, 0, 0, 0]], "int32")  # 0 is padding
-    layers = [keras.layers.Embedding(10, 4, mask_zero=True), keras.layers.GlobalAveragePooling1D()]
-    reference = keras.Sequential([keras.Input((4,), dtype="int32"), *layers])
-    expected = reference.predict(tokens, verbose=0)
-    model = tfpipe.PipelineModel.from_sequential(reference, balance=[1, 1], devices=cpu_devices(2))
-    np.testing.assert_allclose(model.predict(tokens, verbose=0), expected, rtol=1e-6)
-
-
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
     reason="seed-generator states are created with their layer, on the default device, before the cell places it",
 )
 def test_seed_states_live_on_their_cells_device():

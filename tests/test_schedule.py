@@ -120,3 +120,51 @@ def test_simulate_refuses_bad_sizes():
         schedule.simulate(2, 0, [1, 1], [1, 1])
     with pytest.raises(ValueError, match="num_cells must be an integer >= 1"):
         schedule.simulate(0, 2, [], [])
+
+
+@pytest.mark.parametrize("name", schedule.SCHEDULES)
+@pytest.mark.parametrize("k,m", [(1, 1), (2, 1), (2, 4), (4, 3), (4, 6), (3, 8)])
+def test_every_schedule_runs_every_task_once_after_its_inputs(name, k, m):
+    order = schedule.steps(name, k, m)
+    assert sorted(order, key=str) == sorted(
+        [Task(kind, i, j) for kind in "FB" for i in range(k) for j in range(m)], key=str
+    )
+    pos = {t: n for n, t in enumerate(order)}
+    for i in range(k):
+        for j in range(m):
+            assert pos[Task("F", i, j)] < pos[Task("B", i, j)]
+            if i > 0:
+                assert pos[Task("F", i - 1, j)] < pos[Task("F", i, j)]
+                assert pos[Task("B", i, j)] < pos[Task("B", i - 1, j)]
+    for i, cell_order in enumerate(schedule.cell_orders(name, k, m)):  # each cell keeps its own order
+        assert [t for t in order if t.cell == i] == cell_order
+
+
+def test_1f1b_alternates_after_its_warm_up_and_holds_at_most_k_minus_i_micro_batches():
+    orders = schedule.cell_orders("1f1b", 3, 5)
+    assert [str(t) for t in orders[0]] == [
+        "F(0,0)", "F(0,1)", "F(0,2)", "B(0,0)", "F(0,3)", "B(0,1)", "F(0,4)", "B(0,2)", "B(0,3)", "B(0,4)",
+    ]  # fmt: skip
+    assert [str(t) for t in orders[2]][:4] == ["F(2,0)", "B(2,0)", "F(2,1)", "B(2,1)"]
+    assert schedule.in_flight(schedule.steps("1f1b", 3, 5), 3) == [3, 2, 1]
+    assert schedule.in_flight(schedule.steps("gpipe", 3, 5), 3) == [5, 5, 5]
+    assert schedule.in_flight(schedule.steps("1f1b", 4, 2), 4) == [2, 2, 2, 1]  # M < K
+
+
+def test_1f1b_has_gpipes_bubble():
+    for k, m in [(2, 4), (4, 8)]:
+        ends = [
+            max(e for _, _, e in schedule.simulate(k, m, [1.0] * k, [2.0] * k, name)) for name in schedule.SCHEDULES
+        ]
+        assert ends == [3.0 * (m + k - 1)] * 2
+
+
+def test_an_order_that_deadlocks_is_refused_naming_the_tasks():
+    orders = [[Task("F", 0, 0), Task("B", 0, 0)], [Task("B", 1, 0), Task("F", 1, 0)]]
+    with pytest.raises(ValueError, match=r"deadlock: B\(0,0\), B\(1,0\)"):
+        schedule.merge(orders)
+
+
+def test_unknown_schedule():
+    with pytest.raises(ValueError, match="Unknown schedule='pipedream'; use one of 'gpipe', '1f1b'"):
+        schedule.steps("pipedream", 2, 2)

@@ -105,3 +105,30 @@ def test_only_large_pipelines_keep_their_cell_calls():
     large = tfpipe.PipelineModel(mlp_layers(), num_partitions=2, devices=cpu_devices(2), num_micro_batches=16)
     small.build((None, 8)), large.build((None, 8))
     assert [c.noinline for c in small.cells] == [False] * 4 and [c.noinline for c in large.cells] == [True] * 2
+
+
+def _masked_layers():
+    keras.utils.set_random_seed(2)
+    return [
+        keras.layers.Embedding(10, 4, mask_zero=True),  # the mask of the padding (token 0) crosses both cuts
+        keras.layers.Dense(4, activation="tanh"),
+        keras.layers.GlobalAveragePooling1D(),  # averages over the unmasked steps only
+        keras.layers.Dense(2),
+    ]
+
+
+@pytest.mark.parametrize("unroll", [True, False])
+def test_a_keras_mask_crosses_the_cuts_of_a_layer_list(unroll):
+    tokens = np.array([[3, 5, 0, 0], [7, 0, 0, 0], [1, 2, 3, 0], [4, 4, 4, 4], [9, 0, 0, 0]], "int32")
+    y = np.random.default_rng(0).normal(size=(5, 2)).astype("float32")
+    reference = keras.Sequential([keras.Input((4,), dtype="int32"), *_masked_layers()])
+    model = tfpipe.PipelineModel(
+        _masked_layers(), balance=[1, 1, 2], devices=cpu_devices(3), num_micro_batches=2, unroll=unroll
+    )
+    model.build((None, 4))
+    model.set_weights(reference.get_weights())
+    np.testing.assert_allclose(model.predict(tokens, verbose=0), reference.predict(tokens, verbose=0), rtol=1e-6)
+    for net in (reference, model):
+        net.compile(optimizer="sgd", loss="mse")
+        net.fit(tokens, y, batch_size=5, epochs=2, shuffle=False, verbose=0)
+    assert max_rel_error(model.get_weights(), reference.get_weights()) < 1e-5

@@ -7,12 +7,36 @@ import dataclasses
 import warnings
 import weakref
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import keras
 import tensorflow as tf
 
 from tfpipe import checkpoint, cpu_gradients, devices, state
+
+
+class Masked(NamedTuple):
+    """A cell's output with the Keras mask hung on it (``_keras_mask``), carried across the cut as a tensor.
+
+    A function boundary drops what Keras hangs on a tensor; the next layers read the mask there.
+    """
+
+    tensor: Any
+    mask: Any
+
+
+def carry_mask(y: Any) -> Any:
+    """``y``, or ``Masked(y, its mask)`` when Keras hung a mask on the single tensor ``y``."""
+    mask = getattr(y, "_keras_mask", None) if tf.is_tensor(y) else None
+    return y if mask is None else Masked(y, mask)
+
+
+def hang_mask(x: Any) -> Any:
+    """The tensor of a ``Masked``, its mask hung back on it as Keras would have left it; else ``x``."""
+    if not isinstance(x, Masked):
+        return x
+    x.tensor._keras_mask = x.mask  # noqa: SLF001 - Keras' own attribute, as its backend sets it
+    return x.tensor
 
 
 class Cell:
@@ -143,8 +167,11 @@ class Cell:
         with keras.StatelessScope(state_mapping=mapping, collect_losses=training) as scope:
             if self.program is not None:
                 x = self.program(x, training)
-            for layer in self.layers if self.program is None else ():
-                x = layer(x, training=training)
+            else:
+                x = hang_mask(x)
+                for layer in self.layers:
+                    x = layer(x, training=training)
+                x = carry_mask(x)
             new_state = [scope.get_current_value(v) for v in self.non_trainable_variables]
             losses = [tf.cast(tf.reduce_sum(loss), tf.float32) for loss in scope.losses] if training else []
         added = tf.add_n(losses) if losses else tf.constant(0.0)

@@ -14,11 +14,12 @@ from tfpipe import _compat, checkpoint, functional, messages, microbatch, saving
 from tfpipe import balance as balance_lib
 from tfpipe import cost as cost_lib
 from tfpipe import devices as devices_lib
+from tfpipe import schedule as schedule_lib
 from tfpipe import state as state_lib
 from tfpipe import summary as summary_lib
 from tfpipe import training as training_lib
 from tfpipe._args import positive_int
-from tfpipe.cell import Cell, check_no_shared_variables
+from tfpipe.cell import Cell, check_no_shared_variables, hang_mask
 from tfpipe.pipeline import Pipeline, check_unroll
 from tfpipe.sequence import layer_list
 
@@ -53,6 +54,11 @@ class PipelineModel(keras.Model):
         (forward, backward), so the graph and the first step do not grow with M; every
         micro-batch is recomputed in the backward pass (not with ``remat="never"``), and
         later steps were 10-55% slower on CPUs.
+      schedule: the order of each cell's forward and backward tasks (``tfpipe.schedule``).
+        ``"gpipe"`` (default): all forwards, then all backwards; a cell holds the activations
+        of all M micro-batches. ``"1f1b"``: after min(K-i, M) forwards, cell i alternates a
+        backward and a forward, so it holds at most K-i micro-batches; the same bubble and
+        the same synchronous step (the weights agree to float rounding). Needs ``unroll=True``.
     """
 
     def __init__(
@@ -66,6 +72,7 @@ class PipelineModel(keras.Model):
         num_micro_batches: int = 1,
         remat: str = "except_last",
         unroll: bool = True,
+        schedule: str = "gpipe",
         **kwargs: Any,
     ):
         graph = functional.Graph(layers) if functional.is_functional(layers) else None
@@ -88,6 +95,9 @@ class PipelineModel(keras.Model):
         m = positive_int("num_micro_batches", num_micro_batches, "Use 1 to disable micro-batching.")
         remat = checkpoint.check_mode(remat)
         unroll = check_unroll(unroll, remat)
+        schedule = schedule_lib.check_name(schedule)
+        if schedule != "gpipe" and not unroll:
+            raise ValueError(f"schedule={schedule!r} needs unroll=True; unroll=False runs GPipe's clock cycles.")
         cell_devices = devices_lib.resolve(devices, num_cells)
         super().__init__(**kwargs)
         self.pipeline_layers = layers_  # tracked first, so weights are ordered as in keras.Sequential
@@ -95,6 +105,7 @@ class PipelineModel(keras.Model):
         self._cost = cost
         self._num_cells, self._m, self._remat, self._devices = num_cells, m, remat, list(cell_devices)
         self._unroll = unroll
+        self._schedule = schedule
         self._estimate: cost_lib.Estimate | None = None
         self._inputs: Any = None  # symbolic inputs the model was built for, batch dimension included
         self._pipeline: Pipeline | None = None
@@ -117,12 +128,13 @@ class PipelineModel(keras.Model):
         if self._graph is not None:
             segments = self._graph.cut(cell_sizes)
             cells = [Cell(k, s.layers, d, program=s) for k, (s, d) in enumerate(zip(segments, self._devices))]
-            self._pipeline = Pipeline(cells, self._m, self._remat, self._unroll, routes=self._graph.routes(segments))
+            routes = self._graph.routes(segments)
+            self._pipeline = Pipeline(cells, self._m, self._remat, self._unroll, routes, self._schedule)
             return
         starts = np.cumsum([0] + list(cell_sizes))
         layers = self.pipeline_layers
         cells = [Cell(k, layers[starts[k] : starts[k + 1]], d) for k, d in enumerate(self._devices)]
-        self._pipeline = Pipeline(cells, self._m, self._remat, self._unroll)
+        self._pipeline = Pipeline(cells, self._m, self._remat, self._unroll, schedule_name=self._schedule)
 
     def _move_graph_variables(self) -> None:
         """A Functional model's weights were created where it was built: move each to its cell's device.
@@ -188,6 +200,11 @@ class PipelineModel(keras.Model):
         return self._unroll
 
     @property
+    def schedule(self) -> str:
+        """The order of each cell's tasks: ``"gpipe"`` or ``"1f1b"``."""
+        return self._schedule
+
+    @property
     def unrolled(self) -> bool | None:
         """How the step is built now (loops fall back to unrolled if a cell cannot be traced); None before a split."""
         return self._pipeline.unroll if self._pipeline else None
@@ -233,7 +250,7 @@ class PipelineModel(keras.Model):
         result = self._pipeline.forward(parts, training=training, fractions=microbatch.fractions(sizes))
         self._assign(result.state_updates)
         with devices_lib.scope(self._devices[-1]):
-            return microbatch.merge(result.outputs)
+            return hang_mask(microbatch.merge(result.outputs))
 
     @staticmethod
     def _assign(updates: Sequence[tuple[keras.Variable, tf.Tensor]]) -> None:
@@ -288,7 +305,7 @@ class PipelineModel(keras.Model):
             self.optimizer.apply_gradients(zip(result.gradients, result.variables))
         self._assign(result.state_updates)
         with devices_lib.scope(self._devices[-1]):
-            y_pred = microbatch.merge(result.outputs)
+            y_pred = hang_mask(microbatch.merge(result.outputs))
         return self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
 
     def fit(self, x: Any = None, y: Any = None, batch_size: int | None = None, *args: Any, **kwargs: Any):
@@ -338,6 +355,7 @@ class PipelineModel(keras.Model):
             "num_micro_batches": self._m,
             "remat": self._remat,
             "unroll": self._unroll,
+            "schedule": self._schedule,
             "cost": self._cost if isinstance(self._cost, str) else "flops",
         }
         if self._graph is not None:

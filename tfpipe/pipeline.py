@@ -20,7 +20,7 @@ import keras
 import tensorflow as tf
 
 from tfpipe import checkpoint, devices, loop, schedule, sendrecv, state
-from tfpipe.cell import Cell
+from tfpipe.cell import Cell, hang_mask
 from tfpipe.routes import MODEL_INPUT, Routes
 from tfpipe.tasks import TASK_START, task_scope_name
 
@@ -86,7 +86,7 @@ def check_unroll(unroll: Any, remat: str) -> bool:
 
 
 class Pipeline:
-    """Runs cells over micro-batches in GPipe order, with explicit per-task backward.
+    """Runs cells over micro-batches in the schedule's order (GPipe's by default), with explicit per-task backward.
 
     Without ``routes`` each cell takes the previous cell's output (the first the
     micro-batch) and the last cell's output is the model's. With ``routes`` (a
@@ -102,9 +102,15 @@ class Pipeline:
         remat: str,
         unroll: bool = True,
         routes: Routes | None = None,
+        schedule_name: str = "gpipe",
     ):
         self.cells = list(cells)
         self.routes = routes
+        self.schedule = schedule.check_name(schedule_name)
+        if not unroll and self.schedule != "gpipe":
+            raise ValueError(
+                f"unroll=False runs GPipe's clock cycles as loops; schedule={schedule_name!r} needs unroll=True."
+            )
         self.num_micro_batches = num_micro_batches
         self.remat = checkpoint.check_mode(remat)
         # Loops (tfpipe/loop.py) build in a time that does not grow with M, but their later steps were
@@ -130,7 +136,7 @@ class Pipeline:
             sendrecv.discover(sorted((a, b) for a, b in pairs if a != b))
 
     def _schedule(self, backward: bool) -> list[schedule.Task]:
-        return schedule.flatten(schedule.gpipe(len(self.cells), self.num_micro_batches, backward=backward))
+        return schedule.steps(self.schedule, len(self.cells), self.num_micro_batches, backward=backward)
 
     @tf.autograph.experimental.do_not_convert  # plain Python loops over tasks: converting them only costs trace time
     def forward(
@@ -407,7 +413,7 @@ def _loss_and_gradients(
     floating = [t for t in ys if t.dtype.is_floating]
     with tf.GradientTape(watch_accessed_variables=False) as tape:
         tape.watch(floating)
-        loss = tf.cast(loss_fn(j, y), tf.float32)
+        loss = tf.cast(loss_fn(j, hang_mask(y)), tf.float32)
         scaled = loss * loss_scale
     grads = iter(tape.gradient(scaled, floating, unconnected_gradients=tf.UnconnectedGradients.ZERO))
     return loss, [next(grads) if t.dtype.is_floating else None for t in ys]

@@ -1,0 +1,96 @@
+"""Every schedule trains exactly as GPipe does: only the order of the tasks changes."""
+
+import keras
+import numpy as np
+import pytest
+
+import tfpipe
+from models.unet import unet
+from tests.util import cpu_devices, max_rel_error, mlp_layers
+
+
+def _data(n, seed=0):
+    rng = np.random.default_rng(seed)
+    return rng.normal(size=(n, 8)).astype("float32"), rng.normal(size=(n, 3)).astype("float32")
+
+
+def _train(net, n):
+    x, y = _data(n)
+    net.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
+    net.fit(x, y, batch_size=n, epochs=2, shuffle=False, verbose=0)
+    return net
+
+
+def _pipelined(layers, k, m, schedule, remat):
+    model = tfpipe.PipelineModel(
+        layers, num_partitions=k, devices=cpu_devices(k), num_micro_batches=m, remat=remat, schedule=schedule
+    )
+    model.build((None, 8))
+    return model
+
+
+@pytest.mark.parametrize(
+    "k,m,n,remat",
+    [(2, 3, 7, "never"), (2, 5, 10, "except_last"), (4, 3, 8, "always"), (4, 6, 13, "except_last"), (4, 1, 4, "never")],
+)
+def test_1f1b_trains_like_plain_keras(k, m, n, remat):  # M < K, M not a multiple of K, uneven batches
+    keras.utils.set_random_seed(0)
+    plain = keras.Sequential([keras.Input((8,)), *mlp_layers()])
+    model = _pipelined(mlp_layers(), k, m, "1f1b", remat)
+    model.set_weights(plain.get_weights())
+    _train(plain, n)
+    _train(model, n)
+    assert model.schedule == "1f1b"
+    assert max_rel_error(model.get_weights(), plain.get_weights()) < 1e-5
+
+
+def _random_layers():
+    return [
+        keras.layers.Dense(16),
+        keras.layers.BatchNormalization(),
+        keras.layers.Activation("relu"),
+        keras.layers.Dropout(0.3),
+        keras.layers.Dense(16, activation="tanh"),
+        keras.layers.Dropout(0.2),
+        keras.layers.Dense(3),
+    ]
+
+
+@pytest.mark.parametrize("remat", ["always", "never"])
+def test_1f1b_gives_gpipes_weights_with_dropout_and_batchnorm(remat):
+    keras.utils.set_random_seed(5)
+    gpipe = _train(_pipelined(_random_layers(), 3, 4, "gpipe", remat), 9)
+    keras.utils.set_random_seed(5)
+    one_f_one_b = _train(_pipelined(_random_layers(), 3, 4, "1f1b", remat), 9)
+    assert max_rel_error(one_f_one_b.get_weights(), gpipe.get_weights()) < 1e-5
+
+
+def test_1f1b_trains_a_functional_unet_like_the_model():
+    def make():
+        keras.utils.set_random_seed(3)
+        return unet((16, 16, 3), output_channels=2, depth=2, num_convs=1, base_channels=4, batch_norm=False)
+
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(7, 16, 16, 3)).astype("float32"), rng.normal(size=(7, 16, 16, 2)).astype("float32")
+    reference = make()
+    model = tfpipe.PipelineModel(make(), balance=[3, 3, 3, 3], devices=cpu_devices(4), num_micro_batches=5,
+                                 schedule="1f1b")  # fmt: skip
+    for net in (reference, model):
+        net.compile(optimizer="sgd", loss="mse")
+        net.fit(x, y, batch_size=7, epochs=2, shuffle=False, verbose=0)
+    assert max_rel_error(model.get_weights(), reference.get_weights()) < 1e-5
+
+
+def test_the_schedule_is_checked_saved_and_shown(tmp_path):
+    with pytest.raises(ValueError, match="Unknown schedule='zb'"):
+        tfpipe.PipelineModel(mlp_layers(), num_partitions=2, devices=cpu_devices(2), schedule="zb")
+    with pytest.raises(ValueError, match="schedule='1f1b' needs unroll=True"):
+        tfpipe.PipelineModel(mlp_layers(), num_partitions=2, devices=cpu_devices(2), schedule="1f1b", unroll=False)
+    model = tfpipe.PipelineModel(mlp_layers(), balance=[5, 5], devices=cpu_devices(2), schedule="1f1b")
+    model.build((None, 8))
+    lines = []
+    model.summary(print_fn=lines.append)
+    assert "schedule='1f1b'" in lines[0]
+    model.compile(optimizer="sgd", loss="mse")
+    model.save(str(tmp_path / "m.keras"))
+    assert keras.models.load_model(str(tmp_path / "m.keras")).schedule == "1f1b"
