@@ -55,6 +55,7 @@ flags.DEFINE_enum(
 flags.DEFINE_bool(
     "unroll", True, "Pipelined entries unrolled (default) or, with --nounroll, as loops (the reference: unrolled)."
 )
+flags.DEFINE_enum("schedule", "gpipe", ["gpipe", "1f1b"], "Schedule of the pipelined entries (tfpipe.schedule).")
 flags.DEFINE_string("out", None, "Write the table to OUT.csv and OUT.md.")
 
 
@@ -98,7 +99,13 @@ def time_entry(devices: list[str], m: int, remat: str, dim: int, batch_size: int
     keras.utils.set_random_seed(0)
     layers, x, y = _layers_and_data(dim, batch_size)
     model = tfpipe.PipelineModel(
-        layers, num_partitions=len(devices), devices=devices, num_micro_batches=m, remat=remat, unroll=unroll
+        layers,
+        num_partitions=len(devices),
+        devices=devices,
+        num_micro_batches=m,
+        remat=remat,
+        unroll=unroll,
+        schedule=FLAGS.schedule,  # at K=1, M=1 (the reference) every schedule is F then B
     )
     model.compile(
         optimizer=keras.optimizers.SGD(1e-3), loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True)
@@ -157,7 +164,7 @@ def main(argv: list[str]) -> None:
                         flush=True,
                     )
     table = "\n\n".join(
-        f"### {FLAGS.model} {size}, remat={FLAGS.remat!r}, unroll={FLAGS.unroll}\n\n"
+        f"### {FLAGS.model} {size}, remat={FLAGS.remat!r}, unroll={FLAGS.unroll}, schedule={FLAGS.schedule!r}\n\n"
         + _markdown([r for r in rows if r["size"] == size], ms)
         for size in dict.fromkeys(r["size"] for r in rows)
     )

@@ -49,6 +49,7 @@ flags.DEFINE_integer("blocks", 8, "Transformer blocks / MLP hidden layers.", low
 flags.DEFINE_integer("dim", 256, "Transformer model dimension / MLP width.", lower_bound=8)
 flags.DEFINE_integer("seq_len", 32, "Transformer sequence length.", lower_bound=2)
 flags.DEFINE_string("remat", "except_last", "Re-materialization mode.")
+flags.DEFINE_enum("schedule", "gpipe", ["gpipe", "1f1b"], "Task order (tfpipe.schedule); the ideal drawn follows it.")
 flags.DEFINE_integer("steps", 2, "Profiled steps.", lower_bound=1)
 flags.DEFINE_integer("warmup", 2, "Steps before profiling (the first one traces).", lower_bound=1)
 flags.DEFINE_string(
@@ -392,7 +393,12 @@ def profile_steps(devices: list[str], addresses: list[str] | None, logdir: str):
     keras.utils.set_random_seed(0)
     layers, x, y = _layers_and_data()
     model = tfpipe.PipelineModel(
-        layers, num_partitions=len(devices), devices=devices, num_micro_batches=FLAGS.micro_batches, remat=FLAGS.remat
+        layers,
+        num_partitions=len(devices),
+        devices=devices,
+        num_micro_batches=FLAGS.micro_batches,
+        remat=FLAGS.remat,
+        schedule=FLAGS.schedule,
     )
     model.compile(
         optimizer=keras.optimizers.SGD(1e-3), loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True)
@@ -494,7 +500,7 @@ def main(argv: list[str]) -> None:
     m = FLAGS.micro_batches
     f_cost, b_cost = ideal_costs(events, windows, k, ratio)
     print(summarize(events, windows, devices, k, m))
-    ideal = schedule.simulate(k, m, f_cost, b_cost)
+    ideal = schedule.simulate(k, m, f_cost, b_cost, FLAGS.schedule)
     ideal_ms = max(end for _, _, end in ideal)
     print(
         f"ideal step from the measured task costs: {ideal_ms:.1f} ms (F per cell "
