@@ -316,7 +316,7 @@ def test_masks_cross_cuts_as_tensors():
     np.testing.assert_allclose(model.predict(x, verbose=0), reference.predict(x, verbose=0), rtol=1e-5, atol=1e-6)
 
 
-def test_a_model_input_passed_as_a_list_is_routed_in_order():
+def test_dict_inputs_are_flattened_in_the_models_order_whatever_their_key_order():
     graph = functional.Graph(_two_inputs())
     a, b = tf.zeros((2, 6)), tf.ones((2, 3))
     assert [t.shape[1] for t in graph.flatten_inputs({"b": b, "a": a})] == [6, 3]
