@@ -132,3 +132,28 @@ def test_a_keras_mask_crosses_the_cuts_of_a_layer_list(unroll):
         net.compile(optimizer="sgd", loss="mse")
         net.fit(tokens, y, batch_size=5, epochs=2, shuffle=False, verbose=0)
     assert max_rel_error(model.get_weights(), reference.get_weights()) < 1e-5
+
+
+def _softmax_classifier():
+    return [
+        keras.layers.Dense(8),
+        keras.layers.BatchNormalization(),  # large logits: the softmax saturates
+        keras.layers.Dense(5, activation="softmax"),
+    ]
+
+
+def test_softmax_logits_cross_the_last_cut_so_the_cross_entropy_is_exact():
+    # Keras' cross-entropy of a softmax output reads the logits hung on it; without them the
+    # saturated probabilities are clipped at 1e-7 and give other gradients.
+    x = np.random.default_rng(1).normal(size=(6, 8)).astype("float32") * 5
+    y = np.arange(6) % 5
+    keras.utils.set_random_seed(6)
+    reference = keras.Sequential([keras.Input((8,)), *_softmax_classifier()])
+    # M=1, so that BatchNorm normalizes with the statistics of the whole batch, as plain Keras does.
+    model = tfpipe.PipelineModel(_softmax_classifier(), balance=[2, 1], devices=cpu_devices(2))
+    model.build((None, 8))
+    model.set_weights(reference.get_weights())
+    for net in (reference, model):
+        net.compile(optimizer=keras.optimizers.SGD(0.5), loss="sparse_categorical_crossentropy")
+        net.fit(x, y, batch_size=6, epochs=3, shuffle=False, verbose=0)
+    assert max_rel_error(model.get_weights(), reference.get_weights()) < 1e-5

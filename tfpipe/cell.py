@@ -15,27 +15,33 @@ import tensorflow as tf
 from tfpipe import checkpoint, cpu_gradients, devices, state
 
 
-class Masked(NamedTuple):
-    """A cell's output with the Keras mask hung on it (``_keras_mask``), carried across the cut as a tensor.
+class Hung(NamedTuple):
+    """A cell's output with what Keras hangs on a tensor, carried across the cut as tensors of their own.
 
-    A function boundary drops what Keras hangs on a tensor; the next layers read the mask there.
+    A function boundary drops these attributes: the next layers read the mask (``_keras_mask``),
+    and Keras' cross-entropy reads the logits of a softmax or sigmoid output (``_keras_logits``).
     """
 
     tensor: Any
-    mask: Any
+    mask: Any  # None when there is none
+    logits: Any  # None when there are none
 
 
-def carry_mask(y: Any) -> Any:
-    """``y``, or ``Masked(y, its mask)`` when Keras hung a mask on the single tensor ``y``."""
-    mask = getattr(y, "_keras_mask", None) if tf.is_tensor(y) else None
-    return y if mask is None else Masked(y, mask)
+def carry_hung(y: Any) -> Any:
+    """``y``, or ``Hung(y, its mask, its logits)`` when Keras hung either on the single tensor ``y``."""
+    if not tf.is_tensor(y):
+        return y
+    mask, logits = getattr(y, "_keras_mask", None), getattr(y, "_keras_logits", None)
+    return y if mask is None and logits is None else Hung(y, mask, logits)
 
 
-def hang_mask(x: Any) -> Any:
-    """The tensor of a ``Masked``, its mask hung back on it as Keras would have left it; else ``x``."""
-    if not isinstance(x, Masked):
+def hang(x: Any) -> Any:
+    """The tensor of a ``Hung``, with its mask and logits hung back on it as Keras left them; else ``x``."""
+    if not isinstance(x, Hung):
         return x
-    x.tensor._keras_mask = x.mask  # noqa: SLF001 - Keras' own attribute, as its backend sets it
+    for attribute, value in (("_keras_mask", x.mask), ("_keras_logits", x.logits)):
+        if value is not None:
+            setattr(x.tensor, attribute, value)  # Keras' own attributes, as its backend sets them
     return x.tensor
 
 
@@ -168,10 +174,10 @@ class Cell:
             if self.program is not None:
                 x = self.program(x, training)
             else:
-                x = hang_mask(x)
+                x = hang(x)
                 for layer in self.layers:
                     x = layer(x, training=training)
-                x = carry_mask(x)
+                x = carry_hung(x)
             new_state = [scope.get_current_value(v) for v in self.non_trainable_variables]
             losses = [tf.cast(tf.reduce_sum(loss), tf.float32) for loss in scope.losses] if training else []
         added = tf.add_n(losses) if losses else tf.constant(0.0)

@@ -62,11 +62,10 @@ class Node:
         return keras.tree.flatten(self.operation(*args, **kwargs))
 
 
-ATTRIBUTES = ("_keras_mask", "_keras_logits")  # what Keras hangs on a tensor, carried as companions
 Companions = dict[int, list[tuple[str, int]]]  # key -> [(attribute, key of the companion tensor)]
 
 
-def hang(values: dict[int, Any], keys: Sequence[int], companions: Companions) -> None:
+def hang_companions(values: dict[int, Any], keys: Sequence[int], companions: Companions) -> None:
     """Hang the companions present in ``values`` back on their tensors (as Keras would have left them)."""
     for k in keys:
         for attribute, c in companions.get(k, ()):
@@ -92,7 +91,7 @@ class Segment:
     def __call__(self, x: Sequence[Any], training: bool | None = None) -> tuple[Any, ...]:
         """Run the nodes on the inputs ``x`` (ordered as ``inputs``); the outputs, ordered as ``outputs``."""
         values = dict(zip(self.inputs, x))
-        hang(values, self.inputs, self.companions)
+        hang_companions(values, self.inputs, self.companions)
         for node in self.nodes:
             values.update(zip(node.outputs, node.run(values, training)))
             for k in node.outputs:
@@ -177,14 +176,14 @@ class Graph:
     def pack_outputs(self, leaves: Sequence[Any]) -> Any:
         """The model's output structure (``model.output``) from the tensors of ``results``, companions hung on."""
         values = dict(zip(self.results, leaves))
-        hang(values, self.outputs, self.companions)
+        hang_companions(values, self.outputs, self.companions)
         return keras.tree.pack_sequence_as(self.model.output, [values[k] for k in self.outputs])
 
     def flatten_inputs(self, x: Any) -> list[Any]:
         """The leaves of a batch shaped like ``model.input``, in the order of ``inputs``."""
         structure = self.model.input
         if isinstance(structure, dict) and isinstance(x, dict):
-            return [x[name] for name in keras.tree.flatten(_names(structure))]
+            return [x[name] for name in sorted(structure)]  # as model.inputs: keras.tree sorts dict keys
         if len(self.inputs) == 1 and not isinstance(x, (list, tuple, dict)):
             return [x]
         leaves = keras.tree.flatten(x)
@@ -323,7 +322,3 @@ def _inputs_of(node: Any) -> list[keras.KerasTensor]:
     """The symbolic tensors a nested model's call was given, flattened as the model flattens its inputs."""
     args = node.arguments.args
     return keras.tree.flatten(args[0] if len(args) == 1 else args)
-
-
-def _names(structure: dict[str, Any]) -> dict[str, str]:
-    return {name: name for name in structure}

@@ -19,7 +19,7 @@ from tfpipe import state as state_lib
 from tfpipe import summary as summary_lib
 from tfpipe import training as training_lib
 from tfpipe._args import positive_int
-from tfpipe.cell import Cell, check_no_shared_variables, hang_mask
+from tfpipe.cell import Cell, check_no_shared_variables, hang
 from tfpipe.pipeline import Pipeline, check_unroll
 from tfpipe.sequence import layer_list
 
@@ -250,7 +250,7 @@ class PipelineModel(keras.Model):
         result = self._pipeline.forward(parts, training=training, fractions=microbatch.fractions(sizes))
         self._assign(result.state_updates)
         with devices_lib.scope(self._devices[-1]):
-            return hang_mask(microbatch.merge(result.outputs))
+            return hang(microbatch.merge(result.outputs))
 
     @staticmethod
     def _assign(updates: Sequence[tuple[keras.Variable, tf.Tensor]]) -> None:
@@ -305,7 +305,7 @@ class PipelineModel(keras.Model):
             self.optimizer.apply_gradients(zip(result.gradients, result.variables))
         self._assign(result.state_updates)
         with devices_lib.scope(self._devices[-1]):
-            y_pred = hang_mask(microbatch.merge(result.outputs))
+            y_pred = hang(microbatch.merge(result.outputs))
         return self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
 
     def fit(self, x: Any = None, y: Any = None, batch_size: int | None = None, *args: Any, **kwargs: Any):

@@ -20,7 +20,7 @@ import keras
 import tensorflow as tf
 
 from tfpipe import checkpoint, devices, loop, schedule, sendrecv, state
-from tfpipe.cell import Cell, hang_mask
+from tfpipe.cell import Cell, hang
 from tfpipe.routes import MODEL_INPUT, Routes
 from tfpipe.tasks import TASK_START, task_scope_name
 
@@ -413,7 +413,7 @@ def _loss_and_gradients(
     floating = [t for t in ys if t.dtype.is_floating]
     with tf.GradientTape(watch_accessed_variables=False) as tape:
         tape.watch(floating)
-        loss = tf.cast(loss_fn(j, hang_mask(y)), tf.float32)
+        loss = tf.cast(loss_fn(j, hang(y)), tf.float32)
         scaled = loss * loss_scale
     grads = iter(tape.gradient(scaled, floating, unconnected_gradients=tf.UnconnectedGradients.ZERO))
     return loss, [next(grads) if t.dtype.is_floating else None for t in ys]
