@@ -6,19 +6,7 @@ import pytest
 import tensorflow as tf
 
 import tfpipe
-from tests.util import cpu_devices, mlp_layers
-
-
-def _stateful_layers():
-    """Dense, BatchNormalization (moving statistics) and Dropout (seed state): every kind of state."""
-    return [
-        keras.layers.Dense(16),
-        keras.layers.BatchNormalization(),
-        keras.layers.Activation("relu"),
-        keras.layers.Dropout(0.2),
-        keras.layers.Dense(16, activation="tanh"),
-        keras.layers.Dense(3),
-    ]
+from tests.util import cpu_devices, mlp_layers, stateful_layers
 
 
 def _data(n=32, seed=0):
@@ -46,7 +34,7 @@ def _assert_same_weights(a, b, atol=0.0):
 
 
 def test_keras_file_round_trip_keeps_everything(tmp_path):
-    model = _trained(_stateful_layers(), num_partitions=3, devices=cpu_devices(3), num_micro_batches=2, remat="always")
+    model = _trained(stateful_layers(), num_partitions=3, devices=cpu_devices(3), num_micro_batches=2, remat="always")
     path = str(tmp_path / "m.keras")
     model.save(path)
     loaded = keras.models.load_model(path)
@@ -76,31 +64,31 @@ def test_keras_file_round_trip_keeps_everything(tmp_path):
 
 def test_weights_do_not_depend_on_the_partitioning(tmp_path):
     """K=4 -> K=2 -> K=1 -> keras.Sequential, through weight files: the same predictions everywhere."""
-    model = _trained(_stateful_layers(), balance=[1, 2, 2, 1], devices=cpu_devices(4), num_micro_batches=4)
+    model = _trained(stateful_layers(), balance=[1, 2, 2, 1], devices=cpu_devices(4), num_micro_batches=4)
     x, _ = _data(seed=2)
     expected = model.predict(x, verbose=0)
     path = str(tmp_path / "k4.weights.h5")
     model.save_weights(path)
 
-    two = tfpipe.PipelineModel(_stateful_layers(), balance=[4, 2], devices=cpu_devices(2), num_micro_batches=2)
+    two = tfpipe.PipelineModel(stateful_layers(), balance=[4, 2], devices=cpu_devices(2), num_micro_batches=2)
     two.build((None, 5))
     two.load_weights(path)
     np.testing.assert_allclose(two.predict(x, verbose=0), expected, rtol=1e-6, atol=1e-6)
     path2 = str(tmp_path / "k2.weights.h5")
     two.save_weights(path2)
 
-    one = tfpipe.PipelineModel(_stateful_layers(), num_partitions=1)
+    one = tfpipe.PipelineModel(stateful_layers(), num_partitions=1)
     one.build((None, 5))
     one.load_weights(path2)
     np.testing.assert_allclose(one.predict(x, verbose=0), expected, rtol=1e-6, atol=1e-6)
 
-    plain = keras.Sequential([keras.Input((5,)), *_stateful_layers()])
+    plain = keras.Sequential([keras.Input((5,)), *stateful_layers()])
     plain.load_weights(path)  # the extra group of seed states is ignored
     np.testing.assert_allclose(plain.predict(x, verbose=0), expected, rtol=1e-6, atol=1e-6)
 
     path3 = str(tmp_path / "plain.weights.h5")  # and back: a file without seed states
     plain.save_weights(path3)
-    back = tfpipe.PipelineModel(_stateful_layers(), num_partitions=3, devices=cpu_devices(3))
+    back = tfpipe.PipelineModel(stateful_layers(), num_partitions=3, devices=cpu_devices(3))
     back.build((None, 5))
     back.load_weights(path3)
     np.testing.assert_allclose(back.predict(x, verbose=0), expected, rtol=1e-6, atol=1e-6)

@@ -6,7 +6,7 @@ import pytest
 
 import tfpipe
 from models.unet import unet
-from tests.util import cpu_devices, max_rel_error, mlp_layers
+from tests.util import cpu_devices, max_rel_error, mlp_layers, stateful_layers
 
 
 def _data(n, seed=0):
@@ -44,24 +44,12 @@ def test_1f1b_trains_like_plain_keras(k, m, n, remat):  # M < K, M not a multipl
     assert max_rel_error(model.get_weights(), plain.get_weights()) < 1e-5
 
 
-def _random_layers():
-    return [
-        keras.layers.Dense(16),
-        keras.layers.BatchNormalization(),
-        keras.layers.Activation("relu"),
-        keras.layers.Dropout(0.3),
-        keras.layers.Dense(16, activation="tanh"),
-        keras.layers.Dropout(0.2),
-        keras.layers.Dense(3),
-    ]
-
-
 @pytest.mark.parametrize("remat", ["always", "never"])
 def test_1f1b_gives_gpipes_weights_with_dropout_and_batchnorm(remat):
     keras.utils.set_random_seed(5)
-    gpipe = _train(_pipelined(_random_layers(), 3, 4, "gpipe", remat), 9)
+    gpipe = _train(_pipelined(stateful_layers(), 3, 4, "gpipe", remat), 9)
     keras.utils.set_random_seed(5)
-    one_f_one_b = _train(_pipelined(_random_layers(), 3, 4, "1f1b", remat), 9)
+    one_f_one_b = _train(_pipelined(stateful_layers(), 3, 4, "1f1b", remat), 9)
     assert max_rel_error(one_f_one_b.get_weights(), gpipe.get_weights()) < 1e-5
 
 

@@ -27,6 +27,18 @@ def mlp_layers(width: int = 16, out: int = 3, depth: int = 4) -> list[keras.laye
     return layers
 
 
+def stateful_layers() -> list[keras.layers.Layer]:
+    """Dense, BatchNormalization (moving statistics) and Dropout (seed state): every kind of state."""
+    return [
+        keras.layers.Dense(16),
+        keras.layers.BatchNormalization(),
+        keras.layers.Activation("relu"),
+        keras.layers.Dropout(0.2),
+        keras.layers.Dense(16, activation="tanh"),
+        keras.layers.Dense(3),
+    ]
+
+
 def max_rel_error(a: list[np.ndarray], b: list[np.ndarray]) -> float:
     """Largest relative difference between two weight lists (relative to each tensor's scale)."""
     assert len(a) == len(b)

@@ -102,11 +102,7 @@ def estimate(layers: Any, sample: Any, cost: Cost = "flops", device: str | None 
             result.output_bytes.append(_bytes(y) / batch)
             if note:
                 result.notes[index] = note
-    if result.notes:
-        lines = "; ".join(f"layer {i} ({layers[i].name}): {n}" for i, n in result.notes.items())
-        warnings.warn(
-            f"Some {result.kind} costs are estimates by a fallback rule: {lines}", CostEstimateWarning, stacklevel=2
-        )
+    _warn_fallbacks(result, [f"layer {i} ({layer.name})" for i, layer in enumerate(layers)])
     return result
 
 
@@ -144,27 +140,30 @@ def estimate_graph(
                 value, note = (0.0 if id(node.operation) in counted else float(call.count_params())), None
                 counted.add(id(node.operation))
             else:
-                sample = specs.estimation_sample(spec, n * num_micro_batches, num_micro_batches)
-                x = (
-                    sample
-                    if cost != "flops"
-                    else tuple(keras.KerasTensor((n,) + tuple(t.shape[1:]), t.dtype) for t in spec)
-                )
-                key = _same_layer_key(node.operation, x) if cost == "flops" else None
-                if key is None or key not in measured:
-                    found = measure(call, tuple(tf.convert_to_tensor(a) for a in x) if cost != "flops" else x)
-                    measured[key or f"node {index}"] = found
-                value, note = measured[key or f"node {index}"]
+                key = f"node {index}"
+                if cost == "flops":  # traced, not run: specs, and identical nodes counted once
+                    x = tuple(keras.KerasTensor((n,) + tuple(t.shape[1:]), t.dtype) for t in spec)
+                    key = _same_layer_key(node.operation, x) or key
+                else:
+                    x = tuple(tf.convert_to_tensor(a) for a in specs.estimation_sample(spec, n, 1))
+                if key not in measured:
+                    measured[key] = measure(call, x)
+                value, note = measured[key]
             _check_value(value, index, node.operation)
             result.costs.append(value)
             if note:
                 result.notes[index] = note
-    if result.notes:
-        lines = "; ".join(f"node {i} ({graph.nodes[i].name}): {n}" for i, n in result.notes.items())
-        warnings.warn(
-            f"Some {result.kind} costs are estimates by a fallback rule: {lines}", CostEstimateWarning, stacklevel=2
-        )
+    _warn_fallbacks(result, [f"node {i} ({node.name})" for i, node in enumerate(graph.nodes)])
     return result
+
+
+def _warn_fallbacks(result: Estimate, names: Sequence[str]) -> None:
+    """One warning naming every layer (or node) whose cost a fallback rule estimated."""
+    if result.notes:
+        lines = "; ".join(f"{names[i]}: {note}" for i, note in result.notes.items())
+        warnings.warn(
+            f"Some {result.kind} costs are estimates by a fallback rule: {lines}", CostEstimateWarning, stacklevel=3
+        )
 
 
 class _NodeCall:
