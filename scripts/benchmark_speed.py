@@ -55,7 +55,9 @@ flags.DEFINE_enum(
 flags.DEFINE_bool(
     "unroll", True, "Pipelined entries unrolled (default) or, with --nounroll, as loops (the reference: unrolled)."
 )
-flags.DEFINE_enum("schedule", "gpipe", ["gpipe", "1f1b"], "Schedule of the pipelined entries (tfpipe.schedule).")
+flags.DEFINE_enum(
+    "schedule", "gpipe", ["gpipe", "1f1b", "zero_bubble"], "Schedule of the pipelined entries (tfpipe.schedule)."
+)
 flags.DEFINE_string("out", None, "Write the table to OUT.csv and OUT.md.")
 
 

@@ -1,9 +1,9 @@
-"""Measured per-device timeline of pipelined training steps, drawn above the ideal GPipe schedule.
+"""Measured per-device timeline of pipelined training steps, drawn above the ideal version of their schedule.
 
 Runs a few training steps of a small model under the TensorFlow profiler (on the
 worker processes themselves for ``local:N``: every TensorFlow server also serves
 the profiler), attributes each executed op to its task by the graph (each task's
-ops follow its ``F_i_j/task_start`` / ``B_i_j/task_start`` marker) and to a phase
+ops follow its ``F_i_j/task_start`` / ``B_i_j/task_start`` / ``W_i_j/task_start`` marker) and to a phase
 (forward, loss, recompute, backward, accumulate, transfer, optimizer, other) with
 ``tfpipe.tasks``, and writes OUT.csv (one row per step, device, task and phase),
 OUT.png (the measured timeline above the ideal one, ``tfpipe.schedule.simulate``;
@@ -49,7 +49,9 @@ flags.DEFINE_integer("blocks", 8, "Transformer blocks / MLP hidden layers.", low
 flags.DEFINE_integer("dim", 256, "Transformer model dimension / MLP width.", lower_bound=8)
 flags.DEFINE_integer("seq_len", 32, "Transformer sequence length.", lower_bound=2)
 flags.DEFINE_string("remat", "except_last", "Re-materialization mode.")
-flags.DEFINE_enum("schedule", "gpipe", ["gpipe", "1f1b"], "Task order (tfpipe.schedule); the ideal drawn follows it.")
+flags.DEFINE_enum(
+    "schedule", "gpipe", ["gpipe", "1f1b", "zero_bubble"], "Task order (tfpipe.schedule); the ideal drawn follows it."
+)
 flags.DEFINE_integer("steps", 2, "Profiled steps.", lower_bound=1)
 flags.DEFINE_integer("warmup", 2, "Steps before profiling (the first one traces).", lower_bound=1)
 flags.DEFINE_string(
@@ -242,12 +244,17 @@ def _union(intervals: list[tuple[float, float]]) -> float:
     return total
 
 
-def summarize(events: list[Event], windows: list[tuple[int, int]], device_names: list[str], k: int, m: int) -> str:
-    """Per device: busy fraction and time per phase; bubble measured vs ideal, over the profiled steps."""
+def summarize(
+    events: list[Event], windows: list[tuple[int, int]], device_names: list[str], ideal_bubble: float
+) -> str:
+    """Per device: busy fraction and time per phase; bubble measured vs ideal, over the profiled steps.
+
+    ``ideal_bubble`` is the idle share of the ideal schedule (``schedule.idle_fraction``).
+    """
     wall = sum(end - begin for begin, end in windows) / 1e6
     lines = [
         f"{len(windows)} step(s), median {statistics.median((e - b) / 1e6 for b, e in windows):.1f} ms "
-        f"(client wall time); ideal bubble (K-1)/(M+K-1) = {schedule.bubble_fraction(k, m):.3f}"
+        f"(client wall time); ideal bubble of the schedule {ideal_bubble:.3f}"
     ]
     header = f"{'device':<34} {'busy':>6} " + " ".join(f"{p[:9]:>9}" for p in PHASES) + f" {'idle':>9} {'2+ ops':>9}"
     lines += [header + "   (ms over all profiled steps; 2+ ops: op time beyond one op at a time)"]
@@ -268,30 +275,37 @@ def summarize(events: list[Event], windows: list[tuple[int, int]], device_names:
     measured = 1 - sum(busy_all) / len(busy_all) / wall
     lines.append(
         f"bubble (idle share of the step, mean over devices): measured {measured:.3f} "
-        f"vs ideal {schedule.bubble_fraction(k, m):.3f}"
+        f"vs ideal {ideal_bubble:.3f}"
     )
     return "\n".join(lines)
 
 
 def ideal_costs(
     events: list[Event], windows: list[tuple[int, int]], k: int, ratio: float | None
-) -> tuple[list[float], list[float]]:
-    """Per-cell F and B durations (ms) for the ideal schedule: the mean time a task's ops covered, or F and r*F."""
+) -> tuple[list[float], list[float], list[float] | None]:
+    """Per-cell F, whole backward and W durations (ms) for the ideal schedule: the mean time a task's ops covered.
+
+    The whole backward is B + W where the step split them (zero bubble); W is None where it did
+    not. With ``ratio``: F, r*F and None (W half the backward, as ``schedule.simulate`` assumes).
+    """
     covered: dict[tuple, list[tuple[float, float]]] = {}
     for e in events:
         step = _step_of(e, windows)
         if e.task and e.phase != "transfer" and step is not None:
             task = parse_task_name(e.task)
             covered.setdefault((task.kind, task.cell, step, e.task), []).append((e.start / 1e6, e.end / 1e6))
-    f_cost, b_cost = [], []
+    split = any(key[0] == "W" for key in covered)
+    f_cost, b_cost, w_cost = [], [], []
     for i in range(k):
-        for kind, out in (("F", f_cost), ("B", b_cost)):
+        for kind, out in (("F", f_cost), ("B", b_cost), ("W", w_cost)):
             times = [_union(iv) for key, iv in covered.items() if key[:2] == (kind, i)]
-            out.append(statistics.mean(times) if times else 1.0)
+            out.append(statistics.mean(times) if times else 1.0 if kind != "W" else 0.0)
     if ratio is not None:
         unit = statistics.mean(f_cost)
-        f_cost, b_cost = [unit] * k, [ratio * unit] * k
-    return f_cost, b_cost
+        return [unit] * k, [ratio * unit] * k, None
+    if not split:
+        return f_cost, b_cost, None
+    return f_cost, [b + w for b, w in zip(b_cost, w_cost)], w_cost
 
 
 def draw(
@@ -328,7 +342,7 @@ def draw(
     top.set_xlabel("ms since the step was called (measured)")
     top.set_title(title, fontsize=9)
     for task, begin, end in ideal:
-        phase = "forward" if task.kind == "F" else "backward"
+        phase = "forward" if task.kind == "F" else "backward"  # W tasks too: labelled W
         bottom.barh(
             task.cell, end - begin, left=begin, height=0.8, color=COLORS[phase], edgecolor="white", linewidth=0.5
         )
@@ -345,7 +359,7 @@ def draw(
     bottom.set_yticks(range(len(device_names)), [f"cell {i}" for i in range(len(device_names))], fontsize=7)
     bottom.invert_yaxis()
     bottom.set_xlim(0, span)  # the same scale as the measured step
-    bottom.set_xlabel("ms (ideal GPipe schedule: same task costs, no transfers, no waiting)")
+    bottom.set_xlabel("ms (ideal schedule: same task order and costs, no transfers, no waiting)")
     fig.legend(
         handles=[Patch(color=COLORS[p], label=p) for p in PHASES], ncol=len(PHASES), fontsize=7, loc="lower center"
     )
@@ -498,13 +512,14 @@ def main(argv: list[str]) -> None:
         ["step", "device", "task", "kind", "cell", "micro_batch", "phase", "start_ms", "end_ms", "busy_ms", "ops"],
     )
     m = FLAGS.micro_batches
-    f_cost, b_cost = ideal_costs(events, windows, k, ratio)
-    print(summarize(events, windows, devices, k, m))
-    ideal = schedule.simulate(k, m, f_cost, b_cost, FLAGS.schedule)
+    f_cost, b_cost, w_cost = ideal_costs(events, windows, k, ratio)
+    ideal = schedule.simulate(k, m, f_cost, b_cost, FLAGS.schedule, w_cost=w_cost)
+    print(summarize(events, windows, devices, schedule.idle_fraction(ideal, k)))
     ideal_ms = max(end for _, _, end in ideal)
+    w_text = "" if w_cost is None else f", of which W {', '.join(f'{c:.2f}' for c in w_cost)}"
     print(
         f"ideal step from the measured task costs: {ideal_ms:.1f} ms (F per cell "
-        f"{', '.join(f'{c:.2f}' for c in f_cost)} ms; B {', '.join(f'{c:.2f}' for c in b_cost)} ms)"
+        f"{', '.join(f'{c:.2f}' for c in f_cost)} ms; backward {', '.join(f'{c:.2f}' for c in b_cost)} ms{w_text})"
     )
     print(f"wrote {FLAGS.out}.csv" + (f" and {FLAGS.out}.png" if have_plot else ""))
     if have_plot:

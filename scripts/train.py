@@ -63,7 +63,12 @@ flags.DEFINE_list("balance", None, "Layers per cell, e.g. 2,2,3; overrides --par
 flags.DEFINE_enum("cost", "flops", ["flops", "params", "time"], "Per-layer cost that --partitions balances.")
 flags.DEFINE_integer("micro_batches", 4, "Micro-batches per mini-batch (M).", lower_bound=1)
 flags.DEFINE_enum("remat", "except_last", ["always", "except_last", "never"], "Re-materialization mode.")
-flags.DEFINE_enum("schedule", "gpipe", ["gpipe", "1f1b"], "Task order: GPipe's, or 1F1B (fewer activations held).")
+flags.DEFINE_enum(
+    "schedule",
+    "gpipe",
+    ["gpipe", "1f1b", "zero_bubble"],
+    "Task order: GPipe's, 1F1B (fewer activations held) or zero_bubble (1F1B's memory, a third of its bubble).",
+)
 flags.DEFINE_string(
     "devices",
     "auto",

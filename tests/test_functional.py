@@ -9,7 +9,7 @@ import tensorflow as tf
 
 import tfpipe
 from models.unet import unet
-from tests.util import cpu_devices, max_rel_error
+from tests.util import cpu_devices, max_rel_error, per_layer_error
 from tfpipe import _compat, functional
 
 
@@ -153,21 +153,9 @@ def test_keras_applications_train_like_themselves(name, k):
 
 
 def _per_layer_error(model, reference):
-    """The largest difference of a layer's weights, relative to that layer's largest weight.
-
-    Per layer, not per weight: a BatchNormalization whose output reaches only convolutions
-    followed by BatchNormalization has a beta whose gradient is zero in exact arithmetic;
-    both models leave it at float noise, and noise relative to noise is not an error.
-    """
+    """``per_layer_error`` of the model's layers against the reference's (a BN beta feeding only conv+BN)."""
     layers = [layer for layer in reference.layers if not isinstance(layer, keras.layers.InputLayer)]
-    assert len(model.pipeline_layers) == len(layers)  # the same layers in the same order (auto names differ)
-    worst = 0.0
-    for mine, theirs in zip(model.pipeline_layers, layers):
-        if theirs.weights:
-            scale = max(float(np.max(np.abs(w))) for w in theirs.get_weights()) or 1.0
-            diffs = [float(np.max(np.abs(a - b))) for a, b in zip(mine.get_weights(), theirs.get_weights())]
-            worst = max(worst, max(diffs) / scale)
-    return worst
+    return per_layer_error(model.pipeline_layers, layers)
 
 
 def test_keras_applications_vgg16_enters():

@@ -126,13 +126,16 @@ def test_simulate_refuses_bad_sizes():
 @pytest.mark.parametrize("k,m", [(1, 1), (2, 1), (2, 4), (4, 3), (4, 6), (3, 8)])
 def test_every_schedule_runs_every_task_once_after_its_inputs(name, k, m):
     order = schedule.steps(name, k, m)
+    kinds = "FBW" if schedule.splits_backward(name) else "FB"
     assert sorted(order, key=str) == sorted(
-        [Task(kind, i, j) for kind in "FB" for i in range(k) for j in range(m)], key=str
+        [Task(kind, i, j) for kind in kinds for i in range(k) for j in range(m)], key=str
     )
     pos = {t: n for n, t in enumerate(order)}
     for i in range(k):
         for j in range(m):
             assert pos[Task("F", i, j)] < pos[Task("B", i, j)]
+            if "W" in kinds:
+                assert pos[Task("B", i, j)] < pos[Task("W", i, j)]
             if i > 0:
                 assert pos[Task("F", i - 1, j)] < pos[Task("F", i, j)]
                 assert pos[Task("B", i, j)] < pos[Task("B", i - 1, j)]
@@ -153,10 +156,42 @@ def test_1f1b_alternates_after_its_warm_up_and_holds_at_most_k_minus_i_micro_bat
 
 def test_1f1b_has_gpipes_bubble():
     for k, m in [(2, 4), (4, 8)]:
-        ends = [
-            max(e for _, _, e in schedule.simulate(k, m, [1.0] * k, [2.0] * k, name)) for name in schedule.SCHEDULES
-        ]
+        ends = [max(e for _, _, e in schedule.simulate(k, m, [1.0] * k, [2.0] * k, name)) for name in ("gpipe", "1f1b")]
         assert ends == [3.0 * (m + k - 1)] * 2
+
+
+def test_zero_bubble_defers_i_weight_gradients_on_cell_i():
+    orders = schedule.cell_orders("zero_bubble", 3, 5)
+    assert [str(t) for t in orders[0]] == [
+        "F(0,0)", "F(0,1)", "F(0,2)", "B(0,0)", "W(0,0)", "F(0,3)", "B(0,1)", "W(0,1)", "F(0,4)",
+        "B(0,2)", "W(0,2)", "B(0,3)", "W(0,3)", "B(0,4)", "W(0,4)",
+    ]  # fmt: skip
+    assert [str(t) for t in orders[2]] == [
+        "F(2,0)", "B(2,0)", "F(2,1)", "B(2,1)", "F(2,2)", "B(2,2)", "W(2,0)", "F(2,3)", "B(2,3)", "W(2,1)",
+        "F(2,4)", "B(2,4)", "W(2,2)", "W(2,3)", "W(2,4)",
+    ]  # fmt: skip
+    # Activations live until W: every cell holds K micro-batches, 1F1B's peak (its first cell's).
+    assert schedule.in_flight(schedule.steps("zero_bubble", 3, 5), 3) == [3, 3, 3]
+    assert schedule.in_flight(schedule.steps("zero_bubble", 4, 2), 4) == [2, 2, 2, 2]  # M < K
+
+
+@pytest.mark.parametrize("k,m", [(2, 8), (4, 8), (4, 16), (3, 5)])
+def test_zero_bubble_has_the_papers_bubble(k, m):
+    # Qi et al. 2024: 1F1B idles (K-1)(F+B+W) per device, ZB-H1 (K-1)(F+B-W), for M >= K.
+    f, b, w = 1.0, 1.2, 0.8  # b: the input-gradient part of the backward; w: the weights'
+    spans = {
+        name: max(e for _, _, e in schedule.simulate(k, m, [f] * k, [b + w] * k, name, w_cost=[w] * k))
+        for name in ("1f1b", "zero_bubble")
+    }
+    assert spans["1f1b"] == pytest.approx(m * (f + b + w) + (k - 1) * (f + b + w))
+    assert spans["zero_bubble"] == pytest.approx(m * (f + b + w) + (k - 1) * (f + b - w))
+    sim = schedule.simulate(k, m, [f] * k, [b + w] * k, "zero_bubble", w_cost=[w] * k)
+    assert schedule.idle_fraction(sim, k) == pytest.approx((k - 1) * (f + b - w) / spans["zero_bubble"])
+
+
+def test_simulate_refuses_a_weight_cost_above_the_backward():
+    with pytest.raises(ValueError, match=r"w_cost \[1.0, 3.0\] is part of b_cost \[2.0, 2.0\]"):
+        schedule.simulate(2, 2, [1, 1], [2, 2], "zero_bubble", w_cost=[1, 3])
 
 
 def test_an_order_that_deadlocks_is_refused_naming_the_tasks():

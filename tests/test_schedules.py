@@ -6,7 +6,7 @@ import pytest
 
 import tfpipe
 from models.unet import unet
-from tests.util import cpu_devices, max_rel_error, mlp_layers, stateful_layers
+from tests.util import cpu_devices, max_rel_error, mlp_layers, per_layer_error, stateful_layers
 
 
 def _data(n, seed=0):
@@ -14,9 +14,11 @@ def _data(n, seed=0):
     return rng.normal(size=(n, 8)).astype("float32"), rng.normal(size=(n, 3)).astype("float32")
 
 
-def _train(net, n):
+def _train(net, n, optimizer="adam"):
     x, y = _data(n)
-    net.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
+    net.compile(
+        optimizer=keras.optimizers.get({"class_name": optimizer, "config": {"learning_rate": 0.01}}), loss="mse"
+    )
     net.fit(x, y, batch_size=n, epochs=2, shuffle=False, verbose=0)
     return net
 
@@ -29,31 +31,40 @@ def _pipelined(layers, k, m, schedule, remat):
     return model
 
 
+SCHEDULES = ["1f1b", "zero_bubble"]
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
 @pytest.mark.parametrize(
     "k,m,n,remat",
     [(2, 3, 7, "never"), (2, 5, 10, "except_last"), (4, 3, 8, "always"), (4, 6, 13, "except_last"), (4, 1, 4, "never")],
 )
-def test_1f1b_trains_like_plain_keras(k, m, n, remat):  # M < K, M not a multiple of K, uneven batches
+def test_schedule_trains_like_plain_keras(schedule, k, m, n, remat):  # M < K, M not a multiple of K, uneven batches
     keras.utils.set_random_seed(0)
     plain = keras.Sequential([keras.Input((8,)), *mlp_layers()])
-    model = _pipelined(mlp_layers(), k, m, "1f1b", remat)
+    model = _pipelined(mlp_layers(), k, m, schedule, remat)
     model.set_weights(plain.get_weights())
     _train(plain, n)
     _train(model, n)
-    assert model.schedule == "1f1b"
+    assert model.schedule == schedule
     assert max_rel_error(model.get_weights(), plain.get_weights()) < 1e-5
 
 
+@pytest.mark.parametrize("schedule", SCHEDULES)
 @pytest.mark.parametrize("remat", ["always", "never"])
-def test_1f1b_gives_gpipes_weights_with_dropout_and_batchnorm(remat):
+def test_schedule_gives_gpipes_weights_with_dropout_and_batchnorm(schedule, remat):
+    # The first Dense's bias feeds only BatchNormalization: its gradient is zero in exact arithmetic, and
+    # float noise that differs with the order of the sums. Adam would scale that noise to full steps; SGD
+    # keeps it noise, and the error is taken per layer.
     keras.utils.set_random_seed(5)
-    gpipe = _train(_pipelined(stateful_layers(), 3, 4, "gpipe", remat), 9)
+    gpipe = _train(_pipelined(stateful_layers(), 3, 4, "gpipe", remat), 9, "sgd")
     keras.utils.set_random_seed(5)
-    one_f_one_b = _train(_pipelined(stateful_layers(), 3, 4, "1f1b", remat), 9)
-    assert max_rel_error(one_f_one_b.get_weights(), gpipe.get_weights()) < 1e-5
+    other = _train(_pipelined(stateful_layers(), 3, 4, schedule, remat), 9, "sgd")
+    assert per_layer_error(other.pipeline_layers, gpipe.pipeline_layers) < 1e-5
 
 
-def test_1f1b_trains_a_functional_unet_like_the_model():
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_schedule_trains_a_functional_unet_like_the_model(schedule):
     def make():
         keras.utils.set_random_seed(3)
         return unet((16, 16, 3), output_channels=2, depth=2, num_convs=1, base_channels=4, batch_norm=False)
@@ -62,7 +73,7 @@ def test_1f1b_trains_a_functional_unet_like_the_model():
     x, y = rng.normal(size=(7, 16, 16, 3)).astype("float32"), rng.normal(size=(7, 16, 16, 2)).astype("float32")
     reference = make()
     model = tfpipe.PipelineModel(make(), balance=[3, 3, 3, 3], devices=cpu_devices(4), num_micro_batches=5,
-                                 schedule="1f1b")  # fmt: skip
+                                 schedule=schedule)  # fmt: skip
     for net in (reference, model):
         net.compile(optimizer="sgd", loss="mse")
         net.fit(x, y, batch_size=7, epochs=2, shuffle=False, verbose=0)

@@ -23,7 +23,8 @@ from typing import Any, ContextManager
 
 import tensorflow as tf
 
-from tfpipe.tasks import GRADIENT_SUM, TRACED_VJP
+from tfpipe import split as split_lib
+from tfpipe.tasks import GRADIENT_SUM, SPLIT_FORWARD, TRACED_VJP
 
 REMAT_MODES = ("always", "except_last", "never")
 
@@ -124,6 +125,21 @@ class TracedVJPs:
             traces[key] = _Traced(function.get_concrete_function(*specs), frozenset())
         return list(traces[key].function(*args))
 
+    def wrap(self, function: Any, specs: Sequence[tf.TensorSpec], part: str) -> Any:
+        """A part of a split VJP (``tfpipe.split``) as the function a task calls, inlined or not as the cell is.
+
+        Named so that tfpipe.tasks tells a forward part from a gradient part.
+        """
+
+        def body(*flat: tf.Tensor) -> Any:
+            return function(*flat)
+
+        body.__name__ = SPLIT_FORWARD if part == "forward" else f"{TRACED_VJP}_{part}"
+        with self.tracing():
+            return tf.function(body, autograph=False, experimental_attributes=self.attributes()).get_concrete_function(
+                *specs
+            )
+
     def attributes(self) -> dict[str, Any] | None:
         """The tf.function attributes of a new trace: not inlined when the cell's forward is not."""
         return {"_noinline": True} if self._noinline() else None
@@ -151,12 +167,19 @@ class Checkpoint:
         extras: Sequence[tf.Tensor] = (),
         traced: TracedVJPs | None = None,
         key: Any = None,
+        split: tuple[int, Callable[[Any], Sequence[tf.Tensor]]] | None = None,
     ):
         """``constant``: how many leading sources need no gradient (the inputs of the first cell).
 
         ``extras`` are further inputs that need no gradient (seeds, weights of terms). With
         ``traced``, a recomputed VJP inside a graph is a function cached under ``key``, which
         must tell apart every ``fn`` that differs other than through sources and extras.
+
+        ``split=(n, select)`` splits the VJP between ``input_vjp`` (the gradients of all
+        sources but the last n, for the gradients of ``select(outputs)``) and ``weight_vjp``
+        (those of the last n, the weights), to be called later (zero bubble). Inside a graph
+        with ``traced``, W then redoes nothing of B (``tfpipe.split``); otherwise B computes
+        both and W only adds.
         """
         self._fn = fn
         self._sources = list(sources)
@@ -166,10 +189,26 @@ class Checkpoint:
         self._key = key
         self._wanted = [i for i, s in enumerate(self._sources) if i >= constant and _differentiable(s)]
         self._tape: tf.GradientTape | None = None
-        if recompute:
+        self._split_at, self._select = (len(self._sources) - split[0], split[1]) if split else (None, None)
+        self._parts: split_lib.SplitVJP | None = None
+        self._env: dict[str, tf.Tensor] = {}
+        self._weight_grads: list[Any] = []
+        self.computed: list[Any] = []  # what input_vjp computed, for W to wait on (the task chain)
+        if split and traced is not None and not tf.executing_eagerly():
+            self._parts = traced.lookup(self._split_key(), functools.partial(self._trace_split, traced))
+            self._env = dict(zip(self._parts.inputs, self._sources + self._extras))
+        if self._parts is not None and not recompute:
+            self._parts.part("forward", recompute=False)(self._env)
+            self.outputs = self._parts.unpack(self._env)
+        elif recompute:
             self.outputs = fn(*self._sources, *self._extras)
         else:
             self._tape, self.outputs = self._record(self._sources, self._extras)
+
+    @property
+    def sources(self) -> list[tf.Tensor]:
+        """The tensors whose gradients the VJP gives."""
+        return self._sources
 
     @property
     def _traced(self) -> TracedVJPs | None:
@@ -197,7 +236,6 @@ class Checkpoint:
         task's device and control-dependency scope: a recomputation then runs there,
         after the incoming gradients exist.
         """
-        n_acc = len(accumulate) if accumulate is not None else 0
         if self._traced is not None and not tf.executing_eagerly():
             return self._traced_vjp(select, output_grads, list(accumulate or []))
         if self._recompute:
@@ -209,6 +247,74 @@ class Checkpoint:
         result: list[Any] = [None] * len(self._sources)
         for i, g in zip(self._wanted, grads):
             result[i] = g
+        return self._accumulate(result, accumulate)
+
+    def input_vjp(self, output_grads: Sequence[tf.Tensor | None]) -> list[tf.Tensor | None]:
+        """B: the gradients of the sources before the weights (None for the weights), as ``vjp``'s.
+
+        Call it inside the B task's scope; ``weight_vjp`` later gives the weights' gradients.
+        """
+        if self._split_at is None:
+            raise ValueError("input_vjp needs a Checkpoint made with split=(number of weights, select).")
+        if self._parts is None:  # eagerly or untraced: the whole VJP now, the weights' part kept for W
+            result = self.vjp(self._select, output_grads)
+            self._weight_grads = result[self._split_at :]
+            self.computed = [g for g in result if g is not None]
+            return result[: self._split_at] + [None] * (len(result) - self._split_at)
+        given = [g for t, g in zip(self._select(self.outputs), output_grads) if _differentiable(t)]
+        for name, g, spec in zip(self._parts.dys, given, self._parts.dy_specs):
+            self._env[name] = tf.zeros(spec.shape, spec.dtype) if g is None else g
+        self.computed = self._parts.part("inputs", self._recompute)(self._env)
+        result: list[Any] = [None] * len(self._sources)
+        for i, name in zip([i for i in self._wanted if i < self._split_at], self._parts.dx):
+            result[i] = self._env[name]
+        return result
+
+    def weight_vjp(self, accumulate: Sequence[Any]) -> list[Any]:
+        """W: the weights' gradients added to their running sums ``accumulate``, after ``input_vjp``."""
+        if self._parts is None:
+            grads = self._weight_grads
+        else:
+            self._parts.part("weights", self._recompute)(self._env)
+            grads = [None] * (len(self._sources) - self._split_at)
+            weights = [i - self._split_at for i in self._wanted if i >= self._split_at]
+            for k, g in zip(weights, self._parts.weight_gradients(self._env)):
+                grads[k] = g
+        self._env, self._weight_grads = {}, []  # let go of what W read
+        result = [None] * self._split_at + list(grads)
+        return self._accumulate(result, accumulate)[self._split_at :]
+
+    def _split_key(self) -> Any:
+        return (
+            "split",
+            self._key,
+            self._split_at,
+            tuple(self._wanted),
+            tuple((tuple(a.shape), a.dtype) for a in self._sources + self._extras),
+        )
+
+    def _trace_split(self, traced: TracedVJPs) -> split_lib.SplitVJP:
+        """Trace the forward and VJP as one graph, to be cut into forward, B and W (``tfpipe.split``)."""
+        n_src = len(self._sources)
+
+        def body(*flat: tf.Tensor):
+            sources, extras = list(flat[:n_src]), list(flat[n_src:])
+            with traced.tracing():
+                tape, outputs = self._record(sources, extras)
+                targets = [t for t in self._select(outputs) if _differentiable(t)]
+                dys = [tf.compat.v1.placeholder(t.dtype, t.shape) for t in targets]
+                grads = self._gradient(tape, outputs, sources, lambda _: targets, dys)
+            dx = [g for i, g in zip(self._wanted, grads) if i < self._split_at]
+            dw = [g for i, g in zip(self._wanted, grads) if i >= self._split_at]
+            return outputs, dys, dx, dw
+
+        traced.num_traces += 1
+        specs = [tf.TensorSpec(a.shape, a.dtype) for a in self._sources + self._extras]
+        return split_lib.SplitVJP(body, specs, traced.wrap)
+
+    def _accumulate(self, result: list[Any], accumulate: Sequence[Any] | None) -> list[Any]:
+        """``result`` with the gradients of the last ``len(accumulate)`` sources added to their running sums."""
+        n_acc = len(accumulate) if accumulate is not None else 0
         pairs = [(k, len(self._sources) - n_acc + k) for k in range(n_acc)]
         pairs = [(k, i) for k, i in pairs if accumulate[k] is not None and result[i] is not None]
         dense = [(k, i) for k, i in pairs if not isinstance(accumulate[k], tf.IndexedSlices)]

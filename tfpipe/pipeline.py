@@ -51,6 +51,11 @@ def _flat(x: Any) -> list[tf.Tensor]:
     return [t for t in tf.nest.flatten(x) if t is not None]
 
 
+def _differentiated(out: Any) -> list[tf.Tensor]:
+    """What a cell's backward differentiates of its (outputs, new state, added losses): outputs and added losses."""
+    return _flat(out[0]) + [out[2]]
+
+
 class _Chain:
     """Control-dependency chains, one per device, plus the device scope of each task."""
 
@@ -188,8 +193,10 @@ class Pipeline:
         for task in self._schedule(backward=loss_fn is not None):
             if task.kind == "F":
                 self._forward_task(task, step, chain)
-            else:
+            elif task.kind == "B":
                 self._backward_task(task, step, chain)
+            else:
+                self._weight_task(task, step, chain)
 
         m = self.num_micro_batches
         return self._result(
@@ -276,6 +283,7 @@ class Pipeline:
                     extras=extras,
                     traced=cell.vjps if cell.traceable else None,
                     key=repr(tf.nest.map_structure(lambda t: t is None, x)),
+                    split=(n_w, _differentiated) if schedule.splits_backward(self.schedule) else None,
                 )
                 step.records[(i, j)] = record
                 y, new_state, added = record.outputs
@@ -358,15 +366,33 @@ class Pipeline:
         with chain.task(task, extra_deps=[g for g in tf.nest.flatten(dy) if g is not None]) as produced:
             if self.routes is not None:
                 dy = [None if g is None else g[0] if len(g) == 1 else tf.add_n(g) for g in dy]
-            scale = step.scales[i]  # the gradient of the added losses
-            running = step.grads[i] if step.grads[i] is not None else [None] * n_w
-            grads = record.vjp(lambda out: _flat(out[0]) + [out[2]], list(dy) + [scale], accumulate=running)
-            dx, step.grads[i] = grads[: len(grads) - n_w], grads[len(grads) - n_w :]
+            grads_out = list(dy) + [step.scales[i]]  # the loss scale: the gradient of the added losses
+            if schedule.splits_backward(self.schedule):  # W(i, j) takes the weights' gradients later
+                dx = record.input_vjp(grads_out)[: len(record.sources) - n_w]
+                step.records[(i, j)] = record
+                produced.extend(record.computed)
+            else:
+                grads = record.vjp(_differentiated, grads_out, accumulate=self._running(step, i))
+                dx, step.grads[i] = grads[: len(grads) - n_w], grads[len(grads) - n_w :]
+                produced.extend(step.grads[i])
             if self.routes is not None:
                 _deliver(step, j, self.routes.feeds[i], dx)
             elif i > 0:
                 step.dys[(i - 1, j)] = dx
-            produced.extend([g for g in dx if g is not None] + step.grads[i])
+            produced.extend([g for g in dx if g is not None])
+
+    def _weight_task(self, task: schedule.Task, step: _Step, chain: _Chain) -> None:
+        """W(i, j) (zero bubble): cell i's weight gradients on micro-batch j, added to their running sums."""
+        i, j = task.cell, task.micro_batch
+        record = step.records.pop((i, j))
+        with chain.task(task) as produced:
+            step.grads[i] = record.weight_vjp(self._running(step, i))
+            produced.extend(step.grads[i])
+
+    @staticmethod
+    def _running(step: _Step, i: int) -> list[Any]:
+        """Cell i's running sums of weight gradients (None before its first backward)."""
+        return step.grads[i] if step.grads[i] is not None else [None] * len(step.weights[i][0])
 
 
 @dataclasses.dataclass
@@ -383,7 +409,7 @@ class _Step:
     outputs: dict = dataclasses.field(default_factory=dict)  # the model's outputs per micro-batch
     flat_inputs: list = dataclasses.field(default_factory=list)  # routes: each micro-batch's input leaves
     received: dict = dataclasses.field(default_factory=dict)  # routes: (cell, micro-batch, device) -> {pos: copy}
-    records: dict = dataclasses.field(default_factory=dict)  # checkpoints awaiting their backward
+    records: dict = dataclasses.field(default_factory=dict)  # checkpoints awaiting their backward (and W)
     new_state: dict = dataclasses.field(default_factory=dict)  # non-trainable values after each forward
     dys: dict = dataclasses.field(default_factory=dict)  # gradients arriving at each cell's outputs (routes: lists)
     losses: dict = dataclasses.field(default_factory=dict)  # weighted loss per micro-batch

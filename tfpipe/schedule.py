@@ -1,12 +1,21 @@
 """The pipeline schedule as plain data: which task each device runs, in which order.
 
-Two schedules, both one synchronous step with the same bubble (K-1)/(M+K-1):
+Three schedules of one synchronous step:
 
 - ``"gpipe"``: every cell runs all its forwards, then all its backwards (last
-  micro-batch first); a cell holds the activations of all M micro-batches.
+  micro-batch first); a cell holds the activations of all M micro-batches. Bubble
+  (K-1)/(M+K-1).
 - ``"1f1b"`` (PipeDream-flush, Narayanan et al. 2021): cell i runs min(K-i, M)
   forwards, then alternates one backward and one forward, then drains its
   backwards (first micro-batch first); a cell holds at most K-i micro-batches.
+  Same bubble as GPipe.
+- ``"zero_bubble"`` (ZB-H1, Qi et al. 2024): 1F1B's order with each backward split
+  in two, B (the gradient of the cell's input, which the previous cell waits for)
+  and W (the gradient of its weights, which nobody waits for). Cell i runs W(i, j)
+  after B(i, j + i), and its last i W tasks after its last B: they fill the time
+  1F1B's cell i would wait at the end of the step. A cell holds at most K
+  micro-batches (their activations live until W); the bubble per device is
+  (K-1)(F+B-W) instead of 1F1B's (K-1)(F+B+W).
 """
 
 from __future__ import annotations
@@ -19,7 +28,11 @@ from tfpipe._args import positive_int
 
 @dataclasses.dataclass(frozen=True)
 class Task:
-    """One unit of work: the forward ("F") or backward ("B") of one cell on one micro-batch."""
+    """One unit of work of one cell on one micro-batch: forward "F", backward "B" or, split off it, "W".
+
+    Without W tasks, B is the cell's whole backward. With them (zero bubble), B computes
+    only the gradient of the cell's inputs and W that of its weights.
+    """
 
     kind: str
     cell: int
@@ -53,7 +66,7 @@ def gpipe(num_cells: int, num_micro_batches: int, backward: bool = True) -> list
     return cycles
 
 
-SCHEDULES = ("gpipe", "1f1b")
+SCHEDULES = ("gpipe", "1f1b", "zero_bubble")
 
 
 def check_name(name: str) -> str:
@@ -61,6 +74,11 @@ def check_name(name: str) -> str:
     if name not in SCHEDULES:
         raise ValueError(f"Unknown schedule={name!r}; use one of {', '.join(repr(s) for s in SCHEDULES)}.")
     return name
+
+
+def splits_backward(name: str) -> bool:
+    """Whether schedule ``name`` splits each backward into B (input gradient) and W (weight gradient) tasks."""
+    return check_name(name) == "zero_bubble"
 
 
 def cell_orders(name: str, num_cells: int, num_micro_batches: int) -> list[list[Task]]:
@@ -74,11 +92,19 @@ def cell_orders(name: str, num_cells: int, num_micro_batches: int) -> list[list[
         if name == "gpipe":
             orders.append(forwards + [Task("B", i, j) for j in reversed(range(m))])
             continue
+        # 1F1B, and zero bubble's B tasks: min(K-i, M) forwards, then one backward and one forward.
         warm = min(k_cells - i, m)
-        order = forwards[:warm]
-        for j in range(m - warm):
-            order += [Task("B", i, j), forwards[warm + j]]
-        orders.append(order + [Task("B", i, j) for j in range(m - warm, m)])
+        deferred = i if name == "zero_bubble" else None  # W tasks held back behind their B
+        order: list[Task] = forwards[:warm]
+        for j in range(m):
+            order.append(Task("B", i, j))
+            if deferred is not None and j >= deferred:
+                order.append(Task("W", i, j - deferred))
+            if warm + j < m:
+                order.append(forwards[warm + j])
+        if deferred is not None:
+            order += [Task("W", i, j) for j in range(max(m - deferred, 0), m)]
+        orders.append(order)
     return orders
 
 
@@ -98,8 +124,9 @@ def steps(name: str, num_cells: int, num_micro_batches: int, backward: bool = Tr
 def merge(orders: Sequence[Sequence[Task]]) -> list[Task]:
     """One order of all tasks that keeps each cell's ``orders[i]`` and the data dependencies.
 
-    F(i, j) needs F(i-1, j); B(i, j) needs F(i, j) and B(i+1, j). A ValueError names the
-    tasks that wait on each other if the cells' orders cannot all be kept (a deadlock).
+    F(i, j) needs F(i-1, j); B(i, j) needs F(i, j) and B(i+1, j); W(i, j) needs B(i, j). A
+    ValueError names the tasks that wait on each other if the cells' orders cannot all be kept
+    (a deadlock).
     """
     k_cells = len(orders)
     done: set[Task] = set()
@@ -120,17 +147,31 @@ def merge(orders: Sequence[Sequence[Task]]) -> list[Task]:
 
 
 def _ready(task: Task, done: set[Task], num_cells: int) -> bool:
+    return all(dep in done for dep in depends_on(task, num_cells))
+
+
+def depends_on(task: Task, num_cells: int) -> list[Task]:
+    """The tasks whose results ``task`` reads: F(i, j) F(i-1, j); B(i, j) F(i, j) and B(i+1, j); W(i, j) B(i, j)."""
     i, j = task.cell, task.micro_batch
     if task.kind == "F":
-        return i == 0 or Task("F", i - 1, j) in done
-    return Task("F", i, j) in done and (i == num_cells - 1 or Task("B", i + 1, j) in done)
+        return [Task("F", i - 1, j)] if i > 0 else []
+    if task.kind == "W":
+        return [Task("B", i, j)]
+    return [Task("F", i, j)] + ([Task("B", i + 1, j)] if i < num_cells - 1 else [])
 
 
 def in_flight(order: Sequence[Task], num_cells: int) -> list[int]:
-    """Per cell, the most micro-batches whose forward has run and backward has not: activations held at once."""
+    """Per cell, the most micro-batches whose forward has run and backward has not: activations held at once.
+
+    A micro-batch is held until its cell's last backward task: W where the order has W tasks, else B.
+    """
+    split = {task.cell for task in order if task.kind == "W"}
     held, peak = [0] * num_cells, [0] * num_cells
     for task in order:
-        held[task.cell] += 1 if task.kind == "F" else -1
+        if task.kind == "F":
+            held[task.cell] += 1
+        elif task.kind == ("W" if task.cell in split else "B"):
+            held[task.cell] -= 1
         peak[task.cell] = max(peak[task.cell], held[task.cell])
     return peak
 
@@ -155,30 +196,43 @@ def simulate(
     f_cost: Sequence[float],
     b_cost: Sequence[float],
     name: str = "gpipe",
+    w_cost: Sequence[float] | None = None,
 ) -> list[tuple[Task, float, float]]:
     """(task, start, end) of every task of schedule ``name``, cell i on its own device taking f_cost[i] per F
-    and b_cost[i] per B.
+    and b_cost[i] per whole backward.
 
-    Tasks come in the order of ``steps``. A task starts when its device has finished the
-    task before it and its inputs exist: F(i, j) after F(i-1, j); B(i, j) after
-    F(i, j) and B(i+1, j). Transfers take no time.
+    ``w_cost[i]`` is the part of b_cost[i] that computes weight gradients (default: half,
+    the zero-bubble paper's T_B = T_W): a schedule that splits backwards runs it as W and
+    the rest as B. Tasks come in the order of ``steps``; a task starts when its device has
+    finished the task before it and the tasks it ``depends_on`` have. Transfers take no time.
     """
     positive_int("num_cells", num_cells)
     f_cost, b_cost = _costs("f_cost", f_cost, num_cells), _costs("b_cost", b_cost, num_cells)
-    done: dict[tuple[str, int, int], float] = {}
+    w_cost = [b / 2 for b in b_cost] if w_cost is None else _costs("w_cost", w_cost, num_cells)
+    if any(w > b for w, b in zip(w_cost, b_cost)):
+        raise ValueError(f"w_cost {list(w_cost)} is part of b_cost {list(b_cost)}: each must be at most b_cost's.")
+    split = splits_backward(name)
+    cost = {
+        "F": f_cost,
+        "B": [b - w for b, w in zip(b_cost, w_cost)] if split else b_cost,
+        "W": w_cost,
+    }
+    done: dict[Task, float] = {}
     free = [0.0] * num_cells
     out = []
     for task in steps(name, num_cells, num_micro_batches):
-        i, j = task.cell, task.micro_batch
-        if task.kind == "F":
-            ready = done.get(("F", i - 1, j), 0.0)
-        else:
-            ready = max(done[("F", i, j)], done.get(("B", i + 1, j), 0.0))
-        start = max(free[i], ready)
-        end = start + (f_cost[i] if task.kind == "F" else b_cost[i])
-        done[(task.kind, i, j)] = free[i] = end
-        out.append((task, start, end))
+        ready = max((done[dep] for dep in depends_on(task, num_cells)), default=0.0)
+        start = max(free[task.cell], ready)
+        done[task] = free[task.cell] = start + cost[task.kind][task.cell]
+        out.append((task, start, done[task]))
     return out
+
+
+def idle_fraction(simulated: Sequence[tuple[Task, float, float]], num_cells: int) -> float:
+    """Share of each device's time idle in a ``simulate`` result: 1 - busy / (K x the step's span)."""
+    span = max((end for _, _, end in simulated), default=0.0)
+    busy = sum(end - start for _, start, end in simulated)
+    return 1.0 - busy / (num_cells * span) if span > 0 else 0.0
 
 
 def _costs(name: str, costs: Sequence[float], num_cells: int) -> list[float]:

@@ -13,13 +13,14 @@ TASK_START = "task_start"  # the name of the no-op that opens each task's name s
 PHASES = ("forward", "loss", "recompute", "backward", "accumulate", "transfer", "optimizer", "other")
 TRANSFER_TYPES = ("_Send", "_Recv", "_HostSend", "_HostRecv")  # op types that move tensors between devices
 
-_SCOPE = re.compile(r"([FB])_(\d+)_(\d+)")
-_ACCUMULATE = re.compile(r"^B_\d+_\d+/(add|concat)(_\d+)?(/|$)")  # summing a cell's gradients over micro-batches
+_SCOPE = re.compile(r"([FBW])_(\d+)_(\d+)")
+_ACCUMULATE = re.compile(r"^[BW]_\d+_\d+/(add|concat)(_\d+)?(/|$)")  # summing a cell's gradients over micro-batches
 _TAPE = "gradient_tape/"  # tape gradients are named after their forward ops: "gradient_tape/F_1_3/..."
 _OPTIMIZERS = ("sgd", "adam", "adamw", "rmsprop", "adagrad", "lamb", "lion")
 _CALLS = ("PartitionedCall", "StatefulPartitionedCall")
 # The name of the functions that recompute a cell and take its VJP in one call (tfpipe/checkpoint.py).
 TRACED_VJP = "tfpipe_recompute_vjp"
+SPLIT_FORWARD = "tfpipe_split_forward"  # a cell's forward cut from its split VJP (zero bubble, kept activations)
 GRADIENT_SUM = "tfpipe_sum_gradients"  # the function that adds a task's weight gradients to the running sums
 _SUM = re.compile(r"^(add|AddV2|concat)(_\d+)?$")
 
