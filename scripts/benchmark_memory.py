@@ -7,7 +7,7 @@ L under a budget. The method, in full: docs/benchmarks.md, "Memory: GPipe Table 
     python scripts/benchmark_memory.py                             # defaults: L=4 table, 2 GiB budget, M=8
     python scripts/benchmark_memory.py --out=docs/memory            # also write .csv and .md
     python scripts/benchmark_memory.py --max_blocks=32              # the full remat search (about 20 min)
-    python scripts/benchmark_memory.py --schedules --table_micro_batches=2,4,8,16   # GPipe against 1F1B, K=2
+    python scripts/benchmark_memory.py --schedules --table_micro_batches=2,4,8,16   # GPipe, 1F1B, zero bubble; K=2
 """
 
 from __future__ import annotations
@@ -66,6 +66,7 @@ MAX_BUDGET_GIB = 6.0  # two concurrent probes at up to twice the budget must fit
 MODEL_TARGET = 0.25  # held-out points within 25% of the fitted GPipe model
 RATIO_TARGET = 3.0  # remat holds at least 3x the blocks of plain Keras under the budget
 RESULT = "RESULT "
+SCHEDULES = ("gpipe", "1f1b", "zero_bubble")  # as tfpipe.schedule.SCHEDULES, named before TensorFlow loads
 
 
 # The child: one configuration, one process ---------------------------------------------------------
@@ -78,7 +79,7 @@ def measure(config: dict[str, Any]) -> dict[str, int]:
     import tfpipe
     from models.transformer import transformer_lm
 
-    if config["model"] in ("gpipe", "1f1b"):  # two cells on two logical devices, before TensorFlow starts
+    if config["model"] in SCHEDULES:  # two cells on two logical devices, before TensorFlow starts
         cpu = tf.config.list_physical_devices("CPU")[0]
         tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
     keras.utils.set_random_seed(config["seed"])
@@ -88,7 +89,7 @@ def measure(config: dict[str, Any]) -> dict[str, int]:
     if config["model"] == "plain":
         model = keras.Sequential(layers)
         model.compile(optimizer=keras.optimizers.Adam(1e-3), loss=loss, jit_compile=False)
-    elif config["model"] in ("gpipe", "1f1b"):
+    elif config["model"] in SCHEDULES:
         model = tfpipe.PipelineModel(
             layers,
             num_partitions=2,
@@ -332,23 +333,23 @@ def main(argv: list[str]) -> None:
 
 
 def _schedules(ms: list[int]) -> None:
-    """The schedule table: per M, each schedule's transient bytes in one step and 1F1B's share of GPipe's."""
+    """The schedule table: per M, each schedule's transient bytes in one step and its share of GPipe's."""
     probes = Probes()
     with concurrent.futures.ThreadPoolExecutor(FLAGS.jobs) as pool:
-        futures = {(name, m): pool.submit(probes.run, name, FLAGS.blocks, m) for m in ms for name in ("gpipe", "1f1b")}
+        futures = {(name, m): pool.submit(probes.run, name, FLAGS.blocks, m) for m in ms for name in SCHEDULES}
         results = {key: f.result() for key, f in futures.items()}
     lines = [
         f"### Transient memory of one step by schedule: L={FLAGS.blocks} Transformer, K=2, remat='never', "
         f"batch {FLAGS.batch_size}",
         "",
-        "| M | GPipe | 1F1B | 1F1B / GPipe |",
-        "|---|---|---|---|",
+        "| M | GPipe | 1F1B | zero bubble | 1F1B / GPipe | zero bubble / GPipe |",
+        "|---|---|---|---|---|---|",
     ]
     rows = []
     for m in ms:
-        gpipe, one = results[("gpipe", m)]["transient"], results[("1f1b", m)]["transient"]
-        lines.append(f"| {m} | {_mib(gpipe)} | {_mib(one)} | {one / gpipe:.2f} |")
-        for name in ("gpipe", "1f1b"):
+        gpipe, one, zero = (results[(name, m)]["transient"] for name in SCHEDULES)
+        lines.append(f"| {m} | {_mib(gpipe)} | {_mib(one)} | {_mib(zero)} | {one / gpipe:.2f} | {zero / gpipe:.2f} |")
+        for name in SCHEDULES:
             r = results[(name, m)]
             rows.append({"schedule": name, "M": m, "before_bytes": r["before"], "peak_bytes": r["peak"],
                          "transient_bytes": r["transient"], "max_rss_bytes": r["max_rss"]})  # fmt: skip

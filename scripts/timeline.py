@@ -244,9 +244,7 @@ def _union(intervals: list[tuple[float, float]]) -> float:
     return total
 
 
-def summarize(
-    events: list[Event], windows: list[tuple[int, int]], device_names: list[str], ideal_bubble: float
-) -> str:
+def summarize(events: list[Event], windows: list[tuple[int, int]], device_names: list[str], ideal_bubble: float) -> str:
     """Per device: busy fraction and time per phase; bubble measured vs ideal, over the profiled steps.
 
     ``ideal_bubble`` is the idle share of the ideal schedule (``schedule.idle_fraction``).
@@ -274,8 +272,7 @@ def summarize(
     ]
     measured = 1 - sum(busy_all) / len(busy_all) / wall
     lines.append(
-        f"bubble (idle share of the step, mean over devices): measured {measured:.3f} "
-        f"vs ideal {ideal_bubble:.3f}"
+        f"bubble (idle share of the step, mean over devices): measured {measured:.3f} vs ideal {ideal_bubble:.3f}"
     )
     return "\n".join(lines)
 

@@ -30,8 +30,8 @@ def _wait_gone(pids, seconds=15.0):
     return [p for p in pids if _alive(p)]
 
 
-@pytest.mark.parametrize("workers", [2, 3])
-def test_training_on_workers_matches_one_process(workers):
+@pytest.mark.parametrize("workers,schedule", [(2, "gpipe"), (3, "gpipe"), (3, "zero_bubble")])
+def test_training_on_workers_matches_one_process(workers, schedule):
     proc = run_fresh(f"""
         import numpy as np, keras
         import tfpipe
@@ -47,7 +47,7 @@ def test_training_on_workers_matches_one_process(workers):
         reference.fit(x, y, batch_size=10, epochs=2, verbose=0, shuffle=False)
         with LocalCluster({workers}) as cluster:
             model = tfpipe.PipelineModel(mlp_layers(), num_partitions={workers}, devices=cluster.devices,
-                                         num_micro_batches=3)
+                                         num_micro_batches=3, schedule="{schedule}")
             model.build((None, 5))
             model.set_weights(start)
             model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")

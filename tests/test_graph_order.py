@@ -57,13 +57,16 @@ def test_each_device_runs_its_tasks_in_schedule_order(k, m, devices):
                 assert _ancestors(op) & earlier_ops, f"{op.name} of {later} can start before {earlier} ends"
 
 
+@pytest.mark.parametrize("name", ["1f1b", "zero_bubble"])
 @pytest.mark.parametrize("k,m", [(2, 4), (3, 5)])
-def test_each_device_runs_its_tasks_in_the_1f1b_order(k, m):
+def test_each_device_runs_its_tasks_in_its_schedules_order(name, k, m):
     model = tfpipe.PipelineModel(
-        mlp_layers(depth=3), num_partitions=k, devices=cpu_devices(k), num_micro_batches=m, schedule="1f1b"
+        mlp_layers(depth=3), num_partitions=k, devices=cpu_devices(k), num_micro_batches=m, schedule=name
     )
     tasks = _task_ops(_train_graph(model, batch=m))
-    for cell_order in schedule.cell_orders("1f1b", k, m):
+    if name == "zero_bubble":
+        assert {t[0] for t in tasks} == {"F", "B", "W"}
+    for cell_order in schedule.cell_orders(name, k, m):
         names = [task_scope_name(t) for t in cell_order]
         assert names[: min(k - cell_order[0].cell, m) + 1][-1].startswith("B")  # the warm-up, then a backward
         for earlier, later in zip(names, names[1:]):

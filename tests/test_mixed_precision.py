@@ -13,7 +13,7 @@ from tests.util import cpu_devices, mlp_layers
 TOLERANCE = {"mixed_float16": 1e-2, "mixed_bfloat16": 5e-2}
 
 
-def _one_step(policy, unroll=True):
+def _one_step(policy, unroll=True, schedule="gpipe"):
     """The weight update of one SGD step (lr 1, so it is the gradient), and the model."""
     rng = np.random.default_rng(0)
     x, y = rng.normal(size=(16, 5)).astype("float32"), rng.normal(size=(16, 3)).astype("float32")
@@ -22,8 +22,9 @@ def _one_step(policy, unroll=True):
     try:
         keras.utils.set_random_seed(0)
         model = tfpipe.PipelineModel(
-            mlp_layers(), num_partitions=2, devices=cpu_devices(2), num_micro_batches=4, unroll=unroll
-        )
+            mlp_layers(), num_partitions=2, devices=cpu_devices(2), num_micro_batches=4, unroll=unroll,
+            schedule=schedule,
+        )  # fmt: skip
         model.compile(optimizer=keras.optimizers.SGD(1.0), loss="mse")
         model.build((None, 5))
         before = [v.numpy() for v in model.trainable_variables]
@@ -69,5 +70,14 @@ def test_mixed_float16_in_loops_matches_float32(float32_step):
     """The looped step (unroll=False) scales the loss, and activations cross cells in float16 inside the loops."""
     update, model, x = _one_step("mixed_float16", unroll=False)
     assert model.unrolled is False and model.predict(x, verbose=0).dtype == np.float16
+    worst = max(float(np.max(np.abs(u - r)) / np.max(np.abs(r))) for u, r in zip(update, float32_step))
+    assert worst < TOLERANCE["mixed_float16"]
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zero_bubble"])
+def test_mixed_float16_under_other_schedules_matches_float32(schedule, float32_step):
+    """Loss scaling reaches every task: zero bubble's B and W parts see the scaled float16 gradients."""
+    update, model, _ = _one_step("mixed_float16", schedule=schedule)
+    assert model.schedule == schedule
     worst = max(float(np.max(np.abs(u - r)) / np.max(np.abs(r))) for u, r in zip(update, float32_step))
     assert worst < TOLERANCE["mixed_float16"]

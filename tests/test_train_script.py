@@ -50,11 +50,12 @@ def test_unet_a_functional_model_learns_the_segmentation_task():
     assert "Cut 2|3:" in proc.stdout  # the summary lists the tensors crossing each cut
 
 
-def test_the_1f1b_schedule_trains_from_the_command_line():
-    proc = _run(*TINY_TRANSFORMER, "--epochs=2", "--schedule=1f1b", "--remat=never")
+@pytest.mark.parametrize("schedule", ["1f1b", "zero_bubble"])
+def test_other_schedules_train_from_the_command_line(schedule):
+    proc = _run(*TINY_TRANSFORMER, "--epochs=2", f"--schedule={schedule}", "--remat=never")
     assert proc.returncode == 0, proc.stderr[-2000:]
     start, final = _losses(proc.stdout)
-    assert final < start and "schedule='1f1b'" in proc.stdout
+    assert final < start and f"schedule='{schedule}'" in proc.stdout
 
 
 def test_a_keras_application_trains_by_name():

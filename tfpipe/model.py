@@ -58,7 +58,11 @@ class PipelineModel(keras.Model):
         ``"gpipe"`` (default): all forwards, then all backwards; a cell holds the activations
         of all M micro-batches. ``"1f1b"``: after min(K-i, M) forwards, cell i alternates a
         backward and a forward, so it holds at most K-i micro-batches; the same bubble and
-        the same synchronous step (the weights agree to float rounding). Needs ``unroll=True``.
+        the same synchronous step (the weights agree to float rounding). ``"zero_bubble"``
+        (ZB-H1): 1F1B with each backward split into B (the input gradient, which the previous
+        cell waits for) and W (the weight gradient, run later, in what would be idle time);
+        at most K micro-batches held, about a third of 1F1B's bubble. Non-GPipe schedules
+        need ``unroll=True``.
     """
 
     def __init__(

@@ -72,10 +72,10 @@ class _Chain:
         with devices.scope(device), tf.name_scope(task_scope_name(task)), tf.control_dependencies(deps):
             # Marks where the task's ops begin in the graph; tape gradients are named
             # after their forward ops, so names alone cannot attribute them to a task.
-            tf.no_op(name=TASK_START)
+            start = tf.no_op(name=TASK_START)
             yield produced
-        if produced:
-            self._last[device] = produced
+        # A task that computes nothing (zero bubble's B of the first cell) still passes the chain on.
+        self._last[device] = produced or [start]
 
 
 def check_unroll(unroll: Any, remat: str) -> bool:

@@ -235,6 +235,16 @@ def idle_fraction(simulated: Sequence[tuple[Task, float, float]], num_cells: int
     return 1.0 - busy / (num_cells * span) if span > 0 else 0.0
 
 
+def predicted_bubble(name: str, num_cells: int, num_micro_batches: int) -> float:
+    """The idle share of schedule ``name`` with equal cells, a backward twice the forward and W half of it.
+
+    (K-1)/(M+K-1) for GPipe and 1F1B; for zero bubble (K-1)/(3M+K-1) when M >= K.
+    """
+    k_cells = positive_int("num_cells", num_cells)
+    ones = [1.0] * k_cells
+    return idle_fraction(simulate(k_cells, num_micro_batches, ones, [2.0] * k_cells, name), k_cells)
+
+
 def _costs(name: str, costs: Sequence[float], num_cells: int) -> list[float]:
     """``costs`` as floats if it holds one duration >= 0 per cell, else a ValueError naming it."""
     try:

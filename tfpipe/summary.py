@@ -69,12 +69,20 @@ def print_summary(model: Any, line_length: int | None = None, print_fn: Callable
         print_fn(f"Trainable params: {trainable:,}")
         print_fn(f"Non-trainable params: {total - trainable:,}")
     if per_cell is not None:
-        bubble_free = 1.0 - schedule.bubble_fraction(k, m)
-        print_fn(
-            f"Predicted pipeline efficiency: {100 * balance_lib.efficiency(per_cell, m):.1f}% "
-            f"= M/(M+K-1) {100 * bubble_free:.1f}% x mean/max cell cost "
-            f"{100 * balance_lib.evenness(per_cell):.1f}%"
-        )
+        evenness = balance_lib.evenness(per_cell)
+        if schedule.splits_backward(model.schedule):  # the bubble is not GPipe's M/(M+K-1): say whose it is
+            bubble_free = 1.0 - schedule.predicted_bubble(model.schedule, k, m)
+            print_fn(
+                f"Predicted pipeline efficiency: {100 * bubble_free * evenness:.1f}% = 1 - bubble of "
+                f"{model.schedule!r} {100 * bubble_free:.1f}% (backward 2x forward, half of it W) x "
+                f"mean/max cell cost {100 * evenness:.1f}%"
+            )
+        else:
+            bubble_free = 1.0 - schedule.bubble_fraction(k, m)
+            print_fn(
+                f"Predicted pipeline efficiency: {100 * balance_lib.efficiency(per_cell, m):.1f}% "
+                f"= M/(M+K-1) {100 * bubble_free:.1f}% x mean/max cell cost {100 * evenness:.1f}%"
+            )
     elif problem:
         print_fn(f"Costs not estimated: {problem}")
 
