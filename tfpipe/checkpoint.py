@@ -300,10 +300,14 @@ class Checkpoint:
         def body(*flat: tf.Tensor):
             sources, extras = list(flat[:n_src]), list(flat[n_src:])
             with traced.tracing():
-                tape, outputs = self._record(sources, extras)
+                outputs = self._fn(*sources, *extras)
                 targets = [t for t in self._select(outputs) if _differentiable(t)]
                 dys = [tf.compat.v1.placeholder(t.dtype, t.shape) for t in targets]
-                grads = self._gradient(tape, outputs, sources, lambda _: targets, dys)
+                wanted = [sources[i] for i in self._wanted]
+                # Symbolic gradients, not a tape: they honour the cell's gradient overrides (cpu_gradients).
+                grads = tf.gradients(
+                    targets, wanted, grad_ys=dys, unconnected_gradients=tf.UnconnectedGradients.ZERO
+                ) if targets else [tf.zeros_like(w) for w in wanted]  # fmt: skip
             dx = [g for i, g in zip(self._wanted, grads) if i < self._split_at]
             dw = [g for i, g in zip(self._wanted, grads) if i >= self._split_at]
             return outputs, dys, dx, dw

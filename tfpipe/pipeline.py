@@ -22,7 +22,7 @@ import tensorflow as tf
 from tfpipe import checkpoint, devices, loop, schedule, sendrecv, state
 from tfpipe.cell import Cell, hang
 from tfpipe.routes import MODEL_INPUT, Routes
-from tfpipe.tasks import TASK_START, task_scope_name
+from tfpipe.tasks import TASK_END, TASK_START, task_scope_name
 
 LossFn = Callable[[int, Any], tf.Tensor]
 
@@ -74,8 +74,28 @@ class _Chain:
             # after their forward ops, so names alone cannot attribute them to a task.
             start = tf.no_op(name=TASK_START)
             yield produced
-        # A task that computes nothing (zero bubble's B of the first cell) still passes the chain on.
-        self._last[device] = produced or [start]
+            self._last[device] = _task_end(produced) or [start]  # a task that computes nothing passes it on
+
+
+def _task_end(produced: Sequence[Any]) -> list[Any]:
+    """What the device's next task waits for: one op that reads every tensor the task produced, and its ops.
+
+    Not the tensors themselves: a control edge from the output of a function call that TensorFlow
+    inlines becomes an edge from the call's control outputs, which a pure function does not have.
+    The next task could then start with this one's inputs, not after its outputs; measured on
+    workers, 1F1B's cell 1 ran F3 B3 F7 B7 F6 B6 ... instead of F0 B0 F1 B1 ...
+    """
+    tensors, ops = [], []
+    for item in produced:
+        if isinstance(item, tf.IndexedSlices):
+            tensors += [item.values, item.indices]
+        elif isinstance(item, tf.Operation):
+            ops.append(item)
+        else:
+            tensors.append(item)
+    if tensors:
+        ops.append(tf.raw_ops.IdentityN(input=tensors, name=TASK_END)[0].op)
+    return ops
 
 
 def check_unroll(unroll: Any, remat: str) -> bool:
@@ -135,10 +155,12 @@ class Pipeline:
         if not self.unroll:
             return
         if self.routes is None:
-            sendrecv.discover([(a.device, b.device) for a, b in zip(self.cells, self.cells[1:])])
+            pairs = {(a.device, b.device) for a, b in zip(self.cells, self.cells[1:])}
         else:
             pairs = {(p.device, self.cells[c].device) for p in self.cells for c in self.routes.readers(p.index)}
-            sendrecv.discover(sorted((a, b) for a, b in pairs if a != b))
+        # Activations go forward, their gradients back: both ways across processes are sent explicitly.
+        pairs |= {(b, a) for a, b in pairs}
+        sendrecv.discover(sorted((a, b) for a, b in pairs if a != b))
 
     def _schedule(self, backward: bool) -> list[schedule.Task]:
         return schedule.steps(self.schedule, len(self.cells), self.num_micro_batches, backward=backward)
@@ -375,11 +397,35 @@ class Pipeline:
                 grads = record.vjp(_differentiated, grads_out, accumulate=self._running(step, i))
                 dx, step.grads[i] = grads[: len(grads) - n_w], grads[len(grads) - n_w :]
                 produced.extend(step.grads[i])
-            if self.routes is not None:
-                _deliver(step, j, self.routes.feeds[i], dx)
-            elif i > 0:
-                step.dys[(i - 1, j)] = dx
             produced.extend([g for g in dx if g is not None])
+            if self.routes is not None:
+                _deliver(step, j, self.routes.feeds[i], self._send_back(task, dx, self.routes.feeds[i], produced))
+            elif i > 0:
+                step.dys[(i - 1, j)] = self._send_back(task, dx, [(i - 1, n) for n in range(len(dx))], produced)
+
+    def _send_back(
+        self, task: schedule.Task, dx: list[Any], sources: Sequence[tuple[int, int]], produced: list[Any]
+    ) -> list[Any]:
+        """B(i, j)'s input gradients, each sent explicitly to its producer's device in another process.
+
+        As for activations (``_send``): TensorFlow's own transfer is a ``_Send`` that a one-thread
+        worker queues behind its next task, and the previous cell waited for it. The sends join
+        ``produced``, so the device's next task waits for them.
+        """
+        src, out = self.cells[task.cell].device, list(dx)
+        by_device: dict[str, list[int]] = {}
+        for n, ((p, _), g) in enumerate(zip(sources, dx)):
+            if p != MODEL_INPUT and g is not None:
+                dst = self.cells[p].device
+                if dst != src and sendrecv.known(src, dst):
+                    by_device.setdefault(dst, []).append(n)
+        for k, (dst, positions) in enumerate(sorted(by_device.items())):
+            values = [tf.convert_to_tensor(out[n]) for n in positions]  # slices go dense to cross
+            moved, sends = sendrecv.transfer(values, f"tfpipe_{task_scope_name(task)}_{k}", src, dst)
+            for n, value in zip(positions, moved):
+                out[n] = value
+            produced.extend(sends)
+        return out
 
     def _weight_task(self, task: schedule.Task, step: _Step, chain: _Chain) -> None:
         """W(i, j) (zero bubble): cell i's weight gradients on micro-batch j, added to their running sums."""

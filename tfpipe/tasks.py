@@ -10,6 +10,7 @@ from typing import Any
 from tfpipe import schedule
 
 TASK_START = "task_start"  # the name of the no-op that opens each task's name scope
+TASK_END = "task_end"  # the op that reads everything a task produced: the device's next task waits for it
 PHASES = ("forward", "loss", "recompute", "backward", "accumulate", "transfer", "optimizer", "other")
 TRANSFER_TYPES = ("_Send", "_Recv", "_HostSend", "_HostRecv")  # op types that move tensors between devices
 
