@@ -388,7 +388,9 @@ class Pipeline:
         with chain.task(task, extra_deps=[g for g in tf.nest.flatten(dy) if g is not None]) as produced:
             if self.routes is not None:
                 dy = [None if g is None else g[0] if len(g) == 1 else tf.add_n(g) for g in dy]
-            grads_out = list(dy) + [step.scales[i]]  # the loss scale: the gradient of the added losses
+            # Through identities made here: a tape's gradient ops (a kept forward's backward) take no control
+            # dependencies, so without them the backward ran as soon as its gradients arrived, out of turn.
+            grads_out = [None if g is None else tf.identity(g) for g in dy] + [step.scales[i]]
             if schedule.splits_backward(self.schedule):  # W(i, j) takes the weights' gradients later
                 dx = record.input_vjp(grads_out)[: len(record.sources) - n_w]
                 step.records[(i, j)] = record
