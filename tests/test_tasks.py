@@ -178,7 +178,7 @@ def test_lookup_falls_back_to_the_innermost_known_scope():
     assert lookup({}, "x") is None
 
 
-def _two_cell_step_graph(remat: str) -> tf.Graph:
+def _two_cell_step_graph(remat: str, schedule_name: str = "gpipe") -> tf.Graph:
     """The traced train step of Dense(4), Dense(3) as two cells on /CPU:2 and /CPU:3, M=2."""
     model = tfpipe.PipelineModel(
         [keras.layers.Dense(4), keras.layers.Dense(3)],
@@ -186,6 +186,7 @@ def _two_cell_step_graph(remat: str) -> tf.Graph:
         devices=["/CPU:2", "/CPU:3"],
         num_micro_batches=2,
         remat=remat,
+        schedule=schedule_name,
     )
     model.compile(optimizer="sgd", loss="mse")
     model.build((None, 8))
@@ -235,3 +236,19 @@ def test_kept_tasks_sum_their_gradients_in_one_call_attributed_to_accumulate():
     }
     # B_i_1 runs first and starts the running sums; B_i_0 adds to them, all weights in one call.
     assert sums == {"B_0_0": "accumulate", "B_1_0": "accumulate"}
+
+
+def test_zero_bubbles_b_and_w_parts_are_backward_and_its_forward_part_forward():
+    graph = _two_cell_step_graph("never", "zero_bubble")
+    info = attribute(graph)
+    ops = {op.name: op for op in graph.get_operations()}
+    assert {info[name].task for name in ops} - {""} == {
+        task_scope_name(t) for t in schedule.steps("zero_bubble", 2, 2)
+    }  # F, B and W tasks
+    calls = {name: op for name, op in ops.items() if op.type == "PartitionedCall" and info[name].task}
+    forward = [name for name in calls if name.startswith("F_1_0/") and info[name].phase == "forward"]
+    assert forward and not any(calls_traced_vjp(calls[name]) for name in forward)
+    for kind, part in (("B", "inputs"), ("W", "weights")):
+        call = next(name for name in calls if name.startswith(f"{kind}_1_0/") and calls_traced_vjp(calls[name]))
+        # Inlined, the part's ops are named under the call, then the part, then tf.gradients' scope.
+        assert lookup(info, f"{call}/{part}/gradients/dense_1/MatMul_grad/MatMul").phase == "backward"

@@ -16,6 +16,7 @@ TRANSFER_TYPES = ("_Send", "_Recv", "_HostSend", "_HostRecv")  # op types that m
 
 _SCOPE = re.compile(r"([FBW])_(\d+)_(\d+)")
 _ACCUMULATE = re.compile(r"^[BW]_\d+_\d+/(add|concat)(_\d+)?(/|$)")  # summing a cell's gradients over micro-batches
+_SYMBOLIC = "gradients"  # the scope of tf.gradients' ops (zero bubble's split VJP: tfpipe/split.py)
 _TAPE = "gradient_tape/"  # tape gradients are named after their forward ops: "gradient_tape/F_1_3/..."
 _OPTIMIZERS = ("sgd", "adam", "adamw", "rmsprop", "adagrad", "lamb", "lion")
 _CALLS = ("PartitionedCall", "StatefulPartitionedCall")
@@ -153,15 +154,16 @@ def lookup(info: dict[str, OpInfo], op: str) -> OpInfo | None:
     """The attribution of an executed op named ``op``: its own, else that of its innermost known name scope.
 
     Inside a call that recomputes and differentiates (inlined, its ops are named under the
-    call), tape gradients are "backward", sums into the running gradients "accumulate", and
-    the rest "recompute".
+    call), gradients (of a tape or ``tf.gradients``) are "backward", sums into the running
+    gradients "accumulate", and the rest "recompute".
     """
     parts = op.split("/")
     for n in range(len(parts), 0, -1):
         found = info.get("/".join(parts[:n]))
         if found is not None and found.recomputes and n < len(parts):
             inner = parts[n:]
-            phase = "backward" if _TAPE.rstrip("/") in inner else "accumulate" if _SUM.match(inner[0]) else "recompute"
+            grad = _TAPE.rstrip("/") in inner or _SYMBOLIC in inner
+            phase = "backward" if grad else "accumulate" if _SUM.match(inner[0]) else "recompute"
             return dataclasses.replace(found, phase=phase, recomputes=False)
         if found is not None:
             return found
