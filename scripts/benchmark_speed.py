@@ -150,6 +150,7 @@ def main(argv: list[str]) -> None:
                             "K": k,
                             "M": m,
                             "remat": FLAGS.remat,
+                            "schedule": FLAGS.schedule,
                             "examples_per_s": rate,
                             "reference": base,
                             "speedup": rate / base,

@@ -66,8 +66,9 @@ def test_training_on_workers_matches_one_process(workers, schedule):
     assert all(f"/job:worker/replica:0/task:{k}/device:CPU:0" in places for k in range(workers))
 
 
-def test_outputs_cross_processes_through_explicit_sends_the_producer_waits_for():
-    """Each forward's output goes to the next worker by a _Send in the producing task (tfpipe/sendrecv.py)."""
+def test_outputs_and_their_gradients_cross_processes_through_explicit_sends_the_producer_waits_for():
+    """Each forward's output goes to the next worker by a Send in the producing task, and each backward's
+    input gradient back the same way (tfpipe/sendrecv.py)."""
     proc = run_fresh("""
         import numpy as np, keras, tensorflow as tf
         import tfpipe
@@ -90,9 +91,9 @@ def test_outputs_cross_processes_through_explicit_sends_the_producer_waits_for()
     """)
     assert proc.returncode == 0, proc.stderr[-3000:]
     known, sends, recvs, scopes, waits = proc.stdout.split("RESULT")[1].split()[:5]
-    assert (known, sends, recvs) == ("True", "3", "3")
-    assert scopes == "F_0_0,F_0_1,F_0_2"  # in cell 0's forward tasks
-    assert int(waits) >= 2  # cell 0's next tasks wait for the sends
+    assert (known, sends, recvs) == ("True", "6", "6")
+    assert scopes == "B_1_0,B_1_1,B_1_2,F_0_0,F_0_1,F_0_2"  # in cell 0's forward and cell 1's backward tasks
+    assert int(waits) >= 4  # each device's next task waits for its sends
 
 
 def test_a_functional_model_sends_each_skip_straight_to_the_worker_that_reads_it():
@@ -133,7 +134,11 @@ def test_a_functional_model_sends_each_skip_straight_to_the_worker_that_reads_it
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert float(proc.stdout.split("RESULT")[1].split()[0]) < 1e-5
     sends = proc.stdout.split("SENDS")[1].split()[0]
-    assert sends == "F_0_0>1;F_0_0>2;F_0_1>1;F_0_1>2;F_1_0>2;F_1_1>2"
+    assert sends.startswith("B_")  # the skip's gradient goes back from worker 2 to worker 0 directly too
+    forward = ";".join(s for s in sends.split(";") if s.startswith("F_"))
+    assert forward == "F_0_0>1;F_0_0>2;F_0_1>1;F_0_1>2;F_1_0>2;F_1_1>2"
+    backward = ";".join(s for s in sends.split(";") if s.startswith("B_"))
+    assert backward == "B_1_0>0;B_1_1>0;B_2_0>0;B_2_0>1;B_2_1>0;B_2_1>1"
     places = proc.stdout.split("PLACES")[1].split()[0].split(",")
     assert places == [f"/job:worker/replica:0/task:{k}" for k in range(3)]
 
