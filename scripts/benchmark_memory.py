@@ -59,6 +59,13 @@ flags.DEFINE_bool(
     "Instead of parts 1 and 2: the step's transient memory under each schedule (tfpipe.schedule) with K=2 cells "
     "on 2 logical CPU devices, remat='never', for every M of --table_micro_batches.",
 )
+flags.DEFINE_integer(
+    "micro_batch_size",
+    None,
+    "With --schedules: micro-batches of this many samples, the global batch growing as M x this (instead of "
+    "--batch_size at every M), so that what a schedule holds per micro-batch stays the same.",
+    lower_bound=1,
+)
 flags.DEFINE_string("_child", None, "Internal: measure the JSON configuration in this process.")
 
 GIB, MIB = 1 << 30, 1 << 20
@@ -136,9 +143,11 @@ class Probes:
         self._lock = threading.Lock()
         self._results: dict[tuple, concurrent.futures.Future] = {}
 
-    def run(self, model: str, blocks: int, m: int) -> dict[str, Any]:
-        """The measurement of ``model`` ("plain" or "remat") with L=``blocks`` and M=``m``."""
-        key = (model, blocks, m)
+    def run(self, model: str, blocks: int, m: int, batch: int | None = None) -> dict[str, Any]:
+        """The measurement of ``model`` ("plain", "remat" or a schedule) with L=``blocks``, M=``m`` and the
+        global batch ``batch`` (default --batch_size)."""
+        batch = FLAGS.batch_size if batch is None else batch
+        key = (model, blocks, m, batch)
         with self._lock:
             future, mine = self._results.get(key), False
             if future is None:
@@ -146,13 +155,13 @@ class Probes:
                 self._results[key] = future
         if mine:
             try:
-                future.set_result(self._child(model, blocks, m))
+                future.set_result(self._child(model, blocks, m, batch))
             except BaseException as err:  # noqa: BLE001 - handed to every waiter
                 future.set_exception(err)
         return future.result()
 
     @staticmethod
-    def _child(model: str, blocks: int, m: int) -> dict[str, Any]:
+    def _child(model: str, blocks: int, m: int, batch: int) -> dict[str, Any]:
         """Measure one configuration in a fresh Python process running this script."""
         config = {
             "model": model,
@@ -161,7 +170,7 @@ class Probes:
             "seq_len": FLAGS.seq_len,
             "dim": FLAGS.dim,
             "heads": FLAGS.heads,
-            "batch_size": FLAGS.batch_size,
+            "batch_size": batch,
             "vocab": FLAGS.vocab,
             "seed": FLAGS.seed,
         }
@@ -244,7 +253,7 @@ def _validate_flags() -> list[int]:
             f"largest fit the model); got {FLAGS.table_micro_batches}."
         )
     for m in ms + [FLAGS.micro_batches]:
-        if m > FLAGS.batch_size:
+        if m > FLAGS.batch_size and not (FLAGS.schedules and FLAGS.micro_batch_size):
             raise app.UsageError(
                 f"M={m} exceeds --batch_size={FLAGS.batch_size}; every micro-batch needs a "
                 "sample: lower M or raise the batch."
@@ -336,11 +345,16 @@ def _schedules(ms: list[int]) -> None:
     """The schedule table: per M, each schedule's transient bytes in one step and its share of GPipe's."""
     probes = Probes()
     with concurrent.futures.ThreadPoolExecutor(FLAGS.jobs) as pool:
-        futures = {(name, m): pool.submit(probes.run, name, FLAGS.blocks, m) for m in ms for name in SCHEDULES}
+        futures = {
+            (name, m): pool.submit(probes.run, name, FLAGS.blocks, m, _schedules_batch(m))
+            for m in ms
+            for name in SCHEDULES
+        }
         results = {key: f.result() for key, f in futures.items()}
+    per = FLAGS.micro_batch_size
     lines = [
         f"### Transient memory of one step by schedule: L={FLAGS.blocks} Transformer, K=2, remat='never', "
-        f"batch {FLAGS.batch_size}",
+        + (f"micro-batches of {per} (batch {per} x M)" if per else f"batch {FLAGS.batch_size}"),
         "",
         "| M | GPipe | 1F1B | zero bubble | 1F1B / GPipe | zero bubble / GPipe |",
         "|---|---|---|---|---|---|",
@@ -351,12 +365,18 @@ def _schedules(ms: list[int]) -> None:
         lines.append(f"| {m} | {_mib(gpipe)} | {_mib(one)} | {_mib(zero)} | {one / gpipe:.2f} | {zero / gpipe:.2f} |")
         for name in SCHEDULES:
             r = results[(name, m)]
-            rows.append({"schedule": name, "M": m, "before_bytes": r["before"], "peak_bytes": r["peak"],
-                         "transient_bytes": r["transient"], "max_rss_bytes": r["max_rss"]})  # fmt: skip
+            rows.append({"schedule": name, "M": m, "batch": _schedules_batch(m), "before_bytes": r["before"],
+                         "peak_bytes": r["peak"], "transient_bytes": r["transient"],
+                         "max_rss_bytes": r["max_rss"]})  # fmt: skip
     text = "\n".join(lines)
     print("\n" + text)
     if FLAGS.out:
         write_table(FLAGS.out, rows, text, list(rows[0]))
+
+
+def _schedules_batch(m: int) -> int:
+    """The global batch of the schedule table at M=m: --micro_batch_size x M if given, else --batch_size."""
+    return FLAGS.micro_batch_size * m if FLAGS.micro_batch_size else FLAGS.batch_size
 
 
 def _row(
