@@ -103,7 +103,7 @@ def test_zero_bubble_is_saved_and_shown_with_its_own_bubble(tmp_path):
     model.build((None, 8))
     lines = []
     model.summary(print_fn=lines.append)
-    assert "schedule='zero_bubble'" in lines[0]
+    assert "schedule='zero_bubble' (bubble 4.0%)" in lines[0]  # (K-1)/(3M+K-1) = 1/25
     # (K-1)/(3M+K-1) = 1/25 idle with W half of a backward twice the forward; the cells' costs are uneven.
     assert any(
         line.startswith("Predicted pipeline efficiency:") and "1 - bubble of 'zero_bubble' 96.0%" in line

@@ -48,7 +48,8 @@ def print_summary(model: Any, line_length: int | None = None, print_fn: Callable
     k, m = model.num_partitions, model.num_micro_batches
     print_fn(
         f'PipelineModel "{model.name}": {k} cells, balance={balance}, '
-        f"num_micro_batches={m}, remat={model.remat!r}, schedule={model.schedule!r}, cost={cost_name!r}"
+        f"num_micro_batches={m}, remat={model.remat!r}, schedule={model.schedule!r} "
+        f"(bubble {100 * schedule.predicted_bubble(model.schedule, k, m):.1f}%), cost={cost_name!r}"
     )
     print_fn("=" * width)
     print_fn(fmt(rows[0]))
