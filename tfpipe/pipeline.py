@@ -84,7 +84,10 @@ def _task_end(produced: Sequence[Any]) -> list[Any]:
     inlines becomes an edge from the call's control outputs, which a pure function does not have.
     The next task could then start with this one's inputs, not after its outputs; measured on
     workers, 1F1B's cell 1 ran F3 B3 F7 B7 F6 B6 ... instead of F0 B0 F1 B1 ...
+    Eagerly (``run_eagerly=True``) tasks run in program order and there is nothing to wait for.
     """
+    if tf.executing_eagerly():
+        return []
     tensors, ops = [], []
     for item in produced:
         if isinstance(item, tf.IndexedSlices):
