@@ -119,13 +119,50 @@ def resolve(devices: Sequence[str] | None, num_cells: int, strategy: Any = None)
     return devices[:num_cells]
 
 
+def is_replicated(devices: Any) -> bool:
+    """Whether ``devices`` is a list of R lists of cell devices (replicas), not one flat list."""
+    if devices is None or isinstance(devices, str) or not hasattr(devices, "__iter__"):
+        return False
+    rows = [isinstance(d, (list, tuple)) for d in devices]
+    if any(rows) and not all(rows):
+        raise TypeError(
+            f"devices mixes device strings and lists: {devices!r}. Give one device per cell, or R lists of "
+            "one device per cell (R data-parallel replicas of the pipeline)."
+        )
+    return bool(rows) and all(rows)
+
+
+def resolve_replicas(devices: Any, num_cells: int, strategy: Any = None) -> list[list[str]]:
+    """The cells' devices of each replica: R lists for R lists given, else one (see ``resolve``)."""
+    if not is_replicated(devices):
+        return [resolve(devices, num_cells, strategy)]
+    strategy = tf.distribute.get_strategy() if strategy is None else strategy
+    if _kind(strategy) != "default":
+        raise ValueError(
+            f"Replicas of the pipeline (devices as {len(devices)} lists) run outside tf.distribute strategies; "
+            f"under {type(strategy).__name__} give one device per cell, or leave devices unset."
+        )
+    return [resolve(list(row), num_cells, strategy) for row in devices]
+
+
 def restore(saved: Sequence[str], num_cells: int) -> tuple[list[str], str | None]:
     """Devices for a loaded model: the saved ones if this machine has them all, else the machine's own.
+
+    Saved replicas (R lists) are kept when every device is here, else become one replica.
 
     When the machine has fewer devices than cells, neighbouring cells share one
     (cell k goes to device k * D // K), so a model trained on 8 devices still
     loads on 1. Returns the devices and, when they differ from ``saved``, why.
     """
+    if is_replicated(saved):
+        missing = [d for row in saved for d in row if not _exists(d)]
+        if not missing:
+            return [list(row[:num_cells]) for row in saved], None
+        chosen, _ = restore([], num_cells)
+        return chosen, (
+            f"the saved replicas' devices {[list(r) for r in saved]} are not all on this machine (missing "
+            f"{missing}); one replica's {num_cells} cells go to {chosen} instead"
+        )
     missing = [d for d in saved if not _exists(d)]
     if not missing and len(saved) >= num_cells:
         return list(saved[:num_cells]), None

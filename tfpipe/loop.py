@@ -88,8 +88,12 @@ def run(
     fractions: Sequence[Any] | None,
     loss_grads: LossGrads | None = None,
     loss_scale: Any = 1.0,
+    first: int = 0,
 ) -> Looped:
-    """Forward (and with ``loss_grads`` backward) of one step over the micro-batches ``inputs``."""
+    """Forward (and with ``loss_grads`` backward) of one step over the micro-batches ``inputs``.
+
+    ``first`` is the global number of micro-batch 0 (a replica's first), from which seeds are drawn.
+    """
     k_cells, m = len(cells), len(inputs)
     cycles = m + k_cells - 1
     backward = loss_grads is not None
@@ -128,7 +132,7 @@ def run(
                 if backward:
                     stashes[k] = [a.write(t, x) for a, x in zip(stashes[k], leaves)]
                 x = tf.nest.pack_sequence_as(structures[k], _fill(structures[k], leaves))
-                seeds = state.micro_batch_states(cell.non_trainable_variables, weights[k][1], c.clipped)
+                seeds = state.micro_batch_states(cell.non_trainable_variables, weights[k][1], c.clipped + first)
                 y_leaves, changed, terms = _forward_or_bubble(traces[k], x, weights[k][0], seeds, c.valid, specs[k + 1])
                 states[k] = [a.write(t, v) for a, v in zip(states[k], changed)]
                 added[k] = added[k] + terms * c.share
@@ -158,7 +162,7 @@ def run(
                     values[i] = a.read(j + k)
                 result.new_state[(k, j)] = values
     if backward:
-        _backward(cells, weights, traces, structures, specs, stashes, shares, loss_grads, loss_scale, result)
+        _backward(cells, weights, traces, structures, specs, stashes, shares, loss_grads, loss_scale, result, first)
     return result
 
 
@@ -211,7 +215,9 @@ def _trace_forward(cells, weights, first_input, training):
     return traces, structures
 
 
-def _backward(cells, weights, traces, structures, specs, stashes, shares, loss_grads, loss_scale, result) -> None:
+def _backward(
+    cells, weights, traces, structures, specs, stashes, shares, loss_grads, loss_scale, result, first
+) -> None:
     """The losses, then the backward loop: each cell's VJP per cycle, its weight gradients summed as it goes."""
     k_cells, m = len(cells), len(result.outputs)
     cycles = m + k_cells - 1
@@ -250,7 +256,7 @@ def _backward(cells, weights, traces, structures, specs, stashes, shares, loss_g
                 c = _Cycle(t, k, m, shares)
                 dy = [_rows(a.read(c.clipped), c.valid) for a in dys] if k == k_cells - 1 else arrived[k]
                 x = [a.read(t) for a in stashes[k]]
-                seeds = state.micro_batch_states(cell.non_trainable_variables, weights[k][1], c.clipped)
+                seeds = state.micro_batch_states(cell.non_trainable_variables, weights[k][1], c.clipped + first)
                 dx, sums[k], pieces = vjps[k](x, seeds, c.share, dy, scales[k], c.valid, sums[k])
                 sparse[k] = [(v.write(t, a), i.write(t, b)) for (v, i), (a, b) in zip(sparse[k], pieces)]
                 if k > 0:

@@ -17,16 +17,20 @@ def say(message: str) -> None:
         logging.info(message)
 
 
-def building_step(model_name: str, num_cells: int, num_micro_batches: int, remat: str, loops: bool = False) -> str:
+def building_step(
+    model_name: str, num_cells: int, num_micro_batches: int, remat: str, loops: bool = False, replicas: int = 1
+) -> str:
     """The line shown before a pipelined training step is traced, so that a quiet first step is not taken for a hang."""
-    tasks = 2 * num_cells * num_micro_batches
+    tasks = 2 * num_cells * num_micro_batches * replicas
     how = (
         f"as two loops over {num_micro_batches + num_cells - 1} clock cycles, recomputing every cell"
         if loops
         else f"remat={remat!r}"
     )
     return (
-        f"tfpipe: building the pipelined training step of {model_name!r}: K={num_cells} cells x "
+        f"tfpipe: building the pipelined training step of {model_name!r}: "
+        + (f"R={replicas} replicas x " if replicas > 1 else "")
+        + f"K={num_cells} cells x "
         f"M={num_micro_batches} micro-batches = {tasks} tasks ({how}); tracing and optimizing "
         "it makes the first step take a while."
     )

@@ -10,7 +10,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tfpipe import _compat, checkpoint, functional, messages, microbatch, saving, specs
+from tfpipe import _compat, checkpoint, functional, messages, microbatch, replicas, saving, specs
 from tfpipe import balance as balance_lib
 from tfpipe import cost as cost_lib
 from tfpipe import devices as devices_lib
@@ -21,6 +21,7 @@ from tfpipe import training as training_lib
 from tfpipe._args import positive_int
 from tfpipe.cell import Cell, check_no_shared_variables, hang
 from tfpipe.pipeline import Pipeline, check_unroll
+from tfpipe.replicas import Replicated
 from tfpipe.sequence import layer_list
 
 
@@ -42,7 +43,10 @@ class PipelineModel(keras.Model):
         so the split is made when the model is built (first fit/evaluate/predict or
         ``build``), on copies of the layers, before any variable is created.
       devices: one device string per cell; default: all GPUs, else the logical CPU
-        devices, else ``/CPU:0`` for every cell.
+        devices, else ``/CPU:0`` for every cell. Or R lists of one device per cell: R
+        data-parallel replicas of the pipeline (``tfpipe.replicas``), each taking 1/R of every
+        batch in M micro-batches; the variables live once, on replica 0's devices, and one
+        optimizer step applies the gradients summed over all replicas.
       num_micro_batches: M, the number of micro-batches each mini-batch is split into.
       remat: re-materialization: ``"always"``, ``"except_last"`` (recompute all but
         the last micro-batch, torchgpipe's default) or ``"never"``.
@@ -102,17 +106,19 @@ class PipelineModel(keras.Model):
         schedule = schedule_lib.check_name(schedule)
         if schedule != "gpipe" and not unroll:
             raise ValueError(f"schedule={schedule!r} needs unroll=True; unroll=False runs GPipe's clock cycles.")
-        cell_devices = devices_lib.resolve(devices, num_cells)
+        replica_devices = devices_lib.resolve_replicas(devices, num_cells)
         super().__init__(**kwargs)
         self.pipeline_layers = layers_  # tracked first, so weights are ordered as in keras.Sequential
         self._graph = graph  # a Functional model's nodes, or None for a layer sequence
         self._cost = cost
-        self._num_cells, self._m, self._remat, self._devices = num_cells, m, remat, list(cell_devices)
+        self._num_cells, self._m, self._remat = num_cells, m, remat
+        self._replica_devices = replica_devices
+        self._devices = list(replica_devices[0])  # replica 0's cells own the variables
         self._unroll = unroll
         self._schedule = schedule
         self._estimate: cost_lib.Estimate | None = None
         self._inputs: Any = None  # symbolic inputs the model was built for, batch dimension included
-        self._pipeline: Pipeline | None = None
+        self._pipeline: Pipeline | Replicated | None = None
         if cell_sizes is None and num_cells in (1, units):
             cell_sizes = balance_lib.uniform(units, num_cells)  # the only split there is
         elif cell_sizes is None and callable(cost):
@@ -133,12 +139,23 @@ class PipelineModel(keras.Model):
             segments = self._graph.cut(cell_sizes)
             cells = [Cell(k, s.layers, d, program=s) for k, (s, d) in enumerate(zip(segments, self._devices))]
             routes = self._graph.routes(segments)
-            self._pipeline = Pipeline(cells, self._m, self._remat, self._unroll, routes, self._schedule)
-            return
-        starts = np.cumsum([0] + list(cell_sizes))
-        layers = self.pipeline_layers
-        cells = [Cell(k, layers[starts[k] : starts[k + 1]], d) for k, d in enumerate(self._devices)]
-        self._pipeline = Pipeline(cells, self._m, self._remat, self._unroll, schedule_name=self._schedule)
+        else:
+            starts = np.cumsum([0] + list(cell_sizes))
+            layers = self.pipeline_layers
+            cells = [Cell(k, layers[starts[k] : starts[k + 1]], d) for k, d in enumerate(self._devices)]
+            routes = None
+        pipelines = [
+            Pipeline(
+                cells if r == 0 else replicas.replica_cells(cells, devices),
+                self._m,
+                self._remat,
+                self._unroll,
+                routes,
+                self._schedule,
+            )
+            for r, devices in enumerate(self._replica_devices)
+        ]
+        self._pipeline = pipelines[0] if len(pipelines) == 1 else Replicated(pipelines)
 
     def _move_graph_variables(self) -> None:
         """A Functional model's weights were created where it was built: move each to its cell's device.
@@ -179,9 +196,16 @@ class PipelineModel(keras.Model):
         return list(self._balance) if self._pipeline else None
 
     @property
-    def devices(self) -> list[str]:
-        """The device of each cell."""
+    def devices(self) -> list[str] | list[list[str]]:
+        """The device of each cell; with replicas, one such list per replica."""
+        if len(self._replica_devices) > 1:
+            return [list(row) for row in self._replica_devices]
         return list(self._devices)
+
+    @property
+    def num_replicas(self) -> int:
+        """R, the number of data-parallel replicas of the pipeline (1 unless ``devices`` gives R lists)."""
+        return len(self._replica_devices)
 
     @property
     def num_partitions(self) -> int:
@@ -249,7 +273,7 @@ class PipelineModel(keras.Model):
             for layer in self.pipeline_layers:
                 inputs = layer(inputs, training=False)
             return inputs
-        sizes = microbatch.sizes(inputs, self.num_micro_batches, allow_empty=not training)
+        sizes = microbatch.sizes(inputs, self._pipeline.num_micro_batches, allow_empty=not training)
         parts = microbatch.split(inputs, sizes)
         result = self._pipeline.forward(parts, training=training, fractions=microbatch.fractions(sizes))
         self._assign(result.state_updates)
@@ -294,12 +318,16 @@ class PipelineModel(keras.Model):
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
         if not self.built:
             self.build(x)
-        sizes = microbatch.sizes(x, self.num_micro_batches)
+        sizes = microbatch.sizes(x, self._pipeline.num_micro_batches)  # R x M with replicas
         xs, ys, sws = (microbatch.split(s, sizes) for s in (x, y, sample_weight))
         loss_fn = training_lib.micro_batch_loss(self, PipelineModel.compute_loss, xs, ys, sws, sizes)
-        if self._num_cells * self.num_micro_batches > 1 and not tf.executing_eagerly():  # once per trace
+        if self._num_cells * self._pipeline.num_micro_batches > 1 and not tf.executing_eagerly():  # once per trace
             loops = not self._pipeline.unroll
-            messages.say(messages.building_step(self.name, self._num_cells, self.num_micro_batches, self.remat, loops))
+            messages.say(
+                messages.building_step(
+                    self.name, self._num_cells, self.num_micro_batches, self.remat, loops, self.num_replicas
+                )
+            )
         scale = self.optimizer.scale_loss(tf.constant(1.0)) if self.optimizer is not None else 1.0
         result = self._pipeline.train(xs, loss_fn, microbatch.fractions(sizes), loss_scale=scale)
         _compat.loss_tracker(self).update_state(
@@ -314,7 +342,8 @@ class PipelineModel(keras.Model):
 
     def fit(self, x: Any = None, y: Any = None, batch_size: int | None = None, *args: Any, **kwargs: Any):
         """Keras ``fit``; checks first that no training batch will be smaller than num_micro_batches."""
-        training_lib.check_batches(x, batch_size, kwargs.get("validation_split") or 0.0, self.num_micro_batches)
+        split = kwargs.get("validation_split") or 0.0
+        training_lib.check_batches(x, batch_size, split, self.num_micro_batches, self.num_replicas)
         self._before_tracing(x, y, kwargs.get("sample_weight"))
         return super().fit(x, y, batch_size, *args, **kwargs)
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -45,6 +46,10 @@ class StepResult:
     gradients: list[tf.Tensor] = dataclasses.field(default_factory=list)  # aligned with ``variables``
     variables: list[keras.Variable] = dataclasses.field(default_factory=list)
     state_updates: list[tuple[keras.Variable, tf.Tensor]] = dataclasses.field(default_factory=list)
+    # Unmerged, for a caller that merges several pipelines' (replicas'): each cell's values as read at the
+    # step's start, (trainable, non-trainable), and its non-trainable values after each micro-batch.
+    weights: list[tuple[list[tf.Tensor], list[tf.Tensor]]] = dataclasses.field(default_factory=list)
+    new_states: list[list[list[tf.Tensor]]] = dataclasses.field(default_factory=list)
 
 
 def _flat(x: Any) -> list[tf.Tensor]:
@@ -170,10 +175,19 @@ class Pipeline:
 
     @tf.autograph.experimental.do_not_convert  # plain Python loops over tasks: converting them only costs trace time
     def forward(
-        self, inputs: Sequence[Any], training: bool = False, fractions: Sequence[tf.Tensor] | None = None
+        self,
+        inputs: Sequence[Any],
+        training: bool = False,
+        fractions: Sequence[tf.Tensor] | None = None,
+        first: int = 0,
+        merge: bool = True,
     ) -> StepResult:
-        """Forward-only pass over the micro-batches ``inputs``; training mode also merges state updates."""
-        return self._run(inputs, training=training, loss_fn=None, fractions=fractions)
+        """Forward-only pass over the micro-batches ``inputs``; training mode also merges state updates.
+
+        ``first`` numbers the micro-batches from there (seeds and ``loss_fn`` take global numbers, as
+        a replica's do); ``merge=False`` leaves the state merge to the caller (``StepResult.new_states``).
+        """
+        return self._run(inputs, training=training, loss_fn=None, fractions=fractions, first=first, merge=merge)
 
     @tf.autograph.experimental.do_not_convert
     def train(
@@ -182,19 +196,24 @@ class Pipeline:
         loss_fn: LossFn,
         fractions: Sequence[tf.Tensor],
         loss_scale: tf.Tensor | float = 1.0,
+        first: int = 0,
+        merge: bool = True,
     ) -> StepResult:
         """Forward and backward of one step: summed gradients, loss and merged state updates.
 
         ``loss_fn(j, y_j)`` is micro-batch j's share of the mini-batch loss (already
         weighted); ``loss_scale`` multiplies every loss before differentiation
-        (mixed-precision loss scaling) and is not part of the reported loss.
+        (mixed-precision loss scaling) and is not part of the reported loss. ``first`` and ``merge``
+        as for ``forward``.
         """
-        return self._run(inputs, training=True, loss_fn=loss_fn, fractions=fractions, loss_scale=loss_scale)
+        return self._run(inputs, True, loss_fn, fractions, loss_scale, first, merge)
 
-    def _run(self, inputs, training, loss_fn, fractions, loss_scale=1.0) -> StepResult:
+    def _run(self, inputs, training, loss_fn, fractions, loss_scale=1.0, first=0, merge=True) -> StepResult:
+        if first:  # the loss of micro-batch j is the caller's micro-batch first + j
+            loss_fn = None if loss_fn is None else functools.partial(_offset_loss, loss_fn, first)
         if not self.unroll:
             try:
-                return self._run_loops(inputs, training, loss_fn, fractions, loss_scale)
+                return self._run_loops(inputs, training, loss_fn, fractions, loss_scale, first, merge)
             except loop.Unsupported as why:
                 warnings.warn(f"unroll=False: the step cannot run as loops, so it is unrolled: {why}.", stacklevel=3)
                 self.unroll = True
@@ -205,6 +224,7 @@ class Pipeline:
             fractions=fractions,
             loss_scale=loss_scale,
             weights=[cell.read() for cell in self.cells],
+            first=first,
         )  # read once per step
         if self.routes is not None:
             step.flat_inputs = [self.routes.flatten_inputs(x) for x in inputs]
@@ -230,29 +250,31 @@ class Pipeline:
             step.grads,
             step.new_state,
             step.weights,
-            fractions if training else None,
+            fractions if training and merge else None,
         )
 
-    def _run_loops(self, inputs, training, loss_fn, fractions, loss_scale) -> StepResult:
+    def _run_loops(self, inputs, training, loss_fn, fractions, loss_scale, first, merge) -> StepResult:
         if self.routes is not None:
             raise loop.Unsupported("tensors of the Functional graph skip cells, which the loops do not carry")
         weights = [cell.read() for cell in self.cells]
         loss_grads = None
         if loss_fn is not None:
             loss_grads = lambda j, y: _loss_and_gradients(loss_fn, j, y, loss_scale)  # noqa: E731
-        looped = loop.run(self.cells, weights, inputs, training, fractions, loss_grads, loss_scale)
+        looped = loop.run(self.cells, weights, inputs, training, fractions, loss_grads, loss_scale, first)
         return self._result(
             looped.outputs,
             looped.losses + looped.added if loss_fn is not None else None,
             looped.grads,
             looped.new_state,
             weights,
-            fractions if training else None,
+            fractions if training and merge else None,
         )
 
     def _result(self, outputs, loss_terms, grads, new_state, weights, fractions) -> StepResult:
         """The step's result: the loss from its terms, gradients per variable, merged state updates (training)."""
-        result = StepResult(outputs=list(outputs))
+        m = self.num_micro_batches
+        result = StepResult(outputs=list(outputs), weights=list(weights))
+        result.new_states = [[new_state[(i, j)] for j in range(m)] for i in range(len(self.cells))]
         if loss_terms is not None:
             result.loss = tf.add_n(loss_terms)
             for cell, g in zip(self.cells, grads):
@@ -262,12 +284,7 @@ class Pipeline:
             for i, cell in enumerate(self.cells):
                 with devices.scope(cell.device):
                     result.state_updates.extend(
-                        cell.merger.merge(
-                            cell.non_trainable_variables,
-                            weights[i][1],
-                            [new_state[(i, j)] for j in range(self.num_micro_batches)],
-                            fractions,
-                        )
+                        cell.merger.merge(cell.non_trainable_variables, weights[i][1], result.new_states[i], fractions)
                     )
         return result
 
@@ -279,7 +296,7 @@ class Pipeline:
         x = self._input_of(i, j, step)
         with chain.task(task) as produced:
             x = tf.nest.map_structure(lambda t: None if t is None else tf.identity(t), x)  # arrive on this device
-            seeds = state.micro_batch_states(cell.non_trainable_variables, other, j) if training else other
+            seeds = state.micro_batch_states(cell.non_trainable_variables, other, step.first + j) if training else other
             if step.shares:
                 share, reg_weight = step.shares[j], step.reg_weights[0 if j == 0 else 1]
             else:  # forward only: plain numbers, no ops
@@ -456,6 +473,7 @@ class _Step:
     fractions: Sequence[tf.Tensor] | None
     loss_scale: Any
     weights: list[tuple[list[tf.Tensor], list[tf.Tensor]]]
+    first: int = 0  # the global number of micro-batch 0 (a replica's first), for seeds
     acts: dict = dataclasses.field(default_factory=dict)  # cell outputs
     outputs: dict = dataclasses.field(default_factory=dict)  # the model's outputs per micro-batch
     flat_inputs: list = dataclasses.field(default_factory=list)  # routes: each micro-batch's input leaves
@@ -494,6 +512,10 @@ def _loss_and_gradients(
         scaled = loss * loss_scale
     grads = iter(tape.gradient(scaled, floating, unconnected_gradients=tf.UnconnectedGradients.ZERO))
     return loss, [next(grads) if t.dtype.is_floating else None for t in ys]
+
+
+def _offset_loss(loss_fn: LossFn, first: int, j: int, y: Any) -> tf.Tensor:
+    return loss_fn(first + j, y)
 
 
 def _unfoldable(values: Sequence[Any]) -> list[tf.Tensor]:

@@ -29,6 +29,7 @@ def print_summary(model: Any, line_length: int | None = None, print_fn: Callable
     header = list(COLUMNS)
     header[4] = f"Cost ({cost_lib.UNITS.get(cost_name, 'cost')})"
     rows = [tuple(header)]
+    replicated = model.num_replicas > 1
     for cell in model.cells:
         k = cell.index
         params = f"{cell.count_params():,}" if model.built else "unbuilt"
@@ -38,8 +39,10 @@ def print_summary(model: Any, line_length: int | None = None, print_fn: Callable
             cost, share = si(per_cell[k]), f"{100.0 * per_cell[k] / total:.1f}%"
             if estimate.output_bytes:
                 out = si(estimate.output_bytes[sum(balance[: k + 1]) - 1]) + "B"
-        rows.append((str(k), cell.device, cell.describe(), params, cost, share, out))
+        device = ", ".join(row[k] for row in model.devices) if replicated else cell.device  # replicas listed
+        rows.append((str(k), device, cell.describe(), params, cost, share, out))
     widths = list(WIDTHS)
+    widths[1] = max(widths[1], *(len(row[1]) for row in rows))
     widths[2] = max(12, width - sum(widths) - 2 * (len(widths) - 1))
 
     def fmt(row: tuple) -> str:
@@ -47,7 +50,9 @@ def print_summary(model: Any, line_length: int | None = None, print_fn: Callable
 
     k, m = model.num_partitions, model.num_micro_batches
     print_fn(
-        f'PipelineModel "{model.name}": {k} cells, balance={balance}, '
+        f'PipelineModel "{model.name}": '
+        + (f"{model.num_replicas} replicas x " if replicated else "")
+        + f"{k} cells, balance={balance}, "
         f"num_micro_batches={m}, remat={model.remat!r}, schedule={model.schedule!r} "
         f"(bubble {100 * schedule.predicted_bubble(model.schedule, k, m):.1f}%), cost={cost_name!r}"
     )

@@ -67,12 +67,15 @@ def unscale_for_distribution(loss: tf.Tensor) -> tf.Tensor:
     return loss * replicas if replicas > 1 else loss
 
 
-def check_batches(x: Any, batch_size: int | None, validation_split: float, num_micro_batches: int) -> None:
-    """Refuse, before fit starts, a batch size or sample count that leaves a batch smaller than M."""
-    m = num_micro_batches
+def check_batches(
+    x: Any, batch_size: int | None, validation_split: float, num_micro_batches: int, num_replicas: int = 1
+) -> None:
+    """Refuse, before fit starts, a batch size or sample count that leaves a batch smaller than R x M."""
+    m = num_micro_batches * num_replicas
+    what = f"num_micro_batches={m}" if num_replicas == 1 else f"{num_replicas} replicas x {num_micro_batches} = {m}"
     if batch_size is not None and batch_size < m:
         raise ValueError(
-            f"batch_size={batch_size} is smaller than num_micro_batches={m}; every micro-batch needs a sample. "
+            f"batch_size={batch_size} is smaller than {what} micro-batches; every micro-batch needs a sample. "
             f"Use batch_size >= {m} or lower num_micro_batches."
         )
     leaves = [leaf for leaf in tf.nest.flatten(x) if isinstance(leaf, (np.ndarray, tf.Tensor))]
@@ -83,7 +86,7 @@ def check_batches(x: Any, batch_size: int | None, validation_split: float, num_m
     last = n % size
     if 0 < last < m:
         raise ValueError(
-            f"{n} samples in batches of {size} leave a last batch of {last}, smaller than num_micro_batches={m}. "
+            f"{n} samples in batches of {size} leave a last batch of {last}, smaller than {what} micro-batches. "
             f"Choose a batch_size that leaves no remainder or one of at least {m}, or drop the last {last} samples."
         )
 
