@@ -69,6 +69,12 @@ flags.DEFINE_enum(
     ["gpipe", "1f1b", "zero_bubble"],
     "Task order: GPipe's, 1F1B (fewer activations held) or zero_bubble (1F1B's memory, a third of its bubble).",
 )
+flags.DEFINE_integer(
+    "replicas",
+    1,
+    "Data-parallel replicas R of the K-cell pipeline, on R x K devices (--devices lists replica 0's first).",
+    lower_bound=1,
+)
 flags.DEFINE_string(
     "devices",
     "auto",
@@ -144,6 +150,23 @@ def setup_devices(spec: str, partitions: int, stack: contextlib.ExitStack) -> li
     return [d.strip() for d in spec.split(",") if d.strip()]
 
 
+def replica_devices(devices: list[str] | None, partitions: int) -> list[str] | list[list[str]] | None:
+    """The cells' devices, cut into --replicas rows of K when there are replicas."""
+    r = FLAGS.replicas
+    if r == 1:
+        return devices
+    if devices is None:  # 'auto' on a GPU machine: every GPU
+        from tfpipe.devices import available
+
+        devices = available()
+    if len(devices) < r * partitions:
+        raise UsageError(
+            f"--replicas={r} x {partitions} cells need {r * partitions} devices; --devices={FLAGS.devices} "
+            f"gives {len(devices)}"
+        )
+    return [devices[i * partitions : (i + 1) * partitions] for i in range(r)]
+
+
 def _ints(name: str) -> list[int] | None:
     """A comma-list flag as ints."""
     values = FLAGS[name].value
@@ -163,8 +186,11 @@ def check_flags() -> None:
         raise UsageError(f"--image_size={FLAGS.image_size} must be divisible by 2**--unet_depth={2**FLAGS.unet_depth}")
     if FLAGS.model == "unet" and FLAGS.dataset != "synthetic":
         raise UsageError("--model=unet trains on the generated segmentation task; use --dataset=synthetic")
-    if FLAGS.batch_size < FLAGS.micro_batches:
-        raise UsageError(f"--batch_size={FLAGS.batch_size} is smaller than --micro_batches={FLAGS.micro_batches}")
+    if FLAGS.batch_size < FLAGS.micro_batches * FLAGS.replicas:
+        what = f"--micro_batches={FLAGS.micro_batches}" + (
+            f" x --replicas={FLAGS.replicas}" if FLAGS.replicas > 1 else ""
+        )
+        raise UsageError(f"--batch_size={FLAGS.batch_size} is smaller than {what}")
     if FLAGS.tensorboard and not FLAGS.model_dir:
         raise UsageError("--tensorboard writes under --model_dir; give --model_dir too")
     if FLAGS.save_every and not FLAGS.model_dir:
@@ -308,7 +334,7 @@ def run() -> dict:
 def _run(stack: contextlib.ExitStack) -> dict:
     balance = _ints("balance")
     partitions = len(balance) if balance else FLAGS.partitions
-    devices = setup_devices(FLAGS.devices, partitions, stack)
+    devices = replica_devices(setup_devices(FLAGS.devices, partitions * FLAGS.replicas, stack), partitions)
 
     import keras
 
@@ -332,7 +358,7 @@ def _run(stack: contextlib.ExitStack) -> dict:
         )
         model.build(task.input_shape)
     except (ValueError, TypeError) as err:
-        raise UsageError(f"--balance/--partitions/--devices/--micro_batches: {err}") from None
+        raise UsageError(f"--balance/--partitions/--devices/--replicas/--micro_batches: {err}") from None
     optimizer = {"adam": keras.optimizers.Adam, "sgd": keras.optimizers.SGD, "adamw": keras.optimizers.AdamW}[
         FLAGS.optimizer
     ](FLAGS.learning_rate)
@@ -373,6 +399,7 @@ def _run(stack: contextlib.ExitStack) -> dict:
         "balance": model.balance,
         "devices": model.devices,
         "micro_batches": model.num_micro_batches,
+        "replicas": model.num_replicas,
     }
     print(
         f"\nloss {report['start_loss']:.3f} -> {report['final_loss']:.3f}, "

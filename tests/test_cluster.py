@@ -30,8 +30,10 @@ def _wait_gone(pids, seconds=15.0):
     return [p for p in pids if _alive(p)]
 
 
-@pytest.mark.parametrize("workers,schedule", [(2, "gpipe"), (3, "gpipe"), (3, "zero_bubble")])
-def test_training_on_workers_matches_one_process(workers, schedule):
+@pytest.mark.parametrize(
+    "workers,schedule,replicas", [(2, "gpipe", 1), (3, "gpipe", 1), (3, "zero_bubble", 1), (4, "1f1b", 2)]
+)
+def test_training_on_workers_matches_one_process(workers, schedule, replicas):  # 4 workers: R=2 x K=2
     proc = run_fresh(f"""
         import numpy as np, keras
         import tfpipe
@@ -46,8 +48,10 @@ def test_training_on_workers_matches_one_process(workers, schedule):
         reference.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
         reference.fit(x, y, batch_size=10, epochs=2, verbose=0, shuffle=False)
         with LocalCluster({workers}) as cluster:
-            model = tfpipe.PipelineModel(mlp_layers(), num_partitions={workers}, devices=cluster.devices,
-                                         num_micro_batches=3, schedule="{schedule}")
+            k = {workers // replicas}
+            devices = [cluster.devices[r * k : (r + 1) * k] for r in range({replicas})]
+            model = tfpipe.PipelineModel(mlp_layers(), num_partitions=k, devices=devices if {replicas} > 1
+                                         else cluster.devices, num_micro_batches=3, schedule="{schedule}")
             model.build((None, 5))
             model.set_weights(start)
             model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
@@ -63,7 +67,8 @@ def test_training_on_workers_matches_one_process(workers, schedule):
     error, predicted, loss = (float(v) for v in proc.stdout.split("RESULT")[1].split()[:3])
     assert error < 1e-5 and predicted < 1e-5 and loss > 0
     places = proc.stdout.split("PLACES")[1]
-    assert all(f"/job:worker/replica:0/task:{k}/device:CPU:0" in places for k in range(workers))
+    owners = range(workers // replicas)  # replica 0's workers hold the variables, the others none
+    assert all((f"/job:worker/replica:0/task:{k}/device:CPU:0" in places) == (k in owners) for k in range(workers))
 
 
 def test_outputs_and_their_gradients_cross_processes_through_explicit_sends_the_producer_waits_for():

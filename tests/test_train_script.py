@@ -58,6 +58,15 @@ def test_other_schedules_train_from_the_command_line(schedule):
     assert final < start and f"schedule='{schedule}'" in proc.stdout
 
 
+def test_replicas_train_from_the_command_line():
+    proc = _run(*TINY_TRANSFORMER, "--epochs=2", "--replicas=2", "--micro_batches=2")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    start, final = _losses(proc.stdout)
+    assert final < start
+    assert "2 replicas x 2 cells" in proc.stdout  # the summary's first line
+    assert "on [['/CPU:0', '/CPU:1'], ['/CPU:2', '/CPU:3']], 2 micro-batches" in proc.stdout
+
+
 def test_a_keras_application_trains_by_name():
     proc = _run(
         "--model=keras:MobileNetV2",
@@ -131,9 +140,11 @@ def test_bad_flags_name_the_flag():
         (["--model=amoebanet", "--blocks=4"], "--model=amoebanet sizes: num_layers=4"),
         (
             ["--partitions=9", "--blocks=1"],
-            "--balance/--partitions/--devices/--micro_batches: num_partitions=9 is more",
+            "--balance/--partitions/--devices/--replicas/--micro_batches: num_partitions=9 is more",
         ),
         (["--devices=local:1"], "--devices=local:1 starts 1 workers for 2 cells; use local:2"),
+        (["--replicas=2", "--devices=cpu:3"], "--replicas=2 x 2 cells need 4 devices; --devices=cpu:3 gives 3"),
+        (["--replicas=2", "--batch_size=6"], "--batch_size=6 is smaller than --micro_batches=4 x --replicas=2"),
         (["--model=vgg"], "--model=vgg: use one of transformer, amoebanet, resnet, unet or keras:NAME"),
         (["--model=keras:Nope"], "--model=keras:Nope: keras.applications has no model 'Nope'"),
         (["--model=unet", "--image_size=20"], "--image_size=20 must be divisible by 2**--unet_depth=8"),
