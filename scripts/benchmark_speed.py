@@ -13,6 +13,11 @@ steps are excluded and the median step time is used. Every size in --dims x
     python scripts/benchmark_speed.py                       # Transformer, K in {1, 2}, M in {1, 2, 4, 8, 16, 32}
     python scripts/benchmark_speed.py --model=mlp --dims=256,1024 --batch_sizes=128,1024 --remat=never
     python scripts/benchmark_speed.py --max_partitions=4 --out=docs/speed   # also K=4; write .csv and .md
+    python scripts/benchmark_speed.py --replicas=2     # also R=2 replicas of each K, on 2K workers
+
+With --replicas=R, R x K entries run R data-parallel replicas of the K cells on R x K
+workers, each replica on 1/R of the batch; their ideal is R x K*M/(M+K-1). On a
+machine with fewer cores than workers those entries only indicate: the workers share cores.
 """
 
 from __future__ import annotations
@@ -58,6 +63,7 @@ flags.DEFINE_bool(
 flags.DEFINE_enum(
     "schedule", "gpipe", ["gpipe", "1f1b", "zero_bubble"], "Schedule of the pipelined entries (tfpipe.schedule)."
 )
+flags.DEFINE_integer("replicas", 1, "Also time R data-parallel replicas of each K (R x K workers).", lower_bound=1)
 flags.DEFINE_string("out", None, "Write the table to OUT.csv and OUT.md.")
 
 
@@ -91,8 +97,10 @@ def _layers_and_data(dim: int, n: int):
     return layers, rng.normal(size=(n, size, size, 3)).astype("float32"), rng.integers(0, 10, size=n)
 
 
-def time_entry(devices: list[str], m: int, remat: str, dim: int, batch_size: int, unroll: bool = True) -> float:
-    """Median seconds of one training step with the cells on ``devices``, M = m and ``remat``."""
+def time_entry(
+    devices: list[str] | list[list[str]], m: int, remat: str, dim: int, batch_size: int, unroll: bool = True
+) -> float:
+    """Median seconds of one training step with the cells on ``devices`` (or R lists: replicas), M = m, ``remat``."""
     import keras
     import numpy as np
 
@@ -102,7 +110,7 @@ def time_entry(devices: list[str], m: int, remat: str, dim: int, batch_size: int
     layers, x, y = _layers_and_data(dim, batch_size)
     model = tfpipe.PipelineModel(
         layers,
-        num_partitions=len(devices),
+        num_partitions=len(devices[0]) if isinstance(devices[0], list) else len(devices),
         devices=devices,
         num_micro_batches=m,
         remat=remat,
@@ -126,27 +134,35 @@ def main(argv: list[str]) -> None:
     ks = [k for k in (1, 2, 4, 8, 16) if k <= FLAGS.max_partitions]
     ms = [int(m) for m in FLAGS.micro_batches]
     sizes = [(int(d), int(n)) for d in FLAGS.dims for n in FLAGS.batch_sizes]
+    rs = sorted({1, FLAGS.replicas})
     rows: list[dict] = []
     for k in ks:
-        with LocalCluster(k, threads_per_worker=1) as cluster:
-            for dim, n in sizes:
+        with LocalCluster(k * rs[-1], threads_per_worker=1) as cluster:
+            for r, (dim, n) in [(r, size) for r in rs for size in sizes]:
                 size = f"dim={dim} batch={n}"
                 base = next((r["reference"] for r in rows if r["size"] == size), None)
                 if base is None:  # the reference: one worker, K=1, M=1, no recomputation
                     # Best of two: the first model on fresh workers ran up to 25% slow (measured).
-                    base = n / min(time_entry(cluster.devices, 1, "never", dim, n) for _ in range(2))
+                    base = n / min(time_entry(cluster.devices[:1], 1, "never", dim, n) for _ in range(2))
                     print(f"{size}: reference K=1 M=1 remat='never' {base:8.1f} examples/s", flush=True)
                 for m in ms:
-                    if n < m:
+                    if n < m * r:
                         continue
-                    rate = n / time_entry(cluster.devices, m, FLAGS.remat, dim, n, FLAGS.unroll)
-                    ideal = schedule.ideal_speedup(k, m)
+                    grid = [cluster.devices[i * k : (i + 1) * k] for i in range(r)]
+                    rate = n / time_entry(grid if r > 1 else grid[0], m, FLAGS.remat, dim, n, FLAGS.unroll)
+                    ideal = r * schedule.ideal_speedup(k, m)
                     one_cell = next(
-                        (r["examples_per_s"] for r in rows if r["size"] == size and r["K"] == 1 and r["M"] == m), rate
+                        (
+                            e["examples_per_s"]
+                            for e in rows
+                            if e["size"] == size and e["K"] * e["R"] == 1 and e["M"] == m
+                        ),
+                        rate,
                     )
                     rows.append(
                         {
                             "size": size,
+                            "R": r,
                             "K": k,
                             "M": m,
                             "remat": FLAGS.remat,
@@ -161,7 +177,8 @@ def main(argv: list[str]) -> None:
                         }
                     )
                     print(
-                        f"{size} K={k} M={m:>2}: {rate:8.1f} examples/s  speed-up {rate / base:5.2f}  ideal "
+                        f"{size} {f'R={r} ' if r > 1 else ''}K={k} M={m:>2}: {rate:8.1f} examples/s  "
+                        f"speed-up {rate / base:5.2f}  ideal "
                         f"{ideal:5.2f}  measured/ideal {rate / base / ideal:5.2f}  (over K=1 at this M: "
                         f"{rate / one_cell:5.2f}, {rate / one_cell / ideal:5.2f} of ideal)",
                         flush=True,
@@ -177,7 +194,7 @@ def main(argv: list[str]) -> None:
 
 
 def _markdown(rows: list[dict], ms: list[int]) -> str:
-    """Two tables, K rows and M columns: speed-up over K=1 M=1, then over K=1 at the same M.
+    """Two tables, K (or R x K) rows and M columns: speed-up over K=1 M=1, then over K=1 at the same M.
 
     Each entry: 'speed-up (share of the ideal K*M/(M+K-1)), examples/s'. The second
     table compares equal work (the same micro-batches and re-materialization), so it
@@ -191,11 +208,13 @@ def _markdown(rows: list[dict], ms: list[int]) -> str:
         lines = [
             f"Speed-up {title}:",
             "",
-            "| K \\ M | " + " | ".join(str(m) for m in ms) + " |",
+            ("| R x K \\ M | " if any(r["R"] > 1 for r in rows) else "| K \\ M | ")
+            + " | ".join(str(m) for m in ms)
+            + " |",
             "|---" * (len(ms) + 1) + "|",
         ]
-        for k in sorted({r["K"] for r in rows}):
-            cells = {r["M"]: r for r in rows if r["K"] == k}
+        for rk in sorted({(r["R"], r["K"]) for r in rows}):
+            cells = {r["M"]: r for r in rows if (r["R"], r["K"]) == rk}
             entries = [
                 f"{cells[m][key]:.2f}x ({100 * cells[m][share]:.0f}% of {cells[m]['ideal']:.2f}x), "
                 f"{cells[m]['examples_per_s']:.0f}/s"
@@ -203,7 +222,8 @@ def _markdown(rows: list[dict], ms: list[int]) -> str:
                 else "-"
                 for m in ms
             ]
-            lines.append(f"| {k} | " + " | ".join(entries) + " |")
+            label = f"{rk[0]} x {rk[1]}" if rk[0] > 1 else str(rk[1])
+            lines.append(f"| {label} | " + " | ".join(entries) + " |")
         tables.append("\n".join(lines))
     return "\n\n".join(tables)
 

@@ -82,3 +82,17 @@ def test_kernel_benchmark_prints_a_row_per_size():
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [line.split() for line in proc.stdout.splitlines() if line[:4].strip() in ("4", "2")]
     assert [r[0] for r in rows] == ["4", "2"] and all(float(r[3]) > 0 for r in rows)
+
+
+def test_speed_benchmark_times_replicas_against_one_worker(tmp_path):
+    out = str(tmp_path / "replicas")
+    flags = ("--model=mlp", "--micro_batches=2", "--steps=1", "--warmup=1", "--blocks=2", "--dims=16")
+    proc = run_script("benchmark_speed.py", *flags, "--batch_sizes=4", "--replicas=2", "--max_partitions=1",
+                      f"--out={out}")  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    with open(out + ".csv") as f:
+        rows = list(csv.DictReader(f))
+    assert [(r["R"], r["K"], r["M"]) for r in rows] == [("1", "1", "2"), ("2", "1", "2")]
+    assert float(rows[1]["ideal"]) == pytest.approx(2.0)  # R x K*M/(M+K-1)
+    assert rows[0]["reference"] == rows[1]["reference"]  # both against one worker, K=1, M=1
+    assert "| R x K \\ M | 2 |" in open(out + ".md").read() and "| 2 x 1 |" in open(out + ".md").read()
