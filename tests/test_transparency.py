@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 import tfpipe
-from tests.util import cpu_devices, max_rel_error, mlp_layers
+from tests.util import cpu_devices, max_rel_error, mlp_layers, per_layer_error
 
 OPTIMIZERS = {"sgd": lambda: keras.optimizers.SGD(0.1), "adam": lambda: keras.optimizers.Adam(0.01)}
 
@@ -156,4 +156,6 @@ def test_softmax_logits_cross_the_last_cut_so_the_cross_entropy_is_exact():
     for net in (reference, model):
         net.compile(optimizer=keras.optimizers.SGD(0.5), loss="sparse_categorical_crossentropy")
         net.fit(x, y, batch_size=6, epochs=3, shuffle=False, verbose=0)
-    assert max_rel_error(model.get_weights(), reference.get_weights()) < 1e-5
+    # Per layer: the first Dense's bias feeds only BatchNorm, so its gradient is zero in exact arithmetic and
+    # both models leave it at float noise (6e-9) that differs with the order of the sums.
+    assert per_layer_error(model.pipeline_layers, reference.layers) < 1e-5
