@@ -4,6 +4,7 @@ Every test runs in a fresh process: connecting to a cluster changes TensorFlow's
 """
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -242,6 +243,13 @@ def test_cluster_arguments_and_connect_errors():
         cluster.LocalCluster(2, threads_per_worker=0)
     with pytest.raises(ValueError, match="The cluster has no job 'worker'"):
         cluster.connect({"ps": ["localhost:1"]})
+    for bad in (0, -5, "20", True):
+        with pytest.raises(ValueError, match=f"timeout must be a positive number of seconds, .*got {bad!r}"):
+            cluster.LocalCluster(2, timeout=bad)
+        with pytest.raises(ValueError, match="timeout must be a positive number of seconds"):
+            cluster.connect({"worker": ["localhost:1"]}, timeout=bad)
+    assert cluster.LocalCluster(2).timeout == cluster.DEFAULT_TIMEOUT
+    assert cluster.LocalCluster(2, timeout=None).timeout is None
     env = os.environ.pop("TF_CONFIG", None)
     try:
         with pytest.raises(ValueError, match="connect\\(\\) needs a cluster"):
@@ -294,7 +302,8 @@ def test_connect_joins_servers_started_elsewhere_from_tf_config():
     assert float(proc.stdout.split("LOSS")[1]) >= 0
 
 
-def test_a_killed_worker_fails_fit_quickly_naming_the_worker():
+@pytest.mark.parametrize("how", ["SIGKILL", "SIGSTOP"])
+def test_a_killed_or_stopped_worker_ends_fit_naming_the_worker(how):  # a stopped one within its timeout=20
     proc = run_fresh(
         """
         import os, signal, threading, time
@@ -302,7 +311,7 @@ def test_a_killed_worker_fails_fit_quickly_naming_the_worker():
         from tfpipe.cluster import LocalCluster, WorkerError
         killed = {}
         try:
-            with LocalCluster(2) as cluster:
+            with LocalCluster(2, timeout=20) as cluster:
                 layers = [keras.layers.Dense(256, activation="tanh") for _ in range(6)] + [keras.layers.Dense(1)]
                 model = tfpipe.PipelineModel(layers, num_partitions=2, devices=cluster.devices, num_micro_batches=4)
                 model.compile(optimizer="sgd", loss="mse")
@@ -312,7 +321,7 @@ def test_a_killed_worker_fails_fit_quickly_naming_the_worker():
                 def kill():
                     time.sleep(2)
                     killed["at"] = time.monotonic()
-                    os.kill(cluster.pids[1], signal.SIGKILL)
+                    os.kill(cluster.pids[1], signal.HOW)
 
                 threading.Thread(target=kill, daemon=True).start()
                 model.fit(x, y, batch_size=64, epochs=100000, verbose=0)
@@ -320,19 +329,24 @@ def test_a_killed_worker_fails_fit_quickly_naming_the_worker():
             print("SECONDS", time.monotonic() - killed["at"])
             print("LEFT", [p for p in cluster.pids if os.path.exists(f"/proc/{p}")])  # checked while we live
             print("MESSAGE", err)
-    """,
+    """.replace("HOW", how),
         timeout=240,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "MESSAGE" in proc.stdout, proc.stdout[-2000:]
     seconds = float(proc.stdout.split("SECONDS")[1].split()[0])
-    assert seconds < 60
     message = proc.stdout.split("MESSAGE")[1]
-    assert "task 1 at localhost:" in message and "died" in message
-    assert "LEFT []" in proc.stdout  # the surviving worker was stopped too
+    if how == "SIGKILL":  # seen at once
+        assert seconds < 30 and "task 1 at localhost:" in message and "died" in message
+    else:  # silent since its last answer, at most 5 s (a check's period) before the stop
+        assert 14 < seconds < 60, seconds
+        expected = r"Worker task 1 at localhost:\d+ did not answer for 2\d s \(timeout=20 s\); it was killed"
+        assert re.search(expected, message), message
+    assert "LEFT []" in proc.stdout  # no worker left behind
 
 
-def test_resume_after_a_fault_reaches_the_uninterrupted_weights(tmp_path):
+@pytest.mark.parametrize("how", ["SIGKILL", "SIGSTOP"])
+def test_resume_after_a_fault_reaches_the_uninterrupted_weights(tmp_path, how):
     proc = run_fresh(
         f"""
         import os, signal, time
@@ -352,7 +366,7 @@ def test_resume_after_a_fault_reaches_the_uninterrupted_weights(tmp_path):
             if kill_at_epoch is not None:
                 def kill(epoch, logs):
                     if epoch == kill_at_epoch:
-                        os.kill(cluster.pids[1], signal.SIGKILL)
+                        os.kill(cluster.pids[1], signal.{how})
                         time.sleep(0.5)
                 callbacks.append(keras.callbacks.LambdaCallback(on_epoch_begin=kill))
             model.fit(x, y, batch_size=8, epochs=4, shuffle=False, verbose=0, callbacks=callbacks)
@@ -361,7 +375,7 @@ def test_resume_after_a_fault_reaches_the_uninterrupted_weights(tmp_path):
         with LocalCluster(2) as cluster:
             reference = train(cluster, {str(tmp_path / "a")!r})
         try:
-            with LocalCluster(2) as cluster:
+            with LocalCluster(2, timeout=5) as cluster:
                 train(cluster, {str(tmp_path / "b")!r}, kill_at_epoch=2)
         except WorkerError as err:
             print("FAULT", err)
@@ -374,5 +388,65 @@ def test_resume_after_a_fault_reaches_the_uninterrupted_weights(tmp_path):
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "FAULT Worker task 1 at localhost:" in proc.stdout
+    assert ("did not answer for" in proc.stdout) == (how == "SIGSTOP")
     assert "latest.weights.h5" in proc.stdout.split("BACKUP")[1]
     assert float(proc.stdout.split("ERROR")[1]) < 1e-5
+
+
+def test_a_stopped_host_ends_fit_through_grpcs_ping_timeout_when_joined_with_connect():
+    # Servers started elsewhere cannot be killed: connect(timeout=) sets gRPC's keepalive and ping timeout
+    # (TF_GRPC_DEFAULT_OPTIONS) so that TensorFlow's blocked call fails, and fit names the silent task.
+    import socket
+
+    ports = []
+    for _ in range(2):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            ports.append(s.getsockname()[1])
+    addresses = [f"localhost:{p}" for p in ports]
+    server = (
+        "import tensorflow as tf; tf.distribute.Server(tf.train.ClusterSpec({'worker': %r}), "
+        "job_name='worker', task_index=%d).join()"
+    )
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")
+    env.pop("TF_GRPC_DEFAULT_OPTIONS", None)
+    servers = [subprocess.Popen([sys.executable, "-c", server % (addresses, k)], env=env) for k in range(2)]
+    try:
+        proc = run_fresh(
+            f"""
+            import os, signal, threading, time
+            import numpy as np, keras, tfpipe
+            from tfpipe.cluster import WorkerError
+            time.sleep(3)  # the servers start
+            devices = tfpipe.cluster.connect({{"worker": {addresses!r}}}, timeout=10)
+            print("OPTIONS", os.environ["TF_GRPC_DEFAULT_OPTIONS"])
+            layers = [keras.layers.Dense(256, activation="tanh") for _ in range(6)] + [keras.layers.Dense(1)]
+            model = tfpipe.PipelineModel(layers, num_partitions=2, devices=devices, num_micro_batches=4)
+            model.compile(optimizer="sgd", loss="mse")
+            x, y = np.ones((256, 64), "float32"), np.ones((256, 1), "float32")
+            model.fit(x, y, batch_size=64, epochs=1, verbose=0)
+            stopped = {{}}
+
+            def stop():
+                time.sleep(2)
+                stopped["at"] = time.monotonic()
+                os.kill({servers[1].pid}, signal.SIGSTOP)
+
+            threading.Thread(target=stop, daemon=True).start()
+            try:
+                model.fit(x, y, batch_size=64, epochs=100000, verbose=0)
+            except WorkerError as err:
+                print("SECONDS", time.monotonic() - stopped["at"])
+                print("MESSAGE", err)
+            """,
+            timeout=240,
+        )
+    finally:
+        for s in servers:
+            s.kill()
+            s.wait(timeout=30)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "grpc.http2.ping_timeout_ms=3333" in proc.stdout
+    assert "MESSAGE" in proc.stdout, proc.stdout[-2000:]
+    assert float(proc.stdout.split("SECONDS")[1].split()[0]) < 40
+    assert f"Worker task 1 at {addresses[1]} did not answer" in proc.stdout.split("MESSAGE")[1]

@@ -26,13 +26,14 @@ from typing import Any
 import tensorflow as tf
 from absl import logging as absl_logging
 
-from tfpipe import _compat
+from tfpipe import _compat, health
 from tfpipe._args import positive_int
 
 JOB = "worker"
 BFC_ENV = "TF_CPU_ALLOCATOR_USE_BFC"  # workers use TensorFlow's BFC allocator unless this is set otherwise
 START_TIMEOUT = 60.0  # seconds for a worker process to start serving
 START_ATTEMPTS = 3  # a free port can be taken between choosing it and the worker binding it: retry
+DEFAULT_TIMEOUT = 180.0  # seconds a worker may not answer before the run ends (None: wait forever)
 
 # What each worker process runs: only TensorFlow, a server for its task, until it is stopped.
 _WORKER_CODE = (
@@ -50,7 +51,59 @@ server.join()
 
 
 class WorkerError(RuntimeError):
-    """A worker process failed to start or died."""
+    """A worker process failed to start, died, or stopped answering."""
+
+
+_watchdogs: list[health.Watchdog] = []  # one per cluster this process is connected to now
+
+
+def _watch(addresses: list[str], timeout: float | None, on_hung: Any) -> health.Watchdog | None:
+    if timeout is None:
+        return None
+    watchdog = health.Watchdog(addresses, timeout, on_hung)
+    watchdog.start()
+    _watchdogs.append(watchdog)
+    return watchdog
+
+
+def _unwatch(watchdog: health.Watchdog | None) -> None:
+    if watchdog is not None:
+        watchdog.stop()
+        if watchdog in _watchdogs:
+            _watchdogs.remove(watchdog)
+
+
+def hung_worker(err: BaseException | None = None) -> str | None:
+    """The worker that a watchdog found silent ('task k at host:port did not answer ...'), else None.
+
+    After a TensorFlow ``UnavailableError`` (gRPC's ping timeout can end a blocked call before
+    the watchdog's timeout), the workers are asked once more, with a 2 s deadline.
+    """
+    for watchdog in _watchdogs:
+        if watchdog.hung:
+            return watchdog.hung
+    if isinstance(err, tf.errors.UnavailableError):
+        for watchdog in _watchdogs:
+            silent = watchdog.silent_now()
+            if silent:
+                return f"{', '.join(silent)} did not answer"
+    return None
+
+
+@contextlib.contextmanager
+def reporting() -> Iterator[None]:
+    """Turn a TensorFlow error that a silent worker caused into a ``WorkerError`` that names the worker."""
+    try:
+        yield
+    except tf.errors.OpError as err:
+        why = hung_worker(err)
+        if why is None:
+            raise
+        raise WorkerError(
+            f"Worker {why}: the run ended ({type(err).__name__}). A stopped, frozen or cut-off worker cannot "
+            "finish the step; start a new cluster (or call connect() again once it answers) and resume from "
+            "the last checkpoint."
+        ) from err
 
 
 def _free_port() -> int:
@@ -81,16 +134,26 @@ class LocalCluster:
             model.fit(...)
 
     Every worker it started is stopped on exit, also after an error; a worker also
-    dies with this process. ``threads_per_worker`` sets each worker's intra- and
+    dies with this process. A worker that does not answer for ``timeout`` seconds
+    (stopped, frozen) is killed, and the run ends with a ``WorkerError`` naming it;
+    ``None`` waits forever (see ``tfpipe.health``). ``threads_per_worker`` sets each worker's intra- and
     inter-op thread pools, so a worker runs one thing at a time by default. Workers
     allocate with TensorFlow's BFC allocator (``TF_CPU_ALLOCATOR_USE_BFC=true``)
     unless this process's environment sets that variable.
     """
 
-    def __init__(self, num_workers: int, threads_per_worker: int = 1, start_timeout: float = START_TIMEOUT):
+    def __init__(
+        self,
+        num_workers: int,
+        threads_per_worker: int = 1,
+        start_timeout: float = START_TIMEOUT,
+        timeout: float | None = DEFAULT_TIMEOUT,
+    ):
         self.num_workers = positive_int("num_workers", num_workers)
         self.threads_per_worker = positive_int("threads_per_worker", threads_per_worker)
         self.start_timeout = start_timeout
+        self.timeout = health.check_timeout(timeout)
+        self.watchdog: health.Watchdog | None = None
         self.addresses: list[str] = []
         self.processes: list[subprocess.Popen] = []
         self._logs: list[Any] = []  # each worker's stderr, in a file: an unread pipe would fill and block it
@@ -106,7 +169,7 @@ class LocalCluster:
         return [p.pid for p in self.processes]
 
     def start(self) -> LocalCluster:
-        """Start the workers, wait until each serves, and connect this process to them."""
+        """Start the workers, wait until each serves, connect this process to them and watch them."""
         for attempt in range(START_ATTEMPTS):
             try:
                 self._launch()
@@ -121,7 +184,16 @@ class LocalCluster:
         # Only now: connecting before every worker serves can block without a timeout.
         with _worker_threads(self.threads_per_worker):
             tf.config.experimental_connect_to_cluster(tf.train.ClusterSpec({JOB: self.addresses}))
+        self.watchdog = _watch(self.addresses, self.timeout, self._kill_hung)
         return self
+
+    def _kill_hung(self, task: int, silent: float) -> None:
+        """A silent worker cannot finish the step: kill it, so that TensorFlow's blocked call fails at once."""
+        del silent
+        process = self.processes[task]
+        if process.poll() is None:
+            process.kill()
+            self.watchdog.hung += "; it was killed"
 
     def _launch(self) -> None:
         self.addresses = [f"localhost:{_free_port()}" for _ in range(self.num_workers)]
@@ -167,6 +239,10 @@ class LocalCluster:
 
     def stop(self) -> None:
         """Stop every worker this cluster started (terminate, then kill)."""
+        _unwatch(self.watchdog)
+        for process in self.processes:
+            if process.poll() is None and self.watchdog is not None and self.watchdog.hung:
+                process.kill()  # a stopped process ignores SIGTERM until continued
         for process in self.processes:
             if process.poll() is None:
                 process.terminate()
@@ -193,8 +269,14 @@ class LocalCluster:
         return self.start()
 
     def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> None:
+        hung = self.watchdog.hung if self.watchdog is not None and exc is not None else None
         dead = self._dead_after(exc) if exc is not None else []
         self.stop()
+        if hung and not isinstance(exc, WorkerError):
+            raise WorkerError(
+                f"Worker {hung}: the run ended ({type(exc).__name__}). Start a new cluster and resume from the "
+                "last checkpoint."
+            ) from exc
         if dead and not isinstance(exc, WorkerError):
             lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
             cause = lines[-1][:300] if lines else type(exc).__name__  # TensorFlow puts the RPC's error last
@@ -231,12 +313,18 @@ def _worker_threads(threads: int) -> Iterator[None]:
         absl_logging.set_verbosity(verbosity)
 
 
-def connect(cluster: Any = None, job: str = JOB, device_type: str = "CPU") -> list[str]:
+def connect(
+    cluster: Any = None, job: str = JOB, device_type: str = "CPU", timeout: float | None = DEFAULT_TIMEOUT
+) -> list[str]:
     """Join an existing cluster; return one device string per task of ``job``, in task order.
 
     ``cluster``: a ``tf.train.ClusterSpec``, a dict {job: [host:port, ...]}, or None to
-    read the "cluster" of the ``TF_CONFIG`` environment variable.
+    read the "cluster" of the ``TF_CONFIG`` environment variable. A task that does not
+    answer for ``timeout`` seconds ends the run: gRPC's ping timeout fails the blocked
+    call, and ``PipelineModel``'s fit, evaluate and predict raise a ``WorkerError`` naming
+    the task. ``None`` waits forever. Calling ``connect`` again replaces the watch.
     """
+    timeout = health.check_timeout(timeout)
     if cluster is None:
         config = os.environ.get("TF_CONFIG")
         if not config:
@@ -251,5 +339,12 @@ def connect(cluster: Any = None, job: str = JOB, device_type: str = "CPU") -> li
     spec = cluster if isinstance(cluster, tf.train.ClusterSpec) else tf.train.ClusterSpec(cluster)
     if job not in spec.jobs:
         raise ValueError(f"The cluster has no job {job!r} (jobs: {spec.jobs}); name the job that runs the cells.")
+    global _joined
+    health.arm(timeout)  # before this process's first gRPC channel
     tf.config.experimental_connect_to_cluster(spec)
+    _unwatch(_joined)
+    _joined = _watch([spec.task_address(job, k) for k in range(spec.num_tasks(job))], timeout, lambda *_: None)
     return _devices(spec, job, device_type)
+
+
+_joined: health.Watchdog | None = None  # the watch of the cluster ``connect`` joined last

@@ -12,6 +12,7 @@ import tensorflow as tf
 
 from tfpipe import _compat, checkpoint, functional, messages, microbatch, replicas, saving, specs
 from tfpipe import balance as balance_lib
+from tfpipe import cluster as cluster_lib
 from tfpipe import cost as cost_lib
 from tfpipe import devices as devices_lib
 from tfpipe import schedule as schedule_lib
@@ -345,27 +346,32 @@ class PipelineModel(keras.Model):
         split = kwargs.get("validation_split") or 0.0
         training_lib.check_batches(x, batch_size, split, self.num_micro_batches, self.num_replicas)
         self._before_tracing(x, y, kwargs.get("sample_weight"))
-        return super().fit(x, y, batch_size, *args, **kwargs)
+        with cluster_lib.reporting():  # a worker that stopped answering is named
+            return super().fit(x, y, batch_size, *args, **kwargs)
 
     def evaluate(self, x: Any = None, y: Any = None, *args: Any, **kwargs: Any):
         """Keras ``evaluate``."""
         self._before_tracing(x, y, kwargs.get("sample_weight"))
-        return super().evaluate(x, y, *args, **kwargs)
+        with cluster_lib.reporting():
+            return super().evaluate(x, y, *args, **kwargs)
 
     def predict(self, x: Any, *args: Any, **kwargs: Any):
         """Keras ``predict``."""
         self._before_tracing(None, None, None)
-        return super().predict(x, *args, **kwargs)
+        with cluster_lib.reporting():
+            return super().predict(x, *args, **kwargs)
 
     def train_on_batch(self, x: Any = None, y: Any = None, sample_weight: Any = None, *args: Any, **kwargs: Any):
         """Keras ``train_on_batch``, with the variables created before the step is traced."""
         self._before_tracing(x, y, sample_weight)
-        return super().train_on_batch(x, y, sample_weight, *args, **kwargs)
+        with cluster_lib.reporting():
+            return super().train_on_batch(x, y, sample_weight, *args, **kwargs)
 
     def test_on_batch(self, x: Any = None, y: Any = None, sample_weight: Any = None, *args: Any, **kwargs: Any):
         """Keras ``test_on_batch``, with the variables created before the step is traced."""
         self._before_tracing(x, y, sample_weight)
-        return super().test_on_batch(x, y, sample_weight, *args, **kwargs)
+        with cluster_lib.reporting():
+            return super().test_on_batch(x, y, sample_weight, *args, **kwargs)
 
     def _before_tracing(self, x: Any, y: Any, sample_weight: Any) -> None:
         """Variables created, and explicit transfers between processes prepared, before Keras traces a step."""
