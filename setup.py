@@ -14,6 +14,7 @@ setup(
         "numpy>=1.26",
         "absl-py>=2.1",
         "tensorboard>=2.21,<2.22",  # TensorFlow no longer brings it; keras.callbacks.TensorBoard needs it
+        "grpcio>=1.24,<2",  # tfpipe.health calls the workers' servers; TensorFlow itself depends on it (same range)
     ],
     extras_require={
         # the TFDS path is tested with mock data; ruff lints and checks formatting in .ci/run (its minor pinned:
