@@ -3,7 +3,8 @@
 tfpipe uses TensorFlow's own distributed runtime: this process connects to the
 workers with ``tf.config.experimental_connect_to_cluster`` and places each cell
 on ``/job:worker/task:k/device:CPU:0`` (or ``GPU:0``); TensorFlow moves the
-boundary activations over gRPC.
+boundary activations over gRPC. A watchdog (``tfpipe.health``) ends the run with
+a ``WorkerError`` when a worker stops answering.
 """
 
 from __future__ import annotations
@@ -55,6 +56,7 @@ class WorkerError(RuntimeError):
 
 
 _watchdogs: list[health.Watchdog] = []  # one per cluster this process is connected to now
+_joined: health.Watchdog | None = None  # the watch of the cluster ``connect`` joined last
 
 
 def _watch(addresses: list[str], timeout: float | None, on_hung: Any) -> health.Watchdog | None:
@@ -346,5 +348,3 @@ def connect(
     _joined = _watch([spec.task_address(job, k) for k in range(spec.num_tasks(job))], timeout, lambda *_: None)
     return _devices(spec, job, device_type)
 
-
-_joined: health.Watchdog | None = None  # the watch of the cluster ``connect`` joined last
