@@ -347,4 +347,3 @@ def connect(
     _unwatch(_joined)
     _joined = _watch([spec.task_address(job, k) for k in range(spec.num_tasks(job))], timeout, lambda *_: None)
     return _devices(spec, job, device_type)
-
