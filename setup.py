@@ -19,8 +19,10 @@ setup(
     extras_require={
         # the TFDS path is tested with mock data; ruff lints and checks formatting in .ci/run (its minor pinned:
         # the formatter's output changes between minors)
-        "test": ["pytest>=8", "tensorflow-datasets>=4.9,<5", "ruff>=0.17,<0.18"],
-        "data": ["tensorflow-datasets>=4.9,<5"],
+        # importlib_resources: tensorflow-datasets' download path imports it (through etils.epath) without
+        # depending on it
+        "test": ["pytest>=8", "tensorflow-datasets>=4.9,<5", "importlib_resources>=6", "ruff>=0.17,<0.18"],
+        "data": ["tensorflow-datasets>=4.9,<5", "importlib_resources>=6"],
         "timeline": ["matplotlib>=3.7"],  # scripts/timeline.py draws its PNG with it
     },
 )

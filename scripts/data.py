@@ -90,6 +90,7 @@ def load_tfds(
     import tensorflow_datasets as tfds
 
     name, split = parse_tfds(spec)
+    _check_downloadable(tfds.builder(name, data_dir=data_dir), name)
     dataset, info = tfds.load(name, split=split, data_dir=data_dir, with_info=True, shuffle_files=False)
     features = info.features
     if kind == "image":
@@ -119,6 +120,29 @@ def load_tfds(
     dataset = dataset.map(prepare, num_parallel_calls=tf.data.AUTOTUNE).shuffle(1024, seed=seed)
     result.dataset = dataset.batch(batch_size, drop_remainder=True).prefetch(tf.data.AUTOTUNE)
     return result
+
+
+def _check_downloadable(builder: Any, name: str) -> None:
+    """A data set missing from the data directory whose download hosts are unreachable: one line, not minutes
+    of tensorflow-datasets' retries."""
+    import socket
+    from urllib.parse import urlparse
+
+    if builder.is_prepared():
+        return
+    hosts = sorted({urlparse(url).hostname for url in (builder.url_infos or {}) if urlparse(url).hostname})
+    for host in hosts:
+        try:
+            socket.create_connection((host, 443), timeout=5).close()
+            return
+        except OSError:
+            continue
+    if hosts:
+        raise ValueError(
+            f"{name} is not in the data directory {builder.data_dir} and cannot be downloaded "
+            f"({', '.join(hosts)} unreachable); prepare it where there is a network (tfds build {name} "
+            "--data_dir=DIR) and pass --data_dir=DIR"
+        )
 
 
 def _first_feature(features: Any, feature_type: type, what: str, spec: str) -> str:

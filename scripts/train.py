@@ -220,7 +220,9 @@ def _tfds(kind: str):
         return load_tfds(
             FLAGS.dataset, kind, FLAGS.batch_size, FLAGS.data_dir, FLAGS.image_size, FLAGS.seq_len, seed=FLAGS.seed
         )
-    except ImportError:
+    except ImportError as err:
+        if err.name != "tensorflow_datasets":  # tensorflow-datasets is there; something it imports is not
+            raise
         raise UsageError(f"--dataset={FLAGS.dataset} needs tensorflow-datasets: pip install -e '.[data]'") from None
     except Exception as err:  # noqa: BLE001 - unknown names, missing downloads: one line naming the flag
         message = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__

@@ -43,3 +43,28 @@ def test_unsplit_cpu_puts_every_cell_on_cpu0():
     """)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip().splitlines()[-1] == "['/CPU:0', '/CPU:0', '/CPU:0']"
+
+
+def test_cells_sharing_the_only_device_are_warned_about_once_and_summary_says_what_would_help():
+    proc = run_fresh("""
+        import warnings
+        import tfpipe
+        from tests.util import mlp_layers
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("default")
+            for _ in range(2):  # the same warning is shown once
+                model = tfpipe.PipelineModel(mlp_layers(), num_partitions=2)
+            tfpipe.PipelineModel(mlp_layers(), num_partitions=1)  # one cell: nothing shared
+        for w in caught:
+            print("WARNING", w.filename.endswith("<string>"), w.message)
+        model.build((None, 8))
+        model.summary()
+    """)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    warned = [line for line in proc.stdout.splitlines() if line.startswith("WARNING")]
+    assert len(warned) == 1 and warned[0].startswith("WARNING True All 2 cells (0-1) go to /CPU:0"), warned
+    assert "set_logical_device_configuration" in warned[0]
+    assert "num_micro_batches=1 (the default) runs the cells one after another; num_micro_batches=8 would" in (
+        proc.stdout
+    )
+    assert "Cells [0, 1] share /CPU:0 and cannot run at the same time" in proc.stdout

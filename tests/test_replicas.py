@@ -42,6 +42,20 @@ def test_replicas_train_like_plain_keras_on_the_whole_batch(schedule, m, n, rema
     assert max_rel_error(model.get_weights(), plain.get_weights()) < 1e-5
 
 
+def test_replicas_of_loops_train_like_plain_keras():  # unroll=False: each replica's step is two loops
+    keras.utils.set_random_seed(0)
+    plain = keras.Sequential([keras.Input((8,)), *mlp_layers()])
+    model = tfpipe.PipelineModel(
+        mlp_layers(), num_partitions=2, devices=GRID, num_micro_batches=3, remat="always", unroll=False
+    )
+    model.build((None, 8))
+    model.set_weights(plain.get_weights())
+    _fit(plain, 13)
+    _fit(model, 13)
+    assert model.unrolled is False
+    assert max_rel_error(model.get_weights(), plain.get_weights()) < 1e-5
+
+
 def test_replica_cells_run_on_their_devices_and_the_variables_live_once_on_replica_0s():
     model = tfpipe.PipelineModel(mlp_layers(), num_partitions=2, devices=GRID, num_micro_batches=2)
     model.build((None, 8))

@@ -160,3 +160,58 @@ def test_local_workers_run_the_cells():
     start, final = _losses(proc.stdout)
     assert final < start
     assert "on ['/job:worker/task:0/device:CPU:0', '/job:worker/task:1/device:CPU:0']" in proc.stdout
+
+
+def test_a_failed_import_inside_tensorflow_datasets_is_shown_as_it_is(tmp_path):
+    # As on a machine where tensorflow-datasets is installed but a module its download code imports is not.
+    fake = tmp_path / "importlib_resources"
+    fake.mkdir()
+    (fake / "__init__.py").write_text(
+        "raise ModuleNotFoundError(\"No module named 'importlib_resources'\", name='importlib_resources')\n"
+    )
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", PYTHONPATH=f"{tmp_path}{os.pathsep}{REPO}")
+    proc = subprocess.run(
+        [sys.executable, SCRIPT, "--model=amoebanet", "--dataset=tfds:mnist", f"--data_dir={tmp_path / 'data'}"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
+    assert proc.returncode != 0
+    assert "ModuleNotFoundError: No module named 'importlib_resources'" in proc.stderr, proc.stderr[-2000:]
+    assert "needs tensorflow-datasets" not in proc.stderr
+
+
+def test_a_data_set_that_is_not_there_and_cannot_be_downloaded_is_one_line(monkeypatch):
+    import socket
+
+    from scripts import data
+
+    class Missing:  # what tfds.builder gives for a data set that is not in the data directory
+        data_dir = "/data/mnist/3.0.1"
+        url_infos = {"https://storage.example.com/mnist/train.gz": None, "https://storage.example.com/mnist/t.gz": None}
+
+        def is_prepared(self):
+            return False
+
+    calls = []
+
+    def unreachable(address, timeout):
+        calls.append(address)
+        raise OSError("Name or service not known")
+
+    monkeypatch.setattr(socket, "create_connection", unreachable)
+    with pytest.raises(
+        ValueError,
+        match=r"mnist is not in the data directory /data/mnist/3.0.1 and cannot be "
+        r"downloaded \(storage.example.com unreachable\); prepare it where there is a network",
+    ):
+        data._check_downloadable(Missing(), "mnist")
+    assert calls == [("storage.example.com", 443)]  # each host once, with a deadline
+
+    class Prepared(Missing):
+        def is_prepared(self):
+            return True
+
+    data._check_downloadable(Prepared(), "mnist")  # there: nothing to download, no network needed
+    assert len(calls) == 1

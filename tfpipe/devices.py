@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import warnings
 from collections.abc import Sequence
 from typing import Any, ContextManager
 
@@ -101,6 +102,8 @@ def resolve(devices: Sequence[str] | None, num_cells: int, strategy: Any = None)
     if devices is None:
         found = available()
         if len(found) == 1:
+            if num_cells > 1:
+                warnings.warn(share_warning(num_cells, found[0]), stacklevel=4)  # at the caller of PipelineModel
             return found * num_cells
         if len(found) < num_cells:
             raise ValueError(
@@ -117,6 +120,21 @@ def resolve(devices: Sequence[str] | None, num_cells: int, strategy: Any = None)
             f"give at least {num_cells} devices or use fewer cells."
         )
     return devices[:num_cells]
+
+
+LOGICAL_CPUS = (
+    "tf.config.set_logical_device_configuration(tf.config.list_physical_devices('CPU')[0], "
+    "[tf.config.LogicalDeviceConfiguration()] * K)"
+)
+
+
+def share_warning(num_cells: int, device: str) -> str:
+    """Why ``num_cells`` cells on one default device gain nothing from pipelining, and the fix."""
+    return (
+        f"All {num_cells} cells (0-{num_cells - 1}) go to {device}, the only device TensorFlow sees here: they "
+        "run one after another and pipelining gains nothing. Pass devices=[...], or split the CPU into K logical "
+        f"devices before TensorFlow starts: {LOGICAL_CPUS}."
+    )
 
 
 def is_replicated(devices: Any) -> bool:

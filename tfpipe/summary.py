@@ -89,8 +89,36 @@ def print_summary(model: Any, line_length: int | None = None, print_fn: Callable
                 f"Predicted pipeline efficiency: {100 * balance_lib.efficiency(per_cell, m):.1f}% "
                 f"= M/(M+K-1) {100 * bubble_free:.1f}% x mean/max cell cost {100 * evenness:.1f}%"
             )
+        for hint in _hints(model, per_cell):
+            print_fn(hint)
     elif problem:
         print_fn(f"Costs not estimated: {problem}")
+
+
+def _hints(model: Any, per_cell: list[float]) -> list[str]:
+    """What would raise the predicted efficiency: more micro-batches than 1, a device per cell."""
+    k, m = model.num_partitions, model.num_micro_batches
+    hints = []
+    if m == 1 and k > 1:
+        more = 4 * k
+        if schedule.splits_backward(model.schedule):
+            better = (1.0 - schedule.predicted_bubble(model.schedule, k, more)) * balance_lib.evenness(per_cell)
+        else:
+            better = balance_lib.efficiency(per_cell, more)
+        hints.append(
+            f"  num_micro_batches=1 (the default) runs the cells one after another; "
+            f"num_micro_batches={more} would predict {100 * better:.1f}%."
+        )
+    shared: dict[str, list[int]] = {}
+    for cell in model.cells:
+        shared.setdefault(cell.device, []).append(cell.index)
+    for device, cells in shared.items():
+        if len(cells) > 1:
+            hints.append(
+                f"  Cells {cells} share {device} and cannot run at the same time: the prediction assumes a device "
+                "per cell."
+            )
+    return hints
 
 
 def si(value: float) -> str:
