@@ -13,6 +13,7 @@ import contextlib
 import dataclasses
 import json
 import os
+import re
 import sys
 import time
 from typing import Any
@@ -167,6 +168,32 @@ def replica_devices(devices: list[str] | None, partitions: int) -> list[str] | l
     return [devices[i * partitions : (i + 1) * partitions] for i in range(r)]
 
 
+def _guilty_flag(message: str, balance: list[int] | None) -> str:
+    """The pipeline flag that a PipelineModel argument error is about, as given."""
+    for word, name in (
+        ("balance", "balance"),
+        ("num_partitions", "partitions"),
+        ("num_micro_batches", "micro_batches"),
+        ("remat", "remat"),
+        ("schedule", "schedule"),
+        ("replica", "replicas"),
+        ("device", "devices"),
+    ):
+        if word in message and (name != "balance" or balance):
+            return _flag(name)
+    return _flag("partitions") if not balance else _flag("balance")
+
+
+def parse_flags(argv: list[str]) -> list[str]:
+    """absl's flag parsing, with its errors in the script's one form: 'train.py: error: --flag=value: why', exit 2."""
+    try:
+        return FLAGS(argv)
+    except flags.Error as err:
+        text = re.sub(r"^flag (--[^:]+): ", r"\1: ", str(err).strip().splitlines()[0])
+        print(f"train.py: error: {text}", file=sys.stderr)
+        sys.exit(2)
+
+
 def _ints(name: str) -> list[int] | None:
     """A comma-list flag as ints."""
     values = FLAGS[name].value
@@ -178,10 +205,40 @@ def _ints(name: str) -> list[int] | None:
         raise UsageError(f"--{name}={','.join(values)}: give comma-separated integers, e.g. 2,3") from None
 
 
+# Flags that size one kind of model: given with another, they would be silently ignored.
+MODEL_FLAGS = {
+    "dim": ("transformer",),
+    "hidden": ("transformer",),
+    "heads": ("transformer",),
+    "logit_clip": ("transformer",),
+    "vocab": ("transformer",),
+    "blocks": ("transformer", "amoebanet"),
+    "filters": ("amoebanet",),
+    "depth": ("resnet",),
+    "width": ("resnet",),
+    "stage_blocks": ("resnet",),
+    "unet_depth": ("unet",),
+    "unet_convs": ("unet",),
+    "unet_channels": ("unet",),
+    "image_size": ("amoebanet", "resnet", "unet", "keras:NAME"),
+    "num_classes": ("amoebanet", "resnet", "keras:NAME"),
+}
+
+
+def _flag(name: str) -> str:
+    """A flag as given: --name=value."""
+    value = FLAGS[name].value
+    return f"--{name}={','.join(value) if isinstance(value, list) else value}"
+
+
 def check_flags() -> None:
     """Flag combinations that cannot work, found before anything is built."""
     if FLAGS.model not in MODELS and not FLAGS.model.startswith("keras:"):
         raise UsageError(f"--model={FLAGS.model}: use one of {', '.join(MODELS)} or keras:NAME, e.g. keras:ResNet50")
+    kind = "keras:NAME" if FLAGS.model.startswith("keras:") else FLAGS.model
+    for name, kinds in MODEL_FLAGS.items():
+        if FLAGS[name].present and kind not in kinds:
+            raise UsageError(f"{_flag(name)}: applies to --model={' or '.join(kinds)}, not --model={FLAGS.model}")
     if FLAGS.model == "unet" and FLAGS.image_size % 2**FLAGS.unet_depth:
         raise UsageError(f"--image_size={FLAGS.image_size} must be divisible by 2**--unet_depth={2**FLAGS.unet_depth}")
     if FLAGS.model == "unet" and FLAGS.dataset != "synthetic":
@@ -360,7 +417,7 @@ def _run(stack: contextlib.ExitStack) -> dict:
         )
         model.build(task.input_shape)
     except (ValueError, TypeError) as err:
-        raise UsageError(f"--balance/--partitions/--devices/--replicas/--micro_batches: {err}") from None
+        raise UsageError(f"{_guilty_flag(str(err), balance)}: {err}") from None
     optimizer = {"adam": keras.optimizers.Adam, "sgd": keras.optimizers.SGD, "adamw": keras.optimizers.AdamW}[
         FLAGS.optimizer
     ](FLAGS.learning_rate)
@@ -430,4 +487,4 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    app.run(main)
+    app.run(main, flags_parser=parse_flags)
