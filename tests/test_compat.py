@@ -129,3 +129,15 @@ def test_partition_graphs_show_the_transfers_tensorflow_makes():
     sends = [n for g in graphs for n in g.node if n.op == "_Send"]
     assert any(n.attr["send_device"].s.decode().endswith("/device:CPU:0") for n in sends)
     assert all(n.attr["send_device_incarnation"].i != 0 for n in sends)
+
+
+def test_dataset_batching_reads_the_batch_behind_batch_keeping_steps():
+    x = np.zeros((1667, 2), "float32")
+    sliced = tf.data.Dataset.from_tensor_slices(x)
+    batched = sliced.shuffle(2000).batch(128).map(lambda a: a).prefetch(2).repeat(2)
+    assert _compat.dataset_batching(batched) == (1667, 128, False)
+    assert _compat.dataset_batching(sliced.batch(100, drop_remainder=True).cache()) == (1667, 100, True)
+    assert _compat.dataset_batching(sliced.batch(10, num_parallel_calls=2)) == (1667, 10, False)
+    assert _compat.dataset_batching(sliced.batch(8).take(3)) is None  # take may drop the remainder: unknown
+    assert _compat.dataset_batching(sliced.filter(lambda a: True).batch(8)) is None  # unknown sample count
+    assert _compat.dataset_batching(sliced) is None  # not batched

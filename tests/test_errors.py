@@ -68,11 +68,31 @@ def test_batch_smaller_than_micro_batches():
         _compiled().fit(tf.data.Dataset.from_tensor_slices((x, y)).batch(3, drop_remainder=True), verbose=0)
 
 
-def test_dataset_remainder_smaller_than_micro_batches_fails_with_the_fix():
+def test_dataset_remainder_smaller_than_micro_batches_fails_before_training_with_the_fix():
+    x, y = np.ones((1667, 4), "float32"), np.ones((1667, 4), "float32")
+    model = tfpipe.PipelineModel(_layers(2), num_partitions=2, num_micro_batches=8)
+    model.compile(optimizer="sgd", loss="mse")
+    dataset = tf.data.Dataset.from_tensor_slices((x, y)).shuffle(2000).batch(128).prefetch(2)  # last batch: 3 < 8
+    started = []
+    with pytest.raises(
+        ValueError,
+        match=r"The dataset's 1667 samples in batches of 128 leave a last batch of 3, "
+        r"smaller than num_micro_batches=8 micro-batches. Batch with drop_remainder=True",
+    ):
+        model.fit(dataset, verbose=0, callbacks=[keras.callbacks.LambdaCallback(on_train_begin=started.append)])
+    assert not started  # refused before the first step, not after an epoch
+    fixed = tf.data.Dataset.from_tensor_slices((x[:300], y[:300])).batch(128, drop_remainder=True)
+    model.fit(fixed, verbose=0)  # what the message says works
+
+
+def test_a_short_batch_found_in_the_step_is_one_short_error():
     x, y = np.ones((10, 4), "float32"), np.ones((10, 4), "float32")
-    dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(8)  # last batch has 2 < 4 samples
-    with pytest.raises(tf.errors.InvalidArgumentError, match=r"smaller than num_micro_batches=4.*drop_remainder"):
+    dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(8).filter(lambda a, b: True)  # batching unknown
+    with pytest.raises(ValueError) as caught:
         _compiled().fit(dataset, verbose=0)
+    message = str(caught.value)
+    assert message.startswith("tfpipe: a training batch is smaller than num_micro_batches=4; use a larger batch")
+    assert "drop_remainder=True" in message and len(message.splitlines()) == 1 and message.count("tfpipe:") == 1
 
 
 def test_jit_compile_is_refused():

@@ -121,3 +121,26 @@ def partition_graphs(fn: Any, *args: Any) -> list[Any]:
     finally:
         ctx.disable_run_metadata()
     return [graph for function in metadata.function_graphs for graph in function.partition_graphs]
+
+
+# Dataset transformations that keep batches whole: a remainder batch before them is one after them.
+_BATCH_KEEPING = {"_ShuffleDataset", "_PrefetchDataset", "_MapDataset", "_ParallelMapDataset", "CacheDataset",
+                  "_CacheDataset", "_OptionsDataset", "_RepeatDataset"}  # fmt: skip
+
+
+def dataset_batching(dataset: tf.data.Dataset) -> tuple[int, int, bool] | None:
+    """(samples, batch size, drop_remainder) of ``dataset.batch(...)`` behind batch-keeping steps, when known.
+
+    tf.data has no public way to ask a batched dataset its batch size; each dataset keeps
+    its input in ``_input_dataset`` and a batch its ``_batch_size`` and ``_drop_remainder``.
+    """
+    node = dataset
+    while type(node).__name__ in _BATCH_KEEPING:
+        node = getattr(node, "_input_dataset", None)
+    if type(node).__name__ not in ("_BatchDataset", "_ParallelBatchDataset"):
+        return None
+    size, drop = tf.get_static_value(node._batch_size), tf.get_static_value(node._drop_remainder)  # noqa: SLF001
+    samples = int(node._input_dataset.cardinality())  # noqa: SLF001
+    if size is None or drop is None or samples < 0:  # unknown or infinite
+        return None
+    return samples, int(size), bool(drop)

@@ -8,6 +8,7 @@ from typing import Any, Union
 import tensorflow as tf
 
 Size = Union[int, tf.Tensor]
+SHORT_BATCH = "tfpipe: a training batch is smaller than"  # the in-graph check's message starts so
 
 
 def split_sizes(batch_size: int, num_micro_batches: int) -> list[int]:
@@ -58,7 +59,7 @@ def sizes(structure: Any, num_micro_batches: int, allow_empty: bool = False) -> 
         check = tf.debugging.assert_greater_equal(
             n,
             m,
-            message=f"tfpipe: a training batch is smaller than num_micro_batches={m}; "
+            message=f"{SHORT_BATCH} num_micro_batches={m}; "
             "use a larger batch size or drop the remainder (e.g. dataset.batch(..., drop_remainder=True))",
         )
         with tf.control_dependencies([check]):

@@ -346,7 +346,7 @@ class PipelineModel(keras.Model):
         split = kwargs.get("validation_split") or 0.0
         training_lib.check_batches(x, batch_size, split, self.num_micro_batches, self.num_replicas)
         self._before_tracing(x, y, kwargs.get("sample_weight"))
-        with cluster_lib.reporting():  # a worker that stopped answering is named
+        with cluster_lib.reporting(), training_lib.short_batch_errors():  # named workers, short messages
             return super().fit(x, y, batch_size, *args, **kwargs)
 
     def evaluate(self, x: Any = None, y: Any = None, *args: Any, **kwargs: Any):

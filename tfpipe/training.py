@@ -3,8 +3,9 @@ checks before fit, variables created before tracing, and optimizer updates place
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import keras
@@ -78,9 +79,19 @@ def check_batches(
             f"batch_size={batch_size} is smaller than {what} micro-batches; every micro-batch needs a sample. "
             f"Use batch_size >= {m} or lower num_micro_batches."
         )
+    if isinstance(x, tf.data.Dataset):
+        batching = _compat.dataset_batching(x)
+        if batching is not None and not batching[2] and 0 < batching[0] % batching[1] < m:
+            n, size = batching[:2]
+            raise ValueError(
+                f"The dataset's {n} samples in batches of {size} leave a last batch of {n % size}, smaller than "
+                f"{what} micro-batches. Batch with drop_remainder=True, or choose a batch size that leaves no "
+                f"remainder or one of at least {m}."
+            )
+        return
     leaves = [leaf for leaf in tf.nest.flatten(x) if isinstance(leaf, (np.ndarray, tf.Tensor))]
     if not leaves or len(leaves) != len(tf.nest.flatten(x)):
-        return  # a dataset or generator: its batches are checked when the step is traced
+        return  # a generator, or a dataset of unknown batching: its batches are checked in the step
     n = int(math.floor(int(leaves[0].shape[0]) * (1.0 - validation_split)))  # as Keras splits
     size = batch_size or 32
     last = n % size
@@ -89,6 +100,18 @@ def check_batches(
             f"{n} samples in batches of {size} leave a last batch of {last}, smaller than {what} micro-batches. "
             f"Choose a batch_size that leaves no remainder or one of at least {m}, or drop the last {last} samples."
         )
+
+
+@contextlib.contextmanager
+def short_batch_errors() -> Iterator[None]:
+    """The in-graph check of a batch smaller than R x M, as one short ValueError instead of a graph traceback."""
+    try:
+        yield
+    except tf.errors.InvalidArgumentError as err:
+        if microbatch.SHORT_BATCH not in str(err):
+            raise
+        line = next(x for x in str(err).splitlines() if microbatch.SHORT_BATCH in x)
+        raise ValueError(line[line.index(microbatch.SHORT_BATCH) :].split(" [")[0].strip()) from None
 
 
 def build_before_tracing(model: keras.Model, x: Any, y: Any, sample_weight: Any) -> None:
