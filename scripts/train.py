@@ -15,6 +15,7 @@ import json
 import os
 import re
 import sys
+import tempfile
 import time
 from typing import Any
 
@@ -114,13 +115,47 @@ class Task:
     scored: str  # what the accuracy counts
 
 
+# TensorFlow's lines while it looks for CUDA on a machine without it: harmless, and they read like failures.
+PROBE_NOISE = (
+    "cudart_stub.cc",
+    "cuda_platform.cc",
+    "failed call to cuInit",
+    "All log messages before absl::InitializeLog()",
+    "cpu_feature_guard.cc",
+    "To enable the following instructions",
+)
+
+
+@contextlib.contextmanager
+def quiet_gpu_probe():
+    """Hide TensorFlow's CUDA-probe lines (stderr, file descriptor 2) when this machine has no NVIDIA driver."""
+    if os.path.exists("/proc/driver/nvidia"):
+        yield  # a GPU machine: what TensorFlow says about CUDA matters
+        return
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile(mode="w+b") as caught:
+        os.dup2(caught.fileno(), 2)
+        try:
+            yield
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+            caught.seek(0)
+            for line in caught.read().decode(errors="replace").splitlines(keepends=True):
+                if not any(noise in line for noise in PROBE_NOISE):
+                    sys.stderr.write(line)
+
+
 def setup_devices(spec: str, partitions: int, stack: contextlib.ExitStack) -> list[str] | None:
     """Configure logical CPU devices (before TensorFlow starts) or start local workers; return the cells' devices.
 
     Workers started for ``local:N`` stop when ``stack`` closes.
     """
-    import tensorflow as tf
+    with quiet_gpu_probe():
+        import tensorflow as tf
 
+        tf.config.list_physical_devices()  # where TensorFlow looks for CUDA
     if spec == "auto":
         if tf.config.list_physical_devices("GPU"):
             return None
