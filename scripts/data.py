@@ -16,12 +16,27 @@ def copy_task(num_examples: int, length: int, vocab_size: int, seed: int = 0):
 
     Returns (inputs, targets, sample_weights), each of shape (N, 2T); tokens are in 1..vocab_size-1.
     """
-    rng = np.random.default_rng(seed)
-    digits = rng.integers(1, vocab_size, size=(num_examples, length))
-    sequence = np.concatenate([digits, np.full((num_examples, 1), SEPARATOR), digits], axis=1)
+    digits = np.random.default_rng(seed).integers(1, vocab_size, size=(num_examples, length))
+    return _answer_after(digits, digits)
+
+
+def sort_task(num_examples: int, length: int, vocab_size: int, seed: int = 0):
+    """Sequences ``a_1..a_T SEP sorted(a)``: as ``copy_task``, but the answer is the tokens in order.
+
+    Harder than copying: each answer token depends on how many of every smaller token came
+    before, so a small Transformer keeps improving over several epochs instead of one.
+    """
+    digits = np.random.default_rng(seed).integers(1, vocab_size, size=(num_examples, length))
+    return _answer_after(digits, np.sort(digits, axis=1))
+
+
+def _answer_after(question: np.ndarray, answer: np.ndarray):
+    """(inputs, targets, weights) of ``question SEP answer`` for next-token prediction, the answer scored."""
+    n, length = question.shape
+    sequence = np.concatenate([question, np.full((n, 1), SEPARATOR), answer], axis=1)
     inputs, targets = sequence[:, :-1], sequence[:, 1:]
     weights = np.zeros(targets.shape, "float32")
-    weights[:, length:] = 1.0  # the copy after the separator is learnable; the prefix is noise
+    weights[:, length:] = 1.0  # the answer after the separator is learnable; the question is noise
     return inputs.astype("int32"), targets.astype("int32"), weights
 
 
@@ -90,8 +105,12 @@ def load_tfds(
     import tensorflow_datasets as tfds
 
     name, split = parse_tfds(spec)
-    _check_downloadable(tfds.builder(name, data_dir=data_dir), name)
-    dataset, info = tfds.load(name, split=split, data_dir=data_dir, with_info=True, shuffle_files=False)
+    load = dict(split=split, data_dir=data_dir, with_info=True, shuffle_files=False)
+    try:
+        dataset, info = tfds.load(name, download=False, **load)  # there already (or mocked)
+    except AssertionError:  # tensorflow-datasets' "could not find data": download it, if its hosts answer
+        _check_downloadable(tfds.builder(name, data_dir=data_dir), name)
+        dataset, info = tfds.load(name, **load)
     features = info.features
     if kind == "image":
         image_key = _first_feature(features, tfds.features.Image, "an image", spec)

@@ -1,6 +1,6 @@
 """Train a pipelined reference model: the project's main job.
 
-python scripts/train.py                      # small Transformer, 2 cells, generated copy task
+python scripts/train.py                      # small Transformer, 2 cells, generated sorting task
 python scripts/train.py --model=resnet --depth=50 --width=16 --devices=cpu:4 --partitions=4 --micro_batches=8
 python scripts/train.py --model=amoebanet --dataset=tfds:cifar10 --model_dir=/tmp/run --tensorboard
 python scripts/train.py --model=unet --unet_depth=3 --image_size=32   # a Functional model: skips cross the cuts
@@ -55,10 +55,14 @@ flags.DEFINE_integer("num_classes", 10, "Classes of the generated image task.", 
 flags.DEFINE_string("dataset", "synthetic", "'synthetic' (generated, learnable) or tfds:NAME[:SPLIT].")
 flags.DEFINE_string("data_dir", None, "tensorflow-datasets data directory.")
 flags.DEFINE_integer("examples", 4096, "Generated training examples.", lower_bound=1)
-flags.DEFINE_integer(
-    "seq_len", 8, "Copy task: length of the sequence to copy; text: tokens per example.", lower_bound=1
+flags.DEFINE_integer("seq_len", 8, "Sort/copy task: length of the sequence; text: tokens per example.", lower_bound=1)
+flags.DEFINE_integer("vocab", 12, "Sort/copy task vocabulary size (token 0 is the separator).", lower_bound=3)
+flags.DEFINE_enum(
+    "task",
+    "sort",
+    ["sort", "copy"],
+    "Transformer's generated task: write the sequence sorted (keeps improving over the run) or copied (easy).",
 )
-flags.DEFINE_integer("vocab", 12, "Copy task vocabulary size (token 0 is the separator).", lower_bound=3)
 # pipeline
 flags.DEFINE_integer("partitions", 2, "Number of cells K, balanced by --cost.", lower_bound=1)
 flags.DEFINE_list("balance", None, "Layers per cell, e.g. 2,2,3; overrides --partitions.")
@@ -113,6 +117,7 @@ class Task:
     dataset: Any  # tf.data.Dataset of whole batches: (inputs, targets[, weights])
     input_shape: tuple
     scored: str  # what the accuracy counts
+    held_out: Any = None  # batches never trained on (generated tasks), for the report's held-out accuracy
 
 
 # TensorFlow's lines while it looks for CUDA on a machine without it: harmless, and they read like failures.
@@ -247,6 +252,7 @@ MODEL_FLAGS = {
     "heads": ("transformer",),
     "logit_clip": ("transformer",),
     "vocab": ("transformer",),
+    "task": ("transformer",),
     "blocks": ("transformer", "amoebanet"),
     "filters": ("amoebanet",),
     "depth": ("resnet",),
@@ -296,13 +302,22 @@ def check_flags() -> None:
             raise UsageError(f"--dataset={FLAGS.dataset}: {err}") from None
 
 
+def held_out_examples() -> int:
+    """Generated examples kept out of training, on which the report measures accuracy: an eighth, at least a batch."""
+    return max(FLAGS.batch_size, FLAGS.examples // 8)
+
+
 def _batches(arrays: tuple, batch: int, seed: int):
+    """The training batches of the first --examples arrays, and the held-out batches of the rest."""
     import tensorflow as tf
 
-    if len(arrays[0]) < batch:
-        raise UsageError(f"--examples={len(arrays[0])} is smaller than --batch_size={batch}")
-    dataset = tf.data.Dataset.from_tensor_slices(arrays).shuffle(len(arrays[0]), seed=seed)
-    return dataset.batch(batch, drop_remainder=True)  # whole batches: each splits into M micro-batches
+    n = FLAGS.examples
+    if n < batch:
+        raise UsageError(f"--examples={n} is smaller than --batch_size={batch}")
+    dataset = tf.data.Dataset.from_tensor_slices(tuple(a[:n] for a in arrays)).shuffle(n, seed=seed)
+    held = tf.data.Dataset.from_tensor_slices(tuple(a[n:] for a in arrays))
+    # whole batches: each splits into M micro-batches
+    return dataset.batch(batch, drop_remainder=True), held.batch(batch, drop_remainder=True)
 
 
 def _tfds(kind: str):
@@ -331,11 +346,13 @@ def make_task() -> Task:
         from models.transformer import transformer_lm
 
         if FLAGS.dataset == "synthetic":
-            x, y, w = data.copy_task(FLAGS.examples, FLAGS.seq_len, FLAGS.vocab, seed=FLAGS.seed)
-            dataset, vocab, scored = _batches((x, y, w), FLAGS.batch_size, FLAGS.seed), FLAGS.vocab, "copied tokens"
+            make = data.sort_task if FLAGS.task == "sort" else data.copy_task
+            arrays = make(FLAGS.examples + held_out_examples(), FLAGS.seq_len, FLAGS.vocab, seed=FLAGS.seed)
+            (dataset, held), vocab = _batches(arrays, FLAGS.batch_size, FLAGS.seed), FLAGS.vocab
+            scored = "sorted tokens" if FLAGS.task == "sort" else "copied tokens"
         else:
             loaded = _tfds("text")
-            dataset, vocab, scored = loaded.dataset, loaded.vocab_size, "next bytes"
+            dataset, held, vocab, scored = loaded.dataset, None, loaded.vocab_size, "next bytes"
         length = dataset.element_spec[0].shape[1]
         layers = transformer_lm(
             vocab, length, FLAGS.blocks or 4, FLAGS.dim, FLAGS.hidden, FLAGS.heads, logit_clip=FLAGS.logit_clip
@@ -348,28 +365,32 @@ def make_task() -> Task:
             dataset,
             (None, length),
             scored,
+            held,
         )
 
     size = FLAGS.image_size
     if FLAGS.model == "unet":
         from models.unet import unet
 
-        images, masks = data.shapes_segmentation(FLAGS.examples, size, seed=FLAGS.seed)
+        images, masks = data.shapes_segmentation(FLAGS.examples + held_out_examples(), size, seed=FLAGS.seed)
         model = unet((size, size, 3), 1, FLAGS.unet_depth, FLAGS.unet_convs, FLAGS.unet_channels)
+        dataset, held = _batches((images, masks), FLAGS.batch_size, FLAGS.seed)
         return Task(
             model,
             keras.losses.BinaryCrossentropy(from_logits=True),
             {"metrics": [keras.metrics.BinaryAccuracy(threshold=0.0, name="accuracy")]},
-            _batches((images, masks), FLAGS.batch_size, FLAGS.seed),
+            dataset,
             (None, size, size, 3),
             "pixels",
+            held,
         )
     if FLAGS.dataset == "synthetic":
-        images, labels = data.pattern_images(FLAGS.examples, FLAGS.image_size, FLAGS.num_classes, seed=FLAGS.seed)
-        dataset, classes = _batches((images, labels), FLAGS.batch_size, FLAGS.seed), FLAGS.num_classes
+        n = FLAGS.examples + held_out_examples()
+        images, labels = data.pattern_images(n, FLAGS.image_size, FLAGS.num_classes, seed=FLAGS.seed)
+        (dataset, held), classes = _batches((images, labels), FLAGS.batch_size, FLAGS.seed), FLAGS.num_classes
     else:
         loaded = _tfds("image")
-        dataset, classes = loaded.dataset, loaded.num_classes
+        dataset, held, classes = loaded.dataset, None, loaded.num_classes
     if FLAGS.model == "amoebanet":
         from models.amoebanet import amoebanet_d
 
@@ -394,6 +415,7 @@ def make_task() -> Task:
         dataset,
         (None, size, size, 3),
         "images",
+        held,
     )
 
 
@@ -480,12 +502,14 @@ def _run(stack: contextlib.ExitStack) -> dict:
     seconds = time.perf_counter() - began
     epochs_run = len(history.history.get("loss", []))
     final_loss, final_acc = model.evaluate(probe, verbose=0)
+    held_acc = float(model.evaluate(task.held_out, verbose=0)[1]) if task.held_out is not None else None
     steps = FLAGS.steps or int(task.dataset.cardinality())
     report = {
         "start_loss": float(start_loss),
         "start_accuracy": float(start_acc),
         "final_loss": float(final_loss),
         "final_accuracy": float(final_acc),
+        "held_out_accuracy": held_acc,
         "epochs_run": epochs_run,
         "resumed_from_epoch": resumed,
         "examples_per_second": epochs_run * steps * FLAGS.batch_size / seconds if epochs_run else 0.0,
@@ -498,6 +522,7 @@ def _run(stack: contextlib.ExitStack) -> dict:
     print(
         f"\nloss {report['start_loss']:.3f} -> {report['final_loss']:.3f}, "
         f"accuracy {report['start_accuracy']:.3f} -> {report['final_accuracy']:.3f} ({task.scored})"
+        + (f"; held-out accuracy {held_acc:.3f}" if held_acc is not None else "")
     )
     print(
         f"{report['examples_per_second']:.0f} examples/s over {seconds:.1f} s, {epochs_run} epochs "

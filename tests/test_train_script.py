@@ -34,6 +34,7 @@ def test_small_default_run_lowers_the_loss():
     assert final < 0.5 * start
     assert "balance [2, 3] on ['/CPU:0', '/CPU:1'], 4 micro-batches" in proc.stdout
     assert "examples/s" in proc.stdout and "Predicted pipeline efficiency" in proc.stdout
+    assert re.search(r"\(sorted tokens\); held-out accuracy [01]\.\d{3}", proc.stdout)  # never trained on
 
 
 def test_unet_a_functional_model_learns_the_segmentation_task():
