@@ -223,3 +223,16 @@ def test_a_data_set_that_is_not_there_and_cannot_be_downloaded_is_one_line(monke
 
     data._check_downloadable(Prepared(), "mnist")  # there: nothing to download, no network needed
     assert len(calls) == 1
+
+
+def test_the_data_extra_brings_what_the_tfds_download_path_imports(tmp_path):
+    # A data set not yet downloaded: tensorflow-datasets reads its URLs through etils.epath, which imports
+    # importlib_resources without tensorflow-datasets depending on it. The `data` and `test` extras bring it.
+    proc = run_fresh(f"""
+        import tensorflow_datasets as tfds
+        builder = tfds.builder("mnist", data_dir={str(tmp_path)!r})
+        print("PREPARED", builder.is_prepared())
+        print("URLS", sorted(builder.url_infos)[0])
+    """)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "PREPARED False" in proc.stdout and "URLS https://" in proc.stdout
