@@ -96,3 +96,10 @@ def test_speed_benchmark_times_replicas_against_one_worker(tmp_path):
     assert float(rows[1]["ideal"]) == pytest.approx(2.0)  # R x K*M/(M+K-1)
     assert rows[0]["reference"] == rows[1]["reference"]  # both against one worker, K=1, M=1
     assert "| R x K \\ M | 2 |" in open(out + ".md").read() and "| 2 x 1 |" in open(out + ".md").read()
+
+
+def test_replica_sums_benchmark_times_the_in_graph_sum():
+    proc = run_script("benchmark_replica_sums.py", "--dims=64", "--tensors=2", "--repeats=3", "--nocollective")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (row,) = [line.split() for line in proc.stdout.splitlines() if line.startswith("  64")]
+    assert float(row[1]) == pytest.approx(2 * 64 * 64 * 4 / 2**20, abs=0.05) and float(row[2]) > 0
