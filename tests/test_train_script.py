@@ -1,5 +1,6 @@
 """The main job, scripts/train.py: runs learn, resume from --model_dir, TFDS data; bad flags fail in one line."""
 
+import json
 import os
 import re
 import subprocess
@@ -132,34 +133,65 @@ def test_tfds_image_and_text_data_sets_train_under_mock_data():
     assert proc.stdout.count('PipelineModel "pipeline_model') == 2  # each run printed its summary
 
 
+BAD_FLAGS = [
+    (["--micro_batches=0"], "train.py: error: --micro_batches=0: 0 is not a positive integer"),
+    (["--model=resnet", "--depth=34"], "train.py: error: --depth=34: value should be one of <50|101>"),
+    (["--stage_blocks=1,1,1,1"], "train.py: error: --stage_blocks=1,1,1,1: applies to --model=resnet, not "),
+    (["--model=unet", "--dim=32"], "train.py: error: --dim=32: applies to --model=transformer, not --model=unet"),
+    (["--model=resnet", "--balance=3,3"], "train.py: error: --balance=3,3: balance=[3, 3] sums to 6"),
+    (["--nope=1"], "train.py: error: Unknown command line flag 'nope'"),
+    (["--balance=2,x"], "train.py: error: --balance=2,x: give comma-separated integers"),
+    (["--devices=cpu:two"], "train.py: error: --devices=cpu:two"),
+    (["--batch_size=2", "--micro_batches=4"], "--batch_size=2 is smaller than --micro_batches=4"),
+    (["--dataset=imagenet"], "train.py: error: --dataset=imagenet: write 'synthetic' or tfds:NAME"),
+    (["--tensorboard"], "--tensorboard writes under --model_dir"),
+    (["--model=amoebanet", "--blocks=4"], "--model=amoebanet sizes: num_layers=4"),
+    (
+        ["--partitions=9", "--blocks=1"],
+        "train.py: error: --partitions=9: num_partitions=9 is more",
+    ),
+    (["--devices=local:1"], "--devices=local:1 starts 1 workers for 2 cells; use local:2"),
+    (["--replicas=2", "--devices=cpu:3"], "--replicas=2 x 2 cells need 4 devices; --devices=cpu:3 gives 3"),
+    (["--replicas=2", "--batch_size=6"], "--batch_size=6 is smaller than --micro_batches=4 x --replicas=2"),
+    (["--model=vgg"], "--model=vgg: use one of transformer, amoebanet, resnet, unet or keras:NAME"),
+    (["--model=keras:Nope"], "--model=keras:Nope: keras.applications has no model 'Nope'"),
+    (["--model=unet", "--image_size=20"], "--image_size=20 must be divisible by 2**--unet_depth=8"),
+]
+
+
 def test_bad_flags_name_the_flag():
-    for flags, message in [
-        (["--micro_batches=0"], "train.py: error: --micro_batches=0: 0 is not a positive integer"),
-        (["--model=resnet", "--depth=34"], "train.py: error: --depth=34: value should be one of <50|101>"),
-        (["--stage_blocks=1,1,1,1"], "train.py: error: --stage_blocks=1,1,1,1: applies to --model=resnet, not "),
-        (["--model=unet", "--dim=32"], "train.py: error: --dim=32: applies to --model=transformer, not --model=unet"),
-        (["--model=resnet", "--balance=3,3"], "train.py: error: --balance=3,3: balance=[3, 3] sums to 6"),
-        (["--nope=1"], "train.py: error: Unknown command line flag 'nope'"),
-        (["--balance=2,x"], "train.py: error: --balance=2,x: give comma-separated integers"),
-        (["--devices=cpu:two"], "train.py: error: --devices=cpu:two"),
-        (["--batch_size=2", "--micro_batches=4"], "--batch_size=2 is smaller than --micro_batches=4"),
-        (["--dataset=imagenet"], "train.py: error: --dataset=imagenet: write 'synthetic' or tfds:NAME"),
-        (["--tensorboard"], "--tensorboard writes under --model_dir"),
-        (["--model=amoebanet", "--blocks=4"], "--model=amoebanet sizes: num_layers=4"),
-        (
-            ["--partitions=9", "--blocks=1"],
-            "train.py: error: --partitions=9: num_partitions=9 is more",
-        ),
-        (["--devices=local:1"], "--devices=local:1 starts 1 workers for 2 cells; use local:2"),
-        (["--replicas=2", "--devices=cpu:3"], "--replicas=2 x 2 cells need 4 devices; --devices=cpu:3 gives 3"),
-        (["--replicas=2", "--batch_size=6"], "--batch_size=6 is smaller than --micro_batches=4 x --replicas=2"),
-        (["--model=vgg"], "--model=vgg: use one of transformer, amoebanet, resnet, unet or keras:NAME"),
-        (["--model=keras:Nope"], "--model=keras:Nope: keras.applications has no model 'Nope'"),
-        (["--model=unet", "--image_size=20"], "--image_size=20 must be divisible by 2**--unet_depth=8"),
-    ]:
+    # Two as a user meets them (exit code 2, one line, no traceback; the second counts logical devices, which are
+    # set once per process); the others through the script's own parse_flags and main in one process, each a fresh
+    # parse (a process each took 50 s of the suite).
+    alone = [BAD_FLAGS[0], next(case for case in BAD_FLAGS if "--devices=cpu:3" in case[0])]
+    for flags, message in alone:
         proc = _run(*flags)
         assert proc.returncode == 2 and message in proc.stderr, (flags, proc.stderr[-1500:])
         assert "Traceback" not in proc.stderr
+    together = [case for case in BAD_FLAGS if case not in alone]
+    proc = run_fresh(f"""
+        import contextlib, io, json, sys
+        import tensorflow as tf
+        sys.argv = ["train.py"]
+        from scripts import train
+        # Logical devices are set once per process; these runs all stop before a cell is placed.
+        tf.config.set_logical_device_configuration = lambda *args: None
+        results = []
+        for flags in {[flags for flags, _ in together]!r}:
+            train.FLAGS.unparse_flags()
+            err, code = io.StringIO(), 0
+            with contextlib.redirect_stderr(err):
+                try:
+                    train.main(train.parse_flags(["train.py", *flags]))
+                except SystemExit as exit:
+                    code = exit.code
+            results.append([code, err.getvalue()])
+        print("RESULTS", json.dumps(results))
+    """)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = json.loads(proc.stdout.split("RESULTS")[1])
+    for (flags, message), (code, stderr) in zip(together, results, strict=True):
+        assert code == 2 and message in stderr and "Traceback" not in stderr, (flags, stderr[-1500:])
 
 
 def test_local_workers_run_the_cells():
