@@ -9,6 +9,10 @@ also reported on its own.
     python scripts/benchmark_scale.py                               # K=2 and K=8 at M=32, 8-block Transformer
     python scripts/benchmark_scale.py --configs=2x4,2x16,2x32,8x32 --out=docs/scale
     python scripts/benchmark_scale.py --configs=2x32,8x32 --unroll=true,false   # the unrolled graph against the loops
+    python scripts/benchmark_scale.py --configs=keras,2x32   # beside the same layers in a plain keras.Sequential
+
+``keras`` in ``--configs`` times the same layers as a plain ``keras.Sequential`` on one
+device: what a user compares a first step with.
 """
 
 from __future__ import annotations
@@ -25,7 +29,11 @@ from absl import app, flags  # noqa: E402
 from scripts.report import write_table  # noqa: E402
 
 FLAGS = flags.FLAGS
-flags.DEFINE_list("configs", ["2x32", "8x32"], "KxM pairs: K cells on K logical CPU devices, M micro-batches.")
+flags.DEFINE_list(
+    "configs",
+    ["2x32", "8x32"],
+    "KxM pairs: K cells on K logical CPU devices, M micro-batches; 'keras': the layers in a plain keras.Sequential.",
+)
 flags.DEFINE_integer("blocks", 8, "Transformer blocks.", lower_bound=1)
 flags.DEFINE_integer("dim", 64, "Transformer model dimension.", lower_bound=8)
 flags.DEFINE_integer("seq_len", 32, "Sequence length.", lower_bound=2)
@@ -35,26 +43,33 @@ flags.DEFINE_list("unroll", ["true"], "Step graphs to compare: true (unrolled, t
 flags.DEFINE_integer("steps", 5, "Steps timed after the first.", lower_bound=1)
 flags.DEFINE_string("out", None, "Write the table to OUT.csv and OUT.md.")
 
-# Runs in the child process: argv = K M blocks dim seq_len batch remat steps unroll.
+# Runs in the child process: argv = K M blocks dim seq_len batch remat steps unroll; K=0 is plain Keras.
 _CHILD = r"""
 import json, os, resource, sys, time
 k, m, blocks, dim, seq, batch, remat, steps, unroll = sys.argv[1:]
 unroll = unroll == "true"
 k, m, blocks, dim, seq, batch, steps = map(int, (k, m, blocks, dim, seq, batch, steps))
 import tensorflow as tf
-tf.config.set_logical_device_configuration(tf.config.list_physical_devices("CPU")[0],
-                                           [tf.config.LogicalDeviceConfiguration()] * k)
+if k:
+    tf.config.set_logical_device_configuration(tf.config.list_physical_devices("CPU")[0],
+                                               [tf.config.LogicalDeviceConfiguration()] * k)
 import keras, numpy as np
 import tfpipe
 from scripts.data import random_lm
 keras.utils.set_random_seed(0)
 layers, x, y = random_lm(batch, seq, blocks, dim)
 began = time.perf_counter()
-model = tfpipe.PipelineModel(layers, num_partitions=k, devices=[f"/CPU:{i}" for i in range(k)],
-                             num_micro_batches=m, remat=remat, unroll=unroll)
+if k:
+    model = tfpipe.PipelineModel(layers, num_partitions=k, devices=[f"/CPU:{i}" for i in range(k)],
+                                 num_micro_batches=m, remat=remat, unroll=unroll)
+else:
+    model = keras.Sequential(layers)
 model.compile(optimizer=keras.optimizers.SGD(1e-3),
               loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-tfpipe.training.build_before_tracing(model, x, y, None)  # what train_on_batch does first: split, cells, variables
+if k:
+    tfpipe.training.build_before_tracing(model, x, y, None)  # what train_on_batch does first: split, cells, variables
+else:
+    model.build(x.shape)
 build = time.perf_counter() - began
 model.train_on_batch(x, y)
 first = time.perf_counter() - began
@@ -63,8 +78,8 @@ for _ in range(steps):
     t = time.perf_counter(); model.train_on_batch(x, y); times.append(time.perf_counter() - t)
 rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 print("RESULT " + json.dumps({"first_s": first, "build_s": build, "step_ms": 1e3 * float(np.median(times)),
-                              "peak_rss_gb": rss / 1e9, "balance": model.balance,
-                              "graph": "unrolled" if model.unrolled else "loops"}))
+                              "peak_rss_gb": rss / 1e9, "balance": model.balance if k else [blocks],
+                              "graph": ("unrolled" if model.unrolled else "loops") if k else "keras"}))
 """
 
 
@@ -80,10 +95,12 @@ def run_config(k: int, m: int, unroll: str) -> dict:
 
 
 def _parse(config: str) -> tuple[int, int]:
+    if config.lower() == "keras":
+        return 0, 1
     try:
         k, m = (int(v) for v in config.lower().split("x"))
     except ValueError:
-        raise app.UsageError(f"--configs: {config!r} is not KxM, e.g. 8x32.") from None
+        raise app.UsageError(f"--configs: {config!r} is not KxM (e.g. 8x32) or keras.") from None
     if k < 1 or m < 1:
         raise app.UsageError(f"--configs: {config!r} needs K >= 1 and M >= 1.")
     return k, m
@@ -95,13 +112,14 @@ def main(argv: list[str]) -> None:
     unrolls = [u.lower() for u in FLAGS.unroll]
     if any(u not in ("true", "false") for u in unrolls):
         raise app.UsageError(f"--unroll: {FLAGS.unroll} holds a value other than true, false.")
-    for (k, m), unroll in ((_parse(c), u) for c in FLAGS.configs for u in unrolls):
+    configs = [_parse(c) for c in FLAGS.configs]
+    for (k, m), unroll in ((c, u) for c in configs for u in (unrolls if c[0] else ["true"])):
         if FLAGS.batch_size < m:
             raise app.UsageError(f"--batch_size={FLAGS.batch_size} is smaller than M={m}.")
         found = run_config(k, m, unroll)
         rows.append({"K": k, "M": m, "tasks": 2 * k * m, **found})
         print(
-            f"K={k} M={m:>2} {found['graph']:>8}: "
+            (f"K={k} M={m:>2} " if k else "plain Keras ") + f"{found['graph']:>8}: "
             f"first step {found['first_s']:6.1f} s (build {found['build_s']:.1f} s), "
             f"then {found['step_ms']:7.1f} ms/step, "
             f"peak RSS {found['peak_rss_gb']:.2f} GB, balance {found['balance']}",
@@ -113,8 +131,8 @@ def main(argv: list[str]) -> None:
         "|---|---|---|---|---|---|---|---|",
     ]
     lines += [
-        f"| {r['K']} | {r['M']} | {r['tasks']} | {r['graph']} | {r['first_s']:.1f} | {r['build_s']:.1f} "
-        f"| {r['step_ms']:.1f} | {r['peak_rss_gb']:.2f} |"
+        f"| {r['K'] or '-'} | {r['M'] if r['K'] else '-'} | {r['tasks'] or '-'} | {r['graph']} "
+        f"| {r['first_s']:.1f} | {r['build_s']:.1f} | {r['step_ms']:.1f} | {r['peak_rss_gb']:.2f} |"
         for r in rows
     ]
     table = "\n".join(lines)

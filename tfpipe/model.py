@@ -321,7 +321,7 @@ class PipelineModel(keras.Model):
             self.build(x)
         sizes = microbatch.sizes(x, self._pipeline.num_micro_batches)  # R x M with replicas
         xs, ys, sws = (microbatch.split(s, sizes) for s in (x, y, sample_weight))
-        loss_fn = training_lib.micro_batch_loss(self, PipelineModel.compute_loss, xs, ys, sws, sizes)
+        loss_fn = training_lib.MicroBatchLoss(self, PipelineModel.compute_loss, xs, ys, sws, sizes)
         if self._num_cells * self._pipeline.num_micro_batches > 1 and not tf.executing_eagerly():  # once per trace
             loops = not self._pipeline.unroll
             messages.say(

@@ -14,19 +14,17 @@ import contextlib
 import dataclasses
 import functools
 import warnings
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import keras
 import tensorflow as tf
 
-from tfpipe import checkpoint, devices, loop, schedule, sendrecv, state
-from tfpipe.cell import Cell, hang
+from tfpipe import checkpoint, devices, loop, loss_task, schedule, sendrecv, state
+from tfpipe.cell import Cell
+from tfpipe.loss_task import LossFn
 from tfpipe.routes import MODEL_INPUT, Routes
 from tfpipe.tasks import TASK_END, TASK_START, task_scope_name
-
-LossFn = Callable[[int, Any], tf.Tensor]
-
 
 # From this many tasks per step (2 K M) on, cells are called as functions that TensorFlow does not
 # inline. Inlined, Grappler optimizes all K x M copies of every cell before the first run: an
@@ -209,8 +207,8 @@ class Pipeline:
         return self._run(inputs, True, loss_fn, fractions, loss_scale, first, merge)
 
     def _run(self, inputs, training, loss_fn, fractions, loss_scale=1.0, first=0, merge=True) -> StepResult:
-        if first:  # the loss of micro-batch j is the caller's micro-batch first + j
-            loss_fn = None if loss_fn is None else functools.partial(_offset_loss, loss_fn, first)
+        if loss_fn is not None:  # the loss of micro-batch j is the caller's micro-batch first + j
+            loss_fn = loss_task.offset(loss_fn, first)
         if not self.unroll:
             try:
                 return self._run_loops(inputs, training, loss_fn, fractions, loss_scale, first, merge)
@@ -259,7 +257,10 @@ class Pipeline:
         weights = [cell.read() for cell in self.cells]
         loss_grads = None
         if loss_fn is not None:
-            loss_grads = lambda j, y: _loss_and_gradients(loss_fn, j, y, loss_scale)  # noqa: E731
+            last = self.cells[-1]
+            loss_grads = functools.partial(
+                self._loss_and_gradients, loss_fn, loss_scale=loss_scale, leaves=None, cell=last
+            )
         looped = loop.run(self.cells, weights, inputs, training, fractions, loss_grads, loss_scale, first)
         return self._result(
             looped.outputs,
@@ -388,12 +389,18 @@ class Pipeline:
 
     def _loss_task(self, i: int, j: int, y: Any, leaves: list[tf.Tensor], step: _Step) -> tf.Tensor:
         """Micro-batch j's weighted loss of the model's outputs ``y`` and its gradient for the tensors ``leaves``."""
-        step.losses[j], grads = _loss_and_gradients(step.loss_fn, j, y, step.loss_scale, leaves)
+        step.losses[j], grads = self._loss_and_gradients(step.loss_fn, j, y, step.loss_scale, leaves, self.cells[i])
         if self.routes is None:
             step.dys[(i, j)] = grads
         else:
             _deliver(step, j, self.routes.results, grads)
         return step.losses[j]
+
+    @staticmethod
+    def _loss_and_gradients(loss_fn, j, y, loss_scale, leaves, cell: Cell) -> tuple[tf.Tensor, list[Any]]:
+        """The loss task on ``cell``'s device: traced once per step when the cell's calls are."""
+        device = cell.device if cell.traceable else None
+        return loss_task.loss_and_gradients(loss_fn, j, y, loss_scale, leaves, device, cell.noinline)
 
     def _backward_task(self, task: schedule.Task, step: _Step, chain: _Chain) -> None:
         """B(i, j): the VJP of cell i on micro-batch j (recomputing it if so recorded); sum weight gradients."""
@@ -497,25 +504,6 @@ def _deliver(step: _Step, j: int, sources: Sequence[tuple[int, int]], grads: Seq
     for (p, pos), g in zip(sources, grads):
         if p != MODEL_INPUT and g is not None:
             step.dys.setdefault((p, j), {}).setdefault(pos, []).append(g)
-
-
-def _loss_and_gradients(
-    loss_fn: LossFn, j: int, y: Any, loss_scale: Any, leaves: Sequence[tf.Tensor] | None = None
-) -> tuple[tf.Tensor, list[Any]]:
-    """Micro-batch j's weighted loss, and the gradients of the scaled loss for ``leaves`` (default: the leaves
-    of ``y``; None where integer). The leaves may include tensors hung on ``y``'s, such as Keras' logits."""
-    ys = _flat(y) if leaves is None else list(leaves)
-    floating = [t for t in ys if t.dtype.is_floating]
-    with tf.GradientTape(watch_accessed_variables=False) as tape:
-        tape.watch(floating)
-        loss = tf.cast(loss_fn(j, hang(y)), tf.float32)
-        scaled = loss * loss_scale
-    grads = iter(tape.gradient(scaled, floating, unconnected_gradients=tf.UnconnectedGradients.ZERO))
-    return loss, [next(grads) if t.dtype.is_floating else None for t in ys]
-
-
-def _offset_loss(loss_fn: LossFn, first: int, j: int, y: Any) -> tf.Tensor:
-    return loss_fn(first + j, y)
 
 
 def _unfoldable(values: Sequence[Any]) -> list[tf.Tensor]:

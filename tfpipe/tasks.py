@@ -24,6 +24,7 @@ _CALLS = ("PartitionedCall", "StatefulPartitionedCall")
 TRACED_VJP = "tfpipe_recompute_vjp"
 SPLIT_FORWARD = "tfpipe_split_forward"  # a cell's forward cut from its split VJP (zero bubble, kept activations)
 GRADIENT_SUM = "tfpipe_sum_gradients"  # the function that adds a task's weight gradients to the running sums
+LOSS_FUNCTION = "tfpipe_loss"  # the function of a micro-batch's loss and its gradients (tfpipe/loss_task.py)
 _SUM = re.compile(r"^(add|AddV2|concat)(_\d+)?$")
 
 
@@ -138,9 +139,7 @@ def attribute(graph: Any) -> dict[str, OpInfo]:
     tasks = assign_tasks([op.name for op in ops])
     phases = assign_phases([(op.name, op.type, calls_gradient_function(op)) for op in ops], tasks)
     info = {
-        op.name: OpInfo(
-            task, "accumulate" if task and _calls(op, GRADIENT_SUM) else phase, op.device, calls_traced_vjp(op)
-        )
+        op.name: OpInfo(task, _called_phase(op, task) or phase, op.device, calls_traced_vjp(op))
         for op, task, phase in zip(ops, tasks, phases)
     }
     for name, found in list(info.items()):  # name scopes, for ops that Grappler adds or renames
@@ -148,6 +147,15 @@ def attribute(graph: Any) -> dict[str, OpInfo]:
         for n in range(1, len(parts)):
             info.setdefault("/".join(parts[:n]), found)
     return info
+
+
+def _called_phase(op: Any, task: str) -> str | None:
+    """The phase of a task's call of one of tfpipe's own functions, known by its name; else None."""
+    if task and _calls(op, GRADIENT_SUM):
+        return "accumulate"
+    if task and _calls(op, LOSS_FUNCTION):
+        return "loss"
+    return None
 
 
 def lookup(info: dict[str, OpInfo], op: str) -> OpInfo | None:

@@ -32,34 +32,64 @@ def loss_reduction(loss: Any) -> str:
     return reductions.pop() if reductions else "sum"
 
 
-def micro_batch_loss(
-    model: keras.Model,
-    default_hook: Callable,
-    xs: Sequence[Any],
-    ys: Sequence[Any],
-    sws: Sequence[Any],
-    sizes: Sequence[Any],
-) -> Callable[[int, Any], tf.Tensor]:
-    """``loss_fn(j, y_pred)``: micro-batch j's share of the mini-batch loss, weighted so the shares add up.
+class MicroBatchLoss:
+    """``loss(j, y_pred)``: micro-batch j's share of the mini-batch loss, weighted so the shares add up.
 
     Without an override of ``compute_loss`` (``default_hook`` is the class's own) the
-    compiled loss is weighted by its reduction. An override is called per micro-batch
-    and, as Keras' losses do by default, taken as a mean over the micro-batch.
+    compiled loss is weighted by its reduction, and the loss is ``tfpipe.loss_task.Traceable``:
+    it reads only micro-batch j's targets, sample weights and weight. An override is called
+    per micro-batch and, as Keras' losses do by default, taken as a mean over the micro-batch.
     """
-    overridden = type(model).compute_loss is not default_hook
-    if not overridden and _compat.compiled_loss(model) is None:
-        return lambda j, y_pred: tf.constant(0.0)
-    reduction = DEFAULT_REDUCTION if overridden else loss_reduction(model.loss)
-    weights: list[tf.Tensor] = []
 
-    def loss_fn(j: int, y_pred: Any) -> tf.Tensor:
+    def __init__(
+        self,
+        model: keras.Model,
+        default_hook: Callable,
+        xs: Sequence[Any],
+        ys: Sequence[Any],
+        sws: Sequence[Any],
+        sizes: Sequence[Any],
+    ):
+        self._model, self._xs, self._ys, self._sws, self._sizes = model, xs, ys, sws, sizes
+        overridden = type(model).compute_loss is not default_hook
+        self._none = not overridden and _compat.compiled_loss(model) is None
+        self._traceable = not overridden and not self._none
+        self._reduction = DEFAULT_REDUCTION if overridden or self._none else loss_reduction(model.loss)
+        self._weights: list[tf.Tensor] = []
+        self.traces: dict = {}  # tfpipe.loss_task's traced functions
+
+    def _weight(self, j: int) -> tf.Tensor:
+        if not self._weights:  # made at the first loss, inside the task that uses them
+            weights = microbatch.loss_weights(self._reduction, self._sizes, self._sws)
+            if tf.executing_eagerly():
+                self._weights.extend(weights)
+            else:  # constants folded per micro-batch would make Grappler copy the loss function per call
+                stacked = tf.stack([tf.cast(w, tf.float32) for w in weights])
+                self._weights.extend(tf.unstack(tf.raw_ops.PlaceholderWithDefault(input=stacked, shape=stacked.shape)))
+        return self._weights[j]
+
+    def __call__(self, j: int, y_pred: Any) -> tf.Tensor:
+        if self._none:
+            return tf.constant(0.0)
         # Not overridden, the model's hook returns the compiled loss alone in training.
-        value = model.compute_loss(x=xs[j], y=ys[j], y_pred=y_pred, sample_weight=sws[j], training=True)
-        if not weights:  # made at the first loss, inside the task that uses them
-            weights.extend(microbatch.loss_weights(reduction, sizes, sws))
-        return tf.cast(value, tf.float32) * weights[j]
+        value = self._model.compute_loss(
+            x=self._xs[j], y=self._ys[j], y_pred=y_pred, sample_weight=self._sws[j], training=True
+        )
+        return tf.cast(value, tf.float32) * self._weight(j)
 
-    return loss_fn
+    def loss_inputs(self, j: int) -> list[tf.Tensor] | None:
+        """Micro-batch j's targets, sample weights and weight, flat; None for an overridden ``compute_loss``."""
+        if not self._traceable:
+            return None
+        leaves = [t for t in tf.nest.flatten((self._ys[j], self._sws[j])) if t is not None]
+        return [tf.convert_to_tensor(t) for t in leaves] + [self._weight(j)]
+
+    def loss_of(self, inputs: Sequence[tf.Tensor], y_pred: Any) -> tf.Tensor:
+        """The weighted loss of ``y_pred`` for the tensors ``loss_inputs`` gave (in a traced function)."""
+        parts = iter(inputs)
+        y, sw = tf.nest.map_structure(lambda t: None if t is None else next(parts), (self._ys[0], self._sws[0]))
+        value = self._model.compute_loss(x=None, y=y, y_pred=y_pred, sample_weight=sw, training=True)
+        return tf.cast(value, tf.float32) * next(parts)
 
 
 def unscale_for_distribution(loss: tf.Tensor) -> tf.Tensor:
