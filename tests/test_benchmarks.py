@@ -54,7 +54,7 @@ def test_scale_benchmark_times_the_first_step_in_a_fresh_process(tmp_path):
     out = str(tmp_path / "scale")
     proc = run_script(
         "benchmark_scale.py",
-        "--configs=2x2",
+        "--configs=keras,2x2",
         "--blocks=1",
         "--dim=16",
         "--seq_len=4",
@@ -64,10 +64,12 @@ def test_scale_benchmark_times_the_first_step_in_a_fresh_process(tmp_path):
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     with open(out + ".csv") as f:
-        (row,) = list(csv.DictReader(f))
+        keras_row, row = list(csv.DictReader(f))
+    assert (keras_row["K"], keras_row["graph"]) == ("0", "keras")  # the same layers in plain Keras
     assert (row["K"], row["M"], row["tasks"]) == ("2", "2", "8")
-    assert float(row["first_s"]) > 0 and float(row["step_ms"]) > 0 and float(row["peak_rss_gb"]) > 0.1
-    assert "| K | M | tasks |" in open(out + ".md").read()
+    for r in (keras_row, row):
+        assert float(r["first_s"]) > 0 and float(r["step_ms"]) > 0 and float(r["peak_rss_gb"]) > 0.1
+    assert "| - | - | - | keras |" in open(out + ".md").read()
 
 
 def test_scale_benchmark_refuses_a_bad_config():
