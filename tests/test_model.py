@@ -225,3 +225,22 @@ def test_train_on_batch_traces_its_step_once():
     model.test_on_batch(x, y)
     assert model.traces == {"train": 1, "test": 1}
     assert second < first
+
+
+def test_the_symbolic_build_before_fit_reuses_the_output_spec_that_build_found():
+    calls = []
+
+    class Counted(keras.layers.Layer):  # no compute_output_shape: Keras runs call on symbolic inputs
+        def call(self, x):
+            calls.append(tuple(x.shape)[1:])
+            return x * 2.0
+
+    model = tfpipe.PipelineModel(
+        [Counted(), keras.layers.Dense(3)], num_partitions=2, devices=cpu_devices(2), num_micro_batches=2
+    )
+    model.build((None, 8))
+    assert calls == [(8,)]  # build runs the layers once
+    spec = model.compute_output_spec(keras.KerasTensor((5, 8)))
+    assert (spec.shape, spec.dtype, calls) == ((5, 3), "float32", [(8,)])  # not again
+    model.compute_output_spec(keras.KerasTensor((5, 8), dtype="float16"))  # other inputs: the layers run
+    assert len(calls) == 2
