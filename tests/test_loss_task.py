@@ -6,6 +6,7 @@ import tensorflow as tf
 import tfpipe
 from tests.util import cpu_devices, mlp_layers
 from tfpipe.tasks import LOSS_FUNCTION
+from tfpipe.training import MicroBatchLoss
 
 
 def _loss_calls(model, batch):
@@ -33,3 +34,13 @@ def test_an_overridden_compute_loss_is_called_per_micro_batch_untraced():
 
     model = Custom(mlp_layers(), num_partitions=2, devices=cpu_devices(2), num_micro_batches=4)
     assert _loss_calls(model, 8) == []
+
+
+def test_a_loss_of_sparse_targets_is_not_traced():
+    model = tfpipe.PipelineModel(mlp_layers(), num_partitions=2, devices=cpu_devices(2), num_micro_batches=2)
+    model.compile(optimizer="sgd", loss="mse")
+    dense = tf.ones((2, 3))
+    sparse = tf.sparse.from_dense(dense)
+    for y, traced in ((dense, True), (sparse, False)):
+        loss = MicroBatchLoss(model, tfpipe.PipelineModel.compute_loss, [None] * 2, [y, y], [None] * 2, [2, 2])
+        assert (loss.loss_inputs(0) is not None) == traced

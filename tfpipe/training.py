@@ -78,10 +78,13 @@ class MicroBatchLoss:
         return tf.cast(value, tf.float32) * self._weight(j)
 
     def loss_inputs(self, j: int) -> list[tf.Tensor] | None:
-        """Micro-batch j's targets, sample weights and weight, flat; None for an overridden ``compute_loss``."""
+        """Micro-batch j's targets, sample weights and weight, flat; None for an overridden ``compute_loss``
+        or targets that are not dense tensors."""
         if not self._traceable:
             return None
         leaves = [t for t in tf.nest.flatten((self._ys[j], self._sws[j])) if t is not None]
+        if any(isinstance(t, (tf.SparseTensor, tf.RaggedTensor)) for t in leaves):
+            return None  # the traced function takes dense tensors; these losses run per micro-batch as before
         return [tf.convert_to_tensor(t) for t in leaves] + [self._weight(j)]
 
     def loss_of(self, inputs: Sequence[tf.Tensor], y_pred: Any) -> tf.Tensor:
