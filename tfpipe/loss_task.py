@@ -14,7 +14,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import tensorflow as tf
 
-from tfpipe import devices
+from tfpipe import devices, microbatch
 from tfpipe.cell import hang
 from tfpipe.tasks import LOSS_FUNCTION
 
@@ -82,13 +82,13 @@ def loss_and_gradients(
     Given the ``device`` it runs on, in a graph, a ``Traceable`` loss is one call of a function
     traced once per signature (not inlined with ``noinline``); otherwise the ops are made here.
     """
-    ys = _flat(y) if leaves is None else list(leaves)
+    flat_y = _flat(y)
+    ys = flat_y if leaves is None else list(leaves)
     inputs = loss_fn.loss_inputs(j) if isinstance(loss_fn, Traceable) and device is not None else None
     if inputs is not None and not tf.executing_eagerly():
-        flat_y = _flat(y)
         at = [next((p for p, t in enumerate(flat_y) if t is leaf), None) for leaf in ys]
         if None not in at:
-            return _traced(loss_fn, y, inputs, loss_scale, at, device, noinline)
+            return _traced(loss_fn, y, flat_y, inputs, loss_scale, at, device, noinline)
     floating = [t for t in ys if t.dtype.is_floating]
     with tf.GradientTape(watch_accessed_variables=False) as tape:
         tape.watch(floating)
@@ -105,23 +105,21 @@ def _spec(t: tf.Tensor) -> tf.TensorSpec:
 def _traced(
     loss_fn: Traceable,
     y: Any,
+    flat_y: Sequence[tf.Tensor],
     inputs: Sequence[tf.Tensor],
     loss_scale: Any,
     at: Sequence[int],
     device: str,
     noinline: bool,
 ) -> tuple[tf.Tensor, list[Any]]:
-    """``loss_and_gradients`` as one call; ``at`` places each wanted leaf among the flat leaves of ``y``."""
-    flat_y = _flat(y)
+    """``loss_and_gradients`` as one call; ``at`` places each wanted leaf among ``flat_y``, the leaves of ``y``."""
     structure = tf.nest.map_structure(lambda t: None if t is None else 0, y)
     graph = tf.compat.v1.get_default_graph()
-    # One scale tensor per graph: Grappler copies a function for each call with a distinct constant input.
-    # Made in the first loss task, so it waits for that task's turn as the task's other ops do.
+    # One scale tensor per graph, made in the first loss task (so it waits for that task's turn).
     scale_key = ("scale", graph, device)
     if scale_key not in loss_fn.traces:
         with devices.scope(device):
-            scale = tf.cast(loss_scale, tf.float32)
-            loss_fn.traces[scale_key] = tf.raw_ops.PlaceholderWithDefault(input=scale, shape=[])
+            (loss_fn.traces[scale_key],) = microbatch.unfoldable([loss_scale])
     scale = loss_fn.traces[scale_key]
     wanted = [p for p in at if flat_y[p].dtype.is_floating]
     specs = [_spec(t) for t in flat_y] + [_spec(t) for t in inputs]

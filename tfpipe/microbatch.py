@@ -129,3 +129,16 @@ def loss_weights(reduction: str, micro_sizes: Sequence[Size], sample_weight_part
         f"tfpipe cannot split a loss with reduction={reduction!r} into micro-batches exactly; "
         "use reduction 'sum_over_batch_size' (the Keras default), 'sum', 'mean' or 'mean_with_sample_weight'."
     )
+
+
+def unfoldable(values: Sequence[Any]) -> list[tf.Tensor]:
+    """The same scalars as float32, hidden from Grappler's constant folding.
+
+    The gradient reaching a cell's added losses is loss scale x the micro-batch's share; folded
+    into a distinct constant per micro-batch, it made Grappler's function optimizer specialize
+    (copy and re-optimize) the cell's backward function once per task: most of the first step
+    at K=2, M=32. The same holds for the inputs of the traced loss (its weight, the loss scale).
+    A PlaceholderWithDefault is never folded, and costs one op per step.
+    """
+    stacked = tf.stack([tf.cast(v, tf.float32) for v in values])
+    return tf.unstack(tf.raw_ops.PlaceholderWithDefault(input=stacked, shape=stacked.shape))

@@ -20,7 +20,7 @@ from typing import Any
 import keras
 import tensorflow as tf
 
-from tfpipe import checkpoint, devices, loop, loss_task, schedule, sendrecv, state
+from tfpipe import checkpoint, devices, loop, loss_task, microbatch, schedule, sendrecv, state
 from tfpipe.cell import Cell
 from tfpipe.loss_task import LossFn
 from tfpipe.routes import MODEL_INPUT, Routes
@@ -231,8 +231,8 @@ class Pipeline:
             for cell in self.cells:
                 with devices.scope(cell.device):
                     step.scales.append(tf.cast(loss_scale, tf.float32))
-            step.shares = _unfoldable(fractions)
-            step.reg_weights = _unfoldable([1.0, 0.0])
+            step.shares = microbatch.unfoldable(fractions)
+            step.reg_weights = microbatch.unfoldable([1.0, 0.0])
         for task in self._schedule(backward=loss_fn is not None):
             if task.kind == "F":
                 self._forward_task(task, step, chain)
@@ -492,7 +492,9 @@ class _Step:
     added: list = dataclasses.field(default_factory=list)  # add_loss and regularization terms
     grads: list = dataclasses.field(default_factory=list)  # summed weight gradients per cell
     scales: list = dataclasses.field(default_factory=list)  # per cell: the loss scale, the gradient of added losses
-    shares: list = dataclasses.field(default_factory=list)  # fractions that Grappler cannot fold (see _unfoldable)
+    shares: list = dataclasses.field(
+        default_factory=list
+    )  # fractions that Grappler cannot fold (see microbatch.unfoldable)
     reg_weights: list = dataclasses.field(default_factory=list)  # 1 for micro-batch 0, else 0, likewise unfoldable
 
     def __post_init__(self):
@@ -504,18 +506,6 @@ def _deliver(step: _Step, j: int, sources: Sequence[tuple[int, int]], grads: Seq
     for (p, pos), g in zip(sources, grads):
         if p != MODEL_INPUT and g is not None:
             step.dys.setdefault((p, j), {}).setdefault(pos, []).append(g)
-
-
-def _unfoldable(values: Sequence[Any]) -> list[tf.Tensor]:
-    """The same scalars, hidden from Grappler's constant folding.
-
-    The gradient reaching a cell's added losses is loss scale x the micro-batch's share; folded
-    into a distinct constant per micro-batch, it made Grappler's function optimizer specialize
-    (copy and re-optimize) the cell's backward function once per task: most of the first step
-    at K=2, M=32. A PlaceholderWithDefault is never folded, and costs one op per step.
-    """
-    stacked = tf.stack([tf.cast(v, tf.float32) for v in values])
-    return tf.unstack(tf.raw_ops.PlaceholderWithDefault(input=stacked, shape=stacked.shape))
 
 
 def _unflat(structure: Any, sources: Sequence[tf.Tensor]) -> list[Any]:

@@ -61,11 +61,7 @@ class MicroBatchLoss:
     def _weight(self, j: int) -> tf.Tensor:
         if not self._weights:  # made at the first loss, inside the task that uses them
             weights = microbatch.loss_weights(self._reduction, self._sizes, self._sws)
-            if tf.executing_eagerly():
-                self._weights.extend(weights)
-            else:  # constants folded per micro-batch would make Grappler copy the loss function per call
-                stacked = tf.stack([tf.cast(w, tf.float32) for w in weights])
-                self._weights.extend(tf.unstack(tf.raw_ops.PlaceholderWithDefault(input=stacked, shape=stacked.shape)))
+            self._weights.extend(microbatch.unfoldable(weights))  # one traced loss function for every call
         return self._weights[j]
 
     def __call__(self, j: int, y_pred: Any) -> tf.Tensor:
