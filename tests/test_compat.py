@@ -51,6 +51,22 @@ def test_symbolic_build_creates_metric_and_optimizer_variables():
     assert model.optimizer.built and len(model.metrics_variables) > before
 
 
+def test_gradient_all_reduce_is_called_before_every_update_and_can_be_replaced():
+    optimizer = keras.optimizers.SGD(0.5)
+    variable = keras.Variable(np.ones(2, "float32"))
+    optimizer.build([variable])
+    reduce, seen = _compat.gradient_all_reduce(optimizer), []
+
+    def doubled(grads_and_vars):
+        seen.append(len(grads_and_vars))
+        return [(2.0 * g, v) for g, v in reduce(grads_and_vars)]
+
+    _compat.set_gradient_all_reduce(optimizer, doubled)
+    optimizer.apply_gradients([(tf.ones(2), variable)])
+    assert seen == [1]
+    np.testing.assert_allclose(variable.numpy(), [0.0, 0.0])  # 1 - 0.5 * (2 * 1)
+
+
 def test_flatten_layers_reaches_nested_layers():
     inner = keras.Sequential([keras.layers.Dense(2, name="deep")])
     outer = keras.Sequential([keras.Input((3,)), inner])

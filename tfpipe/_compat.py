@@ -7,7 +7,7 @@ silently change what tfpipe does: nothing below falls back quietly.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import keras
@@ -45,6 +45,25 @@ def symbolic_build(model: keras.Model, data_batch: Any) -> None:
     TensorFlow trace the whole unrolled pipeline a second time.
     """
     model._symbolic_build(data_batch=data_batch)  # noqa: SLF001
+
+
+def gradient_all_reduce(
+    optimizer: keras.optimizers.Optimizer,
+) -> Callable[[list[tuple[Any, Any]]], list[tuple[Any, Any]]]:
+    """The TensorFlow optimizer's sum of (gradient, variable) pairs over tf.distribute replicas, run before every update.
+
+    Under the default strategy it is one ``IdentityN`` over all gradients with no
+    device, which TensorFlow places on the client: each gradient would cross to it
+    and back. tfpipe calls it per variable device instead (training.py).
+    """
+    return optimizer._all_reduce_sum_gradients  # noqa: SLF001
+
+
+def set_gradient_all_reduce(
+    optimizer: keras.optimizers.Optimizer, reduce: Callable[[list[tuple[Any, Any]]], list[tuple[Any, Any]]]
+) -> None:
+    """Replace, on this instance, what ``gradient_all_reduce`` returns."""
+    optimizer._all_reduce_sum_gradients = reduce  # noqa: SLF001
 
 
 def flatten_layers(layer: keras.layers.Layer) -> list[keras.layers.Layer]:

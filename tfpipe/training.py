@@ -183,7 +183,8 @@ def place_on_variable_devices(optimizer: keras.optimizers.Optimizer) -> None:
 
     Keras asks tf.distribute to colocate them, which does nothing for slots built
     eagerly and leaves the update math unplaced in the graph. Both hooks are public
-    Optimizer methods; they are wrapped on this instance (and a LossScaleOptimizer's inner one).
+    Optimizer methods; they are wrapped on this instance (and a LossScaleOptimizer's
+    inner one), as is the gradients' cross-replica sum, which runs per variable device.
     """
     for opt in (optimizer, getattr(optimizer, "inner_optimizer", None)):
         if opt is None or getattr(opt, "_tfpipe_placed", False):
@@ -200,4 +201,61 @@ def place_on_variable_devices(optimizer: keras.optimizers.Optimizer) -> None:
 
         opt.add_variable_from_reference = add_variable_from_reference
         opt.update_step = update_step
+        _compat.set_gradient_all_reduce(opt, _by_device(_compat.gradient_all_reduce(opt)))
         opt._tfpipe_placed = True
+
+
+def _by_device(reduce: Callable[[list[tuple[Any, Any]]], list[tuple[Any, Any]]]):
+    """``reduce`` of (gradient, variable) pairs, called once per variable device under that device.
+
+    Called once on every pair, the default strategy's identity is one op that TensorFlow
+    puts on the client: a 16 x Dense(1024) MLP sent its 64 MB of gradients there and
+    back every step, 60 ms of a 310 ms step on two loopback workers.
+    """
+
+    def reduce_by_device(grads_and_vars: Any) -> list[tuple[Any, Any]]:
+        pairs = list(grads_and_vars)
+        groups: dict[str, list[int]] = {}
+        for i, (_, variable) in enumerate(pairs):
+            groups.setdefault(_device_of(variable), []).append(i)
+        reduced: list[Any] = [None] * len(pairs)
+        for device, positions in groups.items():
+            with tf.device(device):
+                for i, pair in zip(positions, reduce([pairs[i] for i in positions]), strict=True):
+                    reduced[i] = pair
+        return reduced
+
+    return reduce_by_device
+
+
+def _device_of_tensor(tensor: tf.Tensor) -> str:
+    """The device that ``tensor`` is made on; for a value captured into a branch, the captured value's device."""
+    while not tensor.device:
+        graph = tensor.graph
+        outer = {id(inner): value for value, inner in getattr(graph, "captures", ())}.get(id(tensor))
+        if outer is None:
+            return ""
+        tensor = outer
+    return tensor.device
+
+
+@contextlib.contextmanager
+def beside_inputs() -> Iterator[None]:
+    """Place each op made inside that names no device on the device of its first placed input.
+
+    Keras' optimizer wrappers work on the gradients without a device: a
+    LossScaleOptimizer's finite check and unscaling ran on the client, so every
+    gradient crossed there and back. An op with a device of its own keeps it.
+    """
+
+    def device(op: tf.Operation) -> str:
+        if op.device:
+            return op.device
+        for tensor in op.inputs:
+            found = _device_of_tensor(tensor)
+            if found:
+                return found
+        return ""
+
+    with tf.compat.v1.get_default_graph().device(device):
+        yield
