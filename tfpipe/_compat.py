@@ -50,7 +50,7 @@ def symbolic_build(model: keras.Model, data_batch: Any) -> None:
 def gradient_all_reduce(
     optimizer: keras.optimizers.Optimizer,
 ) -> Callable[[list[tuple[Any, Any]]], list[tuple[Any, Any]]]:
-    """The TensorFlow optimizer's sum of (gradient, variable) pairs over tf.distribute replicas, run before every update.
+    """The TensorFlow optimizer's sum of (gradient, variable) pairs over replicas, run before every update.
 
     Under the default strategy it is one ``IdentityN`` over all gradients with no
     device, which TensorFlow places on the client: each gradient would cross to it
