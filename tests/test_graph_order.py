@@ -1,11 +1,13 @@
 """The built graph realizes the schedule: each device's tasks are chained in clock-cycle order."""
 
+import json
+
 import keras
 import pytest
 import tensorflow as tf
 
 import tfpipe
-from tests.util import cpu_devices, mlp_layers
+from tests.util import cpu_devices, mlp_layers, run_fresh
 from tfpipe import schedule
 from tfpipe.tasks import assign_tasks, task_scope_name
 
@@ -178,29 +180,45 @@ def test_weight_updates_run_on_each_cells_device():
                 assert tf.DeviceSpec.from_string(op.device).device_index == int(cell.device[-1]), op.name
 
 
-@pytest.mark.parametrize("optimizer", ["sgd", "loss_scale"])
-def test_gradients_reach_their_update_without_leaving_their_cells_device(optimizer):
-    """No gradient goes to the client (/CPU:0 here) on its way to its variable's update.
+def test_what_crosses_between_the_client_and_the_cells_devices():
+    """Gradients never go to the client (/CPU:0 here); from it, each cell's device receives its data whole.
 
     Keras' cross-replica sum (an identity without a strategy) and a LossScaleOptimizer's
     finite check and unscaling name no device: TensorFlow ran them on the client, and
     every gradient crossed there and back (64 MB a step for a 16 x Dense(1024) MLP).
+    Split on the client, each micro-batch was its own transfer, and the learning rate
+    was read once per variable. A fresh process: a shared one's run metadata can hold
+    other tests' functions.
     """
-    from tfpipe import _compat
+    proc = run_fresh("""
+        import json, keras, tensorflow as tf
+        import tests.conftest
+        import tfpipe
+        from tests.util import mlp_layers
+        from tfpipe import _compat
 
-    model = tfpipe.PipelineModel(mlp_layers(depth=2), num_partitions=2, devices=["/CPU:2", "/CPU:3"])
-    if optimizer == "loss_scale":
-        optimizer = keras.optimizers.LossScaleOptimizer(keras.optimizers.Adam())
-    model.compile(optimizer=optimizer, loss="mse")
-    model.build((None, 8))
-    model.optimizer.build(model.trainable_variables)
-    graphs = _compat.partition_graphs(tf.function(model.train_step), (tf.ones((4, 8)), tf.ones((4, 3))))
-    to_client = [
-        node.input[0]
-        for graph in graphs
-        for node in graph.node
-        if node.op == "_Send" and node.attr["recv_device"].s.decode().endswith("/device:CPU:0")
-    ]
-    assert to_client  # the loss and the outputs for the metrics
-    # A backward task's output is a gradient; "Func/" names what a lowered cond's branches capture.
-    assert not [name for name in to_client if name.startswith(("B_", "Func/"))]
+        for optimizer in ["sgd", keras.optimizers.LossScaleOptimizer(keras.optimizers.Adam())]:
+            model = tfpipe.PipelineModel(
+                mlp_layers(depth=2), num_partitions=2, devices=["/CPU:2", "/CPU:3"], num_micro_batches=4
+            )
+            model.compile(optimizer=optimizer, loss="mse")
+            model.build((None, 8))
+            model.optimizer.build(model.trainable_variables)
+            graphs = _compat.partition_graphs(tf.function(model.train_step), (tf.ones((8, 8)), tf.ones((8, 3))))
+            sends = [node for graph in graphs for node in graph.node if node.op == "_Send"]
+            print("RESULT", json.dumps({
+                "to": [n.input[0] for n in sends if n.attr["recv_device"].s.decode().endswith("/device:CPU:0")],
+                "from": [n.input[0] for n in sends if n.attr["send_device"].s.decode().endswith("/device:CPU:0")],
+                "variables": len(model.trainable_variables),
+            }))
+    """)
+    assert proc.returncode == 0, proc.stderr
+    results = [json.loads(line[len("RESULT ") :]) for line in proc.stdout.splitlines() if line.startswith("RESULT")]
+    assert len(results) == 2, proc.stdout
+    for sends in results:
+        assert sends["to"]  # the loss and the outputs, for the metrics
+        # A backward task's output is a gradient; "Func/" names what a lowered cond's branches capture.
+        assert [name for name in sends["to"] if name.startswith(("B_", "Func/"))] == []
+        assert [name for name in sends["from"] if name.startswith("split")] == []
+    learning_rate_reads = [name for name in results[0]["from"] if name.startswith("sgd/")]
+    assert len(learning_rate_reads) == 2 < results[0]["variables"], learning_rate_reads  # once per device

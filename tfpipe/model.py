@@ -350,7 +350,7 @@ class PipelineModel(keras.Model):
         if not self.built:
             self.build(x)
         sizes = microbatch.sizes(x, self._pipeline.num_micro_batches)  # R x M with replicas
-        xs, ys, sws = (microbatch.split(s, sizes) for s in (x, y, sample_weight))
+        xs, ys, sws = self._split(sizes, x, y, sample_weight)
         loss_fn = training_lib.MicroBatchLoss(self, PipelineModel.compute_loss, xs, ys, sws, sizes)
         if self._num_cells * self._pipeline.num_micro_batches > 1 and not tf.executing_eagerly():  # once per trace
             loops = not self._pipeline.unroll
@@ -371,6 +371,19 @@ class PipelineModel(keras.Model):
         with devices_lib.scope(self._devices[-1]):
             y_pred = hang(microbatch.merge(result.outputs))
         return self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+
+    def _split(self, sizes: list[Any], x: Any, y: Any, sample_weight: Any) -> tuple[list[Any], list[Any], list[Any]]:
+        """The micro-batches of x (made on the first cell's device) and of y and sample_weight (on the last's).
+
+        Split on the client, each micro-batch would be its own transfer there, and a
+        worker's one thread would wait on 2M receives at the start of every step.
+        """
+        if self.num_replicas > 1:  # each replica's share goes to its own devices
+            return tuple(microbatch.split(s, sizes) for s in (x, y, sample_weight))
+        with devices_lib.scope(self._devices[0]):
+            xs = microbatch.split(x, sizes)
+        with devices_lib.scope(self._devices[-1]):
+            return xs, microbatch.split(y, sizes), microbatch.split(sample_weight, sizes)
 
     def fit(self, x: Any = None, y: Any = None, batch_size: int | None = None, *args: Any, **kwargs: Any):
         """Keras ``fit``; checks first that no training batch will be smaller than num_micro_batches."""

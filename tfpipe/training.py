@@ -195,14 +195,39 @@ def place_on_variable_devices(optimizer: keras.optimizers.Optimizer) -> None:
             with tf.device(_device_of(reference_variable)):
                 return _create(reference_variable, *args, **kwargs)
 
-        def update_step(gradient, variable, learning_rate, _update=update):
-            with tf.device(_device_of(variable)):
-                return _update(gradient, variable, learning_rate)
+        read = _reads_per_device()
+
+        def update_step(gradient, variable, learning_rate, _update=update, _read=read):
+            device = _device_of(variable)
+            with tf.device(device):
+                return _update(gradient, variable, _read(learning_rate, device))
 
         opt.add_variable_from_reference = add_variable_from_reference
         opt.update_step = update_step
         _compat.set_gradient_all_reduce(opt, _by_device(_compat.gradient_all_reduce(opt)))
         opt._tfpipe_placed = True
+
+
+def _reads_per_device() -> Callable[[Any, str], Any]:
+    """``read(value, device)``: a variable's value read once per device and traced step, else ``value``.
+
+    Keras passes the learning rate as a variable to every update step, which read it
+    anew on the client for each variable: a worker waited on one receive per variable
+    at the start of every step.
+    """
+    reads: dict[tuple[int, str], tf.Tensor] = {}
+
+    def read(value: Any, device: str) -> Any:
+        if tf.executing_eagerly() or not isinstance(value, (keras.Variable, tf.Variable)):
+            return value
+        graph = tf.compat.v1.get_default_graph()
+        found = reads.get((id(value), device))
+        if found is None or found.graph is not graph:
+            with tf.device(device):
+                found = reads[(id(value), device)] = tf.identity(tf.convert_to_tensor(value))
+        return found
+
+    return read
 
 
 def _by_device(reduce: Callable[[list[tuple[Any, Any]]], list[tuple[Any, Any]]]):
