@@ -90,12 +90,18 @@ def loss_and_gradients(
         if None not in at:
             return _traced(loss_fn, y, flat_y, inputs, loss_scale, at, device, noinline)
     floating = [t for t in ys if t.dtype.is_floating]
+    loss, grads = _with_gradients(lambda: loss_fn(j, hang(y)), floating, loss_scale)
+    found = iter(grads)
+    return loss, [next(found) if t.dtype.is_floating else None for t in ys]
+
+
+def _with_gradients(loss: Callable[[], tf.Tensor], watched: list[tf.Tensor], scale: Any) -> tuple[tf.Tensor, list]:
+    """``loss()`` as float32, and the gradients of ``loss() * scale`` for ``watched`` (zeros where unconnected)."""
     with tf.GradientTape(watch_accessed_variables=False) as tape:
-        tape.watch(floating)
-        loss = tf.cast(loss_fn(j, hang(y)), tf.float32)
-        scaled = loss * loss_scale
-    grads = iter(tape.gradient(scaled, floating, unconnected_gradients=tf.UnconnectedGradients.ZERO))
-    return loss, [next(grads) if t.dtype.is_floating else None for t in ys]
+        tape.watch(watched)
+        value = tf.cast(loss(), tf.float32)
+        scaled = value * scale
+    return value, tape.gradient(scaled, watched, unconnected_gradients=tf.UnconnectedGradients.ZERO)
 
 
 def _spec(t: tf.Tensor) -> tf.TensorSpec:
@@ -129,14 +135,11 @@ def _traced(
 
         def body(*args: tf.Tensor) -> list[tf.Tensor]:
             y_leaves, rest, factor = list(args[:n_y]), list(args[n_y:-1]), args[-1]
-            watched = [y_leaves[p] for p in wanted]
-            with tf.GradientTape(watch_accessed_variables=False) as tape:
-                tape.watch(watched)
-                leaves = iter(y_leaves)
-                y_pred = tf.nest.map_structure(lambda s: None if s is None else next(leaves), structure)
-                loss = tf.cast(loss_fn.loss_of(rest, hang(y_pred)), tf.float32)
-                scaled = loss * factor
-            grads = tape.gradient(scaled, watched, unconnected_gradients=tf.UnconnectedGradients.ZERO)
+            leaves = iter(y_leaves)
+            y_pred = tf.nest.map_structure(lambda s: None if s is None else next(leaves), structure)
+            loss, grads = _with_gradients(
+                lambda: loss_fn.loss_of(rest, hang(y_pred)), [y_leaves[p] for p in wanted], factor
+            )
             return [loss, *grads]
 
         body.__name__ = LOSS_FUNCTION  # how tfpipe.tasks recognizes the call in a step's graph

@@ -492,9 +492,7 @@ class _Step:
     added: list = dataclasses.field(default_factory=list)  # add_loss and regularization terms
     grads: list = dataclasses.field(default_factory=list)  # summed weight gradients per cell
     scales: list = dataclasses.field(default_factory=list)  # per cell: the loss scale, the gradient of added losses
-    shares: list = dataclasses.field(
-        default_factory=list
-    )  # fractions that Grappler cannot fold (see microbatch.unfoldable)
+    shares: list = dataclasses.field(default_factory=list)  # fractions Grappler cannot fold (microbatch.unfoldable)
     reg_weights: list = dataclasses.field(default_factory=list)  # 1 for micro-batch 0, else 0, likewise unfoldable
 
     def __post_init__(self):

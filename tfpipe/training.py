@@ -256,8 +256,7 @@ def _by_device(reduce: Callable[[list[tuple[Any, Any]]], list[tuple[Any, Any]]])
 def _device_of_tensor(tensor: tf.Tensor) -> str:
     """The device that ``tensor`` is made on; for a value captured into a branch, the captured value's device."""
     while not tensor.device:
-        graph = tensor.graph
-        outer = {id(inner): value for value, inner in getattr(graph, "captures", ())}.get(id(tensor))
+        outer = next((value for value, inner in getattr(tensor.graph, "captures", ()) if inner is tensor), None)
         if outer is None:
             return ""
         tensor = outer
