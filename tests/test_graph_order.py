@@ -187,8 +187,10 @@ def test_what_crosses_between_the_client_and_the_cells_devices():
     finite check and unscaling name no device: TensorFlow ran them on the client, and
     every gradient crossed there and back (64 MB a step for a 16 x Dense(1024) MLP).
     Split on the client, each micro-batch was its own transfer, and the learning rate
-    was read once per variable. A fresh process: a shared one's run metadata can hold
-    other tests' functions.
+    was read once per variable. Each micro-batch's share, loss and added losses crossed on
+    their own too (2 x M scalars from the client, (K + 1) x M to it): now each device reads
+    the shares as one vector and adds up its terms of the loss first. A fresh process: a
+    shared one's run metadata can hold other tests' functions.
     """
     proc = run_fresh("""
         import json, keras, tensorflow as tf
@@ -219,6 +221,7 @@ def test_what_crosses_between_the_client_and_the_cells_devices():
         assert sends["to"]  # the loss and the outputs, for the metrics
         # A backward task's output is a gradient; "Func/" names what a lowered cond's branches capture.
         assert [name for name in sends["to"] if name.startswith(("B_", "Func/"))] == []
-        assert [name for name in sends["from"] if name.startswith("split")] == []
+        assert [name for name in sends["from"] if name.startswith(("split", "unstack"))] == []
+        assert [name for name in sends["to"] if name.startswith("F_")] == []  # a task's loss or added losses
     learning_rate_reads = [name for name in results[0]["from"] if name.startswith("sgd/")]
     assert len(learning_rate_reads) == 2 < results[0]["variables"], learning_rate_reads  # once per device

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
-from typing import Any, Union
+from typing import Any, ContextManager, Union
 
 import tensorflow as tf
 
@@ -131,14 +132,16 @@ def loss_weights(reduction: str, micro_sizes: Sequence[Size], sample_weight_part
     )
 
 
-def unfoldable(values: Sequence[Any]) -> list[tf.Tensor]:
-    """The same scalars as float32, hidden from Grappler's constant folding.
+def unfoldable(values: Sequence[Any], within: ContextManager | None = None) -> list[tf.Tensor]:
+    """The same scalars as float32, hidden from Grappler's constant folding, read ``within`` a device scope.
 
     The gradient reaching a cell's added losses is loss scale x the micro-batch's share; folded
     into a distinct constant per micro-batch, it made Grappler's function optimizer specialize
     (copy and re-optimize) the cell's backward function once per task: most of the first step
     at K=2, M=32. The same holds for the inputs of the traced loss (its weight, the loss scale).
-    A PlaceholderWithDefault is never folded, and costs one op per step.
+    A PlaceholderWithDefault is never folded, and costs one op per step. Read within a device's
+    scope, the scalars cross to it as one vector and are unstacked there: one transfer, not one each.
     """
     stacked = tf.stack([tf.cast(v, tf.float32) for v in values])
-    return tf.unstack(tf.raw_ops.PlaceholderWithDefault(input=stacked, shape=stacked.shape))
+    with within if within is not None else contextlib.nullcontext():
+        return tf.unstack(tf.raw_ops.PlaceholderWithDefault(input=stacked, shape=stacked.shape))
