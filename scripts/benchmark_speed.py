@@ -63,6 +63,7 @@ flags.DEFINE_bool(
 flags.DEFINE_enum(
     "schedule", "gpipe", ["gpipe", "1f1b", "zero_bubble"], "Schedule of the pipelined entries (tfpipe.schedule)."
 )
+flags.DEFINE_enum("optimizer", "sgd", ["sgd", "adam"], "Optimizer of every entry (SGD 1e-3, Adam 1e-4).")
 flags.DEFINE_integer("replicas", 1, "Also time R data-parallel replicas of each K (R x K workers).", lower_bound=1)
 flags.DEFINE_string("out", None, "Write the table to OUT.csv and OUT.md.")
 
@@ -117,9 +118,8 @@ def time_entry(
         unroll=unroll,
         schedule=FLAGS.schedule,  # at K=1, M=1 (the reference) every schedule is F then B
     )
-    model.compile(
-        optimizer=keras.optimizers.SGD(1e-3), loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-    )
+    optimizer = keras.optimizers.Adam(1e-4) if FLAGS.optimizer == "adam" else keras.optimizers.SGD(1e-3)
+    model.compile(optimizer=optimizer, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     batches = FLAGS.warmup + FLAGS.steps
     return median_step_seconds(
         model, np.repeat(x, batches, axis=0), np.repeat(y, batches, axis=0), batch_size, FLAGS.warmup
@@ -167,6 +167,7 @@ def main(argv: list[str]) -> None:
                             "M": m,
                             "remat": FLAGS.remat,
                             "schedule": FLAGS.schedule,
+                            "optimizer": FLAGS.optimizer,
                             "examples_per_s": rate,
                             "reference": base,
                             "speedup": rate / base,
@@ -184,7 +185,9 @@ def main(argv: list[str]) -> None:
                         flush=True,
                     )
     table = "\n\n".join(
-        f"### {FLAGS.model} {size}, remat={FLAGS.remat!r}, unroll={FLAGS.unroll}, schedule={FLAGS.schedule!r}\n\n"
+        f"### {FLAGS.model} {size}, remat={FLAGS.remat!r}, unroll={FLAGS.unroll}, schedule={FLAGS.schedule!r}"
+        + (f", optimizer={FLAGS.optimizer!r}" if FLAGS.optimizer != "sgd" else "")
+        + "\n\n"
         + _markdown([r for r in rows if r["size"] == size], ms)
         for size in dict.fromkeys(r["size"] for r in rows)
     )

@@ -43,11 +43,12 @@ def test_speed_benchmark_writes_its_table(tmp_path):
 def test_speed_benchmark_times_a_functional_unet(tmp_path):
     out = str(tmp_path / "unet")
     flags = ("--model=unet", "--micro_batches=2", "--steps=1", "--warmup=1", "--dims=2", "--seq_len=8")
-    proc = run_script("benchmark_speed.py", *flags, "--batch_sizes=2", f"--out={out}")
+    proc = run_script("benchmark_speed.py", *flags, "--batch_sizes=2", "--optimizer=adam", f"--out={out}")
     assert proc.returncode == 0, proc.stderr[-3000:]
     with open(out + ".csv") as f:
         rows = list(csv.DictReader(f))
     assert [(r["K"], r["M"]) for r in rows] == [("1", "2"), ("2", "2")] and float(rows[-1]["examples_per_s"]) > 0
+    assert {r["optimizer"] for r in rows} == {"adam"} and "optimizer='adam'" in open(out + ".md").read()
 
 
 def test_scale_benchmark_times_the_first_step_in_a_fresh_process(tmp_path):

@@ -187,7 +187,7 @@ def test_what_crosses_between_the_client_and_the_cells_devices():
     finite check and unscaling name no device: TensorFlow ran them on the client, and
     every gradient crossed there and back (64 MB a step for a 16 x Dense(1024) MLP).
     Split on the client, each micro-batch was its own transfer, and the learning rate
-    was read once per variable. Each micro-batch's share, loss and added losses crossed on
+    was read once per variable, and Adam's step counter too. Each micro-batch's share, loss and added losses crossed on
     their own too (2 x M scalars from the client, (K + 1) x M to it): now each device reads
     the shares as one vector and adds up its terms of the loss first. A fresh process: a
     shared one's run metadata can hold other tests' functions.
@@ -225,3 +225,5 @@ def test_what_crosses_between_the_client_and_the_cells_devices():
         assert [name for name in sends["to"] if name.startswith("F_")] == []  # a task's loss or added losses
     learning_rate_reads = [name for name in results[0]["from"] if name.startswith("sgd/")]
     assert len(learning_rate_reads) == 2 < results[0]["variables"], learning_rate_reads  # once per device
+    adam_reads = [name for name in results[1]["from"] if "/adam/" in name]  # read in every update before
+    assert len(adam_reads) == 4, adam_reads  # the learning rate and the step counter, once per device

@@ -66,6 +66,21 @@ def set_gradient_all_reduce(
     optimizer._all_reduce_sum_gradients = reduce  # noqa: SLF001
 
 
+@contextlib.contextmanager
+def step_counter_as(optimizer: keras.optimizers.Optimizer, value: Any) -> Iterator[None]:
+    """Within: the optimizer's step counter, which its update math reads (Adam's bias correction), is ``value``.
+
+    Keras reads ``optimizer.iterations`` (its private ``_iterations``) in every variable's
+    update, each read a transfer from the client; tfpipe passes one read per device.
+    """
+    counter = optimizer._iterations  # noqa: SLF001
+    optimizer._iterations = value  # noqa: SLF001
+    try:
+        yield
+    finally:
+        optimizer._iterations = counter  # noqa: SLF001
+
+
 def flatten_layers(layer: keras.layers.Layer) -> list[keras.layers.Layer]:
     """A layer and every layer nested in it (Keras tracks sub-layers privately; ``Model.layers`` is one level)."""
     return list(layer._flatten_layers(include_self=True))  # noqa: SLF001

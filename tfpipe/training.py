@@ -197,9 +197,10 @@ def place_on_variable_devices(optimizer: keras.optimizers.Optimizer) -> None:
 
         read = _reads_per_device()
 
-        def update_step(gradient, variable, learning_rate, _update=update, _read=read):
+        def update_step(gradient, variable, learning_rate, _update=update, _read=read, _opt=opt):
             device = _device_of(variable)
-            with tf.device(device):
+            counter = _read(_opt.iterations, device)  # Adam and others read the step count in every update
+            with tf.device(device), _compat.step_counter_as(_opt, counter):
                 return _update(gradient, variable, _read(learning_rate, device))
 
         opt.add_variable_from_reference = add_variable_from_reference
@@ -213,7 +214,7 @@ def _reads_per_device() -> Callable[[Any, str], Any]:
 
     Keras passes the learning rate as a variable to every update step, which read it
     anew on the client for each variable: a worker waited on one receive per variable
-    at the start of every step.
+    at the start of every step. The same for the step counter that Adam reads.
     """
     reads: dict[tuple[int, str], tf.Tensor] = {}
 
