@@ -31,6 +31,21 @@ REMAT_MODES = ("always", "except_last", "never")
 _IN_VJP_TRACE: contextvars.ContextVar[bool] = contextvars.ContextVar("tfpipe_in_vjp_trace", default=False)
 
 
+def _after(anchors: Sequence[tf.Tensor], tensors: Sequence[tf.Tensor]) -> list[tf.Tensor]:
+    """``tensors`` through identities that wait for ``anchors`` (a traced VJP's incoming gradients).
+
+    Inlined into the step, a recomputation is the same ops on the same inputs as the
+    forward it repeats, and Grappler's common-subexpression elimination merged the two:
+    the forward's activations then lived until the backward and remat saved nothing
+    (K=1, M=8 Transformer: 2,129 MiB against 401 MiB). Waiting for the gradients makes
+    the recomputed ops distinct, and starts them when the backward's turn comes.
+    """
+    if not anchors:
+        return list(tensors)
+    with tf.control_dependencies(anchors):
+        return [tf.identity(t) for t in tensors]
+
+
 def check_mode(remat: str) -> str:
     """Validate a re-materialization mode."""
     if remat not in REMAT_MODES:
@@ -400,6 +415,7 @@ class Checkpoint:
             grads_in = [next(given) if m else None for m in mask]
             sums = flat[n_src + n_ex + n_in :]
             with self._traced.tracing():
+                sources = _after([g for g in grads_in if g is not None], sources)
                 tape, outputs = self._record(sources, extras)
                 grads = self._gradient(tape, outputs, sources, select, grads_in)
             out: list[tf.Tensor] = []
