@@ -187,10 +187,10 @@ def test_what_crosses_between_the_client_and_the_cells_devices():
     finite check and unscaling name no device: TensorFlow ran them on the client, and
     every gradient crossed there and back (64 MB a step for a 16 x Dense(1024) MLP).
     Split on the client, each micro-batch was its own transfer, and the learning rate
-    was read once per variable, and Adam's step counter too. Each micro-batch's share, loss and added losses crossed on
-    their own too (2 x M scalars from the client, (K + 1) x M to it): now each device reads
-    the shares as one vector and adds up its terms of the loss first. A fresh process: a
-    shared one's run metadata can hold other tests' functions.
+    was read once per variable, as was Adam's step counter. Each micro-batch's share, loss
+    and added losses crossed on their own too (K x M scalars from the client, (K + 1) x M
+    to it): now each device reads the shares as one vector and adds up its terms of the
+    loss first. A fresh process: a shared one's run metadata can hold other tests' functions.
     """
     proc = run_fresh("""
         import json, keras, tensorflow as tf

@@ -159,3 +159,22 @@ def test_softmax_logits_cross_the_last_cut_so_the_cross_entropy_is_exact():
     # Per layer: the first Dense's bias feeds only BatchNorm, so its gradient is zero in exact arithmetic and
     # both models leave it at float noise (6e-9) that differs with the order of the sums.
     assert per_layer_error(model.pipeline_layers, reference.layers) < 1e-5
+
+
+def test_adam_accumulating_gradients_matches_sequential():
+    """Adam's bias correction reads the step counter divided by the accumulation steps, in every update.
+
+    tfpipe hands each device one read of the counter itself (not of ``iterations``, already divided).
+    """
+    x, y = _data(32)
+    keras.utils.set_random_seed(0)
+    reference = keras.Sequential([keras.Input((8,))] + mlp_layers())
+    start = reference.get_weights()
+    model = tfpipe.PipelineModel(mlp_layers(), num_partitions=2, devices=cpu_devices(2), num_micro_batches=2)
+    model.build((None, 8))
+    model.set_weights(start)
+    for net in (reference, model):
+        net.compile(optimizer=keras.optimizers.Adam(0.01, gradient_accumulation_steps=2), loss="mse")
+        net.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)  # 4 steps, 2 updates
+    assert max_rel_error(start, reference.get_weights()) > 1e-3
+    assert max_rel_error(model.get_weights(), reference.get_weights()) < 1e-5

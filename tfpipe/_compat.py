@@ -66,12 +66,17 @@ def set_gradient_all_reduce(
     optimizer._all_reduce_sum_gradients = reduce  # noqa: SLF001
 
 
+def step_counter(optimizer: keras.optimizers.Optimizer) -> Any:
+    """The optimizer's own step counter (``iterations`` is it, or it divided by the accumulation steps)."""
+    return optimizer._iterations  # noqa: SLF001
+
+
 @contextlib.contextmanager
 def step_counter_as(optimizer: keras.optimizers.Optimizer, value: Any) -> Iterator[None]:
-    """Within: the optimizer's step counter, which its update math reads (Adam's bias correction), is ``value``.
+    """Within: the step counter (``step_counter``), which update math reads (Adam's bias correction), is ``value``.
 
-    Keras reads ``optimizer.iterations`` (its private ``_iterations``) in every variable's
-    update, each read a transfer from the client; tfpipe passes one read per device.
+    Keras reads ``optimizer.iterations`` in every variable's update, each read a transfer
+    from the client; tfpipe passes one read per device.
     """
     counter = optimizer._iterations  # noqa: SLF001
     optimizer._iterations = value  # noqa: SLF001

@@ -199,7 +199,7 @@ def place_on_variable_devices(optimizer: keras.optimizers.Optimizer) -> None:
 
         def update_step(gradient, variable, learning_rate, _update=update, _read=read, _opt=opt):
             device = _device_of(variable)
-            counter = _read(_opt.iterations, device)  # Adam and others read the step count in every update
+            counter = _read(_compat.step_counter(_opt), device)  # Adam and others read it in every update
             with tf.device(device), _compat.step_counter_as(_opt, counter):
                 return _update(gradient, variable, _read(learning_rate, device))
 
