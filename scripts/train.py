@@ -92,7 +92,12 @@ flags.DEFINE_integer("batch_size", 32, "Mini-batch size.", lower_bound=1)
 flags.DEFINE_integer("epochs", 4, "Training epochs.", lower_bound=1)
 flags.DEFINE_integer("steps", None, "Steps per epoch (default: the whole data set).", lower_bound=1)
 flags.DEFINE_enum("optimizer", "adam", ["adam", "sgd", "adamw"], "Optimizer.")
-flags.DEFINE_float("learning_rate", 3e-3, "Learning rate.", lower_bound=0.0)
+flags.DEFINE_float(
+    "learning_rate",
+    3e-3,
+    "Peak learning rate; it decays along a cosine to a tenth over the run (constant if the data's length is unknown).",
+    lower_bound=0.0,
+)
 flags.DEFINE_integer("seed", 0, "Random seed for data and weights.")
 flags.DEFINE_integer("verbose", 1, "Keras verbosity: 0 silent, 1 progress bar, 2 one line per epoch.")
 # checkpoints and logs
@@ -477,7 +482,7 @@ def _run(stack: contextlib.ExitStack) -> dict:
         raise UsageError(f"{_guilty_flag(str(err), balance)}: {err}") from None
     optimizer = {"adam": keras.optimizers.Adam, "sgd": keras.optimizers.SGD, "adamw": keras.optimizers.AdamW}[
         FLAGS.optimizer
-    ](FLAGS.learning_rate)
+    ](learning_rate(int(task.dataset.cardinality())))
     model.compile(optimizer=optimizer, loss=task.loss, **task.metrics)
     model.summary()
     if FLAGS.model_dir:
@@ -533,6 +538,20 @@ def _run(stack: contextlib.ExitStack) -> dict:
         f"remat={FLAGS.remat!r}" + (f", schedule={FLAGS.schedule!r}" if FLAGS.schedule != "gpipe" else "")
     )
     return report
+
+
+def learning_rate(batches_per_epoch: int) -> Any:
+    """--learning_rate, decaying along a cosine to a tenth of it over the run when its length is known.
+
+    At a constant 3e-3, Adam's loss on the default task jumped up in the last epoch
+    (epoch means 0.324, 0.063, 0.038, 0.048).
+    """
+    import keras
+
+    steps = FLAGS.epochs * (FLAGS.steps or batches_per_epoch)
+    if steps <= 0:  # a data set of unknown length
+        return FLAGS.learning_rate
+    return keras.optimizers.schedules.CosineDecay(FLAGS.learning_rate, decay_steps=steps, alpha=0.1)
 
 
 def main(argv: list[str]) -> None:

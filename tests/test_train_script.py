@@ -268,3 +268,16 @@ def test_the_data_extra_brings_what_the_tfds_download_path_imports(tmp_path):
     """)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "PREPARED False" in proc.stdout and "URLS https://" in proc.stdout
+
+
+def test_the_learning_rate_decays_to_a_tenth_over_the_run_when_its_length_is_known():
+    proc = run_fresh("""
+        from scripts import train
+        train.FLAGS(["train.py", "--epochs=2", "--learning_rate=0.01"])
+        schedule = train.learning_rate(5)  # 5 batches an epoch: 10 steps
+        print("RESULT", float(schedule(0)), float(schedule(5)), float(schedule(10)), train.learning_rate(-2))
+    """)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    start, middle, end, unknown = map(float, proc.stdout.split("RESULT")[1].split())
+    assert start == pytest.approx(0.01) and end == pytest.approx(0.001) and end < middle < start
+    assert unknown == 0.01  # a data set of unknown length (cardinality -2) keeps it constant
