@@ -78,7 +78,7 @@ def step_counter_as(optimizer: keras.optimizers.Optimizer, value: Any) -> Iterat
     Keras reads ``optimizer.iterations`` in every variable's update, each read a transfer
     from the client; tfpipe passes one read per device.
     """
-    counter = optimizer._iterations  # noqa: SLF001
+    counter = step_counter(optimizer)
     optimizer._iterations = value  # noqa: SLF001
     try:
         yield
