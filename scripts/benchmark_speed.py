@@ -23,12 +23,13 @@ machine with fewer cores than workers those entries only indicate: the workers s
 from __future__ import annotations
 
 import os
+from collections.abc import Callable, Sequence
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
 from absl import app, flags  # noqa: E402
 
-from scripts.report import median_step_seconds, write_table  # noqa: E402
+from scripts.report import StepTimes, timed_fit, write_table  # noqa: E402
 
 FLAGS = flags.FLAGS
 flags.DEFINE_enum(
@@ -99,9 +100,16 @@ def _layers_and_data(dim: int, n: int):
 
 
 def time_entry(
-    devices: list[str] | list[list[str]], m: int, remat: str, dim: int, batch_size: int, unroll: bool = True
-) -> float:
-    """Median seconds of one training step with the cells on ``devices`` (or R lists: replicas), M = m, ``remat``."""
+    devices: list[str] | list[list[str]],
+    m: int,
+    remat: str,
+    dim: int,
+    batch_size: int,
+    unroll: bool = True,
+    pids: Sequence[int] = (),
+) -> StepTimes:
+    """The training steps with the cells on ``devices`` (or R lists: replicas), M = m, ``remat``: their median
+    time, and the CPU that this process and ``pids`` (the workers) used for them."""
     import keras
     import numpy as np
 
@@ -121,14 +129,14 @@ def time_entry(
     optimizer = keras.optimizers.Adam(1e-4) if FLAGS.optimizer == "adam" else keras.optimizers.SGD(1e-3)
     model.compile(optimizer=optimizer, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     batches = FLAGS.warmup + FLAGS.steps
-    return median_step_seconds(
-        model, np.repeat(x, batches, axis=0), np.repeat(y, batches, axis=0), batch_size, FLAGS.warmup
+    return timed_fit(
+        model, np.repeat(x, batches, axis=0), np.repeat(y, batches, axis=0), batch_size, FLAGS.warmup, pids
     )
 
 
 def main(argv: list[str]) -> None:
     del argv
-    from tfpipe import schedule
+    from tfpipe import checkpoint, schedule
     from tfpipe.cluster import LocalCluster
 
     ks = [k for k in (1, 2, 4, 8, 16) if k <= FLAGS.max_partitions]
@@ -140,17 +148,24 @@ def main(argv: list[str]) -> None:
         with LocalCluster(k * rs[-1], threads_per_worker=1) as cluster:
             for r, (dim, n) in [(r, size) for r in rs for size in sizes]:
                 size = f"dim={dim} batch={n}"
-                base = next((r["reference"] for r in rows if r["size"] == size), None)
-                if base is None:  # the reference: one worker, K=1, M=1, no recomputation
+                known = next((r for r in rows if r["size"] == size), None)
+                if known is None:  # the reference: one worker, K=1, M=1, no recomputation
                     # Best of two: the first model on fresh workers ran up to 25% slow (measured).
-                    base = n / min(time_entry(cluster.devices[:1], 1, "never", dim, n) for _ in range(2))
-                    print(f"{size}: reference K=1 M=1 remat='never' {base:8.1f} examples/s", flush=True)
+                    times = [time_entry(cluster.devices[:1], 1, "never", dim, n, pids=cluster.pids) for _ in range(2)]
+                    ref = min(times, key=lambda t: t.median_s)
+                    base, base_cpu = n / ref.median_s, 1e3 * ref.cpu_s
+                    print(f"{size}: reference K=1 M=1 remat='never' {base:8.1f} examples/s  {_cpu(ref)}", flush=True)
+                else:
+                    base, base_cpu = known["reference"], known["reference_cpu_ms"]
                 for m in ms:
                     if n < m * r:
                         continue
                     grid = [cluster.devices[i * k : (i + 1) * k] for i in range(r)]
-                    rate = n / time_entry(grid if r > 1 else grid[0], m, FLAGS.remat, dim, n, FLAGS.unroll)
+                    times = time_entry(grid if r > 1 else grid[0], m, FLAGS.remat, dim, n, FLAGS.unroll, cluster.pids)
+                    rate = n / times.median_s
                     ideal = r * schedule.ideal_speedup(k, m)
+                    recomputed = [j for j in range(m) if checkpoint.recomputes(FLAGS.remat, j, m)]
+                    allowed = r * schedule.allowed_speedup(FLAGS.schedule, k, m, recomputed)
                     one_cell = next(
                         (
                             e["examples_per_s"]
@@ -173,15 +188,22 @@ def main(argv: list[str]) -> None:
                             "speedup": rate / base,
                             "ideal": ideal,
                             "of_ideal": rate / base / ideal,
+                            "allowed": allowed,
+                            "of_allowed": rate / base / allowed,
                             "speedup_same_m": rate / one_cell,
                             "of_ideal_same_m": rate / one_cell / ideal,
+                            "cpu_ms": 1e3 * times.cpu_s,
+                            "waiting_ms": 1e3 * times.waiting_s,
+                            "cores_busy": times.cores_busy,
+                            "reference_cpu_ms": base_cpu,
                         }
                     )
                     print(
                         f"{size} {f'R={r} ' if r > 1 else ''}K={k} M={m:>2}: {rate:8.1f} examples/s  "
                         f"speed-up {rate / base:5.2f}  ideal "
-                        f"{ideal:5.2f}  measured/ideal {rate / base / ideal:5.2f}  (over K=1 at this M: "
-                        f"{rate / one_cell:5.2f}, {rate / one_cell / ideal:5.2f} of ideal)",
+                        f"{ideal:5.2f}  measured/ideal {rate / base / ideal:5.2f}  (schedule allows {allowed:4.2f}: "
+                        f"{rate / base / allowed:4.2f}; over K=1 at this M: "
+                        f"{rate / one_cell:5.2f}, {rate / one_cell / ideal:5.2f} of ideal)  {_cpu(times)}",
                         flush=True,
                     )
     table = "\n\n".join(
@@ -196,20 +218,45 @@ def main(argv: list[str]) -> None:
         write_table(FLAGS.out, rows, table)
 
 
-def _markdown(rows: list[dict], ms: list[int]) -> str:
-    """Two tables, K (or R x K) rows and M columns: speed-up over K=1 M=1, then over K=1 at the same M.
+def _cpu(times: StepTimes) -> str:
+    """The CPU that a timed entry used, per step, as one line."""
+    return (
+        f"CPU {1e3 * times.cpu_s:.1f} ms/step ({times.cores_busy:.2f} cores busy), "
+        f"threads waited {1e3 * times.waiting_s:.1f} ms/step for a core"
+    )
 
-    Each entry: 'speed-up (share of the ideal K*M/(M+K-1)), examples/s'. The second
-    table compares equal work (the same micro-batches and re-materialization), so it
-    isolates what pipelining gains.
+
+def _markdown(rows: list[dict], ms: list[int]) -> str:
+    """Three tables, K (or R x K) rows and M columns: speed-up over K=1 M=1, over K=1 at the same M, and CPU.
+
+    Each speed-up entry: 'speed-up (share of the ideal K*M/(M+K-1)), examples/s', and
+    where the schedule or the recomputation allows less than the ideal (``schedule.allowed_speedup``),
+    the share of that too. The second table compares equal work (the same micro-batches and
+    re-materialization), so it isolates what pipelining gains. The third says what each step
+    cost the machine: CPU time of the client and the workers, and how many cores that kept busy.
     """
+
+    def speedup(key: str, share: str, against_allowed: bool) -> Callable[[dict], str]:
+        def entry(row: dict) -> str:
+            note = f"{100 * row[share]:.0f}% of {row['ideal']:.2f}x"
+            if against_allowed and abs(row["allowed"] - row["ideal"]) >= 5e-3:
+                note += f"; {100 * row['of_allowed']:.0f}% of the {row['allowed']:.2f}x allowed"
+            return f"{row[key]:.2f}x ({note}), {row['examples_per_s']:.0f}/s"
+
+        return entry
+
+    reference_cpu = rows[0]["reference_cpu_ms"]
     tables = []
-    for key, share, title in (
-        ("speedup", "of_ideal", "over one worker, K=1, M=1, no re-materialization"),
-        ("speedup_same_m", "of_ideal_same_m", "over K=1 at the same M and remat (diagnostic)"),
+    for title, entry in (
+        ("Speed-up over one worker, K=1, M=1, no re-materialization", speedup("speedup", "of_ideal", True)),
+        ("Speed-up over K=1 at the same M and remat (diagnostic)", speedup("speedup_same_m", "of_ideal_same_m", False)),
+        (
+            f"CPU per step, every process (the reference: {reference_cpu:.1f} ms), and the cores it kept busy",
+            lambda row: f"{row['cpu_ms']:.1f} ms, {row['cores_busy']:.2f} cores, waited {row['waiting_ms']:.1f} ms",
+        ),
     ):
         lines = [
-            f"Speed-up {title}:",
+            f"{title}:",
             "",
             ("| R x K \\ M | " if any(r["R"] > 1 for r in rows) else "| K \\ M | ")
             + " | ".join(str(m) for m in ms)
@@ -218,15 +265,8 @@ def _markdown(rows: list[dict], ms: list[int]) -> str:
         ]
         for rk in sorted({(r["R"], r["K"]) for r in rows}):
             cells = {r["M"]: r for r in rows if (r["R"], r["K"]) == rk}
-            entries = [
-                f"{cells[m][key]:.2f}x ({100 * cells[m][share]:.0f}% of {cells[m]['ideal']:.2f}x), "
-                f"{cells[m]['examples_per_s']:.0f}/s"
-                if m in cells
-                else "-"
-                for m in ms
-            ]
             label = f"{rk[0]} x {rk[1]}" if rk[0] > 1 else str(rk[1])
-            lines.append(f"| {label} | " + " | ".join(entries) + " |")
+            lines.append(f"| {label} | " + " | ".join(entry(cells[m]) if m in cells else "-" for m in ms) + " |")
         tables.append("\n".join(lines))
     return "\n\n".join(tables)
 

@@ -3,35 +3,87 @@
 from __future__ import annotations
 
 import csv
+import dataclasses
 import os
 import time
 from collections.abc import Sequence
 from typing import Any
 
 
-def median_step_seconds(model: Any, x: Any, y: Any, batch_size: int, warmup: int) -> float:
-    """Median seconds per training step over one ``fit`` of (x, y), the first ``warmup`` steps excluded.
+@dataclasses.dataclass(frozen=True)
+class StepTimes:
+    """What the timed steps of one fit took: the median step, and the CPU of the processes that ran them."""
 
-    A step is timed from Keras' batch-begin to its batch-end callback.
+    median_s: float
+    cpu_s: float  # CPU time per step, every thread of the watched processes (nan if not on Linux)
+    waiting_s: float  # per step, the time their threads were ready to run but had no core
+    cores_busy: float  # CPU time over wall time while the timed steps ran
+
+
+def median_step_seconds(model: Any, x: Any, y: Any, batch_size: int, warmup: int) -> float:
+    """Median seconds per training step over one ``fit`` of (x, y), the first ``warmup`` steps excluded."""
+    return timed_fit(model, x, y, batch_size, warmup).median_s
+
+
+def timed_fit(model: Any, x: Any, y: Any, batch_size: int, warmup: int, pids: Sequence[int] = ()) -> StepTimes:
+    """Time one ``fit`` of (x, y) step by step, the first ``warmup`` steps excluded; watch the CPU of ``pids``.
+
+    A step is timed from Keras' batch-begin to its batch-end callback. The CPU and the
+    wait for a core are read from Linux's per-thread scheduler statistics of this process
+    and ``pids`` (the workers), from the first timed step's begin to the last one's end.
     """
     import keras
     import numpy as np
 
     times: list[float] = []
+    last = -(-len(x) // batch_size) - 1
+    watched = [os.getpid(), *pids]
+    marks: list[tuple[float, float, float]] = []
 
     class Timer(keras.callbacks.Callback):
         """Times each step from its begin to its end callback."""
 
         def on_train_batch_begin(self, batch: int, logs: Any = None) -> None:
             """Start the clock."""
+            if batch == warmup:
+                marks.append((time.perf_counter(), *scheduler_seconds(watched)))
             self.began = time.perf_counter()
 
         def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
             """Stop the clock."""
             times.append(time.perf_counter() - self.began)
+            if batch == last:
+                marks.append((time.perf_counter(), *scheduler_seconds(watched)))
 
     model.fit(x, y, batch_size=batch_size, epochs=1, shuffle=False, verbose=0, callbacks=[Timer()])
-    return float(np.median(times[warmup:]))
+    timed = times[warmup:]
+    (t0, cpu0, wait0), (t1, cpu1, wait1) = marks
+    return StepTimes(
+        float(np.median(timed)), (cpu1 - cpu0) / len(timed), (wait1 - wait0) / len(timed), (cpu1 - cpu0) / (t1 - t0)
+    )
+
+
+def scheduler_seconds(pids: Sequence[int]) -> tuple[float, float]:
+    """(CPU seconds run, seconds ready to run but without a core) of every thread of ``pids`` so far.
+
+    From Linux's /proc/PID/task/TID/schedstat; (nan, nan) where it cannot be read.
+    A thread that ends between two readings takes its time with it.
+    """
+    run = wait = 0.0
+    for pid in pids:
+        try:
+            threads = os.listdir(f"/proc/{pid}/task")
+        except OSError:
+            return float("nan"), float("nan")
+        for tid in threads:
+            try:
+                with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
+                    fields = f.read().split()
+            except OSError:  # the thread ended
+                continue
+            run += int(fields[0]) / 1e9
+            wait += int(fields[1]) / 1e9
+    return run, wait
 
 
 def write_table(

@@ -1,10 +1,15 @@
 """Benchmark scripts still run, in their smallest mode (no timing assertions: speed lives in the scripts)."""
 
 import csv
+import math
+import os
+import time
 
 import pytest
 
+from scripts import report
 from tests.util import run_script
+from tfpipe import schedule
 
 
 def test_speed_benchmark_writes_its_table(tmp_path):
@@ -31,8 +36,15 @@ def test_speed_benchmark_writes_its_table(tmp_path):
         assert float(r["speedup"]) == pytest.approx(float(r["examples_per_s"]) / float(r["reference"]))
     assert len({r["reference"] for r in rows if r["size"] == sizes[0]}) == 1
     assert float(rows[-1]["ideal"]) == pytest.approx(4 / 3)
+    # Recomputing both micro-batches, GPipe at K=2, M=2 allows no speed-up: 3 forward cycles, then 3 backward
+    # cycles of 2 + 1 each: 12 units, as long as one device doing all 12 units of work without recomputing.
+    assert float(rows[-1]["allowed"]) == pytest.approx(schedule.allowed_speedup("gpipe", 2, 2, [0, 1])) == 1.0
+    assert float(rows[-1]["of_allowed"]) == pytest.approx(float(rows[-1]["speedup"]))
+    for r in rows:  # the CPU of the client and the workers, per step
+        assert float(r["cpu_ms"]) > 0 and float(r["reference_cpu_ms"]) > 0 and 0 < float(r["cores_busy"]) <= 2.5
     table = open(out + ".md").read()
     assert "### mlp dim=16 batch=4, remat='always'" in table and "| K \\ M | 2 |" in table
+    assert "of the 1.00x allowed" in table and "CPU per step, every process" in table
     assert "over one worker, K=1, M=1, no re-materialization" in table and "over K=1 at the same M" in table
     # K=2 M=2 against K=1 M=2 of the same size and remat: the second table's reference
     k1 = next(r for r in rows if r["size"] == sizes[1] and r["K"] == "1")
@@ -104,3 +116,14 @@ def test_replica_sums_benchmark_times_the_in_graph_sum():
     assert proc.returncode == 0, proc.stderr[-3000:]
     (row,) = [line.split() for line in proc.stdout.splitlines() if line.startswith("  64")]
     assert float(row[1]) == pytest.approx(2 * 64 * 64 * 4 / 2**20, abs=0.05) and float(row[2]) > 0
+
+
+def test_scheduler_seconds_counts_this_process_cpu_and_says_nan_for_a_process_it_cannot_read():
+    run, wait = report.scheduler_seconds([os.getpid()])
+    deadline = time.process_time() + 0.2
+    while time.process_time() < deadline:  # 0.2 s of CPU in this thread
+        pass
+    run_after, wait_after = report.scheduler_seconds([os.getpid()])
+    assert 0.15 < run_after - run < 2.0 and wait_after >= wait
+    no_such_pid = max(int(p) for p in os.listdir("/proc") if p.isdigit()) + 10**6
+    assert all(math.isnan(v) for v in report.scheduler_seconds([os.getpid(), no_such_pid]))

@@ -115,6 +115,40 @@ def test_simulate_refuses_costs_that_are_not_one_duration_per_cell(f, b, name):
         schedule.simulate(2, 3, f, b)
 
 
+def test_a_recomputing_backward_starts_with_a_forward_once_its_gradient_is_there():
+    timed = schedule.simulate(2, 2, [1, 1], [2, 2], r_cost=[0.5, 1], recomputed=[0])
+    assert [(str(task), start, end) for task, start, end in timed] == [
+        ("F(0,0)", 0, 1),
+        ("F(0,1)", 1, 2),
+        ("F(1,0)", 1, 2),
+        ("F(1,1)", 2, 3),
+        ("B(1,1)", 3, 5),  # the last micro-batch keeps its activations
+        ("B(1,0)", 5, 8),  # 1 to recompute, 2 to differentiate
+        ("B(0,1)", 5, 7),
+        ("B(0,0)", 8, 10.5),  # waits for B(1,0), then recomputes for 0.5
+    ]
+    default = schedule.simulate(2, 2, [1, 3], [2, 2], recomputed=[0, 1])  # a recomputation costs a forward
+    assert [end - start for task, start, end in default if task.kind == "B"] == [5, 5, 3, 3]
+
+
+def test_allowed_speedup_is_the_ideal_without_recomputation_and_less_with_it():
+    for name in ("gpipe", "1f1b"):
+        for k, m in [(1, 1), (2, 8), (4, 32)]:
+            assert schedule.allowed_speedup(name, k, m) == pytest.approx(schedule.ideal_speedup(k, m))
+    # One device recomputing all but the last micro-batch: 3 units per micro-batch, 1 more for seven of eight.
+    assert schedule.allowed_speedup("gpipe", 1, 8, range(7)) == pytest.approx(24 / 31)
+    # K=2, M=8, except_last: 9 forward cycles, then cell 1's 2 + 7 x 3, then cell 0's last 3: 35 against 48.
+    assert schedule.allowed_speedup("gpipe", 2, 8, range(7)) == pytest.approx(48 / 35)
+    assert schedule.allowed_speedup("gpipe", 2, 8, range(8)) == pytest.approx(4 / 3)
+    assert schedule.allowed_speedup("zero_bubble", 2, 8) > schedule.ideal_speedup(2, 8)
+
+
+@pytest.mark.parametrize("recomputed", [[8], [-1], [0.5]])
+def test_simulate_refuses_micro_batches_it_does_not_have(recomputed):
+    with pytest.raises(ValueError, match=r"recomputed holds .*: it lists micro-batch indices from 0 to 7"):
+        schedule.simulate(2, 8, [1, 1], [2, 2], recomputed=recomputed)
+
+
 def test_simulate_refuses_bad_sizes():
     with pytest.raises(ValueError, match="num_micro_batches must be an integer >= 1"):
         schedule.simulate(2, 0, [1, 1], [1, 1])
