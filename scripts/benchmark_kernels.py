@@ -4,7 +4,9 @@ No tfpipe code runs here: a stack of Dense + tanh layers is timed as plain Keras
 tf.function, forward alone and forward + vector-Jacobian product (GradientTape), on
 one thread (intra- and inter-op parallelism 1, as in a LocalCluster worker). Then the
 three matrix products of one Dense layer's backward are timed on their own, with
-the operand layouts TensorFlow's MatMul gradient uses and one alternative.
+the operand layouts TensorFlow's MatMul gradient uses and one alternative. Last, one
+layer's weight gradient over the whole batch against the same rows in micro-batches
+(one product each, then summed as a pipeline's running sum does).
 
     python scripts/benchmark_kernels.py                      # width 768, 8 layers, rows 256, 32
     python scripts/benchmark_kernels.py --dim=1024 --rows=128,16
@@ -81,6 +83,31 @@ def main(argv: list[str]) -> None:
             f"{rows:>4}  {f_ms:10.2f}  {v_ms:14.2f}  {v_ms / f_ms:11.2f}  | " + "  ".join(f"{p:.3f}" for p in per),
             flush=True,
         )
+    _weight_gradient_in_micro_batches(tf, d, [int(r) for r in FLAGS.rows])
+
+
+def _weight_gradient_in_micro_batches(tf, d: int, rows: list[int]) -> None:
+    """One Dense(d)'s weight gradient x^T@dy over the whole batch against M micro-batches' products and sum."""
+    whole, micro = rows[0], rows[-1]
+    m = whole // micro
+    if m < 2:
+        return
+    x, dy = tf.random.normal((whole, d)), tf.random.normal((whole, d))
+    xs, dys = tf.split(x, m), tf.split(dy, m)
+
+    def running_sum() -> list:
+        total = tf.matmul(xs[0], dys[0], transpose_a=True)
+        for a, g in zip(xs[1:], dys[1:]):
+            total = total + tf.matmul(a, g, transpose_a=True)
+        return [total]
+
+    timed = {
+        "one product": lambda: [tf.matmul(x, dy, transpose_a=True)],
+        f"{m} products": lambda: [tf.matmul(a, g, transpose_a=True) for a, g in zip(xs, dys)],
+        f"{m} products, summed": running_sum,
+    }
+    figures = "  ".join(f"{name} {_median_ms(tf.function(fn), FLAGS.repeats):.2f} ms" for name, fn in timed.items())
+    print(f"weight gradient of one Dense({d}), {whole} rows against {m} micro-batches of {micro}: {figures}")
 
 
 if __name__ == "__main__":

@@ -95,6 +95,9 @@ def test_kernel_benchmark_prints_a_row_per_size():
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [line.split() for line in proc.stdout.splitlines() if line[:4].strip() in ("4", "2")]
     assert [r[0] for r in rows] == ["4", "2"] and all(float(r[3]) > 0 for r in rows)
+    line = next(line for line in proc.stdout.splitlines() if line.startswith("weight gradient"))
+    assert "Dense(16), 4 rows against 2 micro-batches of 2: one product" in line
+    assert "2 products, summed" in line
 
 
 def test_speed_benchmark_times_replicas_against_one_worker(tmp_path):
