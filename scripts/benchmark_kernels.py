@@ -6,7 +6,9 @@ one thread (intra- and inter-op parallelism 1, as in a LocalCluster worker). The
 three matrix products of one Dense layer's backward are timed on their own, with
 the operand layouts TensorFlow's MatMul gradient uses and one alternative. Last, one
 layer's weight gradient over the whole batch against the same rows in micro-batches
-(one product each, then summed as a pipeline's running sum does).
+(one product each, then summed as a pipeline's running sum does), and the whole
+stack's forward and backward in micro-batches with its weight gradients taken per
+micro-batch (as tfpipe does) or once over all of them (a design not built).
 
     python scripts/benchmark_kernels.py                      # width 768, 8 layers, rows 256, 32
     python scripts/benchmark_kernels.py --dim=1024 --rows=128,16
@@ -84,6 +86,7 @@ def main(argv: list[str]) -> None:
             flush=True,
         )
     _weight_gradient_in_micro_batches(tf, d, [int(r) for r in FLAGS.rows])
+    _stack_with_batched_weight_gradients(tf, model, [int(r) for r in FLAGS.rows])
 
 
 def _weight_gradient_in_micro_batches(tf, d: int, rows: list[int]) -> None:
@@ -108,6 +111,49 @@ def _weight_gradient_in_micro_batches(tf, d: int, rows: list[int]) -> None:
     }
     figures = "  ".join(f"{name} {_median_ms(tf.function(fn), FLAGS.repeats):.2f} ms" for name, fn in timed.items())
     print(f"weight gradient of one Dense({d}), {whole} rows against {m} micro-batches of {micro}: {figures}")
+
+
+def _stack_with_batched_weight_gradients(tf, model, rows: list[int]) -> None:
+    """The stack's forward and hand-written backward in M micro-batches: weight gradients per micro-batch or batched."""
+    whole, micro = rows[0], rows[-1]
+    m = whole // micro
+    if m < 2:
+        return
+    d = model.layers[0].kernel.shape[0]
+    params = [(layer.kernel, layer.bias) for layer in model.layers]
+    xs, dys = tf.split(tf.random.normal((whole, d)), m), tf.split(tf.random.normal((whole, d)), m)
+
+    def step(batched: bool) -> list:
+        kernel_grads = [None] * len(params)
+        saved = [[] for _ in params]  # (layer input, gradient at its pre-activation) per micro-batch
+        for x, dy in zip(xs, dys):
+            inputs, h = [], x
+            for kernel, bias in params:
+                inputs.append(h)
+                h = tf.tanh(tf.matmul(h, kernel) + bias)
+            g, out = dy, h
+            for j in reversed(range(len(params))):
+                dz = g * (1.0 - out * out)
+                if batched:
+                    saved[j].append((inputs[j], dz))
+                else:
+                    dw = tf.matmul(inputs[j], dz, transpose_a=True)
+                    kernel_grads[j] = dw if kernel_grads[j] is None else kernel_grads[j] + dw
+                g, out = tf.transpose(tf.matmul(params[j][0], dz, transpose_b=True)), inputs[j]
+        if batched:
+            kernel_grads = [
+                tf.matmul(tf.concat([a for a, _ in pairs], 0), tf.concat([z for _, z in pairs], 0), transpose_a=True)
+                for pairs in saved
+            ]
+        return kernel_grads
+
+    for a, b in zip(step(False), step(True)):  # the same gradients, in another order of sums
+        if float(tf.reduce_max(tf.abs(a - b))) > 1e-3 * (1.0 + float(tf.reduce_max(tf.abs(a)))):
+            raise RuntimeError("batched weight gradients differ from the per-micro-batch ones")
+    each = _median_ms(tf.function(lambda: step(False)), FLAGS.repeats)
+    once = _median_ms(tf.function(lambda: step(True)), FLAGS.repeats)
+    print(f"{len(params)} layers in {m} micro-batches of {micro}, forward + backward: weight gradients per "
+          f"micro-batch {each:.2f} ms, once over all micro-batches {once:.2f} ms")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -98,6 +98,8 @@ def test_kernel_benchmark_prints_a_row_per_size():
     line = next(line for line in proc.stdout.splitlines() if line.startswith("weight gradient"))
     assert "Dense(16), 4 rows against 2 micro-batches of 2: one product" in line
     assert "2 products, summed" in line
+    stack = next(line for line in proc.stdout.splitlines() if line.startswith("1 layers in 2 micro-batches of 2"))
+    assert "weight gradients per micro-batch" in stack and "once over all micro-batches" in stack
 
 
 def test_speed_benchmark_times_replicas_against_one_worker(tmp_path):
