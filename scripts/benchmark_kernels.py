@@ -85,16 +85,15 @@ def main(argv: list[str]) -> None:
             f"{rows:>4}  {f_ms:10.2f}  {v_ms:14.2f}  {v_ms / f_ms:11.2f}  | " + "  ".join(f"{p:.3f}" for p in per),
             flush=True,
         )
-    _weight_gradient_in_micro_batches(tf, d, [int(r) for r in FLAGS.rows])
-    _stack_with_batched_weight_gradients(tf, model, [int(r) for r in FLAGS.rows])
+    whole, micro = int(FLAGS.rows[0]), int(FLAGS.rows[-1])
+    if whole // micro >= 2:  # the first rows in micro-batches of the last
+        _weight_gradient_in_micro_batches(tf, d, whole, micro)
+        _stack_with_batched_weight_gradients(tf, model, whole, micro)
 
 
-def _weight_gradient_in_micro_batches(tf, d: int, rows: list[int]) -> None:
+def _weight_gradient_in_micro_batches(tf, d: int, whole: int, micro: int) -> None:
     """One Dense(d)'s weight gradient x^T@dy over the whole batch against M micro-batches' products and sum."""
-    whole, micro = rows[0], rows[-1]
     m = whole // micro
-    if m < 2:
-        return
     x, dy = tf.random.normal((whole, d)), tf.random.normal((whole, d))
     xs, dys = tf.split(x, m), tf.split(dy, m)
 
@@ -113,12 +112,9 @@ def _weight_gradient_in_micro_batches(tf, d: int, rows: list[int]) -> None:
     print(f"weight gradient of one Dense({d}), {whole} rows against {m} micro-batches of {micro}: {figures}")
 
 
-def _stack_with_batched_weight_gradients(tf, model, rows: list[int]) -> None:
+def _stack_with_batched_weight_gradients(tf, model, whole: int, micro: int) -> None:
     """The stack's forward and hand-written backward in M micro-batches: weight gradients per micro-batch or batched."""
-    whole, micro = rows[0], rows[-1]
     m = whole // micro
-    if m < 2:
-        return
     d = model.layers[0].kernel.shape[0]
     params = [(layer.kernel, layer.bias) for layer in model.layers]
     xs, dys = tf.split(tf.random.normal((whole, d)), m), tf.split(tf.random.normal((whole, d)), m)
