@@ -62,7 +62,10 @@ flags.DEFINE_bool(
     "unroll", True, "Pipelined entries unrolled (default) or, with --nounroll, as loops (the reference: unrolled)."
 )
 flags.DEFINE_enum(
-    "schedule", "gpipe", ["gpipe", "1f1b", "zero_bubble"], "Schedule of the pipelined entries (tfpipe.schedule)."
+    "schedule",
+    "gpipe",
+    ["gpipe", "1f1b", "zero_bubble", "gpipe_batched_w"],
+    "Schedule of the pipelined entries (tfpipe.schedule).",
 )
 flags.DEFINE_enum("optimizer", "sgd", ["sgd", "adam"], "Optimizer of every entry (SGD 1e-3, Adam 1e-4).")
 flags.DEFINE_integer("replicas", 1, "Also time R data-parallel replicas of each K (R x K workers).", lower_bound=1)

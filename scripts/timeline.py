@@ -50,7 +50,10 @@ flags.DEFINE_integer("dim", 256, "Transformer model dimension / MLP width.", low
 flags.DEFINE_integer("seq_len", 32, "Transformer sequence length.", lower_bound=2)
 flags.DEFINE_string("remat", "except_last", "Re-materialization mode.")
 flags.DEFINE_enum(
-    "schedule", "gpipe", ["gpipe", "1f1b", "zero_bubble"], "Task order (tfpipe.schedule); the ideal drawn follows it."
+    "schedule",
+    "gpipe",
+    ["gpipe", "1f1b", "zero_bubble", "gpipe_batched_w"],
+    "Task order (tfpipe.schedule); the ideal drawn follows it.",
 )
 flags.DEFINE_integer("steps", 2, "Profiled steps.", lower_bound=1)
 flags.DEFINE_integer("warmup", 2, "Steps before profiling (the first one traces).", lower_bound=1)
@@ -278,12 +281,13 @@ def summarize(events: list[Event], windows: list[tuple[int, int]], device_names:
 
 
 def ideal_costs(
-    events: list[Event], windows: list[tuple[int, int]], k: int, ratio: float | None
+    events: list[Event], windows: list[tuple[int, int]], k: int, ratio: float | None, m: int = 1
 ) -> tuple[list[float], list[float], list[float] | None]:
     """Per-cell F, whole backward and W durations (ms) for the ideal schedule: the mean time a task's ops covered.
 
     The whole backward is B + W where the step split them (zero bubble); W is None where it did
-    not. With ``ratio``: F, r*F and None (W half the backward, as ``schedule.simulate`` assumes).
+    not; a W over all ``m`` micro-batches counts an m-th of its time. With ``ratio``: F, r*F and
+    None (W half the backward, as ``schedule.simulate`` assumes).
     """
     covered: dict[tuple, list[tuple[float, float]]] = {}
     for e in events:
@@ -295,7 +299,11 @@ def ideal_costs(
     f_cost, b_cost, w_cost = [], [], []
     for i in range(k):
         for kind, out in (("F", f_cost), ("B", b_cost), ("W", w_cost)):
-            times = [_union(iv) for key, iv in covered.items() if key[:2] == (kind, i)]
+            times = [
+                _union(iv) / (m if parse_task_name(key[3]).micro_batch == schedule.ALL else 1)
+                for key, iv in covered.items()
+                if key[:2] == (kind, i)
+            ]
             out.append(statistics.mean(times) if times else 1.0 if kind != "W" else 0.0)
     if ratio is not None:
         unit = statistics.mean(f_cost)
@@ -331,7 +339,7 @@ def draw(
             top.barh(d, width, left=x0, height=0.8, color=COLORS[phase], edgecolor="none")
             if task and width > span / 60 and phase in ("forward", "recompute", "backward"):
                 parsed = parse_task_name(task)
-                label = f"{'R' if phase == 'recompute' else parsed.kind}{parsed.micro_batch}"
+                label = f"{'R' if phase == 'recompute' else parsed.kind}{schedule.micro_batch_name(parsed.micro_batch)}"
                 top.text(x0 + width / 2, d, label, ha="center", va="center", fontsize=6, color="white")
     top.set_yticks(range(len(device_names)), device_names, fontsize=7)
     top.invert_yaxis()
@@ -347,7 +355,7 @@ def draw(
             bottom.text(
                 (begin + end) / 2,
                 task.cell,
-                f"{task.kind}{task.micro_batch}",
+                f"{task.kind}{schedule.micro_batch_name(task.micro_batch)}",
                 ha="center",
                 va="center",
                 fontsize=6,
@@ -510,7 +518,7 @@ def main(argv: list[str]) -> None:
         ["step", "device", "task", "kind", "cell", "micro_batch", "phase", "start_ms", "end_ms", "busy_ms", "ops"],
     )
     m = FLAGS.micro_batches
-    f_cost, b_cost, w_cost = ideal_costs(events, windows, k, ratio)
+    f_cost, b_cost, w_cost = ideal_costs(events, windows, k, ratio, m)
     ideal = schedule.simulate(k, m, f_cost, b_cost, FLAGS.schedule, w_cost=w_cost)
     print(summarize(events, windows, devices, schedule.idle_fraction(ideal, k)))
     ideal_ms = max(end for _, _, end in ideal)

@@ -161,15 +161,18 @@ def test_simulate_refuses_bad_sizes():
 def test_every_schedule_runs_every_task_once_after_its_inputs(name, k, m):
     order = schedule.steps(name, k, m)
     kinds = "FBW" if schedule.splits_backward(name) else "FB"
-    assert sorted(order, key=str) == sorted(
-        [Task(kind, i, j) for kind in kinds for i in range(k) for j in range(m)], key=str
-    )
+    once = schedule.batches_weights(name)  # one W per cell, over all micro-batches
+    expected = [
+        Task(kind, i, j) for kind in kinds.replace("W", "" if once else "W") for i in range(k) for j in range(m)
+    ]
+    expected += [Task("W", i, schedule.ALL) for i in range(k)] if once else []
+    assert sorted(order, key=str) == sorted(expected, key=str)
     pos = {t: n for n, t in enumerate(order)}
     for i in range(k):
         for j in range(m):
             assert pos[Task("F", i, j)] < pos[Task("B", i, j)]
             if "W" in kinds:
-                assert pos[Task("B", i, j)] < pos[Task("W", i, j)]
+                assert pos[Task("B", i, j)] < pos[Task("W", i, schedule.ALL if once else j)]
             if i > 0:
                 assert pos[Task("F", i - 1, j)] < pos[Task("F", i, j)]
                 assert pos[Task("B", i, j)] < pos[Task("B", i - 1, j)]
@@ -221,6 +224,19 @@ def test_zero_bubble_has_the_papers_bubble(k, m):
     assert spans["zero_bubble"] == pytest.approx(m * (f + b + w) + (k - 1) * (f + b - w))
     sim = schedule.simulate(k, m, [f] * k, [b + w] * k, "zero_bubble", w_cost=[w] * k)
     assert schedule.idle_fraction(sim, k) == pytest.approx((k - 1) * (f + b - w) / spans["zero_bubble"])
+
+
+def test_batched_w_runs_each_cells_w_once_after_its_last_backward():
+    orders = schedule.cell_orders("gpipe_batched_w", 2, 3)
+    assert [str(t) for t in orders[1]] == ["F(1,0)", "F(1,1)", "F(1,2)", "B(1,2)", "B(1,1)", "B(1,0)", "W(1,all)"]
+    assert schedule.depends_on(Task("W", 1, schedule.ALL), 2) == [Task("B", 1, 0)]
+    # Every micro-batch is held until the W over all of them.
+    assert schedule.in_flight(schedule.steps("gpipe_batched_w", 2, 3), 2) == [3, 3]
+    timed = {str(t): (s, e) for t, s, e in schedule.simulate(2, 3, [1, 1], [2, 2], "gpipe_batched_w", w_cost=[1, 1])}
+    assert timed["W(1,all)"] == (7.0, 10.0)  # after B(1,0) at 6-7, M W's long
+    # Cell 1's W fills the time it would wait for cell 0: one F shorter than GPipe's 3(M+K-1)F = 12.
+    assert timed["W(0,all)"] == (8.0, 11.0)
+    assert schedule.allowed_speedup("gpipe_batched_w", 2, 8) > schedule.ideal_speedup(2, 8)
 
 
 def test_simulate_refuses_a_weight_cost_above_the_backward():

@@ -30,9 +30,11 @@ def test_task_names_round_trip():
     for task in schedule.flatten(schedule.gpipe(3, 12)):
         assert parse_task_name(task_scope_name(task)) == task
     assert task_scope_name(Task("B", 10, 31)) == "B_10_31"
+    assert task_scope_name(Task("W", 2, schedule.ALL)) == "W_2_all"
+    assert parse_task_name("W_2_all") == Task("W", 2, schedule.ALL)
 
 
-@pytest.mark.parametrize("name", ["", "F_1", "X_1_2", "F_1_2_3", "f_1_2", "F_1_2/MatMul", "F_a_2"])
+@pytest.mark.parametrize("name", ["", "F_1", "X_1_2", "F_1_2_3", "f_1_2", "F_1_2/MatMul", "F_a_2", "W_1_any"])
 def test_other_names_are_not_tasks(name):
     assert parse_task_name(name) is None
 
@@ -252,3 +254,13 @@ def test_zero_bubbles_b_and_w_parts_are_backward_and_its_forward_part_forward():
         call = next(name for name in calls if name.startswith(f"{kind}_1_0/") and calls_traced_vjp(calls[name]))
         # Inlined, the part's ops are named under the call, then the part, then tf.gradients' scope.
         assert lookup(info, f"{call}/{part}/gradients/dense_1/MatMul_grad/MatMul").phase == "backward"
+
+
+def test_batched_w_runs_one_w_task_per_cell_whose_sums_are_backward():
+    graph = _two_cell_step_graph("never", "gpipe_batched_w")
+    info = attribute(graph)
+    tasks = {info[op.name].task for op in graph.get_operations()} - {""}
+    assert tasks == {task_scope_name(t) for t in schedule.steps("gpipe_batched_w", 2, 2)}
+    assert {"W_0_all", "W_1_all"} <= tasks
+    calls = [op for op in graph.get_operations() if op.type == "PartitionedCall" and info[op.name].task == "W_1_all"]
+    assert len(calls) == 1 and info[calls[0].name].phase == "backward"

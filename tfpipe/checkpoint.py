@@ -24,6 +24,7 @@ from typing import Any, ContextManager
 import tensorflow as tf
 
 from tfpipe import split as split_lib
+from tfpipe import weight_batch
 from tfpipe.tasks import GRADIENT_SUM, SPLIT_FORWARD, TRACED_VJP
 
 REMAT_MODES = ("always", "except_last", "never")
@@ -264,10 +265,13 @@ class Checkpoint:
             result[i] = g
         return self._accumulate(result, accumulate)
 
-    def input_vjp(self, output_grads: Sequence[tf.Tensor | None]) -> list[tf.Tensor | None]:
+    def input_vjp(
+        self, output_grads: Sequence[tf.Tensor | None], batched: weight_batch.BatchedW | None = None
+    ) -> list[tf.Tensor | None]:
         """B: the gradients of the sources before the weights (None for the weights), as ``vjp``'s.
 
-        Call it inside the B task's scope; ``weight_vjp`` later gives the weights' gradients.
+        Call it inside the B task's scope; ``weight_vjp`` later gives the weights' gradients, or,
+        with ``batched`` (``batch_weights``), ``batched_weight_vjp`` those of all micro-batches.
         """
         if self._split_at is None:
             raise ValueError("input_vjp needs a Checkpoint made with split=(number of weights, select).")
@@ -279,7 +283,8 @@ class Checkpoint:
         given = [g for t, g in zip(self._select(self.outputs), output_grads) if _differentiable(t)]
         for name, g, spec in zip(self._parts.dys, given, self._parts.dy_specs):
             self._env[name] = tf.zeros(spec.shape, spec.dtype) if g is None else g
-        self.computed = self._parts.part("inputs", self._recompute)(self._env)
+        part = self._parts.part("inputs", self._recompute) if batched is None else batched.inputs_part(self._parts)
+        self.computed = part(self._env)
         result: list[Any] = [None] * len(self._sources)
         for i, name in zip([i for i in self._wanted if i < self._split_at], self._parts.dx):
             result[i] = self._env[name]
@@ -308,8 +313,22 @@ class Checkpoint:
             tuple((tuple(a.shape), a.dtype) for a in self._sources + self._extras),
         )
 
-    def _trace_split(self, traced: TracedVJPs) -> split_lib.SplitVJP:
-        """Trace the forward and VJP as one graph, to be cut into forward, B and W (``tfpipe.split``)."""
+    def _specs(self, records: Sequence[Checkpoint] = ()) -> list[tf.TensorSpec]:
+        """The specs of the sources and extras; with ``records``, the sources before the weights hold all their rows."""
+        specs = []
+        for k, a in enumerate(self._sources + self._extras):
+            shape = a.shape
+            if records and k < self._split_at and shape.rank:
+                rows = [r._sources[k].shape[0] for r in records]
+                shape = tf.TensorShape([None if None in rows else sum(rows)]).concatenate(shape[1:])
+            specs.append(tf.TensorSpec(shape, a.dtype))
+        return specs
+
+    def _trace_split(self, traced: TracedVJPs, records: Sequence[Checkpoint] = ()) -> split_lib.SplitVJP:
+        """Trace the forward and VJP as one graph, to be cut into forward, B and W (``tfpipe.split``).
+
+        With ``records``, the sources hold the rows of all of them (W over all micro-batches at once).
+        """
         n_src = len(self._sources)
 
         def body(*flat: tf.Tensor):
@@ -328,8 +347,7 @@ class Checkpoint:
             return outputs, dys, dx, dw
 
         traced.num_traces += 1
-        specs = [tf.TensorSpec(a.shape, a.dtype) for a in self._sources + self._extras]
-        return split_lib.SplitVJP(body, specs, traced.wrap)
+        return split_lib.SplitVJP(body, self._specs(records), traced.wrap)
 
     def _accumulate(self, result: list[Any], accumulate: Sequence[Any] | None) -> list[Any]:
         """``result`` with the gradients of the last ``len(accumulate)`` sources added to their running sums."""
@@ -438,3 +456,37 @@ class Checkpoint:
         specs += [tf.TensorSpec([None] * a.shape.rank, a.dtype) for a in args[len(args) - len(summed) :]]
         function = tf.function(body, autograph=False, experimental_attributes=self._traced.attributes())
         return _Traced(function.get_concrete_function(*specs), frozenset(sparse))
+
+
+def batch_weights(records: Sequence[Checkpoint], shared_grads: Sequence[bool]) -> weight_batch.BatchedW | str | None:
+    """Cut the W of one cell's micro-batches ``records`` (after their forwards) so that it runs once over all of them.
+
+    ``shared_grads[k]`` says that the gradient of the k-th selected output will be the same
+    tensor in every micro-batch (the loss scale, for added losses). Returns the cut, to be
+    handed to each record's ``input_vjp`` and to ``batched_weight_vjp``; else why not (a
+    string), or None where there is nothing to batch (one micro-batch; no traced W, as eagerly).
+    """
+    first = records[0]
+    if len(records) < 2 or any(r._parts is None or r._recompute for r in records) or first._cache is None:
+        return None
+    given = [d for t, d in zip(first._select(first.outputs), shared_grads) if _differentiable(t)]
+    shared = {name for name, d in zip(first._parts.dys, given) if d}
+    shared |= {name for name in first._parts.inputs if all(r._env[name] is first._env[name] for r in records)}
+    try:
+        key = ("batched", tuple(r._split_key() for r in records))
+        big = first._cache.lookup(key, functools.partial(first._trace_split, first._cache, records))
+        return weight_batch.BatchedW([r._parts for r in records], big, shared)
+    except weight_batch.Unbatchable as why:
+        return str(why)
+
+
+def batched_weight_vjp(records: Sequence[Checkpoint], batched: weight_batch.BatchedW) -> list[Any]:
+    """W over all micro-batches' ``records``, each after ``input_vjp(..., batched)``: the summed weight gradients."""
+    first = records[0]
+    grads = batched.run([r._env for r in records])
+    result: list[Any] = [None] * (len(first._sources) - first._split_at)
+    for k, g in zip([i - first._split_at for i in first._wanted if i >= first._split_at], grads):
+        result[k] = g
+    for r in records:
+        r._env = {}  # let go of what W read
+    return result

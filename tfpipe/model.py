@@ -21,7 +21,7 @@ from tfpipe import summary as summary_lib
 from tfpipe import training as training_lib
 from tfpipe._args import positive_int
 from tfpipe.cell import Cell, check_no_shared_variables, hang
-from tfpipe.pipeline import Pipeline, check_unroll
+from tfpipe.pipeline import Pipeline, check_remat, check_unroll
 from tfpipe.replicas import Replicated
 from tfpipe.sequence import layer_list
 
@@ -66,8 +66,13 @@ class PipelineModel(keras.Model):
         the same synchronous step (the weights agree to float rounding). ``"zero_bubble"``
         (ZB-H1): 1F1B with each backward split into B (the input gradient, which the previous
         cell waits for) and W (the weight gradient, run later, in what would be idle time);
-        at most K micro-batches held, about a third of 1F1B's bubble. Non-GPipe schedules
-        need ``unroll=True``.
+        at most K micro-batches held, about a third of 1F1B's bubble. ``"gpipe_batched_w"``
+        (with ``remat="never"``): GPipe with each backward split the same way, and each
+        cell's weight gradients computed once, after its last B, over all M micro-batches
+        concatenated: one large product instead of M small ones, where every op of the
+        cell's weight gradient works example by example or sums over examples (else, with a
+        warning, once per micro-batch); it holds each micro-batch's output gradients too
+        until then. Non-GPipe schedules need ``unroll=True``.
     """
 
     def __init__(
@@ -105,6 +110,7 @@ class PipelineModel(keras.Model):
         remat = checkpoint.check_mode(remat)
         unroll = check_unroll(unroll, remat)
         schedule = schedule_lib.check_name(schedule)
+        check_remat(remat, schedule)
         if schedule != "gpipe" and not unroll:
             raise ValueError(f"schedule={schedule!r} needs unroll=True; unroll=False runs GPipe's clock cycles.")
         replica_devices = devices_lib.resolve_replicas(devices, num_cells)

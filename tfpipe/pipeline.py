@@ -116,6 +116,16 @@ def check_unroll(unroll: Any, remat: str) -> bool:
     return unroll
 
 
+def check_remat(remat: str, schedule_name: str) -> str:
+    """Validate ``remat`` for the schedule: "gpipe_batched_w" keeps every activation until W, so it takes "never"."""
+    if schedule.batches_weights(schedule_name) and remat != "never":
+        raise ValueError(
+            f"schedule={schedule_name!r} holds every micro-batch's activations until its weight gradients, "
+            f"which recomputation cannot save; use remat='never' with it, not remat={remat!r}."
+        )
+    return remat
+
+
 class Pipeline:
     """Runs cells over micro-batches in the schedule's order (GPipe's by default), with explicit per-task backward.
 
@@ -143,7 +153,8 @@ class Pipeline:
                 f"unroll=False runs GPipe's clock cycles as loops; schedule={schedule_name!r} needs unroll=True."
             )
         self.num_micro_batches = num_micro_batches
-        self.remat = checkpoint.check_mode(remat)
+        self.remat = check_remat(checkpoint.check_mode(remat), self.schedule)
+        self._unbatched: set[int] = set()  # cells told that their W does not batch (warned once)
         # Loops (tfpipe/loop.py) build in a time that does not grow with M, but their later steps were
         # 10-55% slower than unrolled ones on CPUs (docs/benchmarks.md): the user chooses.
         self.unroll = check_unroll(unroll, self.remat)
@@ -419,9 +430,18 @@ class Pipeline:
             # Through identities made here: a tape's gradient ops (a kept forward's backward) take no control
             # dependencies, so without them the backward ran as soon as its gradients arrived, out of turn.
             grads_out = [None if g is None else tf.identity(g) for g in dy] + [step.scales[i]]
-            if schedule.splits_backward(self.schedule):  # W(i, j) takes the weights' gradients later
-                dx = record.input_vjp(grads_out)[: len(record.sources) - n_w]
+            batched = self._batched_weights(record, task, step) if schedule.batches_weights(self.schedule) else None
+            if batched is not None:  # W(i, all) takes the weights' gradients of every micro-batch at once
+                dx = record.input_vjp(grads_out, batched)[: len(record.sources) - n_w]
                 step.records[(i, j)] = record
+                produced.extend(record.computed)
+            elif schedule.splits_backward(self.schedule):
+                dx = record.input_vjp(grads_out)[: len(record.sources) - n_w]
+                if schedule.batches_weights(self.schedule):  # this cell's W does not batch: it runs here
+                    step.grads[i] = record.weight_vjp(self._running(step, i))
+                    produced.extend(step.grads[i])
+                else:  # W(i, j) takes the weights' gradients later
+                    step.records[(i, j)] = record
                 produced.extend(record.computed)
             else:
                 grads = record.vjp(_differentiated, grads_out, accumulate=self._running(step, i))
@@ -458,12 +478,48 @@ class Pipeline:
         return out
 
     def _weight_task(self, task: schedule.Task, step: _Step, chain: _Chain) -> None:
-        """W(i, j) (zero bubble): cell i's weight gradients on micro-batch j, added to their running sums."""
+        """W(i, j) (zero bubble): cell i's weight gradients on micro-batch j, added to their running sums.
+
+        W(i, all) ("gpipe_batched_w") computes them over every micro-batch at once.
+        """
         i, j = task.cell, task.micro_batch
+        if j == schedule.ALL:
+            batched = step.batched.get(i)
+            if batched is None:  # every B took its micro-batch's weight gradients
+                return
+            records = [step.records.pop((i, k)) for k in range(self.num_micro_batches)]
+            with chain.task(task) as produced:
+                step.grads[i] = checkpoint.batched_weight_vjp(records, batched)
+                produced.extend(step.grads[i])
+            return
         record = step.records.pop((i, j))
         with chain.task(task) as produced:
             step.grads[i] = record.weight_vjp(self._running(step, i))
             produced.extend(step.grads[i])
+
+    def _batched_weights(self, record: checkpoint.Checkpoint, task: schedule.Task, step: _Step) -> Any:
+        """Cell i's W cut to run once over all micro-batches (``tfpipe.weight_batch``), made at its first B (``task``,
+        whose ``record`` is out of ``step.records``); None where it cannot (a warning says why, once per cell) or
+        there is nothing to batch."""
+        i = task.cell
+        if i not in step.batched:
+            records = [
+                record if k == task.micro_batch else step.records.get((i, k)) for k in range(self.num_micro_batches)
+            ]
+            # The last differentiated output is the added losses, whose gradient is the loss scale, step.scales[i].
+            n_out = len(_differentiated(records[-1].outputs))
+            cut = checkpoint.batch_weights(records, [False] * (n_out - 1) + [True]) if None not in records else None
+            if isinstance(cut, str):
+                if i not in self._unbatched:
+                    self._unbatched.add(i)
+                    warnings.warn(
+                        f"schedule='gpipe_batched_w': cell {i} computes its weight gradients once per micro-batch, "
+                        f"as exact but not faster, because {cut}.",
+                        stacklevel=4,
+                    )
+                cut = None
+            step.batched[i] = cut
+        return step.batched[i]
 
     @staticmethod
     def _running(step: _Step, i: int) -> list[Any]:
@@ -492,6 +548,7 @@ class _Step:
     losses: dict = dataclasses.field(default_factory=dict)  # weighted loss per micro-batch
     added: list = dataclasses.field(default_factory=list)  # add_loss and regularization terms
     grads: list = dataclasses.field(default_factory=list)  # summed weight gradients per cell
+    batched: dict = dataclasses.field(default_factory=dict)  # cell -> its W cut to run once ("gpipe_batched_w")
     scales: list = dataclasses.field(default_factory=list)  # per cell: the loss scale, the gradient of added losses
     shares: dict = dataclasses.field(default_factory=dict)  # device -> fractions Grappler cannot fold (unfoldable)
     reg_weights: dict = dataclasses.field(default_factory=dict)  # device -> [1, 0] (micro-batch 0, others), likewise

@@ -16,6 +16,11 @@ Three schedules of one synchronous step:
   1F1B's cell i would wait at the end of the step. A cell holds at most K
   micro-batches (their activations live until W); the bubble per device is
   (K-1)(F+B-W) instead of 1F1B's (K-1)(F+B+W).
+- ``"gpipe_batched_w"``: GPipe's order with each backward split the same way, and
+  each cell's W run once, after its last B, over all M micro-batches together
+  (``W(i, all)``): one weight-gradient product over the whole mini-batch instead of M
+  small ones (the cell's activations and output gradients of every micro-batch are
+  held until then). Cell i's W fills the time it would wait for cell 0 to finish.
 """
 
 from __future__ import annotations
@@ -25,13 +30,16 @@ from collections.abc import Collection, Sequence
 
 from tfpipe._args import positive_int
 
+ALL = -1  # the micro-batch of a W task over all micro-batches at once ("gpipe_batched_w")
+
 
 @dataclasses.dataclass(frozen=True)
 class Task:
     """One unit of work of one cell on one micro-batch: forward "F", backward "B" or, split off it, "W".
 
     Without W tasks, B is the cell's whole backward. With them (zero bubble), B computes
-    only the gradient of the cell's inputs and W that of its weights.
+    only the gradient of the cell's inputs and W that of its weights; a W task whose
+    micro-batch is ``ALL`` computes them over every micro-batch at once.
     """
 
     kind: str
@@ -39,7 +47,12 @@ class Task:
     micro_batch: int
 
     def __str__(self) -> str:
-        return f"{self.kind}({self.cell},{self.micro_batch})"
+        return f"{self.kind}({self.cell},{micro_batch_name(self.micro_batch)})"
+
+
+def micro_batch_name(micro_batch: int) -> str:
+    """How a task's micro-batch is written in names: its number, or "all" for ``ALL``."""
+    return "all" if micro_batch == ALL else str(micro_batch)
 
 
 def gpipe(num_cells: int, num_micro_batches: int, backward: bool = True) -> list[list[Task]]:
@@ -66,7 +79,7 @@ def gpipe(num_cells: int, num_micro_batches: int, backward: bool = True) -> list
     return cycles
 
 
-SCHEDULES = ("gpipe", "1f1b", "zero_bubble")
+SCHEDULES = ("gpipe", "1f1b", "zero_bubble", "gpipe_batched_w")
 
 
 def check_name(name: str) -> str:
@@ -78,7 +91,12 @@ def check_name(name: str) -> str:
 
 def splits_backward(name: str) -> bool:
     """Whether schedule ``name`` splits each backward into B (input gradient) and W (weight gradient) tasks."""
-    return check_name(name) == "zero_bubble"
+    return check_name(name) in ("zero_bubble", "gpipe_batched_w")
+
+
+def batches_weights(name: str) -> bool:
+    """Whether schedule ``name`` runs each cell's W once over all micro-batches (``Task("W", i, ALL)``)."""
+    return check_name(name) == "gpipe_batched_w"
 
 
 def cell_orders(name: str, num_cells: int, num_micro_batches: int) -> list[list[Task]]:
@@ -89,8 +107,9 @@ def cell_orders(name: str, num_cells: int, num_micro_batches: int) -> list[list[
     orders = []
     for i in range(k_cells):
         forwards = [Task("F", i, j) for j in range(m)]
-        if name == "gpipe":
-            orders.append(forwards + [Task("B", i, j) for j in reversed(range(m))])
+        if name in ("gpipe", "gpipe_batched_w"):
+            backwards = [Task("B", i, j) for j in reversed(range(m))]
+            orders.append(forwards + backwards + ([Task("W", i, ALL)] if name == "gpipe_batched_w" else []))
             continue
         # 1F1B, and zero bubble's B tasks: min(K-i, M) forwards, then one backward and one forward.
         warm = min(k_cells - i, m)
@@ -151,12 +170,15 @@ def _ready(task: Task, done: set[Task], num_cells: int) -> bool:
 
 
 def depends_on(task: Task, num_cells: int) -> list[Task]:
-    """The tasks whose results ``task`` reads: F(i, j) F(i-1, j); B(i, j) F(i, j) and B(i+1, j); W(i, j) B(i, j)."""
+    """The tasks whose results ``task`` reads: F(i, j) F(i-1, j); B(i, j) F(i, j) and B(i+1, j); W(i, j) B(i, j).
+
+    W(i, all) reads every B(i, j); it names B(i, 0), the last of them in its cell's order.
+    """
     i, j = task.cell, task.micro_batch
     if task.kind == "F":
         return [Task("F", i - 1, j)] if i > 0 else []
     if task.kind == "W":
-        return [Task("B", i, j)]
+        return [Task("B", i, 0 if j == ALL else j)]
     return [Task("F", i, j)] + ([Task("B", i + 1, j)] if i < num_cells - 1 else [])
 
 
@@ -170,6 +192,8 @@ def in_flight(order: Sequence[Task], num_cells: int) -> list[int]:
     for task in order:
         if task.kind == "F":
             held[task.cell] += 1
+        elif task.kind == "W" and task.micro_batch == ALL:
+            held[task.cell] = 0
         elif task.kind == ("W" if task.cell in split else "B"):
             held[task.cell] -= 1
         peak[task.cell] = max(peak[task.cell], held[task.cell])
@@ -232,7 +256,7 @@ def simulate(
     for task in steps(name, num_cells, m):
         ready = max((done[dep] for dep in depends_on(task, num_cells)), default=0.0)
         start = max(free[task.cell], ready)
-        duration = cost[task.kind][task.cell]
+        duration = cost[task.kind][task.cell] * (m if task.micro_batch == ALL else 1)
         if task.kind == "B" and task.micro_batch in recomputed:
             duration += r_cost[task.cell]
         done[task] = free[task.cell] = start + duration

@@ -84,7 +84,7 @@ class SplitVJP:
         backward = _ancestors(graph.get_tensor_by_name(n) for n in self.dx) - forward - placeholders
         weights = _ancestors(graph.get_tensor_by_name(n) for n in self.dw) - forward - backward - placeholders
         self._sets = {"forward": forward, "backward": backward, "weights": weights, "inputs": placeholders}
-        self._parts: dict[tuple[str, bool], _Part] = {}
+        self._parts: dict[Any, _Part] = {}
         self._graph_def: Any = None
 
     def unpack(self, env: dict[str, tf.Tensor]) -> Any:
@@ -134,6 +134,19 @@ class SplitVJP:
         ops = self._ops(name, recompute)
         later = ("weights",) if name == "inputs" else PARTS[PARTS.index(name) + 1 :]
         wanted = self._wanted(name) + [n for p in later for n in self._needs(p, recompute)]
+        return self._make(name, ops, wanted)
+
+    def ops(self, part: str) -> set[tf.Operation]:
+        """The ops of part ``part`` (one of PARTS) of a forward that is kept, not recomputed."""
+        return set(self._ops(part, recompute=False))
+
+    def cut(self, key: Any, name: str, ops: set[tf.Operation], wanted: Sequence[str]) -> _Part:
+        """A part of any ``ops`` of the graph that returns those of ``wanted`` they compute, made once per ``key``."""
+        if key not in self._parts:
+            self._parts[key] = self._make(name, ops, wanted)
+        return self._parts[key]
+
+    def _make(self, name: str, ops: set[tf.Operation], wanted: Sequence[str]) -> _Part:
         fetches = list(dict.fromkeys(n for n in wanted if self._inside(n, ops)))
         feeds = _read(ops, set().union(*self._sets.values()) - ops)
         graph = self._whole.graph

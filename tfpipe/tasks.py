@@ -14,8 +14,10 @@ TASK_END = "task_end"  # the op that reads everything a task produced: the devic
 PHASES = ("forward", "loss", "recompute", "backward", "accumulate", "transfer", "optimizer", "other")
 TRANSFER_TYPES = ("_Send", "_Recv", "_HostSend", "_HostRecv")  # op types that move tensors between devices
 
-_SCOPE = re.compile(r"([FBW])_(\d+)_(\d+)")
-_ACCUMULATE = re.compile(r"^[BW]_\d+_\d+/(add|concat)(_\d+)?(/|$)")  # summing a cell's gradients over micro-batches
+_SCOPE = re.compile(r"([FBW])_(\d+)_(\d+|all)")
+_ACCUMULATE = re.compile(
+    r"^[BW]_\d+_(\d+|all)/(add|concat)(_\d+)?(/|$)"
+)  # summing a cell's gradients over micro-batches
 _SYMBOLIC = "gradients"  # the scope of tf.gradients' ops (zero bubble's split VJP: tfpipe/split.py)
 _TAPE = "gradient_tape/"  # tape gradients are named after their forward ops: "gradient_tape/F_1_3/..."
 _OPTIMIZERS = ("sgd", "adam", "adamw", "rmsprop", "adagrad", "lamb", "lion")
@@ -40,13 +42,16 @@ class OpInfo:
 
 def task_scope_name(task: schedule.Task) -> str:
     """The name scope of a task's ops in the graph: "F_1_3" for the forward of cell 1 on micro-batch 3."""
-    return f"{task.kind}_{task.cell}_{task.micro_batch}"
+    return f"{task.kind}_{task.cell}_{schedule.micro_batch_name(task.micro_batch)}"
 
 
 def parse_task_name(name: str) -> schedule.Task | None:
     """The task whose name scope is ``name`` ("B_1_3" -> B(1,3)), else None; the inverse of task_scope_name."""
     found = _SCOPE.fullmatch(name)
-    return schedule.Task(found.group(1), int(found.group(2)), int(found.group(3))) if found else None
+    if not found:
+        return None
+    micro_batch = schedule.ALL if found.group(3) == "all" else int(found.group(3))
+    return schedule.Task(found.group(1), int(found.group(2)), micro_batch)
 
 
 def parse_marker(name: str) -> schedule.Task | None:
