@@ -122,6 +122,7 @@ _LINEAR_IN_FIRST = frozenset(
         "Einsum",
     ]
 )
+_PARTIAL_SUMS = ("Sum", "BiasAddGrad")  # sums over examples that each B takes of its own micro-batch
 _FILTER_GRADIENTS = ("Conv2DBackpropFilter", "Conv3DBackpropFilterV2", "DepthwiseConv2dNativeBackpropFilter")
 
 
@@ -146,14 +147,22 @@ class BatchedW:
         self._added, self._sliced, rows = _check_results(big, labels, {t.name for op in inside for t in op.outputs})
         graph = big._whole.graph
         results = [graph.get_tensor_by_name(n).op for n in big.dw if n not in rows]
-        self._sums = _closure([op for op in results if op in inside], inside, stop=lambda op: _per_example(op, labels))
+        # A plain sum over the examples gains nothing from more rows, and concatenating its input costs a copy:
+        # each B sums its own micro-batch, and W adds up those partial sums.
+        partial = {op for op in inside if op.type in _PARTIAL_SUMS and labels.get(op.inputs[0].name) == BATCHED}
+        partial = {op for op in partial if labels.get(op.outputs[0].name) == SUMMED}
+        stop = lambda op: op in partial or _per_example(op, labels)  # noqa: E731
+        self._sums = _closure([op for op in results if op in inside], inside, stop=stop)
         read = {t.name: t for op in self._sums for t in op.inputs if t.op not in self._sums and t.op.type != "Const"}
         self._batched = [n for n in read if labels.get(n) == BATCHED]
         self._shared = [n for n in read if labels.get(n) == CONST]
-        odd = [n for n in read if n not in self._batched and n not in self._shared]
+        self._partial = [n for n in read if read[n].op in partial]
+        self._partial += [n for n in big.dw if graph.get_tensor_by_name(n).op in partial and n not in self._partial]
+        read.update((n, graph.get_tensor_by_name(n)) for n in self._partial)
+        odd = [n for n in read if n not in self._batched + self._shared + self._partial]
         if odd:
             raise Unbatchable(f"the sums of W read {odd[0]}, which is {labels.get(odd[0])}")
-        frontier = [read[n].op for n in self._batched] + [graph.get_tensor_by_name(n).op for n in rows]
+        frontier = [read[n].op for n in self._batched + self._partial] + [graph.get_tensor_by_name(n).op for n in rows]
         self._examples = {op.name for op in _closure(frontier, inside)}
         self._wanted = list(read) + rows  # what each B hands over of its micro-batch
         self._sliced += rows  # a sparse gradient's rows, made example by example: concatenated
@@ -168,6 +177,7 @@ class BatchedW:
         """The weight gradients summed over the micro-batches ``envs`` (each after its B): W's sums, once."""
         env = {name: tf.concat([e[name] for e in envs], 0) for name in self._batched}
         env.update((name, envs[0][name]) for name in self._shared)
+        env.update((name, tf.add_n([e[name] for e in envs])) for name in self._partial)
         self._big.cut(("weights", "batched"), "weights", self._sums, self._big.dw)(env)
         env.update((name, tf.add_n([e[name] for e in envs])) for name in self._added)
         env.update((name, tf.concat([e[name] for e in envs], 0)) for name in self._sliced)
