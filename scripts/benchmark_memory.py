@@ -73,7 +73,8 @@ MAX_BUDGET_GIB = 6.0  # two concurrent probes at up to twice the budget must fit
 MODEL_TARGET = 0.25  # held-out points within 25% of the fitted GPipe model
 RATIO_TARGET = 3.0  # remat holds at least 3x the blocks of plain Keras under the budget
 RESULT = "RESULT "
-SCHEDULES = ("gpipe", "1f1b", "zero_bubble")  # as tfpipe.schedule.SCHEDULES, named before TensorFlow loads
+SCHEDULES = ("gpipe", "1f1b", "zero_bubble", "gpipe_batched_w")  # as tfpipe.schedule.SCHEDULES, before TF loads
+_TITLES = {"gpipe": "GPipe", "1f1b": "1F1B", "zero_bubble": "zero bubble", "gpipe_batched_w": "batched W"}
 
 
 # The child: one configuration, one process ---------------------------------------------------------
@@ -356,13 +357,15 @@ def _schedules(ms: list[int]) -> None:
         f"### Transient memory of one step by schedule: L={FLAGS.blocks} Transformer, K=2, remat='never', "
         + (f"micro-batches of {per} (batch {per} x M)" if per else f"batch {FLAGS.batch_size}"),
         "",
-        "| M | GPipe | 1F1B | zero bubble | 1F1B / GPipe | zero bubble / GPipe |",
-        "|---|---|---|---|---|---|",
-    ]
+        "| M | " + " | ".join(_TITLES[n] for n in SCHEDULES) + " | "
+        + " | ".join(f"{_TITLES[n]} / GPipe" for n in SCHEDULES[1:]) + " |",
+        "|---" * (2 * len(SCHEDULES)) + "|",
+    ]  # fmt: skip
     rows = []
     for m in ms:
-        gpipe, one, zero = (results[(name, m)]["transient"] for name in SCHEDULES)
-        lines.append(f"| {m} | {_mib(gpipe)} | {_mib(one)} | {_mib(zero)} | {one / gpipe:.2f} | {zero / gpipe:.2f} |")
+        sizes = [results[(name, m)]["transient"] for name in SCHEDULES]
+        cells = [_mib(b) for b in sizes] + [f"{b / sizes[0]:.2f}" for b in sizes[1:]]
+        lines.append(f"| {m} | " + " | ".join(cells) + " |")
         for name in SCHEDULES:
             r = results[(name, m)]
             rows.append({"schedule": name, "M": m, "batch": _schedules_batch(m), "before_bytes": r["before"],

@@ -72,8 +72,14 @@ flags.DEFINE_enum("remat", "except_last", ["always", "except_last", "never"], "R
 flags.DEFINE_enum(
     "schedule",
     "gpipe",
-    ["gpipe", "1f1b", "zero_bubble"],
-    "Task order: GPipe's, 1F1B (fewer activations held) or zero_bubble (1F1B's memory, a third of its bubble).",
+    ["gpipe", "1f1b", "zero_bubble", "gpipe_batched_w"],
+    "Task order: GPipe's, 1F1B (fewer activations held), zero_bubble (1F1B's memory, a third of its bubble) or "
+    "gpipe_batched_w (GPipe's, each cell's weight gradients once over all micro-batches; needs --remat=never).",
+)
+flags.register_multi_flags_validator(
+    ["schedule", "remat"],
+    lambda f: f["schedule"] != "gpipe_batched_w" or f["remat"] == "never",
+    "--schedule=gpipe_batched_w holds every micro-batch's activations until its weight gradients: use --remat=never.",
 )
 flags.DEFINE_integer(
     "replicas",

@@ -1,5 +1,7 @@
 """Data-parallel replicas of the pipeline: R x K cells train as one pipeline over the whole batch."""
 
+import warnings
+
 import keras
 import numpy as np
 import pytest
@@ -39,6 +41,21 @@ def test_replicas_train_like_plain_keras_on_the_whole_batch(schedule, m, n, rema
     _fit(plain, n)
     _fit(model, n)
     assert model.num_replicas == 2 and model.devices == GRID
+    assert max_rel_error(model.get_weights(), plain.get_weights()) < 1e-5
+
+
+def test_replicas_batch_their_own_weight_gradients_like_plain_keras():
+    keras.utils.set_random_seed(0)
+    plain = keras.Sequential([keras.Input((8,)), *mlp_layers()])
+    model = tfpipe.PipelineModel(mlp_layers(), num_partitions=2, devices=GRID, num_micro_batches=3, remat="never",
+                                 schedule="gpipe_batched_w")  # fmt: skip
+    model.build((None, 8))
+    model.set_weights(plain.get_weights())
+    _fit(plain, 13)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _fit(model, 13)
+    assert [str(w.message) for w in caught if "gpipe_batched_w" in str(w.message)] == []  # no cell fell back
     assert max_rel_error(model.get_weights(), plain.get_weights()) < 1e-5
 
 

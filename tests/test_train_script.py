@@ -55,12 +55,18 @@ def test_unet_a_functional_model_learns_the_segmentation_task():
     assert "Cut 2|3:" in proc.stdout  # the summary lists the tensors crossing each cut
 
 
-@pytest.mark.parametrize("schedule", ["1f1b", "zero_bubble"])
+@pytest.mark.parametrize("schedule", ["1f1b", "zero_bubble", "gpipe_batched_w"])
 def test_other_schedules_train_from_the_command_line(schedule):
     proc = _run(*TINY_TRANSFORMER, "--epochs=2", f"--schedule={schedule}", "--remat=never")
     assert proc.returncode == 0, proc.stderr[-2000:]
     start, final = _losses(proc.stdout)
     assert final < start and f"schedule='{schedule}'" in proc.stdout
+
+
+def test_batched_weight_gradients_need_remat_never_on_the_command_line():
+    proc = _run(*TINY_TRANSFORMER, "--schedule=gpipe_batched_w", "--remat=except_last")
+    assert proc.returncode != 0
+    assert "--schedule=gpipe_batched_w holds every micro-batch's activations" in proc.stderr
 
 
 def test_replicas_train_from_the_command_line():

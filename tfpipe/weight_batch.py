@@ -142,6 +142,7 @@ class BatchedW:
         Raises ``Unbatchable`` naming what keeps W from running once.
         """
         self._big = big
+        self._key = object()  # the parts cut for this W, cached in the split VJPs under it
         labels = _labels(smalls, big, shared)
         inside = big.ops("weights")
         self._added, self._sliced, rows = _check_results(big, labels, {t.name for op in inside for t in op.outputs})
@@ -171,14 +172,14 @@ class BatchedW:
         """B of one micro-batch (``small``'s): its input gradients and the per-example part of W."""
         graph = small._whole.graph
         ops = small.ops("inputs") | {graph.get_operation_by_name(name) for name in self._examples}
-        return small.cut(("inputs", "batched"), "inputs", ops, small.dx + self._wanted)
+        return small.cut(("inputs", self._key), "inputs", ops, small.dx + self._wanted)
 
     def run(self, envs: Sequence[dict[str, tf.Tensor]]) -> list[Any]:
         """The weight gradients summed over the micro-batches ``envs`` (each after its B): W's sums, once."""
         env = {name: tf.concat([e[name] for e in envs], 0) for name in self._batched}
         env.update((name, envs[0][name]) for name in self._shared)
         env.update((name, tf.add_n([e[name] for e in envs])) for name in self._partial)
-        self._big.cut(("weights", "batched"), "weights", self._sums, self._big.dw)(env)
+        self._big.cut(("weights", self._key), "weights", self._sums, self._big.dw)(env)
         env.update((name, tf.add_n([e[name] for e in envs])) for name in self._added)
         env.update((name, tf.concat([e[name] for e in envs], 0)) for name in self._sliced)
         for name in self._big.dw:
