@@ -17,7 +17,8 @@ tensor labelled:
 Anything else (batch statistics, an op it does not know) makes W run once per micro-batch.
 What works example by example (in a first cell, with no input gradient to take, the whole
 chain of activation gradients) runs in each micro-batch's B, so that only the sums wait
-for the last micro-batch.
+for the last micro-batch; so do plain sums over the examples (bias gradients), which gain
+nothing from more rows: W adds up each B's partial sums.
 """
 
 from __future__ import annotations
@@ -36,92 +37,24 @@ _SHAPE_OPS = ("Shape", "ShapeN")
 _PASS = ("Identity", "IdentityN", "StopGradient", "Snapshot", "Cast", "Neg")  # linear, one input, same layout
 _LINEAR_SUMS = ("Add", "AddV2", "AddN", "Sub", "BiasAdd")  # linear in all their inputs together
 # Ops that work element by element (with broadcasting): on batched inputs, still example by example.
-_ELEMENTWISE = frozenset(
-    [
-        "Abs",
-        "Add",
-        "AddN",
-        "AddV2",
-        "BiasAdd",
-        "Cast",
-        "DivNoNan",
-        "Elu",
-        "EluGrad",
-        "Equal",
-        "Erf",
-        "Exp",
-        "Expm1",
-        "Gelu",
-        "Greater",
-        "GreaterEqual",
-        "Identity",
-        "LeakyRelu",
-        "LeakyReluGrad",
-        "Less",
-        "LessEqual",
-        "Log",
-        "Log1p",
-        "LogicalAnd",
-        "LogicalNot",
-        "LogicalOr",
-        "Maximum",
-        "Minimum",
-        "Mul",
-        "MulNoNan",
-        "Neg",
-        "NotEqual",
-        "OnesLike",
-        "Pow",
-        "RealDiv",
-        "Reciprocal",
-        "ReciprocalGrad",
-        "Relu",
-        "Relu6",
-        "Relu6Grad",
-        "ReluGrad",
-        "Rsqrt",
-        "RsqrtGrad",
-        "Select",
-        "SelectV2",
-        "Selu",
-        "SeluGrad",
-        "Sigmoid",
-        "SigmoidGrad",
-        "Sign",
-        "Softplus",
-        "SoftplusGrad",
-        "Softsign",
-        "SoftsignGrad",
-        "Sqrt",
-        "SqrtGrad",
-        "Square",
-        "SquaredDifference",
-        "Sub",
-        "Tanh",
-        "TanhGrad",
-        "ZerosLike",
-    ]
-)
+# fmt: off
+_ELEMENTWISE = frozenset({
+    "Abs", "Add", "AddN", "AddV2", "BiasAdd", "Cast", "DivNoNan", "Elu", "EluGrad", "Equal", "Erf", "Exp", "Expm1",
+    "Gelu", "Greater", "GreaterEqual", "Identity", "LeakyRelu", "LeakyReluGrad", "Less", "LessEqual", "Log",
+    "Log1p", "LogicalAnd", "LogicalNot", "LogicalOr", "Maximum", "Minimum", "Mul", "MulNoNan", "Neg", "NotEqual",
+    "OnesLike", "Pow", "RealDiv", "Reciprocal", "ReciprocalGrad", "Relu", "Relu6", "Relu6Grad", "ReluGrad",
+    "Rsqrt", "RsqrtGrad", "Select", "SelectV2", "Selu", "SeluGrad", "Sigmoid", "SigmoidGrad", "Sign", "Softplus",
+    "SoftplusGrad", "Softsign", "SoftsignGrad", "Sqrt", "SqrtGrad", "Square", "SquaredDifference", "Sub", "Tanh",
+    "TanhGrad", "ZerosLike",
+})
+# fmt: on
 # Ops linear in their first input where the others are the same in every micro-batch.
-_LINEAR_IN_FIRST = frozenset(
-    [
-        "Sum",
-        "Mean",
-        "Reshape",
-        "ExpandDims",
-        "Squeeze",
-        "Transpose",
-        "Tile",
-        "StridedSlice",
-        "Slice",
-        "Pad",
-        "MatMul",
-        "BatchMatMul",
-        "BatchMatMulV2",
-        "BatchMatMulV3",
-        "Einsum",
-    ]
-)
+# fmt: off
+_LINEAR_IN_FIRST = frozenset({
+    "Sum", "Mean", "Reshape", "ExpandDims", "Squeeze", "Transpose", "Tile", "StridedSlice", "Slice", "Pad", "MatMul",
+    "BatchMatMul", "BatchMatMulV2", "BatchMatMulV3", "Einsum",
+})
+# fmt: on
 _PARTIAL_SUMS = ("Sum", "BiasAddGrad")  # sums over examples that each B takes of its own micro-batch
 _FILTER_GRADIENTS = ("Conv2DBackpropFilter", "Conv3DBackpropFilterV2", "DepthwiseConv2dNativeBackpropFilter")
 
