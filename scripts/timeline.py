@@ -208,7 +208,9 @@ def task_rows(events: list[Event], windows: list[tuple[int, int]], device_names:
         row = rows.get(key)
         if row is None:
             task = parse_task_name(ev.task) if ev.task else None
-            kind, cell, mb = (task.kind, task.cell, task.micro_batch) if task else ("", "", "")
+            kind, cell, mb = (
+                (task.kind, task.cell, schedule.micro_batch_name(task.micro_batch)) if task else ("", "", "")
+            )
             row = rows[key] = {
                 "step": step,
                 "device": device_names[ev.device],

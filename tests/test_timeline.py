@@ -79,6 +79,22 @@ def test_zero_bubble_draws_its_w_tasks_and_its_own_ideal(tmp_path):
     assert "of which W" in proc.stdout and 0 < _ideal_bubble(proc.stdout) < 1  # tiny cells: costs are noise
 
 
+def test_batched_w_draws_one_w_task_per_cell_counted_per_micro_batch(tmp_path):
+    from tfpipe import schedule
+    from tfpipe.tasks import task_scope_name
+
+    out = str(tmp_path / "bw")
+    proc = _smallest(out, "--schedule=gpipe_batched_w", "--remat=never")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    with open(out + ".csv") as f:
+        rows = list(csv.DictReader(f))
+    tasks = {r["task"] for r in rows if r["task"]}
+    assert {task_scope_name(t) for t in schedule.steps("gpipe_batched_w", 2, 2) if t.kind == "W"} <= tasks
+    assert {r["micro_batch"] for r in rows if r["task"] == "W_1_all"} == {"all"}
+    # The ideal counts an M-th of W(i, all) per micro-batch: "of which W" is per micro-batch.
+    assert "of which W" in proc.stdout and 0 < _ideal_bubble(proc.stdout) < 1
+
+
 def test_png_is_drawn(run):
     pytest.importorskip("matplotlib")
     proc, out = run
