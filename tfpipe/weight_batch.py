@@ -55,6 +55,15 @@ _LINEAR_IN_FIRST = frozenset({
     "BatchMatMul", "BatchMatMulV2", "BatchMatMulV3", "Einsum",
 })
 # fmt: on
+# Ops that work within each example (the batch is axis 0 of NHWC and NCHW alike), other inputs the same for all.
+# fmt: off
+_WITHIN_EXAMPLES = frozenset({
+    "Conv2D", "Conv3D", "DepthwiseConv2dNative", "Conv2DBackpropInput", "Conv3DBackpropInputV2",
+    "DepthwiseConv2dNativeBackpropInput", "MaxPool", "MaxPoolGrad", "AvgPool", "AvgPoolGrad", "MaxPool3D",
+    "MaxPool3DGrad", "AvgPool3D", "AvgPool3DGrad", "ResizeNearestNeighbor", "ResizeNearestNeighborGrad",
+    "ResizeBilinear", "ResizeBilinearGrad", "Softmax", "LogSoftmax",
+})
+# fmt: on
 _PARTIAL_SUMS = ("Sum", "BiasAddGrad")  # sums over examples that each B takes of its own micro-batch
 _FILTER_GRADIENTS = ("Conv2DBackpropFilter", "Conv3DBackpropFilterV2", "DepthwiseConv2dNativeBackpropFilter")
 
@@ -122,7 +131,8 @@ class BatchedW:
 
 
 def _per_example(op: tf.Operation, labels: dict[str, str]) -> bool:
-    return bool(op.outputs) and labels.get(op.outputs[0].name) in (BATCHED, COLUMNS, SHAPE)
+    """Whether every output of ``op`` is made example by example (a ShapeN of a weight too is not)."""
+    return bool(op.outputs) and all(labels.get(t.name) in (BATCHED, COLUMNS, SHAPE) for t in op.outputs)
 
 
 def _closure(ops: Sequence[tf.Operation], within: set[tf.Operation], stop=lambda op: False) -> set[tf.Operation]:
@@ -158,8 +168,13 @@ def _labels(smalls: Sequence[SplitVJP], big: SplitVJP, shared: set[str]) -> dict
             ins = [labels.get(t.name, CONST if t.op.type == "Const" else None) for t in op.inputs]
             if None in ins:
                 raise Unbatchable(f"W's op {op.name} reads a tensor W is not fed")
-            out = _label(op, ins, examples)
-            labels.update((t.name, out) for t in op.outputs)
+            if op.type == "ShapeN":  # one shape per input: each its own label
+                outs = [SHAPE if label == BATCHED else CONST if label in (CONST, SUMMED) else None for label in ins]
+                if None in outs:
+                    raise _fail(op, ins)
+            else:
+                outs = [_label(op, ins, examples)] * len(op.outputs)
+            labels.update((t.name, out) for t, out in zip(op.outputs, outs))
     return labels
 
 
@@ -307,6 +322,8 @@ def _label_shape(op: tf.Operation, ins: list[str], examples: int | None) -> str:
         return _reshaped(op, examples)
     if t in ("Fill", "BroadcastTo") and ins == ([SHAPE, CONST] if t == "Fill" else [CONST, SHAPE]):
         return BATCHED
+    if t in _WITHIN_EXAMPLES and ins[0] == SHAPE and set(ins[1:]) <= {BATCHED, CONST} and BATCHED in ins[1:]:
+        return BATCHED  # an input gradient given the input's shape (a convolution's, a pooling's)
     raise _fail(op, ins)
 
 
@@ -376,9 +393,7 @@ def _label_structured(op: tf.Operation, ins: list[str], examples: int | None) ->
         return _label_einsum(op, ins)
     elif t in _FILTER_GRADIENTS and ins == [BATCHED, CONST, BATCHED]:
         return SUMMED
-    elif (t in ("Conv2D", "Conv3D", "DepthwiseConv2dNative") and ins == [BATCHED, CONST]) or (
-        t in ("Softmax", "LogSoftmax") and (op.inputs[0].shape.rank or 0) >= 2
-    ):
+    elif t in _WITHIN_EXAMPLES and BATCHED in ins and set(ins) <= {BATCHED, CONST} and _keeps_examples(op):
         return BATCHED
     elif t == "UnsortedSegmentSum" and ins == [BATCHED, BATCHED, CONST]:
         return SUMMED
@@ -390,6 +405,11 @@ def _label_structured(op: tf.Operation, ins: list[str], examples: int | None) ->
     elif t == "StridedSliceGrad" and ins[4] == BATCHED and set(ins[:4]) <= {CONST} and _keeps_rows(op, 3):
         return BATCHED
     raise _fail(op, ins)
+
+
+def _keeps_examples(op: tf.Operation) -> bool:
+    """Whether an op of ``_WITHIN_EXAMPLES`` leaves axis 0 alone: a softmax needs an axis beside it."""
+    return op.type not in ("Softmax", "LogSoftmax") or (op.inputs[0].shape.rank or 0) >= 2
 
 
 def _layout_keeps_rows(op: tf.Operation, ins: list[str]) -> bool:
