@@ -4,6 +4,8 @@ When a change makes one pass, pytest reports XPASS as a failure: remove the mark
 the limitation from README.
 """
 
+import warnings
+
 import keras
 import numpy as np
 import pytest
@@ -73,3 +75,20 @@ def test_seed_states_live_on_their_cells_device():
     model.build((None, 3))
     (seed,) = state.seed_states(model.pipeline_layers)
     assert seed.value.device.endswith("CPU:1")
+
+
+@pytest.mark.xfail(
+    strict=True,
+    raises=UserWarning,
+    reason="BatchNormalization's weight gradients read each micro-batch's own statistics, so a cell "
+    "with it takes its weight gradients per micro-batch under schedule='gpipe_batched_w'",
+)
+def test_a_batchnorm_cell_batches_its_weight_gradients():
+    x, y = _data()
+    layers = [keras.layers.Dense(8), keras.layers.BatchNormalization(), keras.layers.Dense(1)]
+    model = tfpipe.PipelineModel(layers, balance=[2, 1], devices=cpu_devices(2), num_micro_batches=2,
+                                 remat="never", schedule="gpipe_batched_w")  # fmt: skip
+    model.compile(optimizer="sgd", loss="mse")
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*gpipe_batched_w.*", category=UserWarning)
+        model.fit(x, y, batch_size=8, epochs=1, verbose=0)
