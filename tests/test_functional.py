@@ -8,14 +8,8 @@ import pytest
 import tensorflow as tf
 
 import tfpipe
-from models.unet import unet
-from tests.util import cpu_devices, max_rel_error, per_layer_error
+from tests.util import cpu_devices, max_rel_error, per_layer_error, small_unet
 from tfpipe import _compat, functional
-
-
-def _unet():
-    keras.utils.set_random_seed(3)
-    return unet((16, 16, 3), output_channels=2, depth=2, num_convs=1, base_channels=4, batch_norm=False)
 
 
 def _two_inputs():
@@ -59,7 +53,7 @@ def _fit_both(make, k, m, n, balance=None, compile_args=None, epochs=2):
 @pytest.mark.parametrize("k", [2, 4])
 def test_unet_with_skips_across_every_cell_trains_like_the_model(k):
     balance = [6, 6] if k == 2 else [3, 3, 3, 3]  # 12 nodes; at K=4 the first skip goes from cell 0 to 3
-    reference, model, x, _ = _fit_both(_unet, k, m=3, n=7, balance=balance)  # 7 = 3 + 2 + 2: uneven
+    reference, model, x, _ = _fit_both(small_unet, k, m=3, n=7, balance=balance)  # 7 = 3 + 2 + 2: uneven
     assert max_rel_error(model.get_weights(), reference.get_weights()) < 1e-5
     np.testing.assert_allclose(model.predict(x, verbose=0), reference.predict(x, verbose=0), rtol=1e-5, atol=1e-6)
     routes = model._pipeline.routes  # noqa: SLF001 - where each skip goes
@@ -243,7 +237,7 @@ def test_to_functional_gives_the_graph_back():
 
 
 def test_summary_lists_the_tensors_crossing_each_cut():
-    model = tfpipe.PipelineModel(_unet(), balance=[3, 3, 3, 3], devices=cpu_devices(4))
+    model = tfpipe.PipelineModel(small_unet(), balance=[3, 3, 3, 3], devices=cpu_devices(4))
     lines = []
     model.summary(print_fn=lines.append)
     cuts = [line for line in lines if line.startswith("Cut ")]
@@ -254,7 +248,7 @@ def test_summary_lists_the_tensors_crossing_each_cut():
 
 
 def test_crossing_bytes_feed_the_balance():
-    graph = functional.Graph(_unet())
+    graph = functional.Graph(small_unet())
     live = graph.live_bytes()
     assert len(live) == len(graph.nodes) and min(live) > 0
     # The first skip (16x16x4 float32) is live across every cut until the concatenation that reads it.
@@ -263,15 +257,15 @@ def test_crossing_bytes_feed_the_balance():
 
 
 def test_balance_functions_count_the_nodes_of_a_functional_model():
-    x, _ = _data(_unet(), 4)
-    split, costs = tfpipe.balance.by_flops(_unet(), 3, x, return_costs=True)
+    x, _ = _data(small_unet(), 4)
+    split, costs = tfpipe.balance.by_flops(small_unet(), 3, x, return_costs=True)
     assert len(costs) == 12 and sum(split) == 12
-    assert split == tfpipe.PipelineModel(_unet(), num_partitions=3, devices=cpu_devices(3)).balance
-    assert sum(tfpipe.balance.by_params(_unet(), 2)) == 12
+    assert split == tfpipe.PipelineModel(small_unet(), num_partitions=3, devices=cpu_devices(3)).balance
+    assert sum(tfpipe.balance.by_params(small_unet(), 2)) == 12
 
 
 def test_unroll_false_falls_back_to_unrolled_for_a_graph_with_skips():
-    reference, own = _unet(), _unet()
+    reference, own = small_unet(), small_unet()
     model = tfpipe.PipelineModel(own, balance=[6, 6], devices=cpu_devices(2), num_micro_batches=2, unroll=False)
     x, y = _data(reference, 4)
     reference.compile(optimizer="sgd", loss="mse")

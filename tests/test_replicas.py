@@ -8,8 +8,7 @@ import pytest
 import tensorflow as tf
 
 import tfpipe
-from models.unet import unet
-from tests.util import max_rel_error, mlp_layers, per_layer_error, stateful_layers
+from tests.util import max_rel_error, mlp_layers, per_layer_error, small_unet, stateful_layers, unet_data
 
 GRID = [["/CPU:0", "/CPU:1"], ["/CPU:2", "/CPU:3"]]  # R=2 replicas of K=2 cells
 
@@ -118,14 +117,9 @@ def test_replicas_are_one_pipeline_over_r_x_m_micro_batches_with_dropout_and_bat
 
 
 def test_replicas_of_a_functional_graph_with_skips_train_like_it():
-    def make():
-        keras.utils.set_random_seed(3)
-        return unet((16, 16, 3), output_channels=2, depth=2, num_convs=1, base_channels=4, batch_norm=False)
-
-    plain = make()
-    model = tfpipe.PipelineModel(make(), balance=[6, 6], devices=GRID, num_micro_batches=2, remat="never")
-    rng = np.random.default_rng(0)
-    x, y = rng.normal(size=(7, 16, 16, 3)).astype("float32"), rng.normal(size=(7, 16, 16, 2)).astype("float32")
+    plain = small_unet()
+    model = tfpipe.PipelineModel(small_unet(), balance=[6, 6], devices=GRID, num_micro_batches=2, remat="never")
+    x, y = unet_data()
     for net in (plain, model):
         net.compile(optimizer="sgd", loss="mse")
         net.fit(x, y, batch_size=7, epochs=2, shuffle=False, verbose=0)

@@ -6,8 +6,7 @@ import pytest
 
 import tfpipe
 from models.transformer import transformer_lm
-from models.unet import unet
-from tests.util import cpu_devices, max_rel_error, mlp_layers, per_layer_error, stateful_layers
+from tests.util import cpu_devices, max_rel_error, mlp_layers, per_layer_error, small_unet, stateful_layers, unet_data
 
 
 def _data(n, seed=0):
@@ -66,14 +65,9 @@ def test_schedule_gives_gpipes_weights_with_dropout_and_batchnorm(schedule, rema
 
 @pytest.mark.parametrize("schedule", SCHEDULES)
 def test_schedule_trains_a_functional_unet_like_the_model(schedule):
-    def make():
-        keras.utils.set_random_seed(3)
-        return unet((16, 16, 3), output_channels=2, depth=2, num_convs=1, base_channels=4, batch_norm=False)
-
-    rng = np.random.default_rng(0)
-    x, y = rng.normal(size=(7, 16, 16, 3)).astype("float32"), rng.normal(size=(7, 16, 16, 2)).astype("float32")
-    reference = make()
-    model = tfpipe.PipelineModel(make(), balance=[3, 3, 3, 3], devices=cpu_devices(4), num_micro_batches=5,
+    x, y = unet_data()
+    reference = small_unet()
+    model = tfpipe.PipelineModel(small_unet(), balance=[3, 3, 3, 3], devices=cpu_devices(4), num_micro_batches=5,
                                  schedule=schedule)  # fmt: skip
     for net in (reference, model):
         net.compile(optimizer="sgd", loss="mse")

@@ -9,8 +9,7 @@ import tensorflow as tf
 
 import tfpipe
 from models.transformer import transformer_lm
-from models.unet import unet
-from tests.util import cpu_devices, max_rel_error, mlp_layers, per_layer_error, stateful_layers
+from tests.util import cpu_devices, max_rel_error, mlp_layers, per_layer_error, small_unet, stateful_layers, unet_data
 from tfpipe import split, weight_batch
 
 BATCHED_W = "gpipe_batched_w"
@@ -66,14 +65,9 @@ def test_batched_weight_gradients_train_a_transformer_like_gpipe():
 
 def test_batched_weight_gradients_train_a_functional_unet_like_the_model():
     # Convolutions (filter gradients, input gradients given a shape), pooling, upsampling, skips between cells.
-    def make():
-        keras.utils.set_random_seed(3)
-        return unet((16, 16, 3), output_channels=2, depth=2, num_convs=1, base_channels=4, batch_norm=False)
-
-    rng = np.random.default_rng(0)
-    x, y = rng.normal(size=(7, 16, 16, 3)).astype("float32"), rng.normal(size=(7, 16, 16, 2)).astype("float32")
-    reference = make()
-    model = tfpipe.PipelineModel(make(), balance=[3, 3, 3, 3], devices=cpu_devices(4), num_micro_batches=5,
+    x, y = unet_data()
+    reference = small_unet()
+    model = tfpipe.PipelineModel(small_unet(), balance=[3, 3, 3, 3], devices=cpu_devices(4), num_micro_batches=5,
                                  remat="never", schedule=BATCHED_W)  # fmt: skip
     _fit(reference, x, y)
     assert _fit(model, x, y) == []

@@ -27,6 +27,20 @@ def mlp_layers(width: int = 16, out: int = 3, depth: int = 4) -> list[keras.laye
     return layers
 
 
+def small_unet() -> keras.Model:
+    """A Functional U-Net on 16 x 16 x 3 images (two levels, skips, no BatchNorm), the same weights every call."""
+    from models.unet import unet
+
+    keras.utils.set_random_seed(3)
+    return unet((16, 16, 3), output_channels=2, depth=2, num_convs=1, base_channels=4, batch_norm=False)
+
+
+def unet_data(n: int = 7) -> tuple[np.ndarray, np.ndarray]:
+    """``n`` random images and targets for ``small_unet``."""
+    rng = np.random.default_rng(0)
+    return rng.normal(size=(n, 16, 16, 3)).astype("float32"), rng.normal(size=(n, 16, 16, 2)).astype("float32")
+
+
 def stateful_layers() -> list[keras.layers.Layer]:
     """Dense, BatchNormalization (moving statistics) and Dropout (seed state): every kind of state."""
     return [
