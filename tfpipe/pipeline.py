@@ -503,12 +503,11 @@ class Pipeline:
         there is nothing to batch."""
         i = task.cell
         if i not in step.batched:
-            records = [
-                record if k == task.micro_batch else step.records.get((i, k)) for k in range(self.num_micro_batches)
-            ]
+            # In GPipe's order every forward of the cell ran before its first B.
+            records = [record if k == task.micro_batch else step.records[(i, k)] for k in range(self.num_micro_batches)]
             # The last differentiated output is the added losses, whose gradient is the loss scale, step.scales[i].
-            n_out = len(_differentiated(records[-1].outputs))
-            cut = checkpoint.batch_weights(records, [False] * (n_out - 1) + [True]) if None not in records else None
+            n_out = len(_differentiated(record.outputs))
+            cut = checkpoint.batch_weights(records, [False] * (n_out - 1) + [True])
             if isinstance(cut, str):
                 if i not in self._unbatched:
                     self._unbatched.add(i)

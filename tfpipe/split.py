@@ -80,12 +80,17 @@ class SplitVJP:
         self.sparse = found["sparse"]  # positions among the weight gradients that are slices
         graph = self._whole.graph
         placeholders = {graph.get_tensor_by_name(name).op for name in self.inputs + self.dys}
-        forward = _ancestors(graph.get_tensor_by_name(n) for n in self.outputs if n is not None) - placeholders
-        backward = _ancestors(graph.get_tensor_by_name(n) for n in self.dx) - forward - placeholders
-        weights = _ancestors(graph.get_tensor_by_name(n) for n in self.dw) - forward - backward - placeholders
+        forward = ancestors(graph.get_tensor_by_name(n) for n in self.outputs if n is not None) - placeholders
+        backward = ancestors(graph.get_tensor_by_name(n) for n in self.dx) - forward - placeholders
+        weights = ancestors(graph.get_tensor_by_name(n) for n in self.dw) - forward - backward - placeholders
         self._sets = {"forward": forward, "backward": backward, "weights": weights, "inputs": placeholders}
         self._parts: dict[Any, _Part] = {}
         self._graph_def: Any = None
+
+    @property
+    def graph(self) -> tf.Graph:
+        """The traced graph of the forward and VJP, whose tensor names the parts and ``env`` use."""
+        return self._whole.graph
 
     def unpack(self, env: dict[str, tf.Tensor]) -> Any:
         """The outputs, as ``body`` returned them, from the tensors in ``env``."""
@@ -193,7 +198,7 @@ def _components(g: Any) -> list[tf.Tensor]:
     return [g]
 
 
-def _ancestors(tensors: Iterable[tf.Tensor]) -> set[tf.Operation]:
+def ancestors(tensors: Iterable[tf.Tensor]) -> set[tf.Operation]:
     """Every op that ``tensors`` depend on, by data or control edges, their own ops included."""
     seen: set[tf.Operation] = set()
     stack = [t.op for t in tensors]

@@ -15,9 +15,8 @@ PHASES = ("forward", "loss", "recompute", "backward", "accumulate", "transfer", 
 TRANSFER_TYPES = ("_Send", "_Recv", "_HostSend", "_HostRecv")  # op types that move tensors between devices
 
 _SCOPE = re.compile(r"([FBW])_(\d+)_(\d+|all)")
-_ACCUMULATE = re.compile(
-    r"^[BW]_\d+_(\d+|all)/(add|concat)(_\d+)?(/|$)"
-)  # summing a cell's gradients over micro-batches
+# Summing a cell's gradients over micro-batches.
+_ACCUMULATE = re.compile(r"^[BW]_\d+_(\d+|all)/(add|concat)(_\d+)?(/|$)")
 _SYMBOLIC = "gradients"  # the scope of tf.gradients' ops (zero bubble's split VJP: tfpipe/split.py)
 _TAPE = "gradient_tape/"  # tape gradients are named after their forward ops: "gradient_tape/F_1_3/..."
 _OPTIMIZERS = ("sgd", "adam", "adamw", "rmsprop", "adagrad", "lamb", "lion")

@@ -29,7 +29,7 @@ from typing import Any
 
 import tensorflow as tf
 
-from tfpipe.split import SplitVJP
+from tfpipe.split import SplitVJP, ancestors
 
 BATCHED, SUMMED, CONST, SHAPE, COLUMNS = "batched", "summed", "const", "shape", "columns"
 
@@ -88,7 +88,7 @@ class BatchedW:
         labels = _labels(smalls, big, shared)
         inside = big.ops("weights")
         self._added, self._sliced, rows = _check_results(big, labels, {t.name for op in inside for t in op.outputs})
-        graph = big._whole.graph
+        graph = big.graph
         results = [graph.get_tensor_by_name(n).op for n in big.dw if n not in rows]
         # A plain sum over the examples gains nothing from more rows, and concatenating its input costs a copy:
         # each B sums its own micro-batch, and W adds up those partial sums.
@@ -112,7 +112,7 @@ class BatchedW:
 
     def inputs_part(self, small: SplitVJP) -> Any:
         """B of one micro-batch (``small``'s): its input gradients and the per-example part of W."""
-        graph = small._whole.graph
+        graph = small.graph
         ops = small.ops("inputs") | {graph.get_operation_by_name(name) for name in self._examples}
         return small.cut(("inputs", self._key), "inputs", ops, small.dx + self._wanted)
 
@@ -155,12 +155,12 @@ def _labels(smalls: Sequence[SplitVJP], big: SplitVJP, shared: set[str]) -> dict
         part = small.part("weights", recompute=False)
         if part.feeds != whole.feeds or part.fetches != whole.fetches or small.dw != big.dw:
             raise Unbatchable("the cell traced with the rows of all micro-batches reads or makes other tensors in W")
-    graph_b = big._whole.graph
-    rows = [graph_b.get_tensor_by_name(name).shape for name in big.inputs[:1]]
-    examples = rows[0][0] if rows and rows[0].rank else None  # the first source's rows: one per example
+    graph_b = big.graph
+    first = graph_b.get_tensor_by_name(big.inputs[0]).shape if big.inputs else None
+    examples = first[0] if first is not None and first.rank else None  # the first source's rows: one per example
     labels: dict[str, str] = {}
     for name in whole.feeds:
-        small = [s._whole.graph.get_tensor_by_name(name) for s in smalls]
+        small = [s.graph.get_tensor_by_name(name) for s in smalls]
         labels[name] = _feed_label(small, graph_b.get_tensor_by_name(name), shared)
     inside = big.ops("weights")
     for op in graph_b.get_operations():  # creation order: every op after its inputs
@@ -204,16 +204,7 @@ def _feed_label(smalls: Sequence[tf.Tensor], big: tf.Tensor, shared: set[str]) -
 
 def _made_from(tensor: tf.Tensor, inputs: set[str]) -> bool:
     """Whether ``tensor`` depends on no graph input but ``inputs`` (weights make the same copy in each micro-batch)."""
-    seen, stack = set(), [tensor.op]
-    while stack:
-        op = stack.pop()
-        if op in seen:
-            continue
-        seen.add(op)
-        if op.type == "Placeholder" and op.outputs[0].name not in inputs:
-            return False
-        stack.extend([t.op for t in op.inputs] + list(op.control_inputs))
-    return True
+    return all(op.type != "Placeholder" or op.outputs[0].name in inputs for op in ancestors([tensor]))
 
 
 def _value(tensor: tf.Tensor) -> list[int] | None:
@@ -283,16 +274,14 @@ def _label(op: tf.Operation, ins: list[str], examples: int | None) -> str:
     if SHAPE in kinds:
         return _label_shape(op, ins, examples)
     if t in _PASS:
-        return ins[0] if len(kinds) == 1 else _raise(_fail(op, ins))
+        if len(kinds) > 1:
+            raise _fail(op, ins)
+        return ins[0]
     if t in ("ZerosLike", "OnesLike"):
         return BATCHED if ins[0] == BATCHED else CONST
     if t in _ELEMENTWISE:
         return _label_elementwise(op, ins, kinds)
     return _label_structured(op, ins, examples)
-
-
-def _raise(error: Exception) -> str:
-    raise error
 
 
 def _label_elementwise(op: tf.Operation, ins: list[str], kinds: set[str]) -> str:
@@ -507,7 +496,7 @@ def _check_results(big: SplitVJP, labels: dict[str, str], inside: set[str]) -> t
                 rows += group[:2]
             continue  # else the same slices every time (positions), their values summed
         label = labels.get(group[0])
-        if label == SUMMED or label == CONST and _zeros(big._whole.graph.get_tensor_by_name(group[0])):
+        if label == SUMMED or label == CONST and _zeros(big.graph.get_tensor_by_name(group[0])):
             continue
         raise Unbatchable(f"the weight gradient {group[0]} is {label}, not a sum over the examples")
     return added, sliced, rows
