@@ -349,10 +349,8 @@ def _label_structured(op: tf.Operation, ins: list[str], examples: int | None) ->
     t, first = op.type, ins[0]
     if first == SUMMED and all(label == CONST for label in ins[1:]) and t in _LINEAR_IN_FIRST:
         return SUMMED
-    if t == "MatMul" and ins == [CONST, SUMMED]:
-        return SUMMED
-    if t in ("BatchMatMul", "BatchMatMulV2", "BatchMatMulV3") and ins == [CONST, SUMMED]:
-        return SUMMED
+    if t in ("MatMul", "BatchMatMul", "BatchMatMulV2", "BatchMatMulV3") and ins == [CONST, SUMMED]:
+        return SUMMED  # linear in the second factor too
     if t == "Einsum" and SUMMED in ins and ins.count(SUMMED) == 1 and set(ins) <= {SUMMED, CONST}:
         return SUMMED
     if t == "ConcatV2" and set(ins[:-1]) == {SUMMED} and ins[-1] == CONST:
