@@ -171,3 +171,16 @@ def test_dataset_batching_reads_the_batch_behind_batch_keeping_steps():
     assert _compat.dataset_batching(sliced.batch(8).take(3)) is None  # take may drop the remainder: unknown
     assert _compat.dataset_batching(sliced.filter(lambda a: True).batch(8)) is None  # unknown sample count
     assert _compat.dataset_batching(sliced) is None  # not batched
+
+
+def test_call_options_are_what_tensorflow_puts_on_its_call_ops():
+    @tf.function
+    def inner(x):
+        return x + 1.0
+
+    concrete = inner.get_concrete_function(tf.TensorSpec([2]))
+    graph = tf.Graph()
+    with graph.as_default():
+        concrete(tf.ones([2]))
+    (made,) = [op for op in graph.get_operations() if op.type.endswith("PartitionedCall")]
+    assert made.get_attr("config_proto") == _compat.call_options()

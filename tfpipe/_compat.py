@@ -183,3 +183,12 @@ def dataset_batching(dataset: tf.data.Dataset) -> tuple[int, int, bool] | None:
     if size is None or drop is None or samples < 0:  # unknown or infinite
         return None
     return samples, int(size), bool(drop)
+
+
+def call_options() -> bytes:
+    """The serialized ConfigProto that TensorFlow puts on a function call op it makes in a graph.
+
+    ``tfpipe.calls`` makes its call ops itself and gives them the same (the user's
+    Grappler settings reach the called bodies).
+    """
+    return _tf_context.context().function_call_options.config_proto_serialized

@@ -12,7 +12,7 @@ from typing import Any, NamedTuple
 import keras
 import tensorflow as tf
 
-from tfpipe import checkpoint, cpu_gradients, devices, state
+from tfpipe import calls, checkpoint, cpu_gradients, devices, state
 
 
 class Hung(NamedTuple):
@@ -207,7 +207,7 @@ class Cell:
         trace = self.traced(x, trainable, non_trainable, training)
         if trace is None:
             return self.run_inline(trainable, non_trainable, x, training)
-        return trace.apply(x, trainable, non_trainable)
+        return trace.apply(x, trainable, non_trainable, cheap=self.noinline and checkpoint.unrecorded())
 
     def traced(self, x: Any, trainable: Sequence[Any], non_trainable: Sequence[Any], training: bool) -> _Trace | None:
         """The cell traced for inputs like these (tensors or TensorSpecs), once per graph and signature.
@@ -277,10 +277,14 @@ class _Trace:
     y_leaves: list[int]  # positions of the tensor leaves in tf.nest.flatten(y)
     changed: list[int]  # indices of the non-trainable values that the cell assigns
 
-    def apply(self, x: Any, trainable: Sequence[tf.Tensor], non_trainable: Sequence[tf.Tensor]):
-        """Call the function: (outputs, new non-trainable values, added losses), as ``Cell.run_inline``."""
+    def apply(self, x: Any, trainable: Sequence[tf.Tensor], non_trainable: Sequence[tf.Tensor], cheap: bool = False):
+        """Call the function: (outputs, new non-trainable values, added losses), as ``Cell.run_inline``.
+
+        ``cheap``: as a call op that costs the build little but that no tape can differentiate (``tfpipe.calls``).
+        """
         xs = [tf.convert_to_tensor(t) for t in tf.nest.flatten(x) if t is not None]
-        outputs = self.function(*xs, *trainable, *non_trainable)
+        args = [*xs, *trainable, *non_trainable]
+        outputs = calls.call(self.function, args) if cheap else self.function(*args)
         n_y = len(self.y_leaves)
         flat_y: list[Any] = [None] * len(tf.nest.flatten(self.y))
         for position, t in zip(self.y_leaves, outputs[:n_y]):

@@ -23,13 +23,14 @@ from typing import Any, ContextManager
 
 import tensorflow as tf
 
+from tfpipe import calls, weight_batch
 from tfpipe import split as split_lib
-from tfpipe import weight_batch
 from tfpipe.tasks import GRADIENT_SUM, SPLIT_FORWARD, TRACED_VJP
 
 REMAT_MODES = ("always", "except_last", "never")
 
 _IN_VJP_TRACE: contextvars.ContextVar[bool] = contextvars.ContextVar("tfpipe_in_vjp_trace", default=False)
+_UNRECORDED: contextvars.ContextVar[bool] = contextvars.ContextVar("tfpipe_unrecorded", default=False)
 
 
 def _after(anchors: Sequence[tf.Tensor], tensors: Sequence[tf.Tensor]) -> list[tf.Tensor]:
@@ -66,6 +67,11 @@ def recomputes(remat: str, micro_batch: int, num_micro_batches: int) -> bool:
 def in_vjp_trace() -> bool:
     """Whether a ``TracedVJPs`` function is being traced here (a cell then runs its layers inline)."""
     return _IN_VJP_TRACE.get()
+
+
+def unrecorded() -> bool:
+    """Whether the forward being made here is one that no tape records (a recomputed micro-batch's)."""
+    return _UNRECORDED.get()
 
 
 def _differentiable(t: Any) -> bool:
@@ -139,7 +145,7 @@ class TracedVJPs:
             specs = [tf.TensorSpec(t.shape, t.dtype) for t in args]
             function = tf.function(body, autograph=False, experimental_attributes=self.attributes())
             traces[key] = _Traced(function.get_concrete_function(*specs), frozenset())
-        return list(traces[key].function(*args))
+        return self.call(traces[key].function, args)
 
     def wrap(self, function: Any, specs: Sequence[tf.TensorSpec], part: str) -> Any:
         """A part of a split VJP (``tfpipe.split``) as the function a task calls, inlined or not as the cell is.
@@ -155,6 +161,10 @@ class TracedVJPs:
             return tf.function(body, autograph=False, experimental_attributes=self.attributes()).get_concrete_function(
                 *specs
             )
+
+    def call(self, function: Any, args: Sequence[Any]) -> list[tf.Tensor]:
+        """Call a function traced here: as a cheap call op (``tfpipe.calls``) when not inlined."""
+        return calls.call(function, args) if self._noinline() else list(function(*args))
 
     def attributes(self) -> dict[str, Any] | None:
         """The tf.function attributes of a new trace: not inlined when the cell's forward is not."""
@@ -217,7 +227,11 @@ class Checkpoint:
             self._parts.part("forward", recompute=False)(self._env)
             self.outputs = self._parts.unpack(self._env)
         elif recompute:
-            self.outputs = fn(*self._sources, *self._extras)
+            token = _UNRECORDED.set(True)
+            try:
+                self.outputs = fn(*self._sources, *self._extras)
+            finally:
+                _UNRECORDED.reset(token)
         else:
             self._tape, self.outputs = self._record(self._sources, self._extras)
 
@@ -347,7 +361,7 @@ class Checkpoint:
             return outputs, dys, dx, dw
 
         traced.num_traces += 1
-        return split_lib.SplitVJP(body, self._specs(records), traced.wrap)
+        return split_lib.SplitVJP(body, self._specs(records), traced.wrap, traced.call)
 
     def _accumulate(self, result: list[Any], accumulate: Sequence[Any] | None) -> list[Any]:
         """``result`` with the gradients of the last ``len(accumulate)`` sources added to their running sums."""
@@ -407,7 +421,7 @@ class Checkpoint:
                 sums.append(running)
         args = self._sources + self._extras + grads_in + sums
         traced = self._traced.lookup(key, functools.partial(self._trace, select, output_grads, args, summed, n_acc))
-        outputs = iter(traced.function(*args))
+        outputs = iter(self._traced.call(traced.function, args))
         result: list[Any] = [None] * n_src
         for i in self._wanted:
             if i in traced.sparse:

@@ -14,7 +14,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import tensorflow as tf
 
-from tfpipe import devices, microbatch
+from tfpipe import calls, devices, microbatch
 from tfpipe.cell import hang
 from tfpipe.tasks import LOSS_FUNCTION
 
@@ -147,6 +147,7 @@ def _traced(
         function = tf.function(body, autograph=False, experimental_attributes=attributes)
         with devices.scope(device):
             loss_fn.traces[key] = function.get_concrete_function(*specs, tf.TensorSpec([], tf.float32))
-    loss, *grads = loss_fn.traces[key](*flat_y, *inputs, scale)
+    args = [*flat_y, *inputs, scale]
+    loss, *grads = calls.call(loss_fn.traces[key], args) if noinline else loss_fn.traces[key](*args)
     found = dict(zip(wanted, grads))
     return loss, [found.get(p) for p in at]

@@ -26,12 +26,13 @@ class _Part:
     function: Any  # a ConcreteFunction of the ``feeds`` returning the ``fetches`` (None if it has none)
     feeds: list[str]
     fetches: list[str]
+    call: Callable[[Any, list[tf.Tensor]], list[tf.Tensor]]  # how a task calls ``function`` on its arguments
 
     def __call__(self, env: dict[str, tf.Tensor]) -> list[tf.Tensor]:
         """Run it on the tensors in ``env``; its results join ``env`` under their names, and are returned."""
         if not self.fetches:  # nothing of it is needed: its results are the inputs themselves
             return []
-        outputs = list(self.function(*[env[name] for name in self.feeds]))
+        outputs = list(self.call(self.function, [env[name] for name in self.feeds]))
         env.update(zip(self.fetches, outputs))
         return outputs
 
@@ -48,13 +49,15 @@ class SplitVJP:
         body: Callable[..., tuple[Any, list[tf.Tensor], list[Any], list[Any]]],
         specs: Sequence[tf.TensorSpec],
         wrap: Callable[[Any, Sequence[tf.TensorSpec], str], Any],
+        call: Callable[[Any, list[tf.Tensor]], list[tf.Tensor]] = lambda function, args: list(function(*args)),
     ):
         """``body(*inputs)`` returns (outputs, output-gradient placeholders, input gradients, weight gradients).
 
         ``outputs`` is any nest of tensors and None; ``body`` makes a placeholder for the
         gradient of each output it differentiates. Weight gradients that are
         ``tf.IndexedSlices`` (embeddings) come back as three tensors. ``wrap(fn, specs, part)``
-        makes a part's function (a function of tensors) into the function the step graph calls.
+        makes a part's function (a function of tensors) into the function the step graph calls, and
+        ``call(function, args)`` calls that.
         """
         found: dict[str, Any] = {}
 
@@ -69,7 +72,7 @@ class SplitVJP:
             return [t for t in leaves if t is not None] + found["dx"] + found["dw"]
 
         self._whole = tf.compat.v1.wrap_function(traced, list(specs))
-        self._wrap = wrap
+        self._wrap, self._call = wrap, call
         self._template = found["template"]
         self.inputs = [t.name for t in self._whole.inputs]  # the sources and extras, in order
         self.dys = [t.name for t in found["dys"]]
@@ -163,7 +166,7 @@ class SplitVJP:
                 subgraph, input_map=dict(zip(feeds, flat)), return_elements=fetches, name=name
             )
 
-        return _Part(self._wrap(run, specs, name) if fetches else None, feeds, fetches)
+        return _Part(self._wrap(run, specs, name) if fetches else None, feeds, fetches, self._call)
 
     def _subgraph(self, ops: set[tf.Operation]) -> Any:
         """A GraphDef of just ``ops`` and the constants they read; other inputs come from ``input_map``.
