@@ -5,11 +5,13 @@ import tensorflow as tf
 
 from tfpipe import calls
 
+_NOINLINE = {"_noinline": True}  # how tfpipe marks the functions of cells it does not inline
 
-def _function():
+
+def _function(attributes=_NOINLINE):
     weight = tf.Variable([[2.0, 0.0], [1.0, 1.0]])  # captured: reaches the body as an extra input
 
-    @tf.function
+    @tf.function(experimental_attributes=attributes)
     def f(x, y):
         return [tf.matmul(x, weight) + y, tf.reduce_sum(x, axis=1)]
 
@@ -37,7 +39,7 @@ def test_call_gives_the_results_and_shapes_of_a_plain_call_and_skips_the_shape_w
 def test_a_stateful_body_gets_a_stateful_call_that_runs_every_time():
     counter = tf.Variable(0.0)
 
-    @tf.function
+    @tf.function(experimental_attributes=_NOINLINE)
     def bump(x):
         counter.assign_add(1.0)
         return [x * 2.0]
@@ -55,6 +57,20 @@ def test_a_stateful_body_gets_a_stateful_call_that_runs_every_time():
     (doubled,) = twice(tf.constant(3.0))
     assert float(doubled) == 6.0
     assert float(counter.numpy()) == 2.0
+
+
+def test_a_function_tensorflow_inlines_gets_the_usual_call_op():
+    function, _weight = _function(attributes=None)
+
+    @tf.function
+    def call(x, y):
+        made = calls.call(function, [x, y])
+        call_ops = [op for op in tf.compat.v1.get_default_graph().get_operations() if "PartitionedCall" in op.type]
+        assert len(call_ops) == 1
+        assert "_disable_call_shape_inference" not in call_ops[0].node_def.attr
+        return made
+
+    np.testing.assert_allclose(call(tf.ones([1, 2]), tf.zeros([2]))[0].numpy(), [[3.0, 1.0]])
 
 
 def test_eagerly_it_is_a_plain_call():

@@ -20,6 +20,14 @@ def _data(n=16, d=4, seed=0):
     return rng.standard_normal((n, d)).astype("float32"), rng.standard_normal((n, 1)).astype("float32")
 
 
+def _fit_two_cells(layers, balance, **options):
+    """One epoch of ``fit`` of ``layers`` as 2 cells on 2 devices, 2 micro-batches, on ``_data``."""
+    x, y = _data()
+    model = tfpipe.PipelineModel(layers, balance=balance, devices=cpu_devices(2), num_micro_batches=2, **options)
+    model.compile(optimizer="sgd", loss="mse")
+    model.fit(x, y, batch_size=8, epochs=1, verbose=0)
+
+
 @pytest.mark.xfail(
     strict=True,
     raises=ValueError,
@@ -27,11 +35,9 @@ def _data(n=16, d=4, seed=0):
     "across micro-batches; other assigned state is refused when M > 1",
 )
 def test_a_layer_assigning_other_state_trains_with_micro_batches():
-    x, y = _data()
-    layers = [keras.layers.Dense(8), keras.layers.BatchNormalization(renorm=True), keras.layers.Dense(1)]
-    model = tfpipe.PipelineModel(layers, balance=[2, 1], devices=cpu_devices(2), num_micro_batches=2)
-    model.compile(optimizer="sgd", loss="mse")
-    model.fit(x, y, batch_size=8, epochs=1, verbose=0)
+    _fit_two_cells(
+        [keras.layers.Dense(8), keras.layers.BatchNormalization(renorm=True), keras.layers.Dense(1)], balance=[2, 1]
+    )
 
 
 class _Tied(keras.layers.Layer):
@@ -51,16 +57,8 @@ class _Tied(keras.layers.Layer):
     reason="a variable used by two cells would get two gradients; tied weights must share a cell",
 )
 def test_weights_tied_across_cells_train_like_keras():
-    x, y = _data()
     dense = keras.layers.Dense(4, use_bias=False)
-    model = tfpipe.PipelineModel(
-        [dense, keras.layers.Activation("tanh"), _Tied(dense), keras.layers.Dense(1)],
-        balance=[2, 2],
-        devices=cpu_devices(2),
-        num_micro_batches=2,
-    )
-    model.compile(optimizer="sgd", loss="mse")
-    model.fit(x, y, batch_size=8, epochs=1, verbose=0)
+    _fit_two_cells([dense, keras.layers.Activation("tanh"), _Tied(dense), keras.layers.Dense(1)], balance=[2, 2])
 
 
 @pytest.mark.xfail(
@@ -84,11 +82,7 @@ def test_seed_states_live_on_their_cells_device():
     "with it takes its weight gradients per micro-batch under schedule='gpipe_batched_w'",
 )
 def test_a_batchnorm_cell_batches_its_weight_gradients():
-    x, y = _data()
     layers = [keras.layers.Dense(8), keras.layers.BatchNormalization(), keras.layers.Dense(1)]
-    model = tfpipe.PipelineModel(layers, balance=[2, 1], devices=cpu_devices(2), num_micro_batches=2,
-                                 remat="never", schedule="gpipe_batched_w")  # fmt: skip
-    model.compile(optimizer="sgd", loss="mse")
     with warnings.catch_warnings():
         warnings.filterwarnings("error", message=".*gpipe_batched_w.*", category=UserWarning)
-        model.fit(x, y, batch_size=8, epochs=1, verbose=0)
+        _fit_two_cells(layers, balance=[2, 1], remat="never", schedule="gpipe_batched_w")

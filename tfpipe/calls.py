@@ -8,7 +8,9 @@ shapes are known when it is traced, so the op made here carries
 ``_disable_call_shape_inference`` and gets those shapes set. It is the op TensorFlow
 makes otherwise, so the step runs the same.
 
-Only for calls that no tape differentiates: the op gets no gradient function.
+Only for calls that no tape differentiates: the op gets no gradient function. A
+function TensorFlow inlines (one not marked ``_noinline``) is called the usual way:
+inlining replaces its call op before the step runs.
 """
 
 from __future__ import annotations
@@ -22,7 +24,16 @@ from tensorflow.core.framework import attr_value_pb2
 
 from tfpipe import _compat
 
-_STATEFUL: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # function -> whether its body is stateful
+_FACTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # function -> (not inlined, stateful body)
+
+
+def _facts(function: Any) -> tuple[bool, bool]:
+    """Whether ``function`` is marked ``_noinline``, and whether its body is stateful; read once per function."""
+    if function not in _FACTS:
+        marked = function.function_def.attr.get("_noinline")
+        stateful = any(op.op_def.is_stateful for op in function.graph.get_operations())
+        _FACTS[function] = (marked is not None and marked.b, stateful)
+    return _FACTS[function]
 
 
 def _types(tensors: Sequence[tf.Tensor]) -> attr_value_pb2.AttrValue:
@@ -32,11 +43,10 @@ def _types(tensors: Sequence[tf.Tensor]) -> attr_value_pb2.AttrValue:
 
 
 def call(function: Any, args: Sequence[Any]) -> list[tf.Tensor]:
-    """``function(*args)`` for a ConcreteFunction with flat outputs, as one call op made without the shape walk."""
-    if tf.executing_eagerly():
+    """``function(*args)`` for a ConcreteFunction with flat outputs: one call op made without the shape walk
+    when ``function`` is not inlined, else the usual call."""
+    if tf.executing_eagerly() or not _facts(function)[0]:
         return list(function(*args))
-    if function not in _STATEFUL:
-        _STATEFUL[function] = any(op.op_def.is_stateful for op in function.graph.get_operations())
     graph = tf.compat.v1.get_default_graph()
     function.add_to_graph(graph)
     inputs = [tf.convert_to_tensor(a) for a in args] + list(function.captured_inputs)
@@ -49,7 +59,7 @@ def call(function: Any, args: Sequence[Any]) -> list[tf.Tensor]:
         "executor_type": attr_value_pb2.AttrValue(s=b""),
         "_disable_call_shape_inference": attr_value_pb2.AttrValue(b=True),
     }
-    op_type = "StatefulPartitionedCall" if _STATEFUL[function] else "PartitionedCall"
+    op_type = "StatefulPartitionedCall" if _facts(function)[1] else "PartitionedCall"
     op = graph.create_op(op_type, inputs, [t.dtype for t in outputs], name=op_type, attrs=attrs)
     for out, like in zip(op.outputs, outputs):
         out.set_shape(like.shape)

@@ -207,7 +207,7 @@ class Cell:
         trace = self.traced(x, trainable, non_trainable, training)
         if trace is None:
             return self.run_inline(trainable, non_trainable, x, training)
-        return trace.apply(x, trainable, non_trainable, cheap=self.noinline and checkpoint.unrecorded())
+        return trace.apply(x, trainable, non_trainable, cheap=checkpoint.unrecorded())
 
     def traced(self, x: Any, trainable: Sequence[Any], non_trainable: Sequence[Any], training: bool) -> _Trace | None:
         """The cell traced for inputs like these (tensors or TensorSpecs), once per graph and signature.
@@ -280,7 +280,8 @@ class _Trace:
     def apply(self, x: Any, trainable: Sequence[tf.Tensor], non_trainable: Sequence[tf.Tensor], cheap: bool = False):
         """Call the function: (outputs, new non-trainable values, added losses), as ``Cell.run_inline``.
 
-        ``cheap``: as a call op that costs the build little but that no tape can differentiate (``tfpipe.calls``).
+        ``cheap``: no tape differentiates this call, so it may be made the way that costs the build
+        less (``tfpipe.calls``).
         """
         xs = [tf.convert_to_tensor(t) for t in tf.nest.flatten(x) if t is not None]
         args = [*xs, *trainable, *non_trainable]

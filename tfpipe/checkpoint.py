@@ -145,7 +145,7 @@ class TracedVJPs:
             specs = [tf.TensorSpec(t.shape, t.dtype) for t in args]
             function = tf.function(body, autograph=False, experimental_attributes=self.attributes())
             traces[key] = _Traced(function.get_concrete_function(*specs), frozenset())
-        return self.call(traces[key].function, args)
+        return calls.call(traces[key].function, args)
 
     def wrap(self, function: Any, specs: Sequence[tf.TensorSpec], part: str) -> Any:
         """A part of a split VJP (``tfpipe.split``) as the function a task calls, inlined or not as the cell is.
@@ -161,10 +161,6 @@ class TracedVJPs:
             return tf.function(body, autograph=False, experimental_attributes=self.attributes()).get_concrete_function(
                 *specs
             )
-
-    def call(self, function: Any, args: Sequence[Any]) -> list[tf.Tensor]:
-        """Call a function traced here: as a cheap call op (``tfpipe.calls``) when not inlined."""
-        return calls.call(function, args) if self._noinline() else list(function(*args))
 
     def attributes(self) -> dict[str, Any] | None:
         """The tf.function attributes of a new trace: not inlined when the cell's forward is not."""
@@ -361,7 +357,7 @@ class Checkpoint:
             return outputs, dys, dx, dw
 
         traced.num_traces += 1
-        return split_lib.SplitVJP(body, self._specs(records), traced.wrap, traced.call)
+        return split_lib.SplitVJP(body, self._specs(records), traced.wrap, calls.call)
 
     def _accumulate(self, result: list[Any], accumulate: Sequence[Any] | None) -> list[Any]:
         """``result`` with the gradients of the last ``len(accumulate)`` sources added to their running sums."""
@@ -421,7 +417,7 @@ class Checkpoint:
                 sums.append(running)
         args = self._sources + self._extras + grads_in + sums
         traced = self._traced.lookup(key, functools.partial(self._trace, select, output_grads, args, summed, n_acc))
-        outputs = iter(self._traced.call(traced.function, args))
+        outputs = iter(calls.call(traced.function, args))
         result: list[Any] = [None] * n_src
         for i in self._wanted:
             if i in traced.sparse:

@@ -147,7 +147,6 @@ def _traced(
         function = tf.function(body, autograph=False, experimental_attributes=attributes)
         with devices.scope(device):
             loss_fn.traces[key] = function.get_concrete_function(*specs, tf.TensorSpec([], tf.float32))
-    args = [*flat_y, *inputs, scale]
-    loss, *grads = calls.call(loss_fn.traces[key], args) if noinline else loss_fn.traces[key](*args)
+    loss, *grads = calls.call(loss_fn.traces[key], [*flat_y, *inputs, scale])
     found = dict(zip(wanted, grads))
     return loss, [found.get(p) for p in at]
