@@ -8,6 +8,7 @@ L under a budget. The method, in full: docs/benchmarks.md, "Memory: GPipe Table 
     python scripts/benchmark_memory.py --out=docs/memory            # also write .csv and .md
     python scripts/benchmark_memory.py --max_blocks=32              # the full remat search (about 20 min)
     python scripts/benchmark_memory.py --schedules --table_micro_batches=2,4,8,16   # GPipe, 1F1B, zero bubble; K=2
+    python scripts/benchmark_memory.py --device_type=GPU --budget_gib=4    # on the first GPU (two logical ones for K=2)
 """
 
 from __future__ import annotations
@@ -66,6 +67,15 @@ flags.DEFINE_integer(
     "--batch_size at every M), so that what a schedule holds per micro-batch stays the same.",
     lower_bound=1,
 )
+flags.DEFINE_enum(
+    "device_type",
+    "CPU",
+    ["CPU", "GPU"],
+    "Where the models train: the CPU (BFC allocator) or the first GPU; K=2 splits it into two logical devices.",
+)
+flags.DEFINE_integer(
+    "gpu_memory_mib", 16384, "With --device_type=GPU and --schedules: memory of each logical GPU.", lower_bound=1024
+)
 flags.DEFINE_string("_child", None, "Internal: measure the JSON configuration in this process.")
 
 GIB, MIB = 1 << 30, 1 << 20
@@ -87,9 +97,12 @@ def measure(config: dict[str, Any]) -> dict[str, int]:
     import tfpipe
     from models.transformer import transformer_lm
 
+    kind = config["device_type"]
     if config["model"] in SCHEDULES:  # two cells on two logical devices, before TensorFlow starts
-        cpu = tf.config.list_physical_devices("CPU")[0]
-        tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
+        physical = tf.config.list_physical_devices(kind)[0]
+        limit = config["gpu_memory_mib"] if kind == "GPU" else None  # logical GPUs need one; CPUs take none
+        tf.config.set_logical_device_configuration(physical, [tf.config.LogicalDeviceConfiguration(limit)] * 2)
+    used = [f"{kind}:0", f"{kind}:1"] if config["model"] in SCHEDULES and kind == "GPU" else [f"{kind}:0"]
     keras.utils.set_random_seed(config["seed"])
     dim = config["dim"]
     layers = transformer_lm(config["vocab"], config["seq_len"], config["blocks"], dim, 4 * dim, config["heads"])
@@ -101,7 +114,7 @@ def measure(config: dict[str, Any]) -> dict[str, int]:
         model = tfpipe.PipelineModel(
             layers,
             num_partitions=2,
-            devices=["/CPU:0", "/CPU:1"],
+            devices=[f"/{kind}:0", f"/{kind}:1"],
             num_micro_batches=config["m"],
             remat="never",
             schedule=config["model"],
@@ -109,17 +122,20 @@ def measure(config: dict[str, Any]) -> dict[str, int]:
         model.compile(optimizer=keras.optimizers.Adam(1e-3), loss=loss)
     else:
         model = tfpipe.PipelineModel(
-            layers, balance=[len(layers)], devices=["/CPU:0"], num_micro_batches=config["m"], remat="always"
+            layers, balance=[len(layers)], devices=[f"/{kind}:0"], num_micro_batches=config["m"], remat="always"
         )
         model.compile(optimizer=keras.optimizers.Adam(1e-3), loss=loss)
     rng = np.random.default_rng(config["seed"])
     x = rng.integers(0, config["vocab"], size=(config["batch_size"], config["seq_len"])).astype("int32")
     data = tf.data.Dataset.from_tensors((x, np.roll(x, -1, axis=1)))  # one batch, made before measuring
-    model.fit(data, epochs=1, verbose=0, shuffle=False)  # traces; creates the optimizer's slots
-    before = tf.config.experimental.get_memory_info("CPU:0")["current"]
-    tf.config.experimental.reset_memory_stats("CPU:0")
-    model.fit(data, epochs=1, verbose=0, shuffle=False)
-    info = tf.config.experimental.get_memory_info("CPU:0")
+    with tf.device(f"/{kind}:0"):  # plain Keras' step too (on a GPU machine it would pick the GPU itself)
+        model.fit(data, epochs=1, verbose=0, shuffle=False)  # traces; creates the optimizer's slots
+        before = sum(tf.config.experimental.get_memory_info(d)["current"] for d in used)
+        for d in used:
+            tf.config.experimental.reset_memory_stats(d)
+        model.fit(data, epochs=1, verbose=0, shuffle=False)
+    # Logical CPUs share one allocator; logical GPUs have one each, whose peaks are summed (an upper bound)
+    info = {"peak": sum(tf.config.experimental.get_memory_info(d)["peak"] for d in used)}
     if info["peak"] <= 0:
         raise RuntimeError(
             "get_memory_info('CPU:0') reports no bytes: TensorFlow started without "
@@ -174,13 +190,18 @@ class Probes:
             "batch_size": batch,
             "vocab": FLAGS.vocab,
             "seed": FLAGS.seed,
+            "device_type": FLAGS.device_type,
+            "gpu_memory_mib": FLAGS.gpu_memory_mib,
         }
         began = time.perf_counter()
         proc = subprocess.run(
             [sys.executable, os.path.abspath(__file__), f"--_child={json.dumps(config)}"],
             capture_output=True,
             text=True,
-            env=dict(os.environ, TF_CPU_ALLOCATOR_USE_BFC="true", TF_CPP_MIN_LOG_LEVEL="3"),
+            # growth: children running at once share the GPU instead of the first taking all of its memory
+            env=dict(
+                os.environ, TF_CPU_ALLOCATOR_USE_BFC="true", TF_CPP_MIN_LOG_LEVEL="3", TF_FORCE_GPU_ALLOW_GROWTH="true"
+            ),
         )
         lines = [line for line in proc.stdout.splitlines() if line.startswith(RESULT)]
         if proc.returncode != 0 or not lines:

@@ -6,7 +6,7 @@ seed (so all three start from identical weights, which the script checks):
 
 - ``plain``:  ``keras.Sequential(layers)``, compiled with ``jit_compile=False``;
 - ``never``:  ``tfpipe.PipelineModel(layers, balance=[len(layers)], num_micro_batches=1,
-  remat="never")``, i.e. K=1, M=1, on /CPU:0;
+  remat="never")``, i.e. K=1, M=1, on ``--device`` (default /CPU:0; plain Keras runs there too);
 - ``always``: the same with ``remat="always"`` (the one cell is recomputed in the backward).
 
 Both sides run graph mode without XLA: tfpipe always compiles with
@@ -26,6 +26,7 @@ whose backward costs about two, i.e. about +33%, so that target has little slack
 
     python scripts/benchmark_overhead.py                          # 4 blocks, dim 128, seq 32, batch 32
     python scripts/benchmark_overhead.py --repeats=9 --out=docs/overhead   # also write .csv and .md
+    python scripts/benchmark_overhead.py --device=/GPU:0                  # all three on a GPU
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ flags.DEFINE_integer(
 )
 flags.DEFINE_integer("seed", 0, "Seed for the weights and the data.")
 flags.DEFINE_string("out", None, "Write the rounds and the summary to OUT.csv and OUT.md.")
+flags.DEFINE_string("device", "/CPU:0", "The device all three models train on, such as /CPU:0 or /GPU:0.")
 
 VARIANTS = ("plain", "never", "always")
 OVERHEAD_TARGET = 0.05  # PipelineModel(K=1, M=1, remat=never) at most 5% slower than plain Keras
@@ -97,7 +99,7 @@ def build_model(variant: str, sample: Any) -> Any:
         model(sample)  # builds every layer now, right after the seed, drawing the weights in layer order
     else:
         model = tfpipe.PipelineModel(
-            layers, balance=[len(layers)], devices=["/CPU:0"], num_micro_batches=1, remat=variant
+            layers, balance=[len(layers)], devices=[FLAGS.device], num_micro_batches=1, remat=variant
         )
         model.compile(optimizer=keras.optimizers.Adam(1e-3), loss=loss)
         model.build(sample)
@@ -124,7 +126,14 @@ def main(argv: list[str]) -> None:
     """Build and trace the three models, time them in alternating rounds, print and write the table."""
     del argv
     _validate_flags()
+    import tensorflow as tf
 
+    with tf.device(FLAGS.device):  # plain Keras' steps are traced under it, so they run where the cell does
+        _run()
+
+
+def _run() -> None:
+    """Build, trace and time the three models on the current device; print and write the table."""
     x, y = _data()
     models = {v: build_model(v, x[: FLAGS.batch_size]) for v in VARIANTS}
     same = _same_weights(models)
@@ -139,8 +148,8 @@ def main(argv: list[str]) -> None:
         )
     print(
         f"Transformer: {FLAGS.blocks} blocks, dim {FLAGS.dim}, {FLAGS.heads} heads, seq {FLAGS.seq_len}, "
-        f"batch {FLAGS.batch_size}, vocab {FLAGS.vocab}; {FLAGS.steps} timed steps per model per round after "
-        f"{FLAGS.warmup} warm-up; "
+        f"batch {FLAGS.batch_size}, vocab {FLAGS.vocab}; on {FLAGS.device}; "
+        f"{FLAGS.steps} timed steps per model per round after {FLAGS.warmup} warm-up; "
         f"identical initial weights: {'yes' if same else 'NO'}",
         flush=True,
     )

@@ -1,8 +1,16 @@
-"""Test setup: split the CPU into 4 logical devices before TensorFlow initializes."""
+"""Test setup: hide GPUs, and split the CPU into 4 logical devices before TensorFlow initializes.
+
+The tests put cells on logical CPU devices and compare them with plain Keras references. On a
+machine with a GPU, TensorFlow would run every op not pinned to a cell (the references) on the
+GPU, and the tests would compare CPU arithmetic with GPU arithmetic. So the suite, and every
+process it starts, sees no GPU; tests/test_gpu.py gives them back to its own processes.
+"""
 
 import os
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+os.environ.setdefault("TFPIPE_TEST_CUDA_VISIBLE_DEVICES", os.environ.get("CUDA_VISIBLE_DEVICES", "unset"))
+os.environ["CUDA_VISIBLE_DEVICES"] = ""
 
 import tensorflow as tf  # noqa: E402
 

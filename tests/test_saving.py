@@ -178,3 +178,27 @@ def test_to_sequential_shares_by_default_and_copies_on_request():
 
     unbuilt = tfpipe.PipelineModel(mlp_layers(), num_partitions=2, devices=cpu_devices(2))
     assert not unbuilt.to_sequential().built
+
+
+def test_models_sharing_weights_on_several_devices_predict_where_keras_would_pick_xla(monkeypatch):
+    # On a machine with a GPU, Keras' jit_compile="auto" means XLA, which cannot read a variable on another device.
+    monkeypatch.setattr(keras.Model, "_resolve_auto_jit_compile", lambda self: True)
+    keras.utils.set_random_seed(0)
+    x, _ = _data(seed=5)
+    sequential = keras.Sequential(mlp_layers())  # unbuilt: the pipeline builds its layers on the cells' devices
+    inputs = keras.Input((5,))
+    functional = keras.Model(inputs, keras.layers.Dense(3)(keras.layers.Dense(4, activation="tanh")(inputs)))
+    one_device = keras.Sequential([keras.Input((5,)), *mlp_layers()])
+    assert sequential.jit_compile and functional.jit_compile  # the default on a GPU machine, as patched
+
+    pipelines = [
+        tfpipe.PipelineModel.from_sequential(sequential, copy=False, num_partitions=2, devices=cpu_devices(2)),
+        tfpipe.PipelineModel(functional, num_partitions=2, devices=cpu_devices(2)),
+    ]
+    want = [pipelined.predict(x, verbose=0) for pipelined in pipelines]
+    for own, expected in zip([sequential, functional, pipelines[0].to_sequential()], want + want[:1]):
+        assert len({v.value.device for v in own.weights}) == 2 and own.jit_compile is False
+        np.testing.assert_allclose(own.predict(x, verbose=0), expected, rtol=1e-6, atol=1e-6)
+
+    tfpipe.PipelineModel.from_sequential(one_device, copy=False, num_partitions=2, devices=["/CPU:0", "/CPU:0"])
+    assert one_device.jit_compile is True  # all its weights on one device: XLA can have them

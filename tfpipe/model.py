@@ -115,6 +115,9 @@ class PipelineModel(keras.Model):
             raise ValueError(f"schedule={schedule!r} needs unroll=True; unroll=False runs GPipe's clock cycles.")
         replica_devices = devices_lib.resolve_replicas(devices, num_cells)
         super().__init__(**kwargs)
+        # XLA would compile the pipeline for one device (see compile); Keras' "auto" means XLA wherever a GPU
+        # is, for an uncompiled model's predict too
+        self.jit_compile = False
         self.pipeline_layers = layers_  # tracked first, so weights are ordered as in keras.Sequential
         self._graph = graph  # a Functional model's nodes, or None for a layer sequence
         self._cost = cost
@@ -140,6 +143,8 @@ class PipelineModel(keras.Model):
         if graph is not None:  # its layers are built: so is this model, for the graph's inputs
             self._move_graph_variables()
             self.build(graph.model.input)
+        if isinstance(layers, keras.Model):  # the user's model keeps these layers, and so their devices
+            saving.keep_off_xla(layers, self._devices)
 
     def _make_pipeline(self, cell_sizes: Sequence[int]) -> None:
         self._balance = [int(n) for n in cell_sizes]
@@ -520,7 +525,10 @@ class PipelineModel(keras.Model):
                 f"PipelineModel {self.name!r} was made from the Functional model {self._graph.model.name!r}; "
                 "use to_functional() to get it back."
             )
-        return saving.to_sequential(self.pipeline_layers, self._inputs, f"{self.name}_sequential", copy)
+        sequential = saving.to_sequential(self.pipeline_layers, self._inputs, f"{self.name}_sequential", copy)
+        if not copy:  # copies are made on one device; shared weights stay on the cells'
+            saving.keep_off_xla(sequential, self._devices)
+        return sequential
 
     def to_functional(self, *, copy: bool = False) -> keras.Model:
         """The Functional model this one was made from: the same graph over the same layers.

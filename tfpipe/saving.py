@@ -54,6 +54,17 @@ def copy_weights(source: Sequence[keras.layers.Layer], target: Sequence[keras.la
         b.set_weights(a.get_weights())
 
 
+def keep_off_xla(model: keras.Model, devices: Sequence[str]) -> None:
+    """Turn XLA off for a Keras model that shares the cells' weights, when they live on several devices.
+
+    XLA compiles a step for one device and cannot read a variable on another ("Trying to access
+    resource ... located in device"), and Keras' default ``jit_compile="auto"`` turns XLA on on
+    every machine with a GPU: the user's own model would fail in ``predict`` once its weights moved.
+    """
+    if len(set(devices)) > 1:
+        model.jit_compile = False
+
+
 def from_sequential(cls: type, model: keras.Sequential, copy: bool, kwargs: dict[str, Any]) -> Any:
     """``cls(layers of model, **kwargs)``: with copies of the layers and their weights, or sharing them."""
     if not isinstance(model, keras.Sequential):
