@@ -229,3 +229,26 @@ def test_loops_and_function_calls_are_counted_through():
 
     (called,) = _flops([Called()], np.zeros((3, 5), "float32"))
     assert called == 2 * 5 * 6
+
+
+@pytest.mark.parametrize("layer,mode", [(keras.layers.LSTM, "lstm"), (keras.layers.GRU, "gru")])
+def test_a_cudnn_recurrence_counts_like_the_layer_it_runs(layer, mode):
+    # On a GPU, Keras runs an LSTM or GRU as one CudnnRNNV3 op; a balance by FLOPs must see the same work there.
+    import tensorflow as tf
+
+    from tfpipe import flops
+
+    steps, batch, features, units = 10, 2, 32, 64  # wide enough that the products dominate, as they do in use
+    (on_cpu,) = _flops([layer(units)], np.zeros((batch, steps, features), "float32"))
+    graph = tf.Graph()
+    with graph.as_default():
+        x = tf.compat.v1.placeholder(tf.float32, [batch, steps, features])
+        h = tf.compat.v1.placeholder(tf.float32, [1, batch, units])
+        params = tf.compat.v1.placeholder(tf.float32, [None])
+        lengths = tf.constant([steps] * batch)
+        tf.raw_ops.CudnnRNNV3(
+            input=x, input_h=h, input_c=h, params=params, sequence_lengths=lengths, rnn_mode=mode, time_major=False
+        )
+    total, unknown = flops.graph_flops(graph)
+    assert not unknown
+    assert 0.8 * on_cpu <= total / batch <= 1.25 * on_cpu

@@ -234,7 +234,34 @@ def op_flops(op: tf.Operation) -> float | None:
         return float(out * math.prod(size))
     if kind == "FusedBatchNormV3":
         return 4.0 * out
+    if kind in _CUDNN_RNNS:
+        return _cudnn_rnn_flops(op)
     return None
+
+
+# Keras' LSTM and GRU on a GPU: the whole recurrence is one cuDNN op. Gate blocks per step, by rnn_mode.
+_CUDNN_RNNS = {"CudnnRNN", "CudnnRNNV2", "CudnnRNNV3"}
+_CUDNN_GATES = {b"lstm": 4, b"gru": 3, b"rnn_tanh": 1, b"rnn_relu": 1}
+
+
+def _cudnn_rnn_flops(op: tf.Operation) -> float | None:
+    """A cuDNN recurrence: each step, layer and direction multiplies [input, state] by every gate's kernel."""
+    x, h = op.inputs[0].shape, op.inputs[1].shape  # x: [T, B, in] (or [B, T, in]); h: [layers*dirs, B, H]
+    gates = _CUDNN_GATES.get(op.get_attr("rnn_mode"))
+    if gates is None or _elements(x) is None or _elements(h) is None:
+        return None
+    time_major = op.get_attr("time_major") if "time_major" in op.node_def.attr else True
+    steps, batch, features = (x[0], x[1], x[2]) if time_major else (x[1], x[0], x[2])
+    directions = 2 if op.get_attr("direction") == b"bidirectional" else 1
+    layers, units = h[0] // directions, h[2]
+    if op.get_attr("input_mode") == b"skip_input":  # the first layer adds its input instead of multiplying it
+        features = 0
+    total = 0.0
+    for layer in range(layers):
+        inputs = features if layer == 0 else units * directions
+        per_step = 2 * batch * gates * units * (inputs + units) + 2 * batch * gates * units  # products, gating
+        total += directions * steps * per_step
+    return float(total)
 
 
 def _einsum_flops(op: tf.Operation) -> float | None:
