@@ -58,7 +58,7 @@ def keep_off_xla(model: keras.Model, devices: Sequence[str]) -> None:
     """Turn XLA off for a Keras model that shares the cells' weights, when they live on several devices.
 
     XLA compiles a step for one device and cannot read a variable on another ("Trying to access
-    resource ... located in device"), and Keras' default ``jit_compile="auto"`` turns XLA on on
+    resource ... located in device"), and Keras' default ``jit_compile="auto"`` enables XLA on
     every machine with a GPU: the user's own model would fail in ``predict`` once its weights moved.
     """
     if len(set(devices)) > 1:
