@@ -102,7 +102,9 @@ def measure(config: dict[str, Any]) -> dict[str, int]:
         physical = tf.config.list_physical_devices(kind)[0]
         limit = config["gpu_memory_mib"] if kind == "GPU" else None  # logical GPUs need one; CPUs take none
         tf.config.set_logical_device_configuration(physical, [tf.config.LogicalDeviceConfiguration(limit)] * 2)
-    used = [f"{kind}:0", f"{kind}:1"] if config["model"] in SCHEDULES and kind == "GPU" else [f"{kind}:0"]
+    cells = [f"/{kind}:{k}" for k in range(2 if config["model"] in SCHEDULES else 1)]
+    # Logical CPUs share one allocator; logical GPUs have one each, whose peaks are summed (an upper bound)
+    used = [d[1:] for d in cells] if kind == "GPU" else [f"{kind}:0"]
     keras.utils.set_random_seed(config["seed"])
     dim = config["dim"]
     layers = transformer_lm(config["vocab"], config["seq_len"], config["blocks"], dim, 4 * dim, config["heads"])
@@ -114,7 +116,7 @@ def measure(config: dict[str, Any]) -> dict[str, int]:
         model = tfpipe.PipelineModel(
             layers,
             num_partitions=2,
-            devices=[f"/{kind}:0", f"/{kind}:1"],
+            devices=cells,
             num_micro_batches=config["m"],
             remat="never",
             schedule=config["model"],
@@ -122,21 +124,20 @@ def measure(config: dict[str, Any]) -> dict[str, int]:
         model.compile(optimizer=keras.optimizers.Adam(1e-3), loss=loss)
     else:
         model = tfpipe.PipelineModel(
-            layers, balance=[len(layers)], devices=[f"/{kind}:0"], num_micro_batches=config["m"], remat="always"
+            layers, balance=[len(layers)], devices=cells, num_micro_batches=config["m"], remat="always"
         )
         model.compile(optimizer=keras.optimizers.Adam(1e-3), loss=loss)
     rng = np.random.default_rng(config["seed"])
     x = rng.integers(0, config["vocab"], size=(config["batch_size"], config["seq_len"])).astype("int32")
     data = tf.data.Dataset.from_tensors((x, np.roll(x, -1, axis=1)))  # one batch, made before measuring
-    with tf.device(f"/{kind}:0"):  # plain Keras' step too (on a GPU machine it would pick the GPU itself)
+    with tf.device(cells[0]):  # plain Keras' step too (on a GPU machine it would pick the GPU itself)
         model.fit(data, epochs=1, verbose=0, shuffle=False)  # traces; creates the optimizer's slots
         before = sum(tf.config.experimental.get_memory_info(d)["current"] for d in used)
         for d in used:
             tf.config.experimental.reset_memory_stats(d)
         model.fit(data, epochs=1, verbose=0, shuffle=False)
-    # Logical CPUs share one allocator; logical GPUs have one each, whose peaks are summed (an upper bound)
-    info = {"peak": sum(tf.config.experimental.get_memory_info(d)["peak"] for d in used)}
-    if info["peak"] <= 0:
+    peak = sum(tf.config.experimental.get_memory_info(d)["peak"] for d in used)
+    if peak <= 0:
         raise RuntimeError(
             "get_memory_info('CPU:0') reports no bytes: TensorFlow started without "
             f"TF_CPU_ALLOCATOR_USE_BFC=true (it is {os.environ.get('TF_CPU_ALLOCATOR_USE_BFC')!r})."
@@ -144,7 +145,7 @@ def measure(config: dict[str, Any]) -> dict[str, int]:
     # The process's high-water resident set, for comparison: it also holds the traced graph, TensorFlow's
     # own buffers outside the BFC allocator, and the allocator's reserved but unused pool.
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    return {"before": int(before), "peak": int(info["peak"]), "max_rss": int(rss)}
+    return {"before": int(before), "peak": int(peak), "max_rss": int(rss)}
 
 
 # The parent: children, the searches, the fit -------------------------------------------------------
