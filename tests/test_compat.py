@@ -184,3 +184,31 @@ def test_call_options_are_what_tensorflow_puts_on_its_call_ops():
         concrete(tf.ones([2]))
     (made,) = [op for op in graph.get_operations() if op.type.endswith("PartitionedCall")]
     assert made.get_attr("config_proto") == _compat.call_options()
+
+
+def _rewrites():
+    from tensorflow.core.protobuf import config_pb2
+
+    return config_pb2.ConfigProto.FromString(_compat.call_options()).graph_options.rewrite_options
+
+
+def test_function_optimizer_off_turns_off_that_optimizer_alone_for_calls_and_puts_the_options_back():
+    off = 2  # RewriterConfig.OFF
+    tf.config.optimizer.set_experimental_options({"constant_folding": False})  # a user's setting
+    try:
+        with _compat.function_optimizer_off():
+            assert (_rewrites().function_optimization, _rewrites().constant_folding) == (off, off)
+
+            @tf.function
+            def inner(x):
+                return x + 1.0
+
+            concrete = inner.get_concrete_function(tf.TensorSpec([2]))
+            graph = tf.Graph()
+            with graph.as_default():
+                concrete(tf.ones([2]))
+            (made,) = [op for op in graph.get_operations() if op.type.endswith("PartitionedCall")]
+            assert made.get_attr("config_proto") == _compat.call_options()  # TensorFlow's own call ops carry it
+        assert (_rewrites().function_optimization, _rewrites().constant_folding) == (0, off)  # put back
+    finally:
+        tf.config.optimizer.set_experimental_options({"constant_folding": True})

@@ -227,6 +227,52 @@ def test_train_on_batch_traces_its_step_once():
     assert second < first
 
 
+def _function_optimization() -> int:
+    from tensorflow.core.protobuf import config_pb2
+
+    from tfpipe import _compat
+
+    return config_pb2.ConfigProto.FromString(_compat.call_options()).graph_options.rewrite_options.function_optimization
+
+
+class SeeingCallOptions(tfpipe.PipelineModel):
+    """Records, as each step is traced, whether its calls carry Grappler's function optimizer."""
+
+    def train_step(self, data):
+        self.seen.append(("train", _function_optimization()))
+        return super().train_step(data)
+
+    def test_step(self, data):
+        self.seen.append(("test", _function_optimization()))
+        return super().test_step(data)
+
+    def predict_step(self, data):
+        self.seen.append(("predict", _function_optimization()))
+        return super().predict_step(data)
+
+
+def test_steps_are_traced_and_called_with_the_function_optimizer_off_and_only_they():
+    x, y = _classification(16)
+    model = SeeingCallOptions(mlp_layers(out=2), num_partitions=2, devices=cpu_devices(2), num_micro_batches=2)
+    model.seen = []
+    model.compile(optimizer="sgd", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    model.fit(x, y, batch_size=8, epochs=1, verbose=0, callbacks=[_SeenInCallbacks(model)])
+    model.evaluate(x, y, batch_size=8, verbose=0)
+    model.predict(x, batch_size=8, verbose=0)
+    off = 2  # RewriterConfig.OFF
+    assert sorted(set(model.seen)) == [("predict", off), ("test", off), ("train", off), ("user", 0)]
+    assert _function_optimization() == 0
+
+
+class _SeenInCallbacks(keras.callbacks.Callback):
+    def __init__(self, model):
+        super().__init__()
+        self.watched = model
+
+    def on_train_batch_end(self, batch, logs=None):  # user code between steps keeps the user's options
+        self.watched.seen.append(("user", _function_optimization()))
+
+
 def test_the_symbolic_build_before_fit_reuses_the_output_spec_that_build_found():
     calls = []
 

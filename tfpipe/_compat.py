@@ -7,12 +7,14 @@ silently change what tfpipe does: nothing below falls back quietly.
 from __future__ import annotations
 
 import contextlib
+import copy
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import keras
 import tensorflow as tf
 from keras.src import backend as _keras_backend
+from tensorflow.core.protobuf import config_pb2, rewriter_config_pb2
 from tensorflow.python.eager import context as _tf_context
 
 
@@ -192,3 +194,24 @@ def call_options() -> bytes:
     Grappler settings reach the called bodies).
     """
     return _tf_context.context().function_call_options.config_proto_serialized
+
+
+@contextlib.contextmanager
+def function_optimizer_off() -> Iterator[None]:
+    """tf.function calls made here, and call ops traced here, carry Grappler's function optimizer off.
+
+    TensorFlow has no such switch per function: the ConfigProto of a call is the eager
+    context's thread-local ``function_call_options``, made from the global config. Here a
+    copy of it, with the user's other settings, replaces it and is put back after.
+    """
+    ctx = _tf_context.context()
+    before = ctx.function_call_options
+    config = config_pb2.ConfigProto.FromString(before.config_proto_serialized)
+    config.graph_options.rewrite_options.function_optimization = rewriter_config_pb2.RewriterConfig.OFF
+    options = copy.copy(before)
+    options.config_proto_serialized = config
+    ctx.function_call_options = options
+    try:
+        yield
+    finally:
+        ctx.function_call_options = before

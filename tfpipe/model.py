@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -341,6 +342,24 @@ class PipelineModel(keras.Model):
         if self.optimizer is not None:
             training_lib.place_on_variable_devices(self.optimizer)
 
+    def make_train_function(self, force: bool = False) -> Callable:
+        """Keras' train function, called with Grappler's function optimizer off (``_without_function_optimizer``)."""
+        return self._made("train_function", super().make_train_function, force)
+
+    def make_test_function(self, force: bool = False) -> Callable:
+        """Keras' test function, called with Grappler's function optimizer off."""
+        return self._made("test_function", super().make_test_function, force)
+
+    def make_predict_function(self, force: bool = False) -> Callable:
+        """Keras' predict function, called with Grappler's function optimizer off."""
+        return self._made("predict_function", super().make_predict_function, force)
+
+    def _made(self, name: str, make: Callable[[bool], Any], force: bool) -> Callable:
+        if getattr(self, name) is None or force:
+            make(force)
+            setattr(self, name, _without_function_optimizer(getattr(self, name)))
+        return getattr(self, name)
+
     def compute_loss(
         self, x: Any = None, y: Any = None, y_pred: Any = None, sample_weight: Any = None, training: bool = True
     ) -> Any:
@@ -573,3 +592,21 @@ class PipelineModel(keras.Model):
         Ends with the predicted pipeline efficiency: M / (M + K - 1) times mean / max cell cost.
         """
         summary_lib.print_summary(self, line_length, print_fn)
+
+
+def _without_function_optimizer(function: Callable) -> Callable:
+    """``function`` (a Keras step function) called with Grappler's function optimizer off.
+
+    TensorFlow's runtime inlines every call it may (``LowerFunctionalOpsPass``) before
+    Grappler sees the step. What is left are the cells' ``_noinline`` calls, and the function
+    optimizer rebuilds the body of each of them, call site by call site, before it reads the
+    mark and leaves it alone: 1.8 s of the 10-12 s first step at K=2, M=32, and nothing gained.
+    Later steps measured the same. The user's other Grappler settings stay as they are.
+    """
+
+    @functools.wraps(function)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        with _compat.function_optimizer_off():
+            return function(*args, **kwargs)
+
+    return call
