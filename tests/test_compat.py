@@ -212,3 +212,17 @@ def test_function_optimizer_off_turns_off_that_optimizer_alone_for_calls_and_put
         assert (_rewrites().function_optimization, _rewrites().constant_folding) == (0, off)  # put back
     finally:
         tf.config.optimizer.set_experimental_options({"constant_folding": True})
+
+
+def test_grappler_optimize_removes_duplicates_and_keeps_the_fetched_nodes():
+    @tf.function
+    def twice(x):
+        return tf.reshape(x, tf.shape(x)) + tf.reshape(x, tf.shape(x))
+
+    graph = twice.get_concrete_function(tf.TensorSpec([None, 3])).graph
+    fetches = [t.op.name for t in graph.outputs]
+    before = graph.as_graph_def()
+    after = _compat.grappler_optimize(before, fetches, ["common_subgraph_elimination"])
+    count = lambda graph_def, op: sum(node.op == op for node in graph_def.node)  # noqa: E731
+    assert (count(before, "Shape"), count(after, "Shape")) == (2, 1)
+    assert set(fetches) <= {node.name for node in after.node}

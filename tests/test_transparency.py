@@ -90,7 +90,7 @@ def test_cells_that_cannot_be_traced_as_functions_run_inline_with_the_same_resul
     assert max_rel_error(got, want) < 1e-5
 
 
-@pytest.mark.parametrize("remat", ["always", "never"])
+@pytest.mark.parametrize("remat", ["always", "except_last", "never"])
 def test_cells_called_as_functions_that_are_not_inlined_are_exact(remat):
     """From pipeline.NOINLINE_TASKS tasks on (here K=2, M=16: 64) cells are calls TensorFlow keeps."""
     from tfpipe.pipeline import NOINLINE_TASKS

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import keras
@@ -162,6 +162,30 @@ def partition_graphs(fn: Any, *args: Any) -> list[Any]:
     finally:
         ctx.disable_run_metadata()
     return [graph for function in metadata.function_graphs for graph in function.partition_graphs]
+
+
+def grappler_optimize(graph_def: Any, fetches: Sequence[str], optimizers: Sequence[str]) -> Any:
+    """``graph_def`` after Grappler's ``optimizers`` (RewriterConfig names), keeping the nodes ``fetches``.
+
+    Grappler has no public Python entry. ``tf_optimizer.OptimizeGraph`` takes a MetaGraphDef
+    whose "train_op" collection names the nodes to keep; given no cluster it provisions a
+    session on the machine's devices (GPUs included), so it gets a virtual one-CPU cluster.
+    """
+    from tensorflow.core.protobuf import device_properties_pb2, meta_graph_pb2
+    from tensorflow.python.grappler import cluster as gcluster
+    from tensorflow.python.grappler import tf_optimizer
+
+    config = config_pb2.ConfigProto()
+    rewrites = config.graph_options.rewrite_options
+    rewrites.min_graph_nodes = -1  # Grappler skips graphs under 4 nodes by default
+    rewrites.meta_optimizer_iterations = rewriter_config_pb2.RewriterConfig.ONE
+    rewrites.optimizers.extend(optimizers)
+    meta = meta_graph_pb2.MetaGraphDef()
+    meta.graph_def.CopyFrom(graph_def)
+    meta.collection_def["train_op"].node_list.value.extend(fetches)
+    cpu = device_properties_pb2.NamedDevice(name="/job:localhost/replica:0/task:0/device:CPU:0")
+    cpu.properties.type = "CPU"
+    return tf_optimizer.OptimizeGraph(config, meta, verbose=False, cluster=gcluster.Cluster(devices=[cpu]))
 
 
 # Dataset transformations that keep batches whole: a remainder batch before them is one after them.

@@ -23,7 +23,7 @@ from typing import Any, ContextManager
 
 import tensorflow as tf
 
-from tfpipe import calls, weight_batch
+from tfpipe import calls, slim, weight_batch
 from tfpipe import split as split_lib
 from tfpipe.tasks import GRADIENT_SUM, SPLIT_FORWARD, TRACED_VJP
 
@@ -464,8 +464,12 @@ class Checkpoint:
         # Running sums are typed without a static shape: a sparse gradient's slot gets an empty placeholder.
         specs = [tf.TensorSpec(a.shape, a.dtype) for a in args[: len(args) - len(summed)]]
         specs += [tf.TensorSpec([None] * a.shape.rank, a.dtype) for a in args[len(args) - len(summed) :]]
-        function = tf.function(body, autograph=False, experimental_attributes=self._traced.attributes())
-        return _Traced(function.get_concrete_function(*specs), frozenset(sparse))
+        attributes = self._traced.attributes()
+        function = tf.function(body, autograph=False, experimental_attributes=attributes).get_concrete_function(*specs)
+        if attributes:  # called, not inlined: once per micro-batch, each call site costing with the body's size
+            with self._traced.tracing():
+                function = slim.slimmed(function, TRACED_VJP, attributes)
+        return _Traced(function, frozenset(sparse))
 
 
 def batch_weights(records: Sequence[Checkpoint], shared_grads: Sequence[bool]) -> weight_batch.BatchedW | str | None:

@@ -1,0 +1,54 @@
+"""A traced function with its body cleaned once by Grappler, before a step calls it at many call sites.
+
+TensorFlow's passes over a step graph convert the body of every called function once per
+call site: the lowering of calls (``LowerFunctionalOpsPass``), and XLA's
+``EncapsulateSubgraphsPass``, which runs with XLA unused and does it twice per call site.
+Their cost grows with call sites x body size. A traced VJP of a Transformer cell
+(recomputation, tape gradient, running sums) holds about 1,900 nodes, many of them
+duplicates (shapes, broadcast arguments, constants) that Grappler removes anyway when the
+function is instantiated, leaving about 1,100. Cleaned here once, in Python, its 31 call
+sites at K=2, M=32 convert the smaller body: the step's instantiation took 3.4 s instead
+of 4.7 s.
+
+Only device-independent cleanups run (pruning, common-subexpression elimination,
+constant folding, the dependency optimizer): the body keeps standard TensorFlow ops, which
+the runtime's Grappler still fuses for the cell's device when it instantiates the function.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import tensorflow as tf
+
+from tfpipe import _compat
+
+OPTIMIZERS = ("pruning", "common_subgraph_elimination", "constfold", "dependency")
+
+
+def slimmed(function: Any, name: str, attributes: dict[str, Any] | None) -> Any:
+    """``function`` (a ConcreteFunction of flat tensors) traced again from its Grappler-cleaned body.
+
+    The new function is named ``name`` (how tfpipe.tasks knows it) and carries ``attributes``.
+    A body that captures tensors or has control outputs (stateful ops run for their effect)
+    is returned as it is: pruning to the outputs would drop those.
+    """
+    graph = function.graph
+    if graph.captures or graph.control_outputs:
+        return function
+    inputs = [t.name for t in graph.inputs]
+    outputs = [t.name for t in graph.outputs]
+    cleaned = _compat.grappler_optimize(graph.as_graph_def(), [t.op.name for t in graph.outputs], OPTIMIZERS)
+    present = {node.name for node in cleaned.node}
+    kept = [(k, name.split(":")[0]) for k, name in enumerate(inputs) if name.split(":")[0] in present]
+
+    def body(*flat: tf.Tensor) -> list[tf.Tensor]:
+        mapping = {inputs[k]: flat[k] for k, _ in kept}
+        # Control inputs from a placeholder (the identities that make a recomputation wait for
+        # its gradients) must follow it too, or the imported placeholder would be run unfed.
+        mapping.update({f"^{node}": flat[k] for k, node in kept})
+        return tf.graph_util.import_graph_def(cleaned, input_map=mapping, return_elements=outputs, name="")
+
+    body.__name__ = name
+    specs = [tf.TensorSpec(t.shape, t.dtype) for t in graph.inputs]
+    return tf.function(body, autograph=False, experimental_attributes=attributes).get_concrete_function(*specs)
