@@ -251,16 +251,18 @@ class SeeingCallOptions(tfpipe.PipelineModel):
         return super().predict_step(data)
 
 
-def test_steps_are_traced_and_called_with_the_function_optimizer_off_and_only_they():
-    x, y = _classification(16)
-    model = SeeingCallOptions(mlp_layers(out=2), num_partitions=2, devices=cpu_devices(2), num_micro_batches=2)
+@pytest.mark.parametrize("m, off", [(16, True), (2, False)])
+def test_steps_calling_their_cells_run_with_the_function_optimizer_off_and_only_they(m, off):
+    """K=2, M=16 (64 tasks): cells are calls TensorFlow keeps, and the steps turn the optimizer off; M=2: not."""
+    x, y = _classification(32)
+    model = SeeingCallOptions(mlp_layers(out=2), num_partitions=2, devices=cpu_devices(2), num_micro_batches=m)
     model.seen = []
     model.compile(optimizer="sgd", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-    model.fit(x, y, batch_size=8, epochs=1, verbose=0, callbacks=[_SeenInCallbacks(model)])
-    model.evaluate(x, y, batch_size=8, verbose=0)
-    model.predict(x, batch_size=8, verbose=0)
-    off = 2  # RewriterConfig.OFF
-    assert sorted(set(model.seen)) == [("predict", off), ("test", off), ("train", off), ("user", 0)]
+    model.fit(x, y, batch_size=16, epochs=1, verbose=0, callbacks=[_SeenInCallbacks(model)])
+    model.evaluate(x, y, batch_size=16, verbose=0)
+    model.predict(x, batch_size=16, verbose=0)
+    step = 2 if off else 0  # RewriterConfig.OFF, else the default
+    assert sorted(set(model.seen)) == [("predict", step), ("test", step), ("train", step), ("user", 0)]
     assert _function_optimization() == 0
 
 
