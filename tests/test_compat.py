@@ -192,12 +192,13 @@ def _rewrites():
     return config_pb2.ConfigProto.FromString(_compat.call_options()).graph_options.rewrite_options
 
 
-def test_function_optimizer_off_turns_off_that_optimizer_alone_for_calls_and_puts_the_options_back():
+def test_fewer_rewrites_turns_off_two_optimizers_alone_for_calls_and_puts_the_options_back():
     off = 2  # RewriterConfig.OFF
     tf.config.optimizer.set_experimental_options({"constant_folding": False})  # a user's setting
     try:
-        with _compat.function_optimizer_off():
+        with _compat.fewer_rewrites():
             assert (_rewrites().function_optimization, _rewrites().constant_folding) == (off, off)
+            assert _rewrites().disable_tfg_optimizer
 
             @tf.function
             def inner(x):
@@ -210,6 +211,7 @@ def test_function_optimizer_off_turns_off_that_optimizer_alone_for_calls_and_put
             (made,) = [op for op in graph.get_operations() if op.type.endswith("PartitionedCall")]
             assert made.get_attr("config_proto") == _compat.call_options()  # TensorFlow's own call ops carry it
         assert (_rewrites().function_optimization, _rewrites().constant_folding) == (0, off)  # put back
+        assert not _rewrites().disable_tfg_optimizer
     finally:
         tf.config.optimizer.set_experimental_options({"constant_folding": True})
 

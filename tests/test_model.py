@@ -228,15 +228,18 @@ def test_train_on_batch_traces_its_step_once():
 
 
 def _function_optimization() -> int:
+    """RewriterConfig.OFF (2) for the call options made by tfpipe._compat.fewer_rewrites, else the default (0)."""
     from tensorflow.core.protobuf import config_pb2
 
     from tfpipe import _compat
 
-    return config_pb2.ConfigProto.FromString(_compat.call_options()).graph_options.rewrite_options.function_optimization
+    rewrites = config_pb2.ConfigProto.FromString(_compat.call_options()).graph_options.rewrite_options
+    assert rewrites.disable_tfg_optimizer == (rewrites.function_optimization == 2)  # the two go together
+    return rewrites.function_optimization
 
 
 class SeeingCallOptions(tfpipe.PipelineModel):
-    """Records, as each step is traced, whether its calls carry Grappler's function optimizer."""
+    """Records, as each step is traced, whether its calls carry Grappler's function optimizer (and TFG's)."""
 
     def train_step(self, data):
         self.seen.append(("train", _function_optimization()))
@@ -252,7 +255,7 @@ class SeeingCallOptions(tfpipe.PipelineModel):
 
 
 @pytest.mark.parametrize("m, off", [(16, True), (2, False)])
-def test_steps_calling_their_cells_run_with_the_function_optimizer_off_and_only_they(m, off):
+def test_steps_calling_their_cells_run_with_fewer_grappler_passes_and_only_they(m, off):
     """K=2, M=16 (64 tasks): cells are calls TensorFlow keeps, and the steps turn the optimizer off; M=2: not."""
     x, y = _classification(32)
     model = SeeingCallOptions(mlp_layers(out=2), num_partitions=2, devices=cpu_devices(2), num_micro_batches=m)

@@ -221,17 +221,19 @@ def call_options() -> bytes:
 
 
 @contextlib.contextmanager
-def function_optimizer_off() -> Iterator[None]:
-    """tf.function calls made here, and call ops traced here, carry Grappler's function optimizer off.
+def fewer_rewrites() -> Iterator[None]:
+    """tf.function calls made here, and call ops traced here, carry Grappler's function and TFG optimizers off.
 
     TensorFlow has no such switch per function: the ConfigProto of a call is the eager
-    context's thread-local ``function_call_options``, made from the global config. Here a
-    copy of it, with the user's other settings, replaces it and is put back after.
+    context's thread-local ``function_call_options``, made from the global config (and
+    ``tf.config.optimizer.set_experimental_options`` has no key for the TFG optimizer). Here
+    a copy of it, with the user's other settings, replaces it and is put back after.
     """
     ctx = _tf_context.context()
     before = ctx.function_call_options
     config = config_pb2.ConfigProto.FromString(before.config_proto_serialized)
     config.graph_options.rewrite_options.function_optimization = rewriter_config_pb2.RewriterConfig.OFF
+    config.graph_options.rewrite_options.disable_tfg_optimizer = True
     options = copy.copy(before)
     options.config_proto_serialized = config
     ctx.function_call_options = options

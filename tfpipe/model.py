@@ -343,9 +343,9 @@ class PipelineModel(keras.Model):
             training_lib.place_on_variable_devices(self.optimizer)
 
     def make_train_function(self, force: bool = False) -> Callable:
-        """Keras' train function; a step that calls its cells runs without Grappler's function optimizer.
+        """Keras' train function; a step that calls its cells runs with fewer Grappler passes.
 
-        See ``_without_function_optimizer``.
+        See ``_with_fewer_rewrites``.
         """
         return self._made("train_function", super().make_train_function, force)
 
@@ -360,7 +360,7 @@ class PipelineModel(keras.Model):
     def _made(self, name: str, make: Callable[[bool], Any], force: bool) -> Callable:
         if getattr(self, name) is None or force:
             make(force)
-            setattr(self, name, _without_function_optimizer(getattr(self, name), self._calls_cells))
+            setattr(self, name, _with_fewer_rewrites(getattr(self, name), self._calls_cells))
         return getattr(self, name)
 
     def _calls_cells(self) -> bool:
@@ -603,16 +603,19 @@ class PipelineModel(keras.Model):
         summary_lib.print_summary(self, line_length, print_fn)
 
 
-def _without_function_optimizer(function: Callable, calls_cells: Callable[[], bool]) -> Callable:
-    """``function`` (a Keras step function) called with Grappler's function optimizer off when ``calls_cells()``.
+def _with_fewer_rewrites(function: Callable, calls_cells: Callable[[], bool]) -> Callable:
+    """``function`` (a Keras step function) called without two Grappler passes when ``calls_cells()``.
 
     TensorFlow's runtime inlines every call it may (``LowerFunctionalOpsPass``) before
     Grappler sees the step. What is left of an unrolled step with many tasks are the cells'
-    ``_noinline`` calls, and the function optimizer rebuilds the body of each of them, call
-    site by call site, before it reads the mark and leaves it alone: 1.8 s of the 10-12 s
-    first step at K=2, M=32, and later steps measured the same. With cells inlined (fewer
-    tasks) it rebuilds nothing of theirs, and is left on: across worker processes, K=2,
-    M=8 measured 1.18-1.26x over one worker without it against 1.20-1.31x with it.
+    ``_noinline`` calls, and Grappler's function optimizer rebuilds the body of each of them,
+    call site by call site, before it reads the mark and leaves it alone: 1.8 s of the 10-12 s
+    first step at K=2, M=32. Its TFG optimizer (MLIR passes that sink ops into the branches
+    of If and Case, and tidy the function library) changes nothing in such a step and took
+    0.4-0.6 s more. Both are off for the step and the functions it calls; later steps
+    measured the same. With cells inlined (fewer tasks) neither rebuilds anything of theirs,
+    and both stay on: across worker processes, K=2, M=8 measured 1.18-1.26x over one worker
+    with the function optimizer off against 1.20-1.31x with it on.
     The user's other Grappler settings stay as they are.
     """
 
@@ -620,7 +623,7 @@ def _without_function_optimizer(function: Callable, calls_cells: Callable[[], bo
     def call(*args: Any, **kwargs: Any) -> Any:
         if not calls_cells():
             return function(*args, **kwargs)
-        with _compat.function_optimizer_off():
+        with _compat.fewer_rewrites():
             return function(*args, **kwargs)
 
     return call
