@@ -173,7 +173,9 @@ def test_dataset_batching_reads_the_batch_behind_batch_keeping_steps():
     assert _compat.dataset_batching(sliced) is None  # not batched
 
 
-def test_call_options_are_what_tensorflow_puts_on_its_call_ops():
+def _config_tensorflow_puts_on_a_call_op() -> bytes:
+    """The ``config_proto`` of the call op TensorFlow makes for a tf.function called in a graph here."""
+
     @tf.function
     def inner(x):
         return x + 1.0
@@ -183,7 +185,11 @@ def test_call_options_are_what_tensorflow_puts_on_its_call_ops():
     with graph.as_default():
         concrete(tf.ones([2]))
     (made,) = [op for op in graph.get_operations() if op.type.endswith("PartitionedCall")]
-    assert made.get_attr("config_proto") == _compat.call_options()
+    return made.get_attr("config_proto")
+
+
+def test_call_options_are_what_tensorflow_puts_on_its_call_ops():
+    assert _config_tensorflow_puts_on_a_call_op() == _compat.call_options()
 
 
 def _rewrites():
@@ -199,17 +205,7 @@ def test_fewer_rewrites_turns_off_two_optimizers_alone_for_calls_and_puts_the_op
         with _compat.fewer_rewrites():
             assert (_rewrites().function_optimization, _rewrites().constant_folding) == (off, off)
             assert _rewrites().disable_tfg_optimizer
-
-            @tf.function
-            def inner(x):
-                return x + 1.0
-
-            concrete = inner.get_concrete_function(tf.TensorSpec([2]))
-            graph = tf.Graph()
-            with graph.as_default():
-                concrete(tf.ones([2]))
-            (made,) = [op for op in graph.get_operations() if op.type.endswith("PartitionedCall")]
-            assert made.get_attr("config_proto") == _compat.call_options()  # TensorFlow's own call ops carry it
+            assert _config_tensorflow_puts_on_a_call_op() == _compat.call_options()  # its own call ops carry it
         assert (_rewrites().function_optimization, _rewrites().constant_folding) == (0, off)  # put back
         assert not _rewrites().disable_tfg_optimizer
     finally:

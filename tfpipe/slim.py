@@ -40,7 +40,8 @@ def slimmed(function: Any, name: str, attributes: dict[str, Any] | None) -> Any:
     outputs = [t.name for t in graph.outputs]
     cleaned = _compat.grappler_optimize(graph.as_graph_def(), [t.op.name for t in graph.outputs], OPTIMIZERS)
     present = {node.name for node in cleaned.node}
-    kept = [(k, name.split(":")[0]) for k, name in enumerate(inputs) if name.split(":")[0] in present]
+    nodes = [tensor.split(":")[0] for tensor in inputs]
+    kept = [(k, node) for k, node in enumerate(nodes) if node in present]  # Grappler prunes unread inputs
 
     def body(*flat: tf.Tensor) -> list[tf.Tensor]:
         mapping = {inputs[k]: flat[k] for k, _ in kept}
