@@ -6,7 +6,9 @@ a time. Rows are K (cells), columns M (micro-batches); the global batch is the
 same everywhere. The reference is what a user compares to: the same model on ONE
 worker, K=1, M=1, without re-materialization. Each entry: examples/s, speed-up
 over that reference, the ideal K*M/(M+K-1), and measured/ideal; a second table
-compares with K=1 at the same M and remat (equal work: a diagnostic). Warm-up
+compares with K=1 at the same M and remat (equal work: a diagnostic); a third gives
+the CPU of every process per step and the speed-up that CPU allows on this machine's
+cores (no step is shorter than its CPU spread over every core). Warm-up
 steps are excluded and the median step time is used. Every size in --dims x
 --batch_sizes gets its own tables, all from one run.
 
@@ -69,6 +71,12 @@ flags.DEFINE_enum(
 )
 flags.DEFINE_enum("optimizer", "sgd", ["sgd", "adam"], "Optimizer of every entry (SGD 1e-3, Adam 1e-4).")
 flags.DEFINE_integer("replicas", 1, "Also time R data-parallel replicas of each K (R x K workers).", lower_bound=1)
+flags.DEFINE_integer(
+    "steps_per_execution",
+    1,
+    "Keras' steps_per_execution for every entry, the reference too: S steps per call of the train function.",
+    lower_bound=1,
+)
 flags.DEFINE_string("out", None, "Write the table to OUT.csv and OUT.md.")
 
 
@@ -130,7 +138,11 @@ def time_entry(
         schedule=FLAGS.schedule,  # at K=1, M=1 (the reference) every schedule is F then B
     )
     optimizer = keras.optimizers.Adam(1e-4) if FLAGS.optimizer == "adam" else keras.optimizers.SGD(1e-3)
-    model.compile(optimizer=optimizer, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    model.compile(
+        optimizer=optimizer,
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        steps_per_execution=FLAGS.steps_per_execution,
+    )
     batches = FLAGS.warmup + FLAGS.steps
     return timed_fit(
         model, np.repeat(x, batches, axis=0), np.repeat(y, batches, axis=0), batch_size, FLAGS.warmup, pids
@@ -146,6 +158,7 @@ def main(argv: list[str]) -> None:
     ms = [int(m) for m in FLAGS.micro_batches]
     sizes = [(int(d), int(n)) for d in FLAGS.dims for n in FLAGS.batch_sizes]
     rs = sorted({1, FLAGS.replicas})
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     rows: list[dict] = []
     for k in ks:
         with LocalCluster(k * rs[-1], threads_per_worker=1) as cluster:
@@ -199,6 +212,9 @@ def main(argv: list[str]) -> None:
                             "waiting_ms": 1e3 * times.waiting_s,
                             "cores_busy": times.cores_busy,
                             "reference_cpu_ms": base_cpu,
+                            # No step can take less than its CPU spread over every core of the machine.
+                            "cores_allow": n / base * cores / times.cpu_s,
+                            "cores": cores,
                         }
                     )
                     print(
@@ -206,12 +222,14 @@ def main(argv: list[str]) -> None:
                         f"speed-up {rate / base:5.2f}  ideal "
                         f"{ideal:5.2f}  measured/ideal {rate / base / ideal:5.2f}  (schedule allows {allowed:4.2f}: "
                         f"{rate / base / allowed:4.2f}; over K=1 at this M: "
-                        f"{rate / one_cell:5.2f}, {rate / one_cell / ideal:5.2f} of ideal)  {_cpu(times)}",
+                        f"{rate / one_cell:5.2f}, {rate / one_cell / ideal:5.2f} of ideal)  {_cpu(times)}; "
+                        f"the {cores} cores allow {rows[-1]['cores_allow']:.2f}x",
                         flush=True,
                     )
     table = "\n\n".join(
         f"### {FLAGS.model} {size}, remat={FLAGS.remat!r}, unroll={FLAGS.unroll}, schedule={FLAGS.schedule!r}"
         + (f", optimizer={FLAGS.optimizer!r}" if FLAGS.optimizer != "sgd" else "")
+        + (f", steps_per_execution={FLAGS.steps_per_execution}" if FLAGS.steps_per_execution > 1 else "")
         + "\n\n"
         + _markdown([r for r in rows if r["size"] == size], ms)
         for size in dict.fromkeys(r["size"] for r in rows)
@@ -236,7 +254,8 @@ def _markdown(rows: list[dict], ms: list[int]) -> str:
     where the schedule or the recomputation allows less than the ideal (``schedule.allowed_speedup``),
     the share of that too. The second table compares equal work (the same micro-batches and
     re-materialization), so it isolates what pipelining gains. The third says what each step
-    cost the machine: CPU time of the client and the workers, and how many cores that kept busy.
+    cost the machine: CPU time of the client and the workers, how many cores that kept busy, and
+    the speed-up over the reference that the machine's cores allow at that CPU per step.
     """
 
     def speedup(key: str, share: str, against_allowed: bool) -> Callable[[dict], str]:
@@ -254,8 +273,10 @@ def _markdown(rows: list[dict], ms: list[int]) -> str:
         ("Speed-up over one worker, K=1, M=1, no re-materialization", speedup("speedup", "of_ideal", True)),
         ("Speed-up over K=1 at the same M and remat (diagnostic)", speedup("speedup_same_m", "of_ideal_same_m", False)),
         (
-            f"CPU per step, every process (the reference: {reference_cpu:.1f} ms), and the cores it kept busy",
-            lambda row: f"{row['cpu_ms']:.1f} ms, {row['cores_busy']:.2f} cores, waited {row['waiting_ms']:.1f} ms",
+            f"CPU per step, every process (the reference: {reference_cpu:.1f} ms), the cores it kept busy, and the "
+            f"speed-up that CPU allows on {rows[0]['cores']} cores",
+            lambda row: f"{row['cpu_ms']:.1f} ms, {row['cores_busy']:.2f} cores, waited {row['waiting_ms']:.1f} ms; "
+            f"allows {row['cores_allow']:.2f}x",
         ),
     ):
         lines = [

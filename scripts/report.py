@@ -18,6 +18,7 @@ class StepTimes:
     cpu_s: float  # CPU time per step, every thread of the watched processes (nan if not on Linux)
     waiting_s: float  # per step, the time their threads were ready to run but had no core
     cores_busy: float  # CPU time over wall time while the timed steps ran
+    steps: int = 0  # how many steps were timed
 
 
 def median_step_seconds(model: Any, x: Any, y: Any, batch_size: int, warmup: int) -> float:
@@ -28,39 +29,46 @@ def median_step_seconds(model: Any, x: Any, y: Any, batch_size: int, warmup: int
 def timed_fit(model: Any, x: Any, y: Any, batch_size: int, warmup: int, pids: Sequence[int] = ()) -> StepTimes:
     """Time one ``fit`` of (x, y) step by step, the first ``warmup`` steps excluded; watch the CPU of ``pids``.
 
-    A step is timed from Keras' batch-begin to its batch-end callback. The CPU and the
-    wait for a core are read from Linux's per-thread scheduler statistics of this process
-    and ``pids`` (the workers), from the first timed step's begin to the last one's end.
+    A step is timed from Keras' batch-begin to its batch-end callback; with ``steps_per_execution``
+    S > 1 a call runs S steps between the two, and each of them counts as the call's time over S.
+    The CPU and the wait for a core are read from Linux's per-thread scheduler statistics of this
+    process and ``pids`` (the workers), from the first timed step's begin to the last one's end.
     """
     import keras
     import numpy as np
 
-    times: list[float] = []
+    times: list[float] = []  # per step, one entry per timed call
+    steps = 0  # steps timed
     last = -(-len(x) // batch_size) - 1
     watched = [os.getpid(), *pids]
     marks: list[tuple[float, float, float]] = []
 
     class Timer(keras.callbacks.Callback):
-        """Times each step from its begin to its end callback."""
+        """Times each call of the train function from its begin to its end callback."""
 
         def on_train_batch_begin(self, batch: int, logs: Any = None) -> None:
-            """Start the clock."""
-            if batch == warmup:
+            """Start the clock (and the CPU count at the first timed step)."""
+            self.first = batch
+            if batch >= warmup and not marks:
                 marks.append((time.perf_counter(), *scheduler_seconds(watched)))
             self.began = time.perf_counter()
 
         def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
-            """Stop the clock."""
-            times.append(time.perf_counter() - self.began)
-            if batch == last:
+            """Stop the clock (and read the CPU count after the last step)."""
+            nonlocal steps
+            took = time.perf_counter() - self.began
+            if marks:
+                times.append(took / (batch - self.first + 1))
+                steps += batch - self.first + 1
+            if marks and batch == last:
                 marks.append((time.perf_counter(), *scheduler_seconds(watched)))
 
     model.fit(x, y, batch_size=batch_size, epochs=1, shuffle=False, verbose=0, callbacks=[Timer()])
-    timed = times[warmup:]
+    if len(marks) < 2:
+        raise ValueError(f"no step of the fit came after the {warmup} warm-up steps: give it more data")
     (t0, cpu0, wait0), (t1, cpu1, wait1) = marks
-    return StepTimes(
-        float(np.median(timed)), (cpu1 - cpu0) / len(timed), (wait1 - wait0) / len(timed), (cpu1 - cpu0) / (t1 - t0)
-    )
+    cpu, wait = (cpu1 - cpu0) / steps, (wait1 - wait0) / steps
+    return StepTimes(float(np.median(times)), cpu, wait, (cpu1 - cpu0) / (t1 - t0), steps)
 
 
 def scheduler_seconds(pids: Sequence[int]) -> tuple[float, float]:

@@ -40,11 +40,15 @@ def test_speed_benchmark_writes_its_table(tmp_path):
     # cycles of 2 + 1 each: 12 units, as long as one device doing all 12 units of work without recomputing.
     assert float(rows[-1]["allowed"]) == pytest.approx(schedule.allowed_speedup("gpipe", 2, 2, [0, 1])) == 1.0
     assert float(rows[-1]["of_allowed"]) == pytest.approx(float(rows[-1]["speedup"]))
-    for r in rows:  # the CPU of the client and the workers, per step
+    for r in rows:  # the CPU of the client and the workers, per step, and the speed-up it allows on the cores
         assert float(r["cpu_ms"]) > 0 and float(r["reference_cpu_ms"]) > 0 and 0 < float(r["cores_busy"]) <= 2.5
+        reference_step_ms = 4e3 / float(r["reference"])
+        allowed = reference_step_ms * int(r["cores"]) / float(r["cpu_ms"])
+        assert int(r["cores"]) == len(os.sched_getaffinity(0)) and float(r["cores_allow"]) == pytest.approx(allowed)
     table = open(out + ".md").read()
     assert "### mlp dim=16 batch=4, remat='always'" in table and "| K \\ M | 2 |" in table
-    assert "of the 1.00x allowed" in table and "CPU per step, every process" in table
+    assert "of the 1.00x allowed" in table and "CPU per step, every process" in table and "x |" in table
+    assert f"speed-up that CPU allows on {len(os.sched_getaffinity(0))} cores" in table
     assert "over one worker, K=1, M=1, no re-materialization" in table and "over K=1 at the same M" in table
     # K=2 M=2 against K=1 M=2 of the same size and remat: the second table's reference
     k1 = next(r for r in rows if r["size"] == sizes[1] and r["K"] == "1")
@@ -54,13 +58,16 @@ def test_speed_benchmark_writes_its_table(tmp_path):
 
 def test_speed_benchmark_times_a_functional_unet(tmp_path):
     out = str(tmp_path / "unet")
-    flags = ("--model=unet", "--micro_batches=2", "--steps=1", "--warmup=1", "--dims=2", "--seq_len=8")
-    proc = run_script("benchmark_speed.py", *flags, "--batch_sizes=2", "--optimizer=adam", f"--out={out}")
+    flags = ("--model=unet", "--micro_batches=2", "--steps=2", "--warmup=2", "--dims=2", "--seq_len=8")
+    proc = run_script(
+        "benchmark_speed.py", *flags, "--batch_sizes=2", "--optimizer=adam", "--steps_per_execution=2", f"--out={out}"
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     with open(out + ".csv") as f:
         rows = list(csv.DictReader(f))
     assert [(r["K"], r["M"]) for r in rows] == [("1", "2"), ("2", "2")] and float(rows[-1]["examples_per_s"]) > 0
-    assert {r["optimizer"] for r in rows} == {"adam"} and "optimizer='adam'" in open(out + ".md").read()
+    assert {r["optimizer"] for r in rows} == {"adam"}
+    assert "optimizer='adam', steps_per_execution=2" in open(out + ".md").read()
 
 
 def test_scale_benchmark_times_the_first_step_in_a_fresh_process(tmp_path):
@@ -132,3 +139,18 @@ def test_scheduler_seconds_counts_this_process_cpu_and_says_nan_for_a_process_it
     assert 0.15 < run_after - run < 2.0 and wait_after >= wait
     no_such_pid = max(int(p) for p in os.listdir("/proc") if p.isdigit()) + 10**6
     assert all(math.isnan(v) for v in report.scheduler_seconds([os.getpid(), no_such_pid]))
+
+
+@pytest.mark.parametrize("steps_per_execution, timed", [(1, 5), (2, 4)])
+def test_timed_fit_times_the_steps_after_the_warm_up_in_calls_of_several_steps(steps_per_execution, timed):
+    """8 batches, 3 warm-up steps: calls of 2 steps begin at batches 0, 2, 4 and 6, so the timing starts at 4."""
+    import keras
+    import numpy as np
+
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+    model.compile(optimizer="sgd", loss="mse", steps_per_execution=steps_per_execution)
+    x, y = np.ones((32, 3), "float32"), np.zeros((32, 2), "float32")
+    times = report.timed_fit(model, x, y, batch_size=4, warmup=3, pids=[])
+    assert times.steps == timed and times.median_s > 0 and times.cpu_s > 0
+    with pytest.raises(ValueError, match="no step of the fit came after the 8 warm-up steps"):
+        report.timed_fit(model, x, y, batch_size=4, warmup=8)

@@ -227,6 +227,36 @@ def test_train_on_batch_traces_its_step_once():
     assert second < first
 
 
+
+@pytest.mark.parametrize("m", [2, 16])
+def test_steps_per_execution_trains_as_one_step_per_call(m):
+    """Keras runs 3 steps per call in a loop (the last call 1): weights, losses and Dropout's masks as with 1."""
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(64, 8)).astype("float32"), rng.integers(0, 3, 64)
+
+    def trained(steps_per_execution):
+        keras.utils.set_random_seed(0)
+        layers = mlp_layers(out=3)
+        layers.insert(2, keras.layers.Dropout(0.3))
+        model = tfpipe.PipelineModel(layers, num_partitions=2, devices=cpu_devices(2), num_micro_batches=m)
+        model.compile(
+            optimizer="adam",
+            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+            steps_per_execution=steps_per_execution,
+        )
+        calls = keras.callbacks.LambdaCallback(on_train_batch_begin=lambda batch, logs: begun.append(batch))
+        begun: list[int] = []
+        history = model.fit(x, y, batch_size=16, epochs=2, verbose=0, shuffle=False, callbacks=[calls])
+        return history.history["loss"], model.get_weights(), begun
+
+    losses, weights, begun = trained(1)
+    looped_losses, looped_weights, looped_begun = trained(3)
+    assert (begun, looped_begun) == ([0, 1, 2, 3] * 2, [0, 3] * 2)  # 4 steps an epoch: calls of 3 and 1 steps
+    np.testing.assert_allclose(looped_losses, losses, rtol=1e-6)
+    for a, b in zip(looped_weights, weights):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+
+
 def _function_optimization() -> int:
     """RewriterConfig.OFF (2) for the call options made by tfpipe._compat.fewer_rewrites, else the default (0)."""
     from tensorflow.core.protobuf import config_pb2
