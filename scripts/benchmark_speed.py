@@ -275,8 +275,10 @@ def _markdown(rows: list[dict], ms: list[int]) -> str:
         (
             f"CPU per step, every process (the reference: {reference_cpu:.1f} ms), the cores it kept busy, and the "
             f"speed-up that CPU allows on {rows[0]['cores']} cores",
-            lambda row: f"{row['cpu_ms']:.1f} ms, {row['cores_busy']:.2f} cores, waited {row['waiting_ms']:.1f} ms; "
-            f"allows {row['cores_allow']:.2f}x",
+            lambda row: (
+                f"{row['cpu_ms']:.1f} ms, {row['cores_busy']:.2f} cores, waited {row['waiting_ms']:.1f} ms; "
+                f"allows {row['cores_allow']:.2f}x"
+            ),
         ),
     ):
         lines = [

@@ -227,7 +227,6 @@ def test_train_on_batch_traces_its_step_once():
     assert second < first
 
 
-
 @pytest.mark.parametrize("m", [2, 16])
 def test_steps_per_execution_trains_as_one_step_per_call(m):
     """Keras runs 3 steps per call in a loop (the last call 1): weights, losses and Dropout's masks as with 1."""
