@@ -9,7 +9,8 @@ over that reference, the ideal K*M/(M+K-1), and measured/ideal; a second table
 compares with K=1 at the same M and remat (equal work: a diagnostic); a third gives
 the CPU of every process per step and the speed-up that CPU allows on this machine's
 cores (no step is shorter than its CPU spread over every core). Warm-up
-steps are excluded and the median step time is used. Every size in --dims x
+steps are excluded (by default up to 100 of them, for 5 s, so that TensorFlow's
+executor has learnt its kernels' costs) and the median step time is used. Every size in --dims x
 --batch_sizes gets its own tables, all from one run.
 
     python scripts/benchmark_speed.py                       # Transformer, K in {1, 2}, M in {1, 2, 4, 8, 16, 32}
@@ -31,7 +32,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
 from absl import app, flags  # noqa: E402
 
-from scripts.report import StepTimes, timed_fit, write_table  # noqa: E402
+from scripts.report import StepTimes, timed_fit, warm_up, write_table  # noqa: E402
 
 FLAGS = flags.FLAGS
 flags.DEFINE_enum(
@@ -47,6 +48,13 @@ flags.DEFINE_list("micro_batches", ["1", "2", "4", "8", "16", "32"], "Values of 
 flags.DEFINE_list("batch_sizes", ["64"], "Global batches, the same for every M; one set of tables each.")
 flags.DEFINE_integer("steps", 8, "Timed steps per entry (after warm-up).", lower_bound=1)
 flags.DEFINE_integer("warmup", 2, "Untimed steps per entry (the first one traces).", lower_bound=1)
+flags.DEFINE_float(
+    "warmup_s",
+    5.0,
+    "Before them, untimed steps for this many seconds after the first (at most 100): TensorFlow's executor "
+    "takes about 90 runs to learn that a kernel is cheap, which small models need.",
+    lower_bound=0.0,
+)
 flags.DEFINE_integer(
     "blocks", 8, "Transformer blocks / AmoebaNet normal cells (a multiple of 3) / MLP hidden layers.", lower_bound=1
 )
@@ -143,6 +151,8 @@ def time_entry(
         loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
         steps_per_execution=FLAGS.steps_per_execution,
     )
+    if FLAGS.warmup_s > 0:
+        warm_up(model, x, y, batch_size, FLAGS.warmup_s)
     batches = FLAGS.warmup + FLAGS.steps
     return timed_fit(
         model, np.repeat(x, batches, axis=0), np.repeat(y, batches, axis=0), batch_size, FLAGS.warmup, pids

@@ -71,6 +71,34 @@ def timed_fit(model: Any, x: Any, y: Any, batch_size: int, warmup: int, pids: Se
     return StepTimes(float(np.median(times)), cpu, wait, (cpu1 - cpu0) / (t1 - t0), steps)
 
 
+def warm_up(model: Any, x: Any, y: Any, batch_size: int, seconds: float, max_steps: int = 100) -> int:
+    """Run untimed training steps on the first batch of (x, y): the first one, then more for ``seconds``.
+
+    At most ``max_steps`` in all; returns how many ran. TensorFlow's executor hands a kernel
+    to its thread pool until the kernel's cost estimate has decayed, which takes about 90
+    runs, so a small model needs about that many steps before it is timed (docs/benchmarks.md,
+    thirteenth pass).
+    """
+    import keras
+    import numpy as np
+
+    ran: list[float] = []
+
+    class StopAfter(keras.callbacks.Callback):
+        """Counts the steps and ends the fit once ``seconds`` have passed since the first one."""
+
+        def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
+            """Start the clock after the first step; stop the fit when it runs out."""
+            ran.append(time.perf_counter())
+            if ran[-1] - ran[0] >= seconds:
+                self.model.stop_training = True
+
+    first = slice(0, batch_size)
+    xs, ys = np.repeat(x[first], max_steps, axis=0), np.repeat(y[first], max_steps, axis=0)
+    model.fit(xs, ys, batch_size=batch_size, epochs=1, shuffle=False, verbose=0, callbacks=[StopAfter()])
+    return len(ran)
+
+
 def scheduler_seconds(pids: Sequence[int]) -> tuple[float, float]:
     """(CPU seconds run, seconds ready to run but without a core) of every thread of ``pids`` so far.
 

@@ -58,7 +58,7 @@ def test_speed_benchmark_writes_its_table(tmp_path):
 
 def test_speed_benchmark_times_a_functional_unet(tmp_path):
     out = str(tmp_path / "unet")
-    flags = ("--model=unet", "--micro_batches=2", "--steps=2", "--warmup=2", "--dims=2", "--seq_len=8")
+    flags = ("--model=unet", "--micro_batches=2", "--steps=2", "--warmup=2", "--warmup_s=0", "--dims=2", "--seq_len=8")
     proc = run_script(
         "benchmark_speed.py", *flags, "--batch_sizes=2", "--optimizer=adam", "--steps_per_execution=2", f"--out={out}"
     )
@@ -154,3 +154,17 @@ def test_timed_fit_times_the_steps_after_the_warm_up_in_calls_of_several_steps(s
     assert times.steps == timed and times.median_s > 0 and times.cpu_s > 0
     with pytest.raises(ValueError, match="no step of the fit came after the 8 warm-up steps"):
         report.timed_fit(model, x, y, batch_size=4, warmup=8)
+
+
+def test_warm_up_runs_steps_for_its_seconds_and_no_more_than_its_cap():
+    import keras
+    import numpy as np
+
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+    model.compile(optimizer="sgd", loss="mse")
+    x, y = np.ones((8, 3), "float32"), np.zeros((8, 2), "float32")
+    assert report.warm_up(model, x, y, batch_size=4, seconds=0.0) == 1  # the first step only
+    assert report.warm_up(model, x, y, batch_size=4, seconds=60.0, max_steps=7) == 7
+    began = time.perf_counter()
+    ran = report.warm_up(model, x, y, batch_size=4, seconds=0.3, max_steps=100_000)
+    assert 0.3 <= time.perf_counter() - began < 30 and 2 < ran < 100_000
