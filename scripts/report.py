@@ -82,21 +82,23 @@ def warm_up(model: Any, x: Any, y: Any, batch_size: int, seconds: float, max_ste
     import keras
     import numpy as np
 
-    ran: list[float] = []
+    ran = {"steps": 0, "since": 0.0}
 
     class StopAfter(keras.callbacks.Callback):
-        """Counts the steps and ends the fit once ``seconds`` have passed since the first one."""
+        """Counts the steps and ends the fit once ``seconds`` have passed since the first call."""
 
         def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
-            """Start the clock after the first step; stop the fit when it runs out."""
-            ran.append(time.perf_counter())
-            if ran[-1] - ran[0] >= seconds:
+            """Start the clock after the first call (of steps_per_execution steps); stop when it runs out."""
+            if not ran["steps"]:
+                ran["since"] = time.perf_counter()
+            ran["steps"] = batch + 1
+            if time.perf_counter() - ran["since"] >= seconds:
                 self.model.stop_training = True
 
     first = slice(0, batch_size)
     xs, ys = np.repeat(x[first], max_steps, axis=0), np.repeat(y[first], max_steps, axis=0)
     model.fit(xs, ys, batch_size=batch_size, epochs=1, shuffle=False, verbose=0, callbacks=[StopAfter()])
-    return len(ran)
+    return ran["steps"]
 
 
 def scheduler_seconds(pids: Sequence[int]) -> tuple[float, float]:

@@ -3,6 +3,7 @@
 import csv
 import math
 import os
+import re
 import time
 
 import pytest
@@ -47,7 +48,8 @@ def test_speed_benchmark_writes_its_table(tmp_path):
         assert int(r["cores"]) == len(os.sched_getaffinity(0)) and float(r["cores_allow"]) == pytest.approx(allowed)
     table = open(out + ".md").read()
     assert "### mlp dim=16 batch=4, remat='always'" in table and "| K \\ M | 2 |" in table
-    assert "of the 1.00x allowed" in table and "CPU per step, every process" in table and "x |" in table
+    assert "of the 1.00x allowed" in table and "CPU per step, every process" in table
+    assert len(re.findall(r"waited \d+\.\d ms; allows \d+\.\d\dx \|", table)) == len(rows)
     assert f"speed-up that CPU allows on {len(os.sched_getaffinity(0))} cores" in table
     assert "over one worker, K=1, M=1, no re-materialization" in table and "over K=1 at the same M" in table
     # K=2 M=2 against K=1 M=2 of the same size and remat: the second table's reference
@@ -165,6 +167,8 @@ def test_warm_up_runs_steps_for_its_seconds_and_no_more_than_its_cap():
     x, y = np.ones((8, 3), "float32"), np.zeros((8, 2), "float32")
     assert report.warm_up(model, x, y, batch_size=4, seconds=0.0) == 1  # the first step only
     assert report.warm_up(model, x, y, batch_size=4, seconds=60.0, max_steps=7) == 7
+    model.compile(optimizer="sgd", loss="mse", steps_per_execution=3)
+    assert report.warm_up(model, x, y, batch_size=4, seconds=0.0) == 3  # steps, not calls
     began = time.perf_counter()
     ran = report.warm_up(model, x, y, batch_size=4, seconds=0.3, max_steps=100_000)
     assert 0.3 <= time.perf_counter() - began < 30 and 2 < ran < 100_000
