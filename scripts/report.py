@@ -56,10 +56,10 @@ def timed_fit(model: Any, x: Any, y: Any, batch_size: int, warmup: int, pids: Se
         def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
             """Stop the clock (and read the CPU count after the last step)."""
             nonlocal steps
-            took = time.perf_counter() - self.began
+            took, ran = time.perf_counter() - self.began, batch - self.first + 1
             if marks:
-                times.append(took / (batch - self.first + 1))
-                steps += batch - self.first + 1
+                times.append(took / ran)
+                steps += ran
             if marks and batch == last:
                 marks.append((time.perf_counter(), *scheduler_seconds(watched)))
 
@@ -82,23 +82,25 @@ def warm_up(model: Any, x: Any, y: Any, batch_size: int, seconds: float, max_ste
     import keras
     import numpy as np
 
-    ran = {"steps": 0, "since": 0.0}
-
     class StopAfter(keras.callbacks.Callback):
         """Counts the steps and ends the fit once ``seconds`` have passed since the first call."""
 
+        steps = 0
+        since = 0.0
+
         def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
             """Start the clock after the first call (of steps_per_execution steps); stop when it runs out."""
-            if not ran["steps"]:
-                ran["since"] = time.perf_counter()
-            ran["steps"] = batch + 1
-            if time.perf_counter() - ran["since"] >= seconds:
+            if not self.steps:
+                self.since = time.perf_counter()
+            self.steps = batch + 1
+            if time.perf_counter() - self.since >= seconds:
                 self.model.stop_training = True
 
     first = slice(0, batch_size)
     xs, ys = np.repeat(x[first], max_steps, axis=0), np.repeat(y[first], max_steps, axis=0)
-    model.fit(xs, ys, batch_size=batch_size, epochs=1, shuffle=False, verbose=0, callbacks=[StopAfter()])
-    return ran["steps"]
+    stop = StopAfter()
+    model.fit(xs, ys, batch_size=batch_size, epochs=1, shuffle=False, verbose=0, callbacks=[stop])
+    return stop.steps
 
 
 def scheduler_seconds(pids: Sequence[int]) -> tuple[float, float]:
