@@ -148,6 +148,24 @@ def move_variable(variable: keras.Variable, device: str) -> None:
         variable._initialize(tf.identity(old.read_value()))  # noqa: SLF001
 
 
+def backward_function(function: Any) -> Any:
+    """The ConcreteFunction TensorFlow differentiates ``function``'s call ops with (built once, then cached).
+
+    Its inputs are the gradients of the trainable outputs, then ``captured_inputs``:
+    intermediates that ``function.graph.outputs`` now also lists. The tape's gradient of a
+    call op in a graph uses this same pair, so tfpipe.replay can run it without a second
+    symbolic differentiation; TensorFlow has no public handle on it.
+    """
+    return function._delayed_rewrite_functions.forward_backward()[1]  # noqa: SLF001
+
+
+def is_trainable(t: tf.Tensor) -> bool:
+    """Whether TensorFlow's function gradients take a gradient for an output of ``t``'s dtype."""
+    from tensorflow.python.eager import backprop_util
+
+    return backprop_util.IsTrainable(t)
+
+
 def partition_graphs(fn: Any, *args: Any) -> list[Any]:
     """Run the tf.function ``fn`` eagerly once and return the GraphDefs TensorFlow partitioned it into.
 

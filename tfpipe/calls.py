@@ -50,7 +50,8 @@ def call(function: Any, args: Sequence[Any]) -> list[tf.Tensor]:
     graph = tf.compat.v1.get_default_graph()
     function.add_to_graph(graph)
     inputs = [tf.convert_to_tensor(a) for a in args] + list(function.captured_inputs)
-    outputs = function.outputs
+    # Not ``function.outputs``: once TensorFlow differentiates the function, its graph also outputs intermediates.
+    outputs = function.function_type.flat_outputs
     attrs = {
         "f": attr_value_pb2.AttrValue(func=attr_value_pb2.NameAttrList(name=function.name)),
         "Tin": _types(inputs),

@@ -12,7 +12,7 @@ from typing import Any, NamedTuple
 import keras
 import tensorflow as tf
 
-from tfpipe import calls, checkpoint, cpu_gradients, devices, state
+from tfpipe import calls, checkpoint, cpu_gradients, devices, replay, state
 
 
 class Hung(NamedTuple):
@@ -67,7 +67,7 @@ class Cell:
         # TPU cores are entered through the strategy, where nested function calls are untested: run inline there.
         self._traceable = devices.tpu_core(device) is None
         self._traces: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # outer graph -> {signature: _Trace}
-        self._forward_traces = 0
+        self._layer_runs = 0  # the layers' Python run to trace a function
         # Whether the traced functions stay one call op each (not inlined): see Pipeline.__init__.
         self.noinline = False
         # The traced backward of re-materialized micro-batches (checkpoint.TracedVJPs).
@@ -80,8 +80,13 @@ class Cell:
 
     @property
     def num_traces(self) -> int:
-        """How many times the layers' Python ran to trace a function (forward or backward)."""
-        return self._forward_traces + self.vjps.num_traces
+        """How many times the layers' Python ran to trace a function.
+
+        Once per input signature for the forward. A recomputed backward replays TensorFlow's
+        differentiation of that forward (tfpipe/replay.py) and runs the layers again only
+        where it cannot (a signature the forward was not traced for).
+        """
+        return self._layer_runs
 
     @contextlib.contextmanager
     def _placed(self) -> Iterator[None]:
@@ -202,7 +207,14 @@ class Cell:
         TF 2.21 the tape's eager gradient of a concrete-function call was wrong for
         AmoebaNet-D in training mode (BatchNorm), while the graph-mode gradient is exact.
         """
-        if not self._traceable or tf.executing_eagerly() or checkpoint.in_vjp_trace():
+        if not self._traceable or tf.executing_eagerly():
+            return self.run_inline(trainable, non_trainable, x, training)
+        if checkpoint.in_vjp_trace():  # a recomputation: TensorFlow's differentiation of the forward, replayed
+            trace = self._outer_trace(x, trainable, non_trainable, training)
+            replayed = trace.replay(x, trainable, non_trainable) if trace is not None else None
+            if replayed is not None:
+                return replayed
+            self._layer_runs += 1
             return self.run_inline(trainable, non_trainable, x, training)
         trace = self.traced(x, trainable, non_trainable, training)
         if trace is None:
@@ -216,18 +228,11 @@ class Cell:
         """
         if not self._traceable:
             return None
-        xs = [t for t in tf.nest.flatten(x) if t is not None]
-        xs = [t if isinstance(t, tf.TensorSpec) else tf.convert_to_tensor(t) for t in xs]
-        args = xs + list(trainable) + list(non_trainable)
-        key = (
-            bool(training),
-            repr(tf.nest.map_structure(lambda t: t is None, x)),
-            tuple((tuple(a.shape), a.dtype) for a in args),
-        )
+        key, args, n_x = self._signature(x, trainable, non_trainable, training)
         traces = self._traces.setdefault(tf.compat.v1.get_default_graph(), {})
         if key not in traces:
             try:
-                traces[key] = self._trace(x, args, len(xs), len(trainable), training)
+                traces[key] = self._trace(x, args, n_x, len(trainable), training)
             except Exception as error:  # noqa: BLE001 - any tracing failure: run the layers inline instead
                 warnings.warn(
                     f"Cell {self.index} ({self.describe()}) cannot be traced as a function, so its layers "
@@ -237,6 +242,30 @@ class Cell:
                 self._traceable = False
                 return None
         return traces[key]
+
+    @staticmethod
+    def _signature(x: Any, trainable: Sequence[Any], non_trainable: Sequence[Any], training: bool):
+        """(key of a trace, its flat arguments, how many of them are inputs) for inputs like these."""
+        xs = [t for t in tf.nest.flatten(x) if t is not None]
+        xs = [t if isinstance(t, tf.TensorSpec) else tf.convert_to_tensor(t) for t in xs]
+        args = xs + list(trainable) + list(non_trainable)
+        key = (
+            bool(training),
+            repr(tf.nest.map_structure(lambda t: t is None, x)),
+            tuple((tuple(a.shape), a.dtype) for a in args),
+        )
+        return key, args, len(xs)
+
+    def _outer_trace(self, x: Any, trainable: Sequence[Any], non_trainable: Sequence[Any], training: bool):
+        """The forward trace for these inputs made in a graph around the current one (a traced VJP's step), if any."""
+        key = self._signature(x, trainable, non_trainable, training)[0]
+        graph = tf.compat.v1.get_default_graph()
+        while graph is not None:
+            found = self._traces.get(graph, {}).get(key)
+            if found is not None:
+                return found
+            graph = getattr(graph, "outer_graph", None)
+        return None
 
     def _trace(self, x: Any, args: Sequence[tf.Tensor], n_x: int, n_w: int, training: bool) -> _Trace:
         """Trace the cell as a concrete function of (inputs, trainable values, non-trainable values)."""
@@ -252,7 +281,7 @@ class Cell:
             found["changed"] = [k for k, (new, was) in enumerate(zip(new_state, old)) if new is not was]
             return [t for t in tf.nest.flatten(y) if t is not None] + [new_state[k] for k in found["changed"]] + [added]
 
-        self._forward_traces += 1
+        self._layer_runs += 1
         specs = [tf.TensorSpec(a.shape, a.dtype) for a in args]
         attributes = {"_noinline": True} if self.noinline else None
         function = tf.function(body, autograph=False, experimental_attributes=attributes).get_concrete_function(*specs)
@@ -283,9 +312,21 @@ class _Trace:
         ``cheap``: no tape differentiates this call, so it may be made the way that costs the build
         less (``tfpipe.calls``).
         """
+        args = self._args(x, trainable, non_trainable)
+        return self._unpack(calls.call(self.function, args) if cheap else self.function(*args), non_trainable)
+
+    def replay(self, x: Any, trainable: Sequence[tf.Tensor], non_trainable: Sequence[tf.Tensor]):
+        """What ``apply`` returns, as the function's ops with TensorFlow's gradient of it (tfpipe.replay); or None."""
+        outputs = replay.call(self.function, self._args(x, trainable, non_trainable))
+        return None if outputs is None else self._unpack(outputs, non_trainable)
+
+    @staticmethod
+    def _args(x: Any, trainable: Sequence[tf.Tensor], non_trainable: Sequence[tf.Tensor]) -> list[tf.Tensor]:
         xs = [tf.convert_to_tensor(t) for t in tf.nest.flatten(x) if t is not None]
-        args = [*xs, *trainable, *non_trainable]
-        outputs = calls.call(self.function, args) if cheap else self.function(*args)
+        return [*xs, *trainable, *non_trainable]
+
+    def _unpack(self, outputs: Sequence[tf.Tensor], non_trainable: Sequence[tf.Tensor]):
+        """(outputs, new non-trainable values, added losses) from the function's flat outputs."""
         n_y = len(self.y_leaves)
         flat_y: list[Any] = [None] * len(tf.nest.flatten(self.y))
         for position, t in zip(self.y_leaves, outputs[:n_y]):

@@ -17,9 +17,11 @@ the runtime's Grappler still fuses for the cell's device when it instantiates th
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import tensorflow as tf
+from tensorflow.core.framework import graph_pb2
 
 from tfpipe import _compat
 
@@ -48,8 +50,25 @@ def slimmed(function: Any, name: str, attributes: dict[str, Any] | None) -> Any:
         # Control inputs from a placeholder (the identities that make a recomputation wait for
         # its gradients) must follow it too, or the imported placeholder would be run unfed.
         mapping.update({f"^{node}": flat[k] for k, node in kept})
-        return tf.graph_util.import_graph_def(cleaned, input_map=mapping, return_elements=outputs, name="")
+        return imported(cleaned, mapping, outputs, name="")
 
     body.__name__ = name
     specs = [tf.TensorSpec(t.shape, t.dtype) for t in graph.inputs]
     return tf.function(body, autograph=False, experimental_attributes=attributes).get_concrete_function(*specs)
+
+
+def imported(graph_def: Any, input_map: dict[str, tf.Tensor], outputs: Sequence[str], name: str) -> list[tf.Tensor]:
+    """The tensors ``outputs`` of ``graph_def`` imported here, its placeholders replaced by ``input_map``'s tensors.
+
+    The replaced placeholders are left out: imported, they would stay in the body as nodes
+    that nothing reads, one per argument, which each call site converts again.
+    """
+    mapped = {key.lstrip("^").split(":")[0] for key in input_map} - {name.split(":")[0] for name in outputs}
+    trimmed = graph_pb2.GraphDef(versions=graph_def.versions, library=graph_def.library)
+    trimmed.node.extend(node for node in graph_def.node if not (node.op == "Placeholder" and node.name in mapped))
+    # With its node gone, a key must be an input some node reads.
+    read = {
+        name if name.startswith("^") or ":" in name else f"{name}:0" for node in trimmed.node for name in node.input
+    }
+    input_map = {key: t for key, t in input_map.items() if key.lstrip("^").split(":")[0] not in mapped or key in read}
+    return tf.graph_util.import_graph_def(trimmed, input_map=input_map, return_elements=list(outputs), name=name)
