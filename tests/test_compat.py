@@ -224,3 +224,30 @@ def test_grappler_optimize_removes_duplicates_and_keeps_the_fetched_nodes():
     count = lambda graph_def, op: sum(node.op == op for node in graph_def.node)  # noqa: E731
     assert (count(before, "Shape"), count(after, "Shape")) == (2, 1)
     assert set(fetches) <= {node.name for node in after.node}
+
+
+def test_backward_function_is_the_one_the_tapes_gradient_of_a_call_uses():
+    """Built once and cached: its inputs are the output gradients, then intermediates the graph now outputs."""
+    function = tf.function(lambda x, w: [tf.tanh(x @ w), tf.shape(x)], autograph=False).get_concrete_function(
+        tf.TensorSpec([2, 3]), tf.TensorSpec([3, 3])
+    )
+    backward = _compat.backward_function(function)
+    assert _compat.backward_function(function) is backward
+    assert len(function.graph.outputs) > 2  # the intermediates the backward reads
+    assert {id(t) for t in backward.captured_inputs} <= {id(t) for t in function.graph.outputs}
+    assert len(backward.graph.inputs) == 1 + len(backward.captured_inputs)  # the float output's gradient first
+    pairs = function._delayed_rewrite_functions._cached_function_pairs  # noqa: SLF001
+
+    @tf.function(autograph=False)
+    def taped(x, w):
+        with tf.GradientTape() as tape:
+            tape.watch(w)
+            y = function(x, w)[0]
+        return tape.gradient(y, w)
+
+    taped(tf.ones([2, 3]), tf.eye(3))
+    assert [pair[1] for pair in pairs.values()] == [backward]  # the tape reused it
+
+
+def test_is_trainable_takes_floats_not_integers():
+    assert _compat.is_trainable(tf.constant(1.0)) and not _compat.is_trainable(tf.constant(1))
