@@ -40,3 +40,21 @@ def test_gradient_matches_tensorflows(transpose_a, transpose_b):
 def test_only_cpu_devices_get_it():
     assert cpu_gradients.on_cpu("/CPU:1") and cpu_gradients.on_cpu("/job:worker/task:1/device:CPU:0")
     assert not cpu_gradients.on_cpu("/GPU:0") and not cpu_gradients.on_cpu("/job:worker/replica:0/task:0/device:TPU:1")
+
+
+@pytest.mark.parametrize("width, laid_out", [(64, False), (cpu_gradients.MIN_WIDTH, True)])
+def test_only_wide_weights_get_the_layout(width, laid_out):
+    """``(W @ dy^T)^T`` (a Transpose) from MIN_WIDTH up; below it TensorFlow's ``dy @ W^T``; the same numbers."""
+    rng = np.random.default_rng(0)
+    a = tf.constant(rng.standard_normal((8, width)), tf.float32)
+    b = tf.constant(rng.standard_normal((width, width)) / width, tf.float32)
+
+    @tf.function(autograph=False)
+    def run():
+        with cpu_gradients.scope("/CPU:0"):
+            y = tf.matmul(a, b)
+        return tf.gradients(y, [a], grad_ys=tf.ones_like(y))[0]
+
+    graph = run.get_concrete_function().graph
+    assert any(op.type == "Transpose" for op in graph.get_operations()) == laid_out
+    np.testing.assert_allclose(run().numpy(), tf.ones((8, width)) @ tf.transpose(b), rtol=1e-5, atol=1e-5)
