@@ -64,10 +64,11 @@ def call(function: Any, args: Sequence[tf.Tensor]) -> list[tf.Tensor] | None:
 def _imported(
     graph_def: Any, inputs: Sequence[tf.Tensor], feeds: Sequence[tf.Tensor], outputs: Sequence[tf.Tensor], name: str
 ) -> list[tf.Tensor]:
-    """The ops of ``graph_def`` added here with ``inputs`` fed ``feeds``: the tensors that stand for ``outputs``."""
-    fed = {t.name: f for t, f in zip(inputs, feeds)}
-    made = iter(slim.imported(graph_def, fed, [t.name for t in outputs if t.name not in fed], name))
-    return [fed[t.name] if t.name in fed else next(made) for t in outputs]  # an input read by the backward
+    """The ops of ``graph_def`` added here with ``inputs`` fed ``feeds``: the tensors that stand for ``outputs``.
+
+    An output may be an input itself (one the backward reads): it is then its feed.
+    """
+    return slim.imported(graph_def, {t.name: f for t, f in zip(inputs, feeds)}, [t.name for t in outputs], name)
 
 
 def _packed(structure: Sequence[Any], flat: Sequence[tf.Tensor]) -> list[Any]:

@@ -61,13 +61,16 @@ def imported(graph_def: Any, input_map: dict[str, tf.Tensor], outputs: Sequence[
     """The tensors ``outputs`` of ``graph_def`` imported here, its placeholders replaced by ``input_map``'s tensors.
 
     The replaced placeholders are left out: imported, they would stay in the body as nodes
-    that nothing reads, one per argument, which each call site converts again.
+    that nothing reads, one per argument, which each call site converts again. An output
+    that is one of them is its replacement.
     """
     node_of = lambda ref: ref.lstrip("^").split(":")[0]  # noqa: E731 - "^a", "a:1" -> "a"
-    mapped = {node_of(key) for key in input_map} - {node_of(ref) for ref in outputs}
+    mapped = {node_of(key) for key in input_map}
     trimmed = graph_pb2.GraphDef(versions=graph_def.versions, library=graph_def.library)
     trimmed.node.extend(node for node in graph_def.node if not (node.op == "Placeholder" and node.name in mapped))
     # With its node gone, a key must be an input some node reads.
     read = {ref if ref.startswith("^") or ":" in ref else f"{ref}:0" for node in trimmed.node for ref in node.input}
-    input_map = {key: t for key, t in input_map.items() if node_of(key) not in mapped or key in read}
-    return tf.graph_util.import_graph_def(trimmed, input_map=input_map, return_elements=list(outputs), name=name)
+    used = {key: t for key, t in input_map.items() if node_of(key) not in mapped or key in read}
+    wanted = [ref for ref in outputs if ref not in input_map]
+    made = iter(tf.graph_util.import_graph_def(trimmed, input_map=used, return_elements=wanted, name=name))
+    return [input_map[ref] if ref in input_map else next(made) for ref in outputs]
