@@ -56,6 +56,16 @@ def test_speed_benchmark_writes_its_table(tmp_path):
     k1 = next(r for r in rows if r["size"] == sizes[1] and r["K"] == "1")
     k2 = next(r for r in rows if r["size"] == sizes[1] and r["K"] == "2")
     assert float(k2["speedup_same_m"]) == pytest.approx(float(k2["examples_per_s"]) / float(k1["examples_per_s"]))
+    # Beside one worker at the same M, which recomputes as much, the schedule allows 1.33x (not 1.00x); that
+    # times one worker's speed-up at this M is the bound that its micro-batches set.
+    same_m = schedule.allowed_speedup("gpipe", 2, 2, [0, 1]) / schedule.allowed_speedup("gpipe", 1, 2, [0, 1])
+    assert float(k2["allowed_same_m"]) == pytest.approx(same_m) == pytest.approx(4 / 3)
+    bound = same_m * float(k1["examples_per_s"]) / float(k2["reference"])
+    assert float(k2["microbatches_allow"]) == pytest.approx(bound)
+    assert float(k2["of_allowed_same_m"]) == pytest.approx(float(k2["speedup"]) / bound)
+    diagnostic = table.split("over K=1 at the same M")[1].split("CPU per step")[0]
+    # ... so its entries name no lower 'allowed' figure, as they would against one worker at M=1 (1.00x)
+    assert "share of the bound that one worker's micro-batches set" in diagnostic and "allowed" not in diagnostic
 
 
 def test_speed_benchmark_times_a_functional_unet(tmp_path):
