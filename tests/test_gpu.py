@@ -53,7 +53,7 @@ DEVICES = ["/GPU:0", "/GPU:1"]
 """
 
 _ONE_STEP = """
-def one_step(make_layers, shape, n=8):
+def one_step(make_layers, shape, n=8, **options):
     rng = np.random.default_rng(0)
     x = rng.normal(size=(n, *shape)).astype("float32")
     y = rng.normal(size=(n, 3)).astype("float32")
@@ -61,7 +61,7 @@ def one_step(make_layers, shape, n=8):
     with tf.device("/GPU:0"):
         reference = keras.Sequential([keras.Input(shape)] + make_layers())
         start = reference.get_weights()
-        model = tfpipe.PipelineModel(make_layers(), num_partitions=2, devices=DEVICES, num_micro_batches=4)
+        model = tfpipe.PipelineModel(make_layers(), num_partitions=2, devices=DEVICES, num_micro_batches=4, **options)
         model.build((None, *shape))
         model.set_weights(start)
         for net in (reference, model):
@@ -106,6 +106,29 @@ def conv_layers():
         keras.layers.Dense(3),
     ]
 print(json.dumps(one_step(conv_layers, (12, 12, 3))))
+"""
+    )
+    assert result["devices"] == ["GPU:0", "GPU:1"]
+    assert result["changed"] > 1e-3 and result["error"] < 1e-5
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"schedule": "1f1b", "remat": "never"},
+        {"schedule": "zero_bubble", "remat": "except_last"},
+        {"schedule": "gpipe_batched_w", "remat": "never"},
+        {"unroll": False, "remat": "always"},
+    ],
+    ids=["1f1b", "zero_bubble", "gpipe_batched_w", "loops"],
+)
+def test_schedules_and_loops_on_two_gpus_train_like_keras_on_the_gpu(options):
+    # Each takes its own path on the GPUs: split backwards, weight gradients over all micro-batches, while loops.
+    result = _run(
+        _ONE_STEP
+        + f"""
+from tests.util import mlp_layers
+print(json.dumps(one_step(lambda: mlp_layers(), (5,), **{options!r})))
 """
     )
     assert result["devices"] == ["GPU:0", "GPU:1"]
