@@ -85,6 +85,12 @@ flags.DEFINE_integer(
     "Keras' steps_per_execution for every entry, the reference too: S steps per call of the train function.",
     lower_bound=1,
 )
+flags.DEFINE_bool(
+    "threads",
+    False,
+    "Also break each entry's CPU and wait for a core per step down by process (client, worker0, ...) and thread "
+    "name (Linux): printed, and in the CSV's 'threads' column.",
+)
 flags.DEFINE_string("out", None, "Write the table to OUT.csv and OUT.md.")
 
 
@@ -155,7 +161,13 @@ def time_entry(
         warm_up(model, x, y, batch_size, FLAGS.warmup_s)
     batches = FLAGS.warmup + FLAGS.steps
     return timed_fit(
-        model, np.repeat(x, batches, axis=0), np.repeat(y, batches, axis=0), batch_size, FLAGS.warmup, pids
+        model,
+        np.repeat(x, batches, axis=0),
+        np.repeat(y, batches, axis=0),
+        batch_size,
+        FLAGS.warmup,
+        pids,
+        by_thread=FLAGS.threads,
     )
 
 
@@ -232,6 +244,7 @@ def main(argv: list[str]) -> None:
                             # No step can take less than its CPU spread over every core of the machine.
                             "cores_allow": n / base * cores / times.cpu_s,
                             "cores": cores,
+                            **({"threads": _threads(times)} if FLAGS.threads else {}),
                         }
                     )
                     print(
@@ -244,6 +257,8 @@ def main(argv: list[str]) -> None:
                         f"the {cores} cores allow {rows[-1]['cores_allow']:.2f}x",
                         flush=True,
                     )
+                    if FLAGS.threads:
+                        print(f"  CPU / wait for a core, ms per step: {rows[-1]['threads']}", flush=True)
     table = "\n\n".join(
         f"### {FLAGS.model} {size}, remat={FLAGS.remat!r}, unroll={FLAGS.unroll}, schedule={FLAGS.schedule!r}"
         + (f", optimizer={FLAGS.optimizer!r}" if FLAGS.optimizer != "sgd" else "")
@@ -263,6 +278,12 @@ def _cpu(times: StepTimes) -> str:
         f"CPU {1e3 * times.cpu_s:.1f} ms/step ({times.cores_busy:.2f} cores busy), "
         f"threads waited {1e3 * times.waiting_s:.1f} ms/step for a core"
     )
+
+
+def _threads(times: StepTimes) -> str:
+    """Each 'role:thread name' that ran or waited, busiest first: 'name run/wait' in ms per step, ';'-separated."""
+    busiest = sorted(times.threads.items(), key=lambda item: -(item[1][0] + item[1][1]))
+    return "; ".join(f"{key} {1e3 * run:.2f}/{1e3 * wait:.2f}" for key, (run, wait) in busiest if run + wait >= 5e-6)
 
 
 def _markdown(rows: list[dict], ms: list[int]) -> str:

@@ -5,8 +5,9 @@ from __future__ import annotations
 import csv
 import dataclasses
 import os
+import re
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 
@@ -19,6 +20,8 @@ class StepTimes:
     waiting_s: float  # per step, the time their threads were ready to run but had no core
     cores_busy: float  # CPU time over wall time while the timed steps ran
     steps: int = 0  # how many steps were timed
+    # per step, (CPU, wait for a core) of each 'role:thread name' (timed_fit's by_thread; see thread_seconds)
+    threads: dict[str, tuple[float, float]] = dataclasses.field(default_factory=dict)
 
 
 def median_step_seconds(model: Any, x: Any, y: Any, batch_size: int, warmup: int) -> float:
@@ -26,13 +29,22 @@ def median_step_seconds(model: Any, x: Any, y: Any, batch_size: int, warmup: int
     return timed_fit(model, x, y, batch_size, warmup).median_s
 
 
-def timed_fit(model: Any, x: Any, y: Any, batch_size: int, warmup: int, pids: Sequence[int] = ()) -> StepTimes:
+def timed_fit(
+    model: Any,
+    x: Any,
+    y: Any,
+    batch_size: int,
+    warmup: int,
+    pids: Sequence[int] = (),
+    by_thread: bool = False,
+) -> StepTimes:
     """Time one ``fit`` of (x, y) step by step, the first ``warmup`` steps excluded; watch the CPU of ``pids``.
 
     A step is timed from Keras' batch-begin to its batch-end callback; with ``steps_per_execution``
     S > 1 a call runs S steps between the two, and each of them counts as the call's time over S.
     The CPU and the wait for a core are read from Linux's per-thread scheduler statistics of this
-    process and ``pids`` (the workers), from the first timed step's begin to the last one's end.
+    process and ``pids`` (the workers), from the first timed step's begin to the last one's end;
+    with ``by_thread`` also per thread name, this process as 'client' and ``pids`` as 'worker0', ...
     """
     import keras
     import numpy as np
@@ -41,7 +53,17 @@ def timed_fit(model: Any, x: Any, y: Any, batch_size: int, warmup: int, pids: Se
     steps = 0  # steps timed
     last = -(-len(x) // batch_size) - 1
     watched = [os.getpid(), *pids]
+    roles = {"client": os.getpid(), **{f"worker{i}": pid for i, pid in enumerate(pids)}}
     marks: list[tuple[float, float, float]] = []
+    named: list[dict[str, tuple[float, float]]] = []  # thread_seconds at the two marks
+
+    def mark() -> None:
+        now = time.perf_counter()
+        if not by_thread:
+            marks.append((now, *scheduler_seconds(watched)))
+            return
+        named.append(thread_seconds(roles))  # one reading, so that the names add up to the total
+        marks.append((now, sum(run for run, _ in named[-1].values()), sum(wait for _, wait in named[-1].values())))
 
     class Timer(keras.callbacks.Callback):
         """Times each call of the train function from its begin to its end callback."""
@@ -50,7 +72,7 @@ def timed_fit(model: Any, x: Any, y: Any, batch_size: int, warmup: int, pids: Se
             """Start the clock (and the CPU count at the first timed step)."""
             self.first = batch
             if batch >= warmup and not marks:
-                marks.append((time.perf_counter(), *scheduler_seconds(watched)))
+                mark()
             self.began = time.perf_counter()
 
         def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
@@ -61,14 +83,20 @@ def timed_fit(model: Any, x: Any, y: Any, batch_size: int, warmup: int, pids: Se
                 times.append(took / ran)
                 steps += ran
             if marks and batch == last:
-                marks.append((time.perf_counter(), *scheduler_seconds(watched)))
+                mark()
 
     model.fit(x, y, batch_size=batch_size, epochs=1, shuffle=False, verbose=0, callbacks=[Timer()])
     if len(marks) < 2:
         raise ValueError(f"no step of the fit came after the {warmup} warm-up steps: give it more data")
     (t0, cpu0, wait0), (t1, cpu1, wait1) = marks
     cpu, wait = (cpu1 - cpu0) / steps, (wait1 - wait0) / steps
-    return StepTimes(float(np.median(times)), cpu, wait, (cpu1 - cpu0) / (t1 - t0), steps)
+    threads = {}
+    if named:
+        before, after = named
+        for key, (run, waited) in after.items():  # a thread started in between counts from zero
+            run0, waited0 = before.get(key, (0.0, 0.0))
+            threads[key] = ((run - run0) / steps, (waited - waited0) / steps)
+    return StepTimes(float(np.median(times)), cpu, wait, (cpu1 - cpu0) / (t1 - t0), steps, threads)
 
 
 def warm_up(model: Any, x: Any, y: Any, batch_size: int, seconds: float, max_steps: int = 100) -> int:
@@ -111,19 +139,48 @@ def scheduler_seconds(pids: Sequence[int]) -> tuple[float, float]:
     """
     run = wait = 0.0
     for pid in pids:
-        try:
-            threads = os.listdir(f"/proc/{pid}/task")
-        except OSError:
+        threads = _threads(pid)
+        if threads is None:
             return float("nan"), float("nan")
-        for tid in threads:
-            try:
-                with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
-                    fields = f.read().split()
-            except OSError:  # the thread ended
-                continue
-            run += int(fields[0]) / 1e9
-            wait += int(fields[1]) / 1e9
+        for _, thread_run, thread_wait in threads:
+            run += thread_run
+            wait += thread_wait
     return run, wait
+
+
+def thread_seconds(processes: Mapping[str, int]) -> dict[str, tuple[float, float]]:
+    """(CPU seconds run, seconds ready to run but without a core) so far, per 'role:thread name'.
+
+    ``processes`` maps a role to a pid. A thread's name is Linux's (at most 15 characters, as
+    TensorFlow, gRPC and Eigen set them) without a trailing number, so that a pool's threads add
+    up. A process that cannot be read is left out.
+    """
+    totals: dict[str, tuple[float, float]] = {}
+    for role, pid in processes.items():
+        for name, run, wait in _threads(pid) or ():
+            key = f"{role}:{re.sub(r'[-_./: ]*[0-9]+$', '', name) or name}"
+            total_run, total_wait = totals.get(key, (0.0, 0.0))
+            totals[key] = (total_run + run, total_wait + wait)
+    return totals
+
+
+def _threads(pid: int) -> list[tuple[str, float, float]] | None:
+    """(name, CPU seconds run, seconds waiting for a core) of each thread of ``pid``; None if it cannot be read."""
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return None
+    found = []
+    for tid in tids:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
+                fields = f.read().split()
+            with open(f"/proc/{pid}/task/{tid}/comm") as f:
+                name = f.read().strip()
+        except OSError:  # the thread ended
+            continue
+        found.append((name, int(fields[0]) / 1e9, int(fields[1]) / 1e9))
+    return found
 
 
 def write_table(

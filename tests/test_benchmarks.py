@@ -25,12 +25,20 @@ def test_speed_benchmark_writes_its_table(tmp_path):
         "--dims=16,32",
         "--batch_sizes=4",
         "--remat=always",
+        "--threads",
         f"--out={out}",
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     with open(out + ".csv") as f:
         rows = list(csv.DictReader(f))
     sizes = ["dim=16 batch=4", "dim=32 batch=4"]
+    for r in rows:  # --threads: each process's threads by name, CPU/wait in ms per step, adding up to the CPU
+        threads = [entry.rsplit(" ", 1) for entry in r["threads"].split("; ")]
+        roles = {key.split(":")[0] for key, _ in threads}
+        assert roles == {"client", "worker0"} | ({"worker1"} if r["K"] == "2" else set())
+        cpu = sum(float(times.split("/")[0]) for _, times in threads)
+        assert cpu == pytest.approx(float(r["cpu_ms"]), rel=0.1, abs=0.1)
+    assert "  CPU / wait for a core, ms per step: client:" in proc.stdout
     assert [(r["size"], r["K"], r["M"]) for r in rows] == [(s, k, "2") for k in ("1", "2") for s in sizes]
     for r in rows:  # every entry against its size's reference: one worker, K=1, M=1, no recomputation
         assert r["remat"] == "always" and float(r["examples_per_s"]) > 0
@@ -151,6 +159,25 @@ def test_scheduler_seconds_counts_this_process_cpu_and_says_nan_for_a_process_it
     assert 0.15 < run_after - run < 2.0 and wait_after >= wait
     no_such_pid = max(int(p) for p in os.listdir("/proc") if p.isdigit()) + 10**6
     assert all(math.isnan(v) for v in report.scheduler_seconds([os.getpid(), no_such_pid]))
+
+
+def test_thread_seconds_adds_up_a_pools_threads_per_role_and_name():
+    import threading
+
+    with open(f"/proc/self/task/{threading.get_native_id()}/comm") as f:
+        name = f.read().strip()
+    before = report.thread_seconds({"me": os.getpid()})
+    deadline = time.process_time() + 0.2
+    while time.process_time() < deadline:  # 0.2 s of CPU in this thread
+        pass
+    no_such_pid = max(int(p) for p in os.listdir("/proc") if p.isdigit()) + 10**6
+    after = report.thread_seconds({"me": os.getpid(), "gone": no_such_pid})
+    key = f"me:{re.sub(r'[-_./: ]*[0-9]+$', '', name) or name}"
+    assert 0.15 < after[key][0] - before[key][0] < 2.0 and after[key][1] >= before[key][1]
+    assert all(k.startswith("me:") for k in after)  # the process it cannot read is left out
+    # Every thread of the process is in some name's sum: together they are scheduler_seconds' total.
+    run, _ = report.scheduler_seconds([os.getpid()])
+    assert sum(r for r, _ in report.thread_seconds({"me": os.getpid()}).values()) == pytest.approx(run, rel=0.05)
 
 
 @pytest.mark.parametrize("steps_per_execution, timed", [(1, 5), (2, 4)])
