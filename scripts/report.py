@@ -90,7 +90,7 @@ def timed_fit(
         raise ValueError(f"no step of the fit came after the {warmup} warm-up steps: give it more data")
     (t0, cpu0, wait0), (t1, cpu1, wait1) = marks
     cpu, wait = (cpu1 - cpu0) / steps, (wait1 - wait0) / steps
-    threads = {}
+    threads: dict[str, tuple[float, float]] = {}
     if named:
         before, after = named
         for key, (run, waited) in after.items():  # a thread started in between counts from zero
