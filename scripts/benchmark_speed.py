@@ -244,7 +244,7 @@ def main(argv: list[str]) -> None:
                             # No step can take less than its CPU spread over every core of the machine.
                             "cores_allow": n / base * cores / times.cpu_s,
                             "cores": cores,
-                            **({"threads": _threads(times)} if FLAGS.threads else {}),
+                            **({"threads": _thread_line(times)} if FLAGS.threads else {}),
                         }
                     )
                     print(
@@ -280,7 +280,7 @@ def _cpu(times: StepTimes) -> str:
     )
 
 
-def _threads(times: StepTimes) -> str:
+def _thread_line(times: StepTimes) -> str:
     """Each 'role:thread name' that ran or waited, busiest first: 'name run/wait' in ms per step, ';'-separated."""
     busiest = sorted(times.threads.items(), key=lambda item: -(item[1][0] + item[1][1]))
     return "; ".join(f"{key} {1e3 * run:.2f}/{1e3 * wait:.2f}" for key, (run, wait) in busiest if run + wait >= 5e-6)

@@ -139,7 +139,7 @@ def scheduler_seconds(pids: Sequence[int]) -> tuple[float, float]:
     """
     run = wait = 0.0
     for pid in pids:
-        threads = _threads(pid)
+        threads = _threads(pid, named=False)
         if threads is None:
             return float("nan"), float("nan")
         for _, thread_run, thread_wait in threads:
@@ -151,21 +151,29 @@ def scheduler_seconds(pids: Sequence[int]) -> tuple[float, float]:
 def thread_seconds(processes: Mapping[str, int]) -> dict[str, tuple[float, float]]:
     """(CPU seconds run, seconds ready to run but without a core) so far, per 'role:thread name'.
 
-    ``processes`` maps a role to a pid. A thread's name is Linux's (at most 15 characters, as
-    TensorFlow, gRPC and Eigen set them) without a trailing number, so that a pool's threads add
-    up. A process that cannot be read is left out.
+    ``processes`` maps a role to a pid; a thread's name is Linux's (at most 15 characters, as
+    TensorFlow, gRPC and Eigen set them) as ``pool_name`` groups it. A process that cannot be
+    read is left out.
     """
     totals: dict[str, tuple[float, float]] = {}
     for role, pid in processes.items():
-        for name, run, wait in _threads(pid) or ():
-            key = f"{role}:{re.sub(r'[-_./: ]*[0-9]+$', '', name) or name}"
+        for name, run, wait in _threads(pid, named=True) or ():
+            key = f"{role}:{pool_name(name)}"
             total_run, total_wait = totals.get(key, (0.0, 0.0))
             totals[key] = (total_run + run, total_wait + wait)
     return totals
 
 
-def _threads(pid: int) -> list[tuple[str, float, float]] | None:
-    """(name, CPU seconds run, seconds waiting for a core) of each thread of ``pid``; None if it cannot be read."""
+def pool_name(name: str) -> str:
+    """A thread's name without a trailing number ('worker-12' -> 'worker'), so that a pool's threads add up."""
+    return re.sub(r"[-_./: ]*[0-9]+$", "", name) or name
+
+
+def _threads(pid: int, named: bool) -> list[tuple[str, float, float]] | None:
+    """(name, CPU seconds run, seconds waiting for a core) of each thread of ``pid``; None if it cannot be read.
+
+    Names ('' unless ``named``) cost a second file per thread, read only when asked for.
+    """
     try:
         tids = os.listdir(f"/proc/{pid}/task")
     except OSError:
@@ -175,8 +183,10 @@ def _threads(pid: int) -> list[tuple[str, float, float]] | None:
         try:
             with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
                 fields = f.read().split()
-            with open(f"/proc/{pid}/task/{tid}/comm") as f:
-                name = f.read().strip()
+            name = ""
+            if named:
+                with open(f"/proc/{pid}/task/{tid}/comm") as f:
+                    name = f.read().strip()
         except OSError:  # the thread ended
             continue
         found.append((name, int(fields[0]) / 1e9, int(fields[1]) / 1e9))

@@ -161,6 +161,12 @@ def test_scheduler_seconds_counts_this_process_cpu_and_says_nan_for_a_process_it
     assert all(math.isnan(v) for v in report.scheduler_seconds([os.getpid(), no_such_pid]))
 
 
+def test_pool_name_drops_a_trailing_number_only():
+    assert report.pool_name("worker-12") == report.pool_name("worker_3") == "worker"
+    assert report.pool_name("tf_Compute") == "tf_Compute" and report.pool_name("python3.11") == "python3"
+    assert report.pool_name("42") == "42"  # nothing would be left: the name stays
+
+
 def test_thread_seconds_adds_up_a_pools_threads_per_role_and_name():
     import threading
 
@@ -172,7 +178,7 @@ def test_thread_seconds_adds_up_a_pools_threads_per_role_and_name():
         pass
     no_such_pid = max(int(p) for p in os.listdir("/proc") if p.isdigit()) + 10**6
     after = report.thread_seconds({"me": os.getpid(), "gone": no_such_pid})
-    key = f"me:{re.sub(r'[-_./: ]*[0-9]+$', '', name) or name}"
+    key = f"me:{report.pool_name(name)}"
     assert 0.15 < after[key][0] - before[key][0] < 2.0 and after[key][1] >= before[key][1]
     assert all(k.startswith("me:") for k in after)  # the process it cannot read is left out
     # Every thread of the process is in some name's sum: together they are scheduler_seconds' total.
