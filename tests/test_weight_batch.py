@@ -93,6 +93,23 @@ def test_batch_statistics_keep_a_cell_on_per_micro_batch_weight_gradients_with_a
     assert per_layer_error(batched.pipeline_layers, gpipe.pipeline_layers) < 1e-5
 
 
+def test_a_micro_batch_of_one_row_keeps_w_per_micro_batch_with_a_warning():
+    # 5 rows in 4 micro-batches: 2, 1, 1, 1. TensorFlow traces LayerNormalization's gradient for one row without
+    # the sum over rows that W runs example by example in the others (this raised a KeyError before).
+    rng = np.random.default_rng(2)
+    x, y = rng.normal(size=(5, 8)).astype("float32"), rng.normal(size=(5, 3)).astype("float32")
+    keras.utils.set_random_seed(0)
+    plain = keras.Sequential([keras.Input((8,)), *mlp_layers()])
+    model = tfpipe.PipelineModel(mlp_layers(), num_partitions=2, devices=cpu_devices(2), num_micro_batches=4,
+                                 remat="never", schedule=BATCHED_W)  # fmt: skip
+    model.build((None, 8))
+    model.set_weights(plain.get_weights())
+    _fit(plain, x, y, "adam")
+    said = _fit(model, x, y, "adam")
+    assert len(said) == 2 and all("a micro-batch shaped (1, " in s and "was traced without" in s for s in said), said
+    assert max_rel_error(model.get_weights(), plain.get_weights()) < 1e-5
+
+
 def test_batched_weight_gradients_need_remat_never():
     with pytest.raises(ValueError, match=f"schedule='{BATCHED_W}' holds every micro-batch's activations.*"
                                          "use remat='never' with it, not remat='except_last'"):  # fmt: skip

@@ -109,6 +109,7 @@ class BatchedW:
         self._examples = {op.name for op in _closure(frontier, inside)}
         self._wanted = list(read) + rows  # what each B hands over of its micro-batch
         self._sliced += rows  # a sparse gradient's rows, made example by example: concatenated
+        _check_traced_alike(smalls, self._examples, self._wanted)
 
     def inputs_part(self, small: SplitVJP) -> Any:
         """B of one micro-batch (``small``'s): its input gradients and the per-example part of W."""
@@ -146,6 +147,19 @@ def _closure(ops: Sequence[tf.Operation], within: set[tf.Operation], stop=lambda
         seen.add(op)
         stack.extend(t.op for t in op.inputs)
     return seen
+
+
+def _check_traced_alike(smalls: Sequence[SplitVJP], ops: set[str], tensors: Sequence[str]) -> None:
+    """Raise ``Unbatchable`` unless every micro-batch's graph has the ops each B runs for W and the tensors it hands
+    over: TensorFlow traces some gradients without a sum over a dimension of 1, as in a micro-batch of one row."""
+    for small in smalls:
+        names = {op.name for op in small.graph.get_operations()}
+        missing = sorted(ops - names) + [t for t in tensors if t.split(":")[0] not in names]
+        if missing:
+            shape = small.graph.get_tensor_by_name(small.inputs[0]).shape if small.inputs else "unknown"
+            raise Unbatchable(
+                f"a micro-batch shaped {shape} was traced without {missing[0]}, which W runs example by example"
+            )
 
 
 def _labels(smalls: Sequence[SplitVJP], big: SplitVJP, shared: set[str]) -> dict[str, str]:
