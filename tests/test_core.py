@@ -84,7 +84,9 @@ def test_traced_vjp_sums_micro_batches_like_the_tape_with_one_call_each(recomput
     ids = [tf.constant(rng.integers(0, 7, size=5), tf.int32) for _ in range(3)]
     dys = [tf.constant(rng.standard_normal(5), tf.float32) for _ in range(3)]
     scales = [tf.constant(s) for s in (0.5, 1.0, 2.0)]
-    vjps = checkpoint.TracedVJPs(lambda: tf.name_scope("cell"), lambda: True)
+    vjps = checkpoint.TracedVJPs(
+        lambda: tf.name_scope("cell"), lambda: {"experimental_attributes": {"_noinline": True}, "jit_compile": None}
+    )
 
     def step():
         running = [None, None]
@@ -131,7 +133,7 @@ class FakeCell:
         self.index, self.device, self.log = index, device, log
         with tf.device(device):
             self.w = keras.Variable(float(index + 2), name=f"w{index}")
-        self.noinline = False
+        self.noinline = self.jit_compile = False
         self.merger = _NoState()
         self.traceable, self.vjps, self.has_regularizers = False, None, False
 

@@ -95,10 +95,10 @@ def test_a_short_batch_found_in_the_step_is_one_short_error():
     assert "drop_remainder=True" in message and len(message.splitlines()) == 1 and message.count("tfpipe:") == 1
 
 
-def test_jit_compile_is_refused():
+def test_jit_compile_other_than_a_bool_or_auto_is_refused():
     model = tfpipe.PipelineModel(_layers(2), num_partitions=2)
-    with pytest.raises(ValueError, match=r"jit_compile=True would compile the whole pipeline"):
-        model.compile(optimizer="sgd", loss="mse", jit_compile=True)
+    with pytest.raises(ValueError, match=r"jit_compile must be True, False or 'auto', got 'yes'"):
+        model.compile(optimizer="sgd", loss="mse", jit_compile="yes")
 
 
 def test_weights_shared_between_cells():

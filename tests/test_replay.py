@@ -109,7 +109,7 @@ def test_slimming_a_replayed_body_drops_the_placeholders_the_import_left():
 
     specs = [tf.TensorSpec([5], tf.int32), tf.TensorSpec([7, 3]), tf.TensorSpec([3, 4]), tf.TensorSpec([5, 4])]
     traced = tf.function(body, autograph=False).get_concrete_function(*specs)
-    made = slim.slimmed(traced, "tfpipe_test_replayed", {"_noinline": True})
+    made = slim.slimmed(traced, "tfpipe_test_replayed", {"experimental_attributes": {"_noinline": True}})
     placeholders = [n for n in made.graph.as_graph_def().node if n.op == "Placeholder"]
     assert len(placeholders) == 4  # its arguments
     np.testing.assert_allclose(made(IDS, TABLE, W, DY)[0].numpy(), traced(IDS, TABLE, W, DY)[0].numpy(), rtol=1e-6)

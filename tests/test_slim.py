@@ -22,11 +22,9 @@ def _duplicated(x, dy):
 
 def test_a_slimmed_function_gives_the_same_results_from_a_smaller_body():
     specs = [tf.TensorSpec([4, 4]), tf.TensorSpec([4, 4])]
-    attributes = {"_noinline": True}
-    original = tf.function(_duplicated, autograph=False, experimental_attributes=attributes).get_concrete_function(
-        *specs
-    )
-    made = slim.slimmed(original, "tfpipe_test_body", attributes)
+    options = {"experimental_attributes": {"_noinline": True}, "jit_compile": None}
+    original = tf.function(_duplicated, autograph=False, **options).get_concrete_function(*specs)
+    made = slim.slimmed(original, "tfpipe_test_body", options)
     assert _nodes(made) < _nodes(original)
     assert b"tfpipe_test_body" in made.name
     assert made.function_def.attr["_noinline"].b
@@ -50,4 +48,4 @@ def test_a_body_with_effects_or_captures_is_left_as_it_is():
         return x * 2.0
 
     function = tf.function(bump, autograph=False).get_concrete_function(tf.TensorSpec([]))
-    assert slim.slimmed(function, "bump", None) is function
+    assert slim.slimmed(function, "bump", {}) is function

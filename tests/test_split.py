@@ -31,7 +31,7 @@ def _reference(x, w1, w2, dy):
 
 
 def _traced_vjps():
-    return checkpoint.TracedVJPs(contextlib.nullcontext, lambda: False)
+    return checkpoint.TracedVJPs(contextlib.nullcontext, lambda: {"experimental_attributes": None, "jit_compile": None})
 
 
 def _split_step(recompute, traced):

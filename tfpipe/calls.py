@@ -24,6 +24,7 @@ from tensorflow.core.framework import attr_value_pb2
 
 from tfpipe import _compat
 
+XLA_MUST_COMPILE = "_XlaMustCompile"  # the attribute of a function made with tf.function(jit_compile=True)
 _FACTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # function -> (not inlined, stateful body)
 
 
@@ -60,6 +61,9 @@ def call(function: Any, args: Sequence[Any]) -> list[tf.Tensor]:
         "executor_type": attr_value_pb2.AttrValue(s=b""),
         "_disable_call_shape_inference": attr_value_pb2.AttrValue(b=True),
     }
+    xla = function.function_def.attr.get(XLA_MUST_COMPILE)
+    if xla is not None:  # as TensorFlow's own call op carries it: the call is compiled by XLA on its device
+        attrs[XLA_MUST_COMPILE] = xla
     op_type = "StatefulPartitionedCall" if _facts(function)[1] else "PartitionedCall"
     op = graph.create_op(op_type, inputs, [t.dtype for t in outputs], name=op_type, attrs=attrs)
     for out, like in zip(op.outputs, outputs):

@@ -70,8 +70,10 @@ class Cell:
         self._layer_runs = 0  # the layers' Python run to trace a function
         # Whether the traced functions stay one call op each (not inlined): see Pipeline.__init__.
         self.noinline = False
+        # Whether the traced functions are compiled by XLA, each on the cell's device (compile(jit_compile=True)).
+        self.jit_compile = False
         # The traced backward of re-materialized micro-batches (checkpoint.TracedVJPs).
-        self.vjps = checkpoint.TracedVJPs(self._placed, lambda: self.noinline)
+        self.vjps = checkpoint.TracedVJPs(self._placed, self.function_options)
 
     @property
     def traceable(self) -> bool:
@@ -87,6 +89,13 @@ class Cell:
         where it cannot (a signature the forward was not traced for).
         """
         return self._layer_runs
+
+    def function_options(self) -> dict[str, Any]:
+        """The ``tf.function`` options of the cell's traced functions: inlined or not, compiled by XLA or not."""
+        return {
+            "experimental_attributes": {"_noinline": True} if self.noinline else None,
+            "jit_compile": True if self.jit_compile else None,
+        }
 
     @contextlib.contextmanager
     def _placed(self) -> Iterator[None]:
@@ -283,8 +292,7 @@ class Cell:
 
         self._layer_runs += 1
         specs = [tf.TensorSpec(a.shape, a.dtype) for a in args]
-        attributes = {"_noinline": True} if self.noinline else None
-        function = tf.function(body, autograph=False, experimental_attributes=attributes).get_concrete_function(*specs)
+        function = tf.function(body, autograph=False, **self.function_options()).get_concrete_function(*specs)
         leaves = tf.nest.flatten(found["y"])
         template = tf.nest.pack_sequence_as(found["y"], [None if t is None else 0 for t in leaves])
         return _Trace(function, template, [i for i, t in enumerate(leaves) if t is not None], found["changed"])

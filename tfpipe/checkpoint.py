@@ -94,10 +94,11 @@ class _Traced:
 class TracedVJPs:
     """The traced backward functions of one cell, per outer graph and input signature."""
 
-    def __init__(self, scope: Callable[[], ContextManager], noinline: Callable[[], bool]):
-        """``scope()`` is entered around the traced body (the cell's device); ``noinline()`` marks the function."""
+    def __init__(self, scope: Callable[[], ContextManager], options: Callable[[], dict[str, Any]]):
+        """``scope()`` is entered around the traced body (the cell's device); ``options()`` gives the cell's
+        ``tf.function`` options (``Cell.function_options``)."""
         self._scope = scope
-        self._noinline = noinline
+        self.options = options
         self._graphs: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # outer graph -> {key: _Traced}
         self._sparse: dict[Any, frozenset[int]] = {}  # key -> positions found sparse when first traced
         self.num_traces = 0
@@ -143,7 +144,7 @@ class TracedVJPs:
 
             body.__name__ = GRADIENT_SUM  # how tfpipe.tasks recognizes the call in a step's graph
             specs = [tf.TensorSpec(t.shape, t.dtype) for t in args]
-            function = tf.function(body, autograph=False, experimental_attributes=self.attributes())
+            function = tf.function(body, autograph=False, **self.options())
             traces[key] = _Traced(function.get_concrete_function(*specs), frozenset())
         return calls.call(traces[key].function, args)
 
@@ -158,13 +159,7 @@ class TracedVJPs:
 
         body.__name__ = SPLIT_FORWARD if part == "forward" else f"{TRACED_VJP}_{part}"
         with self.tracing():
-            return tf.function(body, autograph=False, experimental_attributes=self.attributes()).get_concrete_function(
-                *specs
-            )
-
-    def attributes(self) -> dict[str, Any] | None:
-        """The tf.function attributes of a new trace: not inlined when the cell's forward is not."""
-        return {"_noinline": True} if self._noinline() else None
+            return tf.function(body, autograph=False, **self.options()).get_concrete_function(*specs)
 
     @contextlib.contextmanager
     def tracing(self) -> Iterator[None]:
@@ -464,11 +459,11 @@ class Checkpoint:
         # Running sums are typed without a static shape: a sparse gradient's slot gets an empty placeholder.
         specs = [tf.TensorSpec(a.shape, a.dtype) for a in args[: len(args) - len(summed)]]
         specs += [tf.TensorSpec([None] * a.shape.rank, a.dtype) for a in args[len(args) - len(summed) :]]
-        attributes = self._traced.attributes()
-        function = tf.function(body, autograph=False, experimental_attributes=attributes).get_concrete_function(*specs)
-        if attributes:  # called, not inlined: once per micro-batch, each call site costing with the body's size
-            with self._traced.tracing():
-                function = slim.slimmed(function, TRACED_VJP, attributes)
+        options = self._traced.options()
+        function = tf.function(body, autograph=False, **options).get_concrete_function(*specs)
+        if options["experimental_attributes"]:  # called, not inlined: once per micro-batch, each call site
+            with self._traced.tracing():  # costing with the body's size
+                function = slim.slimmed(function, TRACED_VJP, options)
         return _Traced(function, frozenset(sparse))
 
 

@@ -131,6 +131,7 @@ class PipelineModel(keras.Model):
         self._inputs: Any = None  # symbolic inputs the model was built for, batch dimension included
         self._built_spec: tuple[Any, Any] | None = None  # (inputs, outputs) as build ran the layers on them
         self._pipeline: Pipeline | Replicated | None = None
+        self._cells_jit = False  # compile(jit_compile=True): XLA per cell
         if cell_sizes is None and num_cells in (1, units):
             cell_sizes = balance_lib.uniform(units, num_cells)  # the only split there is
         elif cell_sizes is None and callable(cost):
@@ -170,6 +171,7 @@ class PipelineModel(keras.Model):
             for r, devices in enumerate(self._replica_devices)
         ]
         self._pipeline = pipelines[0] if len(pipelines) == 1 else Replicated(pipelines)
+        self._apply_cells_jit()
 
     def _move_graph_variables(self) -> None:
         """A Functional model's weights were created where it was built: move each to its cell's device.
@@ -332,15 +334,30 @@ class PipelineModel(keras.Model):
 
     # Keras training --------------------------------------------------------------------------
     def compile(self, *args: Any, jit_compile: Any = "auto", **kwargs: Any) -> None:
-        """Keras ``compile``, with XLA kept off for the pipelined step (an XLA cluster ignores tf.device)."""
-        if jit_compile is True:
-            raise ValueError(
-                "jit_compile=True would compile the whole pipeline into one XLA cluster on one device, ignoring "
-                "the cells' devices; leave jit_compile unset (tfpipe turns it off)."
-            )
+        """Keras ``compile``; ``jit_compile=True`` compiles each cell's tasks by XLA on the cell's device.
+
+        The step itself is never one XLA cluster, which would ignore the cells' devices. ``"auto"`` (Keras'
+        default, which means XLA wherever a GPU is) and False leave the cells to TensorFlow's executor.
+        """
+        if jit_compile not in (True, False, "auto"):
+            raise ValueError(f"jit_compile must be True, False or 'auto', got {jit_compile!r}.")
         super().compile(*args, jit_compile=False, **kwargs)
+        self._cells_jit = jit_compile is True
+        self._apply_cells_jit()
+        if hasattr(self, "_compile_config"):  # saved and loaded with the user's choice, not the outer step's
+            self._compile_config.config["jit_compile"] = jit_compile
         if self.optimizer is not None:
             training_lib.place_on_variable_devices(self.optimizer)
+
+    @property
+    def cells_jit_compile(self) -> bool:
+        """Whether each cell's traced tasks are compiled by XLA on its device (``compile(jit_compile=True)``)."""
+        return self._cells_jit
+
+    def _apply_cells_jit(self) -> None:
+        for pipeline in getattr(self._pipeline, "pipelines", [self._pipeline] if self._pipeline else []):
+            for cell in pipeline.cells:
+                cell.jit_compile = self._cells_jit
 
     def make_train_function(self, force: bool = False) -> Callable:
         """Keras' train function; a step that calls its cells runs with fewer Grappler passes.

@@ -28,10 +28,11 @@ from tfpipe import _compat
 OPTIMIZERS = ("pruning", "common_subgraph_elimination", "constfold", "dependency")
 
 
-def slimmed(function: Any, name: str, attributes: dict[str, Any] | None) -> Any:
+def slimmed(function: Any, name: str, options: dict[str, Any]) -> Any:
     """``function`` (a ConcreteFunction of flat tensors) traced again from its Grappler-cleaned body.
 
-    The new function is named ``name`` (how tfpipe.tasks knows it) and carries ``attributes``.
+    The new function is named ``name`` (how tfpipe.tasks knows it) and is made with the ``tf.function``
+    options ``options``.
     A body that captures tensors or has control outputs (stateful ops run for their effect)
     is returned as it is: pruning to the outputs would drop those.
     """
@@ -54,7 +55,7 @@ def slimmed(function: Any, name: str, attributes: dict[str, Any] | None) -> Any:
 
     body.__name__ = name
     specs = [tf.TensorSpec(t.shape, t.dtype) for t in graph.inputs]
-    return tf.function(body, autograph=False, experimental_attributes=attributes).get_concrete_function(*specs)
+    return tf.function(body, autograph=False, **options).get_concrete_function(*specs)
 
 
 def imported(graph_def: Any, input_map: dict[str, tf.Tensor], outputs: Sequence[str], name: str) -> list[tf.Tensor]:
