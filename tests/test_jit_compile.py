@@ -1,4 +1,4 @@
-"""compile(jit_compile=True): each cell's tasks compiled by XLA on the cell's device, training as plain Keras with XLA."""
+"""compile(jit_compile=True): each cell's tasks compiled by XLA on its device, training as plain Keras with XLA."""
 
 import keras
 import numpy as np
