@@ -91,6 +91,12 @@ flags.DEFINE_bool(
     "Also break each entry's CPU and wait for a core per step down by process (client, worker0, ...) and thread "
     "name (Linux): printed, and in the CSV's 'threads' column.",
 )
+flags.DEFINE_bool(
+    "jit_compile",
+    False,
+    "Compile each cell of the entries by XLA on its worker (compile(jit_compile=True)); the reference stays as "
+    "Keras runs it by default on a CPU, without XLA, so the K=1, M=1 entry shows what XLA itself gains.",
+)
 flags.DEFINE_string("out", None, "Write the table to OUT.csv and OUT.md.")
 
 
@@ -132,9 +138,10 @@ def time_entry(
     batch_size: int,
     unroll: bool = True,
     pids: Sequence[int] = (),
+    jit_compile: bool = False,
 ) -> StepTimes:
-    """The training steps with the cells on ``devices`` (or R lists: replicas), M = m, ``remat``: their median
-    time, and the CPU that this process and ``pids`` (the workers) used for them."""
+    """The training steps with the cells on ``devices`` (or R lists: replicas), M = m, ``remat``, each cell compiled
+    by XLA with ``jit_compile``: their median time, and the CPU that this process and ``pids`` (the workers) used."""
     import keras
     import numpy as np
 
@@ -156,6 +163,7 @@ def time_entry(
         optimizer=optimizer,
         loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
         steps_per_execution=FLAGS.steps_per_execution,
+        jit_compile=jit_compile,
     )
     if FLAGS.warmup_s > 0:
         warm_up(model, x, y, batch_size, FLAGS.warmup_s)
@@ -199,7 +207,16 @@ def main(argv: list[str]) -> None:
                     if n < m * r:
                         continue
                     grid = [cluster.devices[i * k : (i + 1) * k] for i in range(r)]
-                    times = time_entry(grid if r > 1 else grid[0], m, FLAGS.remat, dim, n, FLAGS.unroll, cluster.pids)
+                    times = time_entry(
+                        grid if r > 1 else grid[0],
+                        m,
+                        FLAGS.remat,
+                        dim,
+                        n,
+                        FLAGS.unroll,
+                        cluster.pids,
+                        FLAGS.jit_compile,
+                    )
                     rate = n / times.median_s
                     ideal = r * schedule.ideal_speedup(k, m)
                     recomputed = [j for j in range(m) if checkpoint.recomputes(FLAGS.remat, j, m)]
@@ -223,6 +240,7 @@ def main(argv: list[str]) -> None:
                             "remat": FLAGS.remat,
                             "schedule": FLAGS.schedule,
                             "optimizer": FLAGS.optimizer,
+                            "jit_compile": FLAGS.jit_compile,
                             "examples_per_s": rate,
                             "reference": base,
                             "speedup": rate / base,
@@ -263,6 +281,7 @@ def main(argv: list[str]) -> None:
         f"### {FLAGS.model} {size}, remat={FLAGS.remat!r}, unroll={FLAGS.unroll}, schedule={FLAGS.schedule!r}"
         + (f", optimizer={FLAGS.optimizer!r}" if FLAGS.optimizer != "sgd" else "")
         + (f", steps_per_execution={FLAGS.steps_per_execution}" if FLAGS.steps_per_execution > 1 else "")
+        + (", cells compiled by XLA (the reference without)" if FLAGS.jit_compile else "")
         + "\n\n"
         + _markdown([r for r in rows if r["size"] == size], ms)
         for size in dict.fromkeys(r["size"] for r in rows)

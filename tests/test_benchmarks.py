@@ -80,14 +80,16 @@ def test_speed_benchmark_times_a_functional_unet(tmp_path):
     out = str(tmp_path / "unet")
     flags = ("--model=unet", "--micro_batches=2", "--steps=2", "--warmup=2", "--warmup_s=0", "--dims=2", "--seq_len=8")
     proc = run_script(
-        "benchmark_speed.py", *flags, "--batch_sizes=2", "--optimizer=adam", "--steps_per_execution=2", f"--out={out}"
-    )
+        "benchmark_speed.py", *flags, "--batch_sizes=2", "--optimizer=adam", "--steps_per_execution=2", "--jit_compile",
+        f"--out={out}",
+    )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     with open(out + ".csv") as f:
         rows = list(csv.DictReader(f))
     assert [(r["K"], r["M"]) for r in rows] == [("1", "2"), ("2", "2")] and float(rows[-1]["examples_per_s"]) > 0
-    assert {r["optimizer"] for r in rows} == {"adam"}
-    assert "optimizer='adam', steps_per_execution=2" in open(out + ".md").read()
+    assert {r["optimizer"] for r in rows} == {"adam"} and {r["jit_compile"] for r in rows} == {"True"}
+    table = open(out + ".md").read()  # the cells of each entry compiled by XLA on their workers
+    assert "optimizer='adam', steps_per_execution=2, cells compiled by XLA (the reference without)" in table
 
 
 def test_scale_benchmark_times_the_first_step_in_a_fresh_process(tmp_path):
