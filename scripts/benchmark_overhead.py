@@ -9,6 +9,10 @@ seed (so all three start from identical weights, which the script checks):
   remat="never")``, i.e. K=1, M=1, on ``--device`` (default /CPU:0; plain Keras runs there too);
 - ``always``: the same with ``remat="always"`` (the one cell is recomputed in the backward).
 
+With ``--jit_compile``, two more: ``plain_xla``, plain Keras compiled with ``jit_compile=True`` (what
+Keras' default ``"auto"`` gives on a machine with a GPU), and ``xla``, the ``never`` model with its cell
+compiled by XLA (``compile(jit_compile=True)``); their ratio is reported beside the others.
+
 Both sides run graph mode without XLA: tfpipe always compiles with
 ``jit_compile=False``, and plain Keras is given ``jit_compile=False`` too (on a
 CPU Keras' "auto" would already mean no XLA; it is explicit so the comparison
@@ -27,6 +31,7 @@ whose backward costs about two, i.e. about +33%, so that target has little slack
     python scripts/benchmark_overhead.py                          # 4 blocks, dim 128, seq 32, batch 32
     python scripts/benchmark_overhead.py --repeats=9 --out=docs/overhead   # also write .csv and .md
     python scripts/benchmark_overhead.py --device=/GPU:0                  # all three on a GPU
+    python scripts/benchmark_overhead.py --device=/GPU:0 --jit_compile    # and both with XLA
 """
 
 from __future__ import annotations
@@ -54,9 +59,13 @@ flags.DEFINE_integer(
 )
 flags.DEFINE_integer("seed", 0, "Seed for the weights and the data.")
 flags.DEFINE_string("out", None, "Write the rounds and the summary to OUT.csv and OUT.md.")
-flags.DEFINE_string("device", "/CPU:0", "The device all three models train on, such as /CPU:0 or /GPU:0.")
+flags.DEFINE_string("device", "/CPU:0", "The device all models train on, such as /CPU:0 or /GPU:0.")
+flags.DEFINE_bool(
+    "jit_compile", False, "Also time plain Keras and remat=never with XLA (plain_xla, xla): per cell for tfpipe."
+)
 
 VARIANTS = ("plain", "never", "always")
+XLA_VARIANTS = ("plain_xla", "xla")
 OVERHEAD_TARGET = 0.05  # PipelineModel(K=1, M=1, remat=never) at most 5% slower than plain Keras
 REMAT_TARGET = 0.35  # remat=always at most 35% slower than remat=never
 
@@ -93,15 +102,20 @@ def build_model(variant: str, sample: Any) -> Any:
     keras.utils.set_random_seed(FLAGS.seed)
     layers = _layers()
     loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-    if variant == "plain":
+    xla = variant in XLA_VARIANTS
+    if variant.startswith("plain"):
         model = keras.Sequential(layers)
-        model.compile(optimizer=keras.optimizers.Adam(1e-3), loss=loss, jit_compile=False)
+        model.compile(optimizer=keras.optimizers.Adam(1e-3), loss=loss, jit_compile=xla)
         model(sample)  # builds every layer now, right after the seed, drawing the weights in layer order
     else:
         model = tfpipe.PipelineModel(
-            layers, balance=[len(layers)], devices=[FLAGS.device], num_micro_batches=1, remat=variant
+            layers,
+            balance=[len(layers)],
+            devices=[FLAGS.device],
+            num_micro_batches=1,
+            remat="never" if xla else variant,
         )
-        model.compile(optimizer=keras.optimizers.Adam(1e-3), loss=loss)
+        model.compile(optimizer=keras.optimizers.Adam(1e-3), loss=loss, jit_compile=xla)
         model.build(sample)
     return model
 
@@ -135,7 +149,8 @@ def main(argv: list[str]) -> None:
 def _run() -> None:
     """Build, trace and time the three models on the current device; print and write the table."""
     x, y = _data()
-    models = {v: build_model(v, x[: FLAGS.batch_size]) for v in VARIANTS}
+    variants = VARIANTS + (XLA_VARIANTS if FLAGS.jit_compile else ())
+    models = {v: build_model(v, x[: FLAGS.batch_size]) for v in variants}
     same = _same_weights(models)
     for model in models.values():  # trace and run once, outside the timed rounds
         model.fit(
@@ -155,24 +170,27 @@ def _run() -> None:
     )
     rows: list[dict[str, Any]] = []
     for r in range(FLAGS.repeats):
-        ms = {v: 1e3 * time_fit(models[v], x, y) for v in VARIANTS}
+        ms = {v: 1e3 * time_fit(models[v], x, y) for v in variants}
         row = {
             "round": r + 1,
-            **{f"{v}_ms": ms[v] for v in VARIANTS},
+            **{f"{v}_ms": ms[v] for v in variants},
             "never_over_plain": ms["never"] / ms["plain"],
             "always_over_never": ms["always"] / ms["never"],
         }
+        if FLAGS.jit_compile:
+            row["xla_over_plain_xla"] = ms["xla"] / ms["plain_xla"]
         rows.append(row)
         print(
-            f"round {r + 1}: plain {ms['plain']:.2f} ms, never {ms['never']:.2f} ms, always {ms['always']:.2f} ms; "
-            f"never/plain {row['never_over_plain']:.3f}, always/never {row['always_over_never']:.3f}",
+            f"round {r + 1}: " + ", ".join(f"{v} {ms[v]:.2f} ms" for v in variants) + "; "
+            f"never/plain {row['never_over_plain']:.3f}, always/never {row['always_over_never']:.3f}"
+            + (f", xla/plain_xla {row['xla_over_plain_xla']:.3f}" if FLAGS.jit_compile else ""),
             flush=True,
         )
     summary = _summary(rows)
     table = _markdown(rows, summary)
     print("\n" + table)
     if FLAGS.out:
-        fields = ["round", *(f"{v}_ms" for v in VARIANTS), "never_over_plain", "always_over_never"]
+        fields = [*rows[0]]
         write_table(FLAGS.out, rows + [{"round": stat, **values} for stat, values in summary.items()], table, fields)
 
 
@@ -203,12 +221,22 @@ def _markdown(rows: list[dict[str, Any]], summary: dict[str, dict[str, float]]) 
         f"| remat=always / remat=never | {med['always_over_never']:.3f} | "
         f"{lo['always_over_never']:.3f} - {hi['always_over_never']:.3f} | <= {1 + REMAT_TARGET:.2f} | "
         f"{verdict(med['always_over_never'], REMAT_TARGET)} |",
-        "",
-        "| step time (ms) | median | min - max |",
-        "|---|---|---|",
     ]
-    names = {"plain": "plain Keras", "never": "PipelineModel remat=never", "always": "PipelineModel remat=always"}
-    for v in VARIANTS:
+    if "xla_over_plain_xla" in med:  # the same overhead target, both sides compiled by XLA
+        lines.append(
+            f"| PipelineModel(remat=never, cell by XLA) / plain Keras with XLA | {med['xla_over_plain_xla']:.3f} | "
+            f"{lo['xla_over_plain_xla']:.3f} - {hi['xla_over_plain_xla']:.3f} | <= {1 + OVERHEAD_TARGET:.2f} | "
+            f"{verdict(med['xla_over_plain_xla'], OVERHEAD_TARGET)} |"
+        )
+    lines += ["", "| step time (ms) | median | min - max |", "|---|---|---|"]
+    names = {
+        "plain": "plain Keras",
+        "never": "PipelineModel remat=never",
+        "always": "PipelineModel remat=always",
+        "plain_xla": "plain Keras, jit_compile=True",
+        "xla": "PipelineModel remat=never, jit_compile=True (per cell)",
+    }
+    for v in [v for v in (*VARIANTS, *XLA_VARIANTS) if f"{v}_ms" in med]:
         c = f"{v}_ms"
         lines.append(f"| {names[v]} | {med[c]:.2f} | {lo[c]:.2f} - {hi[c]:.2f} |")
     return "\n".join(lines)

@@ -32,3 +32,17 @@ def test_overhead_benchmark_writes_its_table(tmp_path):
     assert float(first["never_over_plain"]) == pytest.approx(float(first["never_ms"]) / float(first["plain_ms"]))
     text = open(out + ".md").read()
     assert "PipelineModel(remat=never) / plain Keras" in text and "remat=always / remat=never" in text
+
+
+def test_overhead_benchmark_times_both_sides_with_xla(tmp_path):
+    out = str(tmp_path / "overhead_xla")
+    flags = ("--blocks=1", "--dim=32", "--seq_len=8", "--batch_size=4", "--steps=2", "--warmup=1", "--repeats=1")
+    proc = run_script("benchmark_overhead.py", *flags, "--jit_compile", f"--out={out}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "identical initial weights: yes" in proc.stdout
+    with open(out + ".csv") as f:
+        first = next(csv.DictReader(f))
+    assert float(first["xla_over_plain_xla"]) == pytest.approx(float(first["xla_ms"]) / float(first["plain_xla_ms"]))
+    text = open(out + ".md").read()
+    assert "PipelineModel(remat=never, cell by XLA) / plain Keras with XLA" in text
+    assert "| plain Keras, jit_compile=True |" in text

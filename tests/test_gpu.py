@@ -53,7 +53,7 @@ DEVICES = ["/GPU:0", "/GPU:1"]
 """
 
 _ONE_STEP = """
-def one_step(make_layers, shape, n=8, **options):
+def one_step(make_layers, shape, n=8, jit_compile=False, **options):
     rng = np.random.default_rng(0)
     x = rng.normal(size=(n, *shape)).astype("float32")
     y = rng.normal(size=(n, 3)).astype("float32")
@@ -65,7 +65,7 @@ def one_step(make_layers, shape, n=8, **options):
         model.build((None, *shape))
         model.set_weights(start)
         for net in (reference, model):
-            net.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse", jit_compile=False)
+            net.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse", jit_compile=jit_compile)
             net.fit(x, y, batch_size=n, epochs=1, shuffle=False, verbose=0)
     devices = [tf.DeviceSpec.from_string(v.value.device) for v in model.weights]
     return {
@@ -110,6 +110,24 @@ print(json.dumps(one_step(conv_layers, (12, 12, 3))))
     )
     assert result["devices"] == ["GPU:0", "GPU:1"]
     assert result["changed"] > 1e-3 and result["error"] < 1e-5
+
+
+def test_cells_compiled_by_xla_on_two_gpus_train_like_keras_with_xla_on_the_gpu():
+    # compile(jit_compile=True): each cell's tasks are XLA calls on its GPU; plain Keras is one XLA step.
+    result = _run(
+        _ONE_STEP
+        + """
+from tests.util import mlp_layers
+def conv_layers():
+    return [keras.layers.Conv2D(8, 3, activation="relu"), keras.layers.GlobalAveragePooling2D(), keras.layers.Dense(3)]
+dense = one_step(lambda: mlp_layers(), (5,), jit_compile=True, remat="except_last")
+conv = one_step(conv_layers, (12, 12, 3), jit_compile=True, remat="never")
+print(json.dumps({"dense": dense, "conv": conv}))
+"""
+    )
+    for case in result.values():
+        assert case["devices"] == ["GPU:0", "GPU:1"]
+        assert case["changed"] > 1e-3 and case["error"] < 1e-5
 
 
 @pytest.mark.parametrize(

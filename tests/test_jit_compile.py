@@ -119,3 +119,12 @@ def test_cells_made_after_compile_are_compiled():
     model.compile(optimizer="sgd", loss="mse", jit_compile=True)
     model.build((None, 8))
     assert model.cells and all(cell.jit_compile for cell in model.cells)
+
+
+def test_run_eagerly_leaves_the_cells_uncompiled_with_a_warning():
+    model = tfpipe.PipelineModel(mlp_layers(), num_partitions=2, devices=cpu_devices(2), num_micro_batches=2)
+    with pytest.warns(
+        UserWarning, match=r"run_eagerly=True runs the cells' layers eagerly: jit_compile=True is ignored"
+    ):
+        model.compile(optimizer="sgd", loss="mse", jit_compile=True, run_eagerly=True)
+    assert not model.cells_jit_compile

@@ -341,8 +341,10 @@ class PipelineModel(keras.Model):
         """
         if jit_compile not in (True, False, "auto"):
             raise ValueError(f"jit_compile must be True, False or 'auto', got {jit_compile!r}.")
+        if jit_compile is True and kwargs.get("run_eagerly"):
+            warnings.warn("run_eagerly=True runs the cells' layers eagerly: jit_compile=True is ignored.", stacklevel=2)
         super().compile(*args, jit_compile=False, **kwargs)
-        self._cells_jit = jit_compile is True
+        self._cells_jit = jit_compile is True and not self.run_eagerly
         self._apply_cells_jit()
         if hasattr(self, "_compile_config"):  # saved and loaded with the user's choice, not the outer step's
             self._compile_config.config["jit_compile"] = jit_compile
