@@ -31,7 +31,6 @@ def _train(net, n, jit_compile, optimizer="adam"):
         (2, 4, 10, "never", "gpipe", True),
         (2, 3, 7, "except_last", "zero_bubble", True),
         (2, 4, 9, "always", "gpipe", False),  # loops calling the compiled cells
-        (3, 3, 9, "except_last", "1f1b", True),
         (4, 16, 32, "never", "gpipe_batched_w", True),  # 128 tasks: calls TensorFlow does not inline
     ],
 )
