@@ -1,8 +1,8 @@
 """What PipelineModel and re-materialization cost in step time, against plain Keras, in one process.
 
 One small Transformer LM (models/transformer.py ``transformer_lm``) and one data
-set are trained three ways, each model built from fresh layers under the same
-seed (so all three start from identical weights, which the script checks):
+set are trained three ways (five with --jit_compile), each model built from fresh layers under the same
+seed (so all start from identical weights, which the script checks):
 
 - ``plain``:  ``keras.Sequential(layers)``, compiled with ``jit_compile=False``;
 - ``never``:  ``tfpipe.PipelineModel(layers, balance=[len(layers)], num_micro_batches=1,
@@ -13,15 +13,15 @@ With ``--jit_compile``, two more: ``plain_xla``, plain Keras compiled with ``jit
 Keras' default ``"auto"`` gives on a machine with a GPU), and ``xla``, the ``never`` model with its cell
 compiled by XLA (``compile(jit_compile=True)``); their ratio is reported beside the others.
 
-Both sides run graph mode without XLA: tfpipe always compiles with
-``jit_compile=False``, and plain Keras is given ``jit_compile=False`` too (on a
-CPU Keras' "auto" would already mean no XLA; it is explicit so the comparison
-stays like-for-like). Each model is built and traced once; then the three are
+The three run graph mode without XLA: tfpipe's default leaves its cells to
+TensorFlow's executor, and plain Keras is given ``jit_compile=False`` (on a CPU
+Keras' "auto" would already mean no XLA; it is explicit so the comparison stays
+like-for-like on a GPU too). Each model is built and traced once; then they are
 timed in alternating rounds (plain, never, always, plain, never, always, ...),
 each round one ``fit`` of ``--warmup + --steps`` batches per model, with a
 callback timing every step (``on_train_batch_begin`` to ``on_train_batch_end``).
 A model's step time in a round is the median over its steps after the first
-``--warmup``. Alternation spreads drifting machine load over all three, and the
+``--warmup``. Alternation spreads drifting machine load over all of them, and the
 per-round ratios (never/plain and always/never) are the quantities reported,
 as median and min-max over the rounds. Targets, printed but not asserted:
 PipelineModel overhead within 5% of plain Keras; remat "always" at most 35%
@@ -137,7 +137,7 @@ def time_fit(model: Any, x: Any, y: Any) -> float:
 
 
 def main(argv: list[str]) -> None:
-    """Build and trace the three models, time them in alternating rounds, print and write the table."""
+    """Build and trace the models, time them in alternating rounds, print and write the table."""
     del argv
     _validate_flags()
     import tensorflow as tf
@@ -147,7 +147,7 @@ def main(argv: list[str]) -> None:
 
 
 def _run() -> None:
-    """Build, trace and time the three models on the current device; print and write the table."""
+    """Build, trace and time the models on the current device; print and write the table."""
     x, y = _data()
     variants = VARIANTS + (XLA_VARIANTS if FLAGS.jit_compile else ())
     models = {v: build_model(v, x[: FLAGS.batch_size]) for v in variants}
