@@ -81,6 +81,9 @@ flags.register_multi_flags_validator(
     lambda f: f["schedule"] != "gpipe_batched_w" or f["remat"] == "never",
     "--schedule=gpipe_batched_w holds every micro-batch's activations until its weight gradients: use --remat=never.",
 )
+flags.DEFINE_bool(
+    "jit_compile", False, "Compile each cell by XLA on its device (compile(jit_compile=True)); meant for GPUs."
+)
 flags.DEFINE_integer(
     "replicas",
     1,
@@ -489,7 +492,7 @@ def _run(stack: contextlib.ExitStack) -> dict:
     optimizer = {"adam": keras.optimizers.Adam, "sgd": keras.optimizers.SGD, "adamw": keras.optimizers.AdamW}[
         FLAGS.optimizer
     ](learning_rate(int(task.dataset.cardinality())))
-    model.compile(optimizer=optimizer, loss=task.loss, **task.metrics)
+    model.compile(optimizer=optimizer, loss=task.loss, jit_compile=FLAGS.jit_compile, **task.metrics)
     model.summary()
     if FLAGS.model_dir:
         os.makedirs(FLAGS.model_dir, exist_ok=True)

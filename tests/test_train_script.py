@@ -69,12 +69,12 @@ def test_batched_weight_gradients_need_remat_never_on_the_command_line():
     assert "--schedule=gpipe_batched_w holds every micro-batch's activations" in proc.stderr
 
 
-def test_replicas_train_from_the_command_line():
-    proc = _run(*TINY_TRANSFORMER, "--epochs=2", "--replicas=2", "--micro_batches=2")
+def test_replicas_train_from_the_command_line_with_each_cell_compiled_by_xla():
+    proc = _run(*TINY_TRANSFORMER, "--epochs=2", "--replicas=2", "--micro_batches=2", "--jit_compile")
     assert proc.returncode == 0, proc.stderr[-2000:]
     start, final = _losses(proc.stdout)
     assert final < start
-    assert "2 replicas x 2 cells" in proc.stdout  # the summary's first line
+    assert "2 replicas x 2 cells" in proc.stdout and ", each cell compiled by XLA" in proc.stdout  # the summary
     assert "on [['/CPU:0', '/CPU:1'], ['/CPU:2', '/CPU:3']], 2 micro-batches" in proc.stdout
 
 

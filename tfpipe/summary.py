@@ -55,6 +55,7 @@ def print_summary(model: Any, line_length: int | None = None, print_fn: Callable
         + f"{k} cells, balance={balance}, "
         f"num_micro_batches={m}, remat={model.remat!r}, schedule={model.schedule!r} "
         f"(bubble {100 * schedule.predicted_bubble(model.schedule, k, m):.1f}%), cost={cost_name!r}"
+        + (", each cell compiled by XLA" if model.cells_jit_compile else "")
     )
     print_fn("=" * width)
     print_fn(fmt(rows[0]))
