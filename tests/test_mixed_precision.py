@@ -13,7 +13,7 @@ from tests.util import cpu_devices, mlp_layers
 TOLERANCE = {"mixed_float16": 1e-2, "mixed_bfloat16": 5e-2}
 
 
-def _one_step(policy, unroll=True, schedule="gpipe"):
+def _one_step(policy, unroll=True, schedule="gpipe", jit_compile="auto"):
     """The weight update of one SGD step (lr 1, so it is the gradient), and the model."""
     rng = np.random.default_rng(0)
     x, y = rng.normal(size=(16, 5)).astype("float32"), rng.normal(size=(16, 3)).astype("float32")
@@ -25,7 +25,7 @@ def _one_step(policy, unroll=True, schedule="gpipe"):
             mlp_layers(), num_partitions=2, devices=cpu_devices(2), num_micro_batches=4, unroll=unroll,
             schedule=schedule,
         )  # fmt: skip
-        model.compile(optimizer=keras.optimizers.SGD(1.0), loss="mse")
+        model.compile(optimizer=keras.optimizers.SGD(1.0), loss="mse", jit_compile=jit_compile)
         model.build((None, 5))
         before = [v.numpy() for v in model.trainable_variables]
         model.fit(x, y, batch_size=16, epochs=1, verbose=0)
@@ -79,5 +79,13 @@ def test_mixed_float16_under_other_schedules_matches_float32(schedule, float32_s
     """Loss scaling reaches every task: zero bubble's B and W parts see the scaled float16 gradients."""
     update, model, _ = _one_step("mixed_float16", schedule=schedule)
     assert model.schedule == schedule
+    worst = max(float(np.max(np.abs(u - r)) / np.max(np.abs(r))) for u, r in zip(update, float32_step))
+    assert worst < TOLERANCE["mixed_float16"]
+
+
+def test_mixed_float16_with_each_cell_compiled_by_xla_matches_float32(float32_step):
+    """XLA compiles the cells' float16 tasks and the scaled loss as TensorFlow's kernels run them."""
+    update, model, _ = _one_step("mixed_float16", jit_compile=True)
+    assert model.cells_jit_compile
     worst = max(float(np.max(np.abs(u - r)) / np.max(np.abs(r))) for u, r in zip(update, float32_step))
     assert worst < TOLERANCE["mixed_float16"]
