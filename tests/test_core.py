@@ -133,7 +133,7 @@ class FakeCell:
         self.index, self.device, self.log = index, device, log
         with tf.device(device):
             self.w = keras.Variable(float(index + 2), name=f"w{index}")
-        self.noinline = self.jit_compile = False
+        self.noinline = False
         self.merger = _NoState()
         self.traceable, self.vjps, self.has_regularizers = False, None, False
 

@@ -74,15 +74,14 @@ def loss_and_gradients(
     loss_scale: Any,
     leaves: Sequence[tf.Tensor] | None = None,
     device: str | None = None,
-    noinline: bool = False,
-    jit_compile: bool = False,
+    options: dict[str, Any] | None = None,
 ) -> tuple[tf.Tensor, list[Any]]:
     """Micro-batch j's weighted loss, and the gradients of the scaled loss for ``leaves`` (default: the leaves
     of ``y``; None where integer). The leaves may include tensors hung on ``y``'s, such as Keras' logits.
 
     Given the ``device`` it runs on, in a graph, a ``Traceable`` loss is one call of a function
-    traced once per signature (not inlined with ``noinline``, compiled by XLA with ``jit_compile``); otherwise
-    the ops are made here.
+    traced once per signature, made with the ``tf.function`` ``options`` of the cell it runs beside
+    (``Cell.function_options``: inlined or not, compiled by XLA or not); otherwise the ops are made here.
     """
     flat_y = _flat(y)
     ys = flat_y if leaves is None else list(leaves)
@@ -90,7 +89,7 @@ def loss_and_gradients(
     if inputs is not None and not tf.executing_eagerly():
         at = [next((p for p, t in enumerate(flat_y) if t is leaf), None) for leaf in ys]
         if None not in at:
-            return _traced(loss_fn, y, flat_y, inputs, loss_scale, at, device, noinline, jit_compile)
+            return _traced(loss_fn, y, flat_y, inputs, loss_scale, at, device, options or {})
     floating = [t for t in ys if t.dtype.is_floating]
     loss, grads = _with_gradients(lambda: loss_fn(j, hang(y)), floating, loss_scale)
     found = iter(grads)
@@ -118,8 +117,7 @@ def _traced(
     loss_scale: Any,
     at: Sequence[int],
     device: str,
-    noinline: bool,
-    jit_compile: bool,
+    options: dict[str, Any],
 ) -> tuple[tf.Tensor, list[Any]]:
     """``loss_and_gradients`` as one call; ``at`` places each wanted leaf among ``flat_y``, the leaves of ``y``."""
     structure = tf.nest.map_structure(lambda t: None if t is None else 0, y)
@@ -132,7 +130,7 @@ def _traced(
     scale = loss_fn.traces[scale_key]
     wanted = [p for p in at if flat_y[p].dtype.is_floating]
     specs = [_spec(t) for t in flat_y] + [_spec(t) for t in inputs]
-    key = (graph, device, noinline, jit_compile, repr(structure), tuple(specs), tuple(wanted))
+    key = (graph, device, repr(options), repr(structure), tuple(specs), tuple(wanted))
     if key not in loss_fn.traces:
         n_y = len(flat_y)
 
@@ -146,10 +144,7 @@ def _traced(
             return [loss, *grads]
 
         body.__name__ = LOSS_FUNCTION  # how tfpipe.tasks recognizes the call in a step's graph
-        attributes = {"_noinline": True} if noinline else None
-        function = tf.function(
-            body, autograph=False, experimental_attributes=attributes, jit_compile=True if jit_compile else None
-        )
+        function = tf.function(body, autograph=False, **options)
         with devices.scope(device):
             loss_fn.traces[key] = function.get_concrete_function(*specs, tf.TensorSpec([], tf.float32))
     loss, *grads = calls.call(loss_fn.traces[key], [*flat_y, *inputs, scale])

@@ -411,8 +411,9 @@ class Pipeline:
     @staticmethod
     def _loss_and_gradients(loss_fn, j, y, loss_scale, leaves, cell: Cell) -> tuple[tf.Tensor, list[Any]]:
         """The loss task on ``cell``'s device: traced once per step when the cell's calls are."""
-        device = cell.device if cell.traceable else None
-        return loss_task.loss_and_gradients(loss_fn, j, y, loss_scale, leaves, device, cell.noinline, cell.jit_compile)
+        if not cell.traceable:
+            return loss_task.loss_and_gradients(loss_fn, j, y, loss_scale, leaves)
+        return loss_task.loss_and_gradients(loss_fn, j, y, loss_scale, leaves, cell.device, cell.function_options())
 
     def _backward_task(self, task: schedule.Task, step: _Step, chain: _Chain) -> None:
         """B(i, j): the VJP of cell i on micro-batch j (recomputing it if so recorded); sum weight gradients."""
