@@ -1,4 +1,8 @@
-"""A decoder-only Transformer language model as a list of layers: embedding, L blocks, output projection."""
+"""A decoder-only Transformer language model: embedding, L blocks, output projection.
+
+As a list of layers (``transformer_lm``), or as a Functional model whose output projection is the
+token embedding itself (``transformer_lm_tied``, weights tied as in GPT-2).
+"""
 
 from __future__ import annotations
 
@@ -7,6 +11,7 @@ from typing import Any
 import keras
 
 
+@keras.saving.register_keras_serializable(package="tfpipe_models")
 class TokenAndPositionEmbedding(keras.layers.Layer):
     """Token embedding plus a learned position embedding."""
 
@@ -31,6 +36,7 @@ def _feed_forward_initializer(scale: float) -> Any:
     return keras.initializers.VarianceScaling(scale=scale**2, mode="fan_avg", distribution="uniform")
 
 
+@keras.saving.register_keras_serializable(package="tfpipe_models")
 class TransformerBlock(keras.layers.Layer):
     """Pre-norm block: causal self-attention and a feed-forward network, each with a residual.
 
@@ -49,6 +55,14 @@ class TransformerBlock(keras.layers.Layer):
         self.down = keras.layers.Dense(dim, kernel_initializer=init)
         self.drop = keras.layers.Dropout(dropout)
 
+    def build(self, input_shape):
+        shape = tuple(input_shape)
+        for norm in (self.norm1, self.norm2):
+            norm.build(shape)
+        self.attention.build(shape, shape)
+        self.up.build(shape)
+        self.down.build(shape[:-1] + (self.hidden,))
+
     def call(self, x, training=False):
         h = self.norm1(x)
         x = x + self.attention(h, h, use_causal_mask=True, training=training)
@@ -65,6 +79,7 @@ class TransformerBlock(keras.layers.Layer):
         }
 
 
+@keras.saving.register_keras_serializable(package="tfpipe_models")
 class ClippedDense(keras.layers.Dense):
     """A Dense layer whose outputs (logits) are clipped to [-logit_clip, logit_clip]."""
 
@@ -115,6 +130,61 @@ def transformer_lm(
         + [TransformerBlock(dim, hidden, heads, dropout, ffn_init_scale=scale) for _ in range(num_blocks)]
         + [keras.layers.LayerNormalization(epsilon=1e-5), projection]
     )
+
+
+@keras.saving.register_keras_serializable(package="tfpipe_models")
+class AddPositions(keras.layers.Layer):
+    """Adds a learned position embedding to a sequence of token embeddings."""
+
+    def __init__(self, max_length: int, dim: int, **kwargs):
+        super().__init__(**kwargs)
+        self.max_length, self.dim = max_length, dim
+        self.positions = keras.layers.Embedding(max_length, dim)
+
+    def build(self, input_shape):
+        self.positions.build((None,))
+
+    def call(self, x):
+        return x + self.positions(keras.ops.arange(keras.ops.shape(x)[-2]))[None]
+
+    def get_config(self):
+        return {**super().get_config(), "max_length": self.max_length, "dim": self.dim}
+
+
+def transformer_lm_tied(
+    vocab_size: int,
+    max_length: int,
+    num_blocks: int = 4,
+    dim: int = 64,
+    hidden: int = 256,
+    heads: int = 4,
+    dropout: float = 0.0,
+    *,
+    logit_clip: float | None = None,
+    scaled_init: bool = False,
+) -> keras.Model:
+    """``transformer_lm`` whose output projection is the token embedding, transposed: a Functional model.
+
+    One ``keras.layers.ReversibleEmbedding`` embeds the tokens and, called again with
+    ``reverse=True`` after the final norm, gives the logits (weights tied as in GPT-2, and no
+    separate vocabulary projection). ``PipelineModel`` puts its first call in the first cell and
+    its second in the last, and sums the two calls' gradients where the table lives. Options as
+    for ``transformer_lm``.
+    """
+    if dim % heads:
+        raise ValueError(f"dim={dim} must be divisible by heads={heads}.")
+    scale = 1.0 / max(num_blocks, 1) if scaled_init else 1.0
+    tokens = keras.layers.ReversibleEmbedding(vocab_size, dim, name="tokens")
+    ids = keras.Input((max_length,), dtype="int32", name="ids")
+    x = AddPositions(max_length, dim, name="positions")(tokens(ids))
+    for k in range(num_blocks):
+        x = TransformerBlock(dim, hidden, heads, dropout, ffn_init_scale=scale, name=f"block_{k}")(x)
+    logits = tokens(keras.layers.LayerNormalization(epsilon=1e-5, name="final_norm")(x), reverse=True)
+    if logit_clip is not None:
+        if not logit_clip > 0:
+            raise ValueError(f"logit_clip={logit_clip!r} must be a positive number, e.g. 15.0.")
+        logits = keras.ops.clip(logits, -float(logit_clip), float(logit_clip))
+    return keras.Model(ids, logits, name="transformer_lm_tied")
 
 
 def transformer_loss() -> keras.losses.Loss:

@@ -42,6 +42,12 @@ flags.DEFINE_integer("dim", 64, "Transformer model dimension.", lower_bound=1)
 flags.DEFINE_integer("hidden", 256, "Transformer feed-forward hidden size (H).", lower_bound=1)
 flags.DEFINE_integer("heads", 4, "Transformer attention heads (A).", lower_bound=1)
 flags.DEFINE_float("logit_clip", None, "Clip the Transformer's logits to [-c, c] (GPipe section 5).")
+flags.DEFINE_bool(
+    "tie_embeddings",
+    False,
+    "Transformer: the output projection is the token embedding, transposed (as GPT-2); the first and last "
+    "cells share it.",
+)
 flags.DEFINE_integer("filters", 32, "AmoebaNet-D filters (D, a multiple of 8).", lower_bound=8)
 flags.DEFINE_enum("depth", "50", ["50", "101"], "ResNet depth.")
 flags.DEFINE_integer("width", 16, "ResNet stem filters (64 in the paper).", lower_bound=1)
@@ -265,6 +271,7 @@ MODEL_FLAGS = {
     "hidden": ("transformer",),
     "heads": ("transformer",),
     "logit_clip": ("transformer",),
+    "tie_embeddings": ("transformer",),
     "vocab": ("transformer",),
     "task": ("transformer",),
     "blocks": ("transformer", "amoebanet"),
@@ -357,7 +364,7 @@ def make_task() -> Task:
     from scripts import data
 
     if FLAGS.model == "transformer":
-        from models.transformer import transformer_lm
+        from models.transformer import transformer_lm, transformer_lm_tied
 
         if FLAGS.dataset == "synthetic":
             make = data.sort_task if FLAGS.task == "sort" else data.copy_task
@@ -368,7 +375,8 @@ def make_task() -> Task:
             loaded = _tfds("text")
             dataset, held, vocab, scored = loaded.dataset, None, loaded.vocab_size, "next bytes"
         length = dataset.element_spec[0].shape[1]
-        layers = transformer_lm(
+        make_lm = transformer_lm_tied if FLAGS.tie_embeddings else transformer_lm
+        layers = make_lm(
             vocab, length, FLAGS.blocks or 4, FLAGS.dim, FLAGS.hidden, FLAGS.heads, logit_clip=FLAGS.logit_clip
         )
         metrics = {"weighted_metrics": ["accuracy"]}

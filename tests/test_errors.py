@@ -101,21 +101,6 @@ def test_jit_compile_other_than_a_bool_or_auto_is_refused():
         model.compile(optimizer="sgd", loss="mse", jit_compile="yes")
 
 
-def test_weights_shared_between_cells():
-    class Tied(keras.layers.Layer):
-        def __init__(self, source, **kwargs):
-            super().__init__(**kwargs)
-            self.source = source
-
-        def call(self, x):
-            return x @ self.source.kernel
-
-    first = keras.layers.Dense(4, use_bias=False)
-    model = tfpipe.PipelineModel([first, Tied(first)], balance=[1, 1])
-    with pytest.raises(ValueError, match=r"is used by cells 0 and 1; tied weights must stay in one cell"):
-        model.build((None, 4))
-
-
 def test_unsupported_mixed_reductions():
     model = tfpipe.PipelineModel([keras.layers.Dense(2), keras.layers.Dense(2)], num_partitions=2, num_micro_batches=2)
     model.compile(optimizer="sgd", loss=keras.losses.MeanSquaredError(reduction="none"))

@@ -182,9 +182,10 @@ def test_a_layer_called_twice_trains_within_one_cell():
     assert max_rel_error(model.get_weights(), reference.get_weights()) < 1e-5
 
 
-def test_a_layer_called_in_two_cells_is_refused_with_the_fix():
-    with pytest.raises(ValueError, match=r"Layer 'twice' is called at nodes \[1, 2\].*cells \[0, 1\].*balance"):
-        tfpipe.PipelineModel(_shared_twice(), balance=[2, 2], devices=cpu_devices(2))
+def test_a_layer_called_in_two_cells_trains_like_the_model():  # its weights live in cell 0 (tests/test_tied.py)
+    reference, model, _, _ = _fit_both(_shared_twice, 2, m=2, n=4, balance=[2, 2])
+    assert max_rel_error(model.get_weights(), reference.get_weights()) < 1e-5
+    assert [layer.name for layer in model.cells[1].layers][0] == "twice"
 
 
 def test_a_node_that_is_not_a_keras_operation_is_refused_naming_it(monkeypatch):

@@ -40,27 +40,6 @@ def test_a_layer_assigning_other_state_trains_with_micro_batches():
     )
 
 
-class _Tied(keras.layers.Layer):
-    """Uses another Dense layer's kernel, transposed (tied weights)."""
-
-    def __init__(self, source, **kwargs):
-        super().__init__(**kwargs)
-        self.source = source
-
-    def call(self, x):
-        return keras.ops.matmul(x, keras.ops.transpose(self.source.kernel))
-
-
-@pytest.mark.xfail(
-    strict=True,
-    raises=ValueError,
-    reason="a variable used by two cells would get two gradients; tied weights must share a cell",
-)
-def test_weights_tied_across_cells_train_like_keras():
-    dense = keras.layers.Dense(4, use_bias=False)
-    _fit_two_cells([dense, keras.layers.Activation("tanh"), _Tied(dense), keras.layers.Dense(1)], balance=[2, 2])
-
-
 @pytest.mark.xfail(
     strict=True,
     raises=AssertionError,

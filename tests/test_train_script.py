@@ -144,6 +144,7 @@ BAD_FLAGS = [
     (["--model=resnet", "--depth=34"], "train.py: error: --depth=34: value should be one of <50|101>"),
     (["--stage_blocks=1,1,1,1"], "train.py: error: --stage_blocks=1,1,1,1: applies to --model=resnet, not "),
     (["--model=unet", "--dim=32"], "train.py: error: --dim=32: applies to --model=transformer, not --model=unet"),
+    (["--model=resnet", "--tie_embeddings"], "--tie_embeddings=True: applies to --model=transformer, not --model=resn"),
     (["--model=resnet", "--balance=3,3"], "train.py: error: --balance=3,3: balance=[3, 3] sums to 6"),
     (["--nope=1"], "train.py: error: Unknown command line flag 'nope'"),
     (["--balance=2,x"], "train.py: error: --balance=2,x: give comma-separated integers"),
@@ -200,12 +201,13 @@ def test_bad_flags_name_the_flag():
         assert code == 2 and message in stderr and "Traceback" not in stderr, (flags, stderr[-1500:])
 
 
-def test_local_workers_run_the_cells():
-    proc = _run(*TINY_TRANSFORMER, "--epochs=1", "--devices=local:2")
+def test_local_workers_run_the_cells_with_the_embedding_tied_across_them():
+    proc = _run(*TINY_TRANSFORMER, "--epochs=1", "--devices=local:2", "--tie_embeddings")
     assert proc.returncode == 0, proc.stderr[-2000:]
     start, final = _losses(proc.stdout)
     assert final < start
     assert "on ['/job:worker/task:0/device:CPU:0', '/job:worker/task:1/device:CPU:0']" in proc.stdout
+    assert "Tied weights: cell 1 also uses tokens/embeddings of cell 0" in proc.stdout  # the summary
 
 
 def test_a_failed_import_inside_tensorflow_datasets_is_shown_as_it_is(tmp_path):

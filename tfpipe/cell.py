@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 import warnings
 import weakref
 from collections.abc import Callable, Iterator, Sequence
@@ -74,6 +75,8 @@ class Cell:
         self.jit_compile = False
         # The traced backward of re-materialized micro-batches (checkpoint.TracedVJPs).
         self.vjps = checkpoint.TracedVJPs(self._placed, self.function_options)
+        # Ids of the variables an earlier cell also uses (tied weights; set by ``tie``).
+        self.borrowed: set[int] = set()
 
     @property
     def traceable(self) -> bool:
@@ -125,9 +128,14 @@ class Cell:
         trainable = {id(v) for v in self.trainable_variables}
         return [v for v in self._unique("non_trainable_variables") if id(v) not in trainable]
 
+    @property
+    def weights(self) -> list[keras.Variable]:
+        """The cell's weights, trainable and not (seed states excluded), each once, in layer order."""
+        return self._unique("weights")
+
     def count_params(self) -> int:
-        """Number of scalars in the cell's weights (seed states excluded)."""
-        return int(sum(layer.count_params() for layer in self.layers))
+        """Number of scalars in the cell's weights (seed states excluded), less those it borrows (``tie``)."""
+        return int(sum(math.prod(v.shape) for v in self.weights if id(v) not in self.borrowed))
 
     @property
     def merger(self) -> state.StateMerger:
@@ -156,15 +164,18 @@ class Cell:
 
     @property
     def has_regularizers(self) -> bool:
-        """Whether any trainable variable of the cell has a weight regularizer."""
-        return any(getattr(v, "regularizer", None) is not None for v in self.trainable_variables)
+        """Whether any trainable variable the cell owns (does not borrow) has a weight regularizer."""
+        return any(self._regularized(v) for v in self.trainable_variables)
+
+    def _regularized(self, v: keras.Variable) -> bool:
+        return getattr(v, "regularizer", None) is not None and id(v) not in self.borrowed
 
     def regularization_loss(self, trainable: Sequence[tf.Tensor]) -> tf.Tensor:
-        """Sum of the weight regularizers of the cell, evaluated on the given weight values."""
+        """Sum of the weight regularizers of the variables the cell owns, evaluated on the given weight values."""
         terms = [
             tf.cast(v.regularizer(w), tf.float32)
             for v, w in zip(self.trainable_variables, trainable)
-            if getattr(v, "regularizer", None) is not None
+            if self._regularized(v)
         ]
         return tf.add_n(terms) if terms else tf.constant(0.0)
 
@@ -345,14 +356,19 @@ class _Trace:
         return tf.nest.pack_sequence_as(self.y, flat_y), new_state, outputs[-1]
 
 
-def check_no_shared_variables(cells: Sequence[Cell]) -> None:
-    """A variable used by two cells would get two gradients; refuse it with the fix."""
-    owner: dict[int, int] = {}
+def tie(cells: Sequence[Cell]) -> list[tuple[keras.Variable, int]]:
+    """Each trainable variable once, with the first cell that uses it; later cells borrow it (tied weights).
+
+    A variable used by several cells (an embedding tied to the output projection) lives on the
+    device of the first; each cell differentiates its own use and the pipeline sums the gradients
+    there (``pipeline.tied_gradients``). Its regularizer and its parameters count once, in the
+    first cell, as in plain Keras.
+    """
+    first: dict[int, tuple[keras.Variable, int]] = {}
     for cell in cells:
+        cell.borrowed = set()
         for v in cell.trainable_variables + cell.non_trainable_variables:
-            other = owner.setdefault(id(v), cell.index)
-            if other != cell.index:
-                raise ValueError(
-                    f"Variable {v.path!r} is used by cells {other} and {cell.index}; tied weights must stay "
-                    "in one cell. Change balance so that the layers sharing it are in the same cell."
-                )
+            if first.setdefault(id(v), (v, cell.index))[1] != cell.index:
+                cell.borrowed.add(id(v))
+    trainable = {id(v) for cell in cells for v in cell.trainable_variables}
+    return [pair for key, pair in first.items() if key in trainable]

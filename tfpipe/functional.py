@@ -117,7 +117,6 @@ class Graph:
         self.inputs = [self._new_key(t) for t in model.inputs]
         aliases = {id(t): k for t, k in zip(model.inputs, self.inputs)}
         self.outputs = self._expand(model, aliases, model.name)
-        self._find_shared_layers()
         self.companions: Companions = {}
         for k, spec in list(self.specs.items()):
             mask = getattr(spec, "_keras_mask", None)
@@ -160,14 +159,6 @@ class Graph:
             self.nodes.append(Node(operation, node.arguments, keys, outputs))
         return [aliases[id(t)] for t in model.outputs]
 
-    def _find_shared_layers(self) -> None:
-        """Layers with weights called at several nodes: ``cut`` keeps each within one segment."""
-        calls: dict[int, list[int]] = {}
-        for index, node in enumerate(self.nodes):
-            if isinstance(node.operation, keras.layers.Layer) and node.operation.weights:
-                calls.setdefault(id(node.operation), []).append(index)
-        self._shared = {k: v for k, v in calls.items() if len(v) > 1}
-
     @property
     def layers(self) -> list[keras.layers.Layer]:
         """The model's own layers (``model.layers`` without its inputs): weights and saved files as the model's."""
@@ -197,7 +188,6 @@ class Graph:
         """Contiguous segments of ``sizes`` nodes each, with the keys each reads from outside and hands on."""
         starts = np.cumsum([0] + list(sizes))
         groups = [self.nodes[starts[k] : starts[k + 1]] for k in range(len(sizes))]
-        self._check_shared_layers(groups)
         owner = {k: -1 for k in self.inputs}
         for index, nodes in enumerate(groups):
             for node in nodes:
@@ -236,18 +226,6 @@ class Graph:
             flatten_inputs=self.flatten_inputs,
             pack_outputs=self.pack_outputs,
         )
-
-    def _check_shared_layers(self, groups: Sequence[Sequence[Node]]) -> None:
-        cell_of = {id(n): k for k, nodes in enumerate(groups) for n in nodes}
-        for calls in self._shared.values():
-            cells = sorted({cell_of[id(self.nodes[i])] for i in calls})
-            if len(cells) > 1:
-                layer = self.nodes[calls[0]].operation
-                raise ValueError(
-                    f"Layer {layer.name!r} is called at nodes {calls} of the graph, which the balance puts in cells "
-                    f"{cells}; a layer's weights must stay in one cell. Change balance so that nodes "
-                    f"{calls[0]}..{calls[-1]} fall in one cell, or use a separate layer for each call."
-                )
 
     def live_bytes(self) -> list[float]:
         """Bytes per sample of the tensors that would cross a cut after each node (skips and inputs included)."""

@@ -21,7 +21,7 @@ from tfpipe import state as state_lib
 from tfpipe import summary as summary_lib
 from tfpipe import training as training_lib
 from tfpipe._args import positive_int
-from tfpipe.cell import Cell, check_no_shared_variables, hang
+from tfpipe.cell import Cell, hang, tie
 from tfpipe.pipeline import Pipeline, check_remat, check_unroll
 from tfpipe.replicas import Replicated
 from tfpipe.sequence import layer_list
@@ -180,12 +180,16 @@ class PipelineModel(keras.Model):
         """
         if not _compat.is_default_strategy(tf.distribute.get_strategy()):
             return
+        placed: set[int] = set()  # a layer called in several cells (tied weights) stays with the first
         for cell in self._pipeline.cells:
-            if devices_lib.tpu_core(cell.device) is not None:
-                continue
             for layer in cell.layers:
                 for variable in layer.weights:
-                    if not devices_lib.matches(variable.value.device, cell.device):
+                    if id(variable) in placed:
+                        continue
+                    placed.add(id(variable))
+                    if devices_lib.tpu_core(cell.device) is None and not devices_lib.matches(
+                        variable.value.device, cell.device
+                    ):
                         _compat.move_variable(variable, cell.device)
 
     def _split_by_cost(self, input_shape: Any) -> list[int]:
@@ -277,7 +281,7 @@ class PipelineModel(keras.Model):
         for cell in self._pipeline.cells if self._graph is None else ():  # a graph's layers are built
             x = cell.build(x)
         self._built_spec = (given, x) if self._graph is None else None
-        check_no_shared_variables(self._pipeline.cells)
+        tie(self._pipeline.cells)  # so that summary() counts tied weights once
         self.built = True
 
     def call(self, inputs: Any, training: bool | None = False) -> Any:
@@ -329,7 +333,15 @@ class PipelineModel(keras.Model):
     def _assign(updates: Sequence[tuple[keras.Variable, tf.Tensor]]) -> None:
         if _compat.in_stateless_scope():
             return  # symbolic tracing: nothing to assign
+        changed: set[int] = set()
         for variable, value in updates:
+            if id(variable) in changed:  # a layer with state, called in two cells (weights alone may be tied)
+                raise ValueError(
+                    f"Variable {variable.path!r} is state that two cells change in training (BatchNormalization "
+                    "statistics or a random layer's seed); tfpipe merges state across micro-batches per cell. "
+                    "Change balance so that the layer's calls fall in one cell, or use a separate layer per call."
+                )
+            changed.add(id(variable))
             variable.assign(value)
 
     # Keras training --------------------------------------------------------------------------

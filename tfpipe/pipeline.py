@@ -21,7 +21,7 @@ import keras
 import tensorflow as tf
 
 from tfpipe import checkpoint, devices, loop, loss_task, microbatch, schedule, sendrecv, state
-from tfpipe.cell import Cell
+from tfpipe.cell import Cell, tie
 from tfpipe.loss_task import LossFn
 from tfpipe.routes import MODEL_INPUT, Routes
 from tfpipe.tasks import TASK_END, TASK_START, task_scope_name
@@ -220,6 +220,7 @@ class Pipeline:
     def _run(self, inputs, training, loss_fn, fractions, loss_scale=1.0, first=0, merge=True) -> StepResult:
         if loss_fn is not None:  # the loss of micro-batch j is the caller's micro-batch first + j
             loss_fn = loss_task.offset(loss_fn, first)
+        tie(self.cells)  # a tied variable's regularizer counts in its first cell only
         if not self.unroll:
             try:
                 return self._run_loops(inputs, training, loss_fn, fractions, loss_scale, first, merge)
@@ -290,9 +291,7 @@ class Pipeline:
         result.new_states = [[new_state[(i, j)] for j in range(m)] for i in range(len(self.cells))]
         if loss_terms is not None:
             result.loss = _sum_on_devices(loss_terms)
-            for cell, g in zip(self.cells, grads):
-                result.variables.extend(cell.trainable_variables)
-                result.gradients.extend(g or [])
+            result.variables, result.gradients = tied_gradients(self.cells, grads)
         if fractions is not None:
             for i, cell in enumerate(self.cells):
                 with devices.scope(cell.device):
@@ -562,6 +561,39 @@ def _deliver(step: _Step, j: int, sources: Sequence[tuple[int, int]], grads: Seq
     for (p, pos), g in zip(sources, grads):
         if p != MODEL_INPUT and g is not None:
             step.dys.setdefault((p, j), {}).setdefault(pos, []).append(g)
+
+
+def tied_gradients(cells: Sequence[Cell], grads: Sequence[Any]) -> tuple[list[keras.Variable], list[Any]]:
+    """Each trainable variable once with its gradient: a variable that several cells use (tied weights) gets the
+    sum of their gradients, on the device of the first of them, where it lives.
+
+    ``grads[i]`` is cell i's list aligned with its ``trainable_variables`` (None where it has none).
+    """
+    owned = tie(cells)
+    per_variable: dict[int, list[Any]] = {id(v): [] for v, _ in owned}
+    for cell, g in zip(cells, grads):
+        for v, gv in zip(cell.trainable_variables, g or [None] * len(cell.trainable_variables)):
+            per_variable[id(v)].append(gv)
+    gradients = []
+    for v, first in owned:
+        with devices.scope(cells[first].device):
+            gradients.append(sum_gradients(per_variable[id(v)]))
+    return [v for v, _ in owned], gradients
+
+
+def sum_gradients(grads: Sequence[Any]) -> Any:
+    """The sum of one variable's gradients (None where none flows; slices stay slices unless one is dense)."""
+    present = [g for g in grads if g is not None]
+    if len(present) <= 1:
+        return present[0] if present else None
+    if all(isinstance(g, tf.IndexedSlices) for g in present):
+        return tf.IndexedSlices(
+            tf.concat([g.values for g in present], 0),
+            tf.concat([tf.cast(g.indices, tf.int64) for g in present], 0),
+            next((g.dense_shape for g in present if g.dense_shape is not None), None),
+        )
+    # An embedding's rows and a dense gradient of the same table (tied to an output projection): add densely.
+    return tf.add_n([tf.convert_to_tensor(g) for g in present])
 
 
 def _sum_on_devices(terms: Sequence[tf.Tensor]) -> tf.Tensor:

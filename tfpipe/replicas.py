@@ -22,8 +22,8 @@ from typing import Any
 import tensorflow as tf
 
 from tfpipe import devices
-from tfpipe.cell import Cell
-from tfpipe.pipeline import LossFn, Pipeline, StepResult
+from tfpipe.cell import Cell, tie
+from tfpipe.pipeline import LossFn, Pipeline, StepResult, sum_gradients
 
 
 def replica_cells(cells: Sequence[Cell], replica_devices: Sequence[str]) -> list[Cell]:
@@ -104,10 +104,9 @@ class Replicated:
         if primary.loss is not None:
             with devices.scope(self.cells[-1].device):
                 combined.loss = tf.add_n([r.loss for r in results])
-            owners = [cell.device for cell in self.cells for _ in cell.trainable_variables]
-            for n, device in enumerate(owners):
-                with devices.scope(device):
-                    combined.gradients.append(_sum([r.gradients[n] for r in results]))
+            for n, (_, first) in enumerate(tie(self.cells)):
+                with devices.scope(self.cells[first].device):
+                    combined.gradients.append(sum_gradients([r.gradients[n] for r in results]))
         if fractions is not None:
             for i, cell in enumerate(self.cells):
                 old = primary.weights[i][1]
@@ -122,26 +121,3 @@ class Replicated:
 def _as(old: Sequence[tf.Tensor], own_old: Sequence[tf.Tensor], new: Sequence[tf.Tensor]) -> list[tf.Tensor]:
     """``new`` with each value that is still the replica's own read replaced by replica 0's."""
     return [o if n is own else n for o, own, n in zip(old, own_old, new)]
-
-
-def _sum(grads: Sequence[Any]) -> Any:
-    """The sum of one variable's gradients from every replica (None where none flows; slices stay slices)."""
-    present = [g for g in grads if g is not None]
-    if not present:
-        return None
-    if len(present) == 1:
-        return present[0]
-    if any(isinstance(g, tf.IndexedSlices) for g in present):
-        slices = [g if isinstance(g, tf.IndexedSlices) else _dense_slices(g) for g in present]
-        return tf.IndexedSlices(
-            tf.concat([s.values for s in slices], 0),
-            tf.concat([tf.cast(s.indices, tf.int64) for s in slices], 0),
-            next((s.dense_shape for s in slices if s.dense_shape is not None), None),
-        )
-    return tf.add_n(present)
-
-
-def _dense_slices(g: tf.Tensor) -> tf.IndexedSlices:
-    """A dense gradient as slices over all its rows, to be concatenated with sparse ones."""
-    rows = tf.shape(g, out_type=tf.int64)[0]
-    return tf.IndexedSlices(g, tf.range(rows), tf.shape(g, out_type=tf.int64))

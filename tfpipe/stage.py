@@ -2,8 +2,8 @@
 
 import warnings
 
-from tfpipe.cell import Cell, check_no_shared_variables
+from tfpipe.cell import Cell
 
 warnings.warn("tfpipe.stage is renamed tfpipe.cell; import Cell from tfpipe.cell.", DeprecationWarning, stacklevel=2)
 
-__all__ = ["Cell", "check_no_shared_variables"]
+__all__ = ["Cell"]

@@ -70,6 +70,7 @@ def print_summary(model: Any, line_length: int | None = None, print_fn: Callable
         listed = ", ".join(f"{name} {list(shape[1:])} {si(b)}B" for name, shape, b in tensors)
         print_fn(f"Cut {cut}|{cut + 1}: {len(tensors)} tensors, {total}/sample: {listed}")
     if model.built:
+        _print_tied(model.cells, print_fn)
         trainable = sum(int(np.prod(v.shape)) for v in model.trainable_weights)
         total = sum(int(np.prod(v.shape)) for v in model.weights)
         print_fn(f"Total params: {total:,}")
@@ -128,3 +129,15 @@ def si(value: float) -> str:
         if abs(value) >= factor:
             return f"{value / factor:.3g} {prefix}"
     return f"{value:.3g}"
+
+
+def _print_tied(cells: Any, print_fn: Callable[[str], None]) -> None:
+    """A line per cell that uses weights of an earlier cell (tied weights, counted in the first cell's Params)."""
+    owner: dict[int, int] = {}
+    for cell in cells:
+        borrowed = [v for v in cell.weights if id(v) in cell.borrowed]
+        for v in cell.weights:
+            owner.setdefault(id(v), cell.index)
+        if borrowed:
+            listed = ", ".join(f"{v.path} of cell {owner[id(v)]}" for v in borrowed)
+            print_fn(f"Tied weights: cell {cell.index} also uses {listed}")
