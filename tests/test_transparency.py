@@ -78,6 +78,39 @@ def test_reported_loss_and_metrics_match_sequential():
         np.testing.assert_allclose(histories[1][key], histories[0][key], rtol=1e-5)
 
 
+class _AddsLoss(keras.layers.Layer):
+    """Adds the mean square of its input as a loss, in training and in inference (as Keras' activity penalties)."""
+
+    def call(self, x):
+        self.add_loss(0.1 * keras.ops.mean(keras.ops.square(x)))
+        return x
+
+
+@pytest.mark.parametrize("devices,unroll", [(2, True), (2, False), ([2, 2], True)])  # [2, 2]: replicas
+def test_evaluate_adds_the_layers_losses_as_keras_does(devices, unroll):
+    def layers():
+        return [
+            keras.layers.Dense(8, activation="tanh", kernel_regularizer=keras.regularizers.L2(0.01)),
+            keras.layers.Dense(8, activity_regularizer=keras.regularizers.L1(0.01)),
+            _AddsLoss(),
+            keras.layers.Dense(3),
+        ]
+
+    x, y = _data(10)
+    keras.utils.set_random_seed(0)
+    reference = keras.Sequential([keras.Input((8,))] + layers())
+    placed = cpu_devices(2) if devices == 2 else [cpu_devices(4)[:2], cpu_devices(4)[2:]]
+    model = tfpipe.PipelineModel(layers(), balance=[2, 2], devices=placed, num_micro_batches=3, unroll=unroll)
+    model.build((None, 8))
+    model.set_weights(reference.get_weights())
+    for net in (reference, model):
+        net.compile(optimizer="sgd", loss="mse")
+    plain_mse = float(np.mean((reference.predict(x, verbose=0) - y) ** 2))
+    expected = reference.evaluate(x, y, batch_size=10, verbose=0)
+    assert expected > plain_mse + 1e-3  # the losses count
+    np.testing.assert_allclose(model.evaluate(x, y, batch_size=10, verbose=0), expected, rtol=1e-5)
+
+
 def test_cells_that_cannot_be_traced_as_functions_run_inline_with_the_same_result(monkeypatch):
     from tfpipe.cell import Cell
 

@@ -39,6 +39,35 @@ def test_batched_weight_gradients_train_like_plain_keras(k, m, n):
     assert max_rel_error(model.get_weights(), plain.get_weights()) < 1e-5
 
 
+def _regularized_layers(activity_first: bool) -> list[keras.layers.Layer]:
+    keras.utils.set_random_seed(0)
+    activity = keras.layers.Dense(16, activity_regularizer=keras.regularizers.L1(0.001))
+    rest = [keras.layers.LayerNormalization(), keras.layers.Dense(3, kernel_regularizer=keras.regularizers.L2(0.02))]
+    first = keras.layers.Dense(16, activation="tanh", kernel_regularizer="l2", bias_regularizer=keras.regularizers.L1())
+    return [first, activity, *rest] if activity_first else [first, keras.layers.Dense(16), activity, *rest]
+
+
+@pytest.mark.parametrize("activity_first", [False, True])
+def test_regularizers_train_like_plain_keras(activity_first):
+    """Weight penalties are taken once beside the batched W (in micro-batch 0's task they would make W differ
+    between micro-batches). An activity penalty in the first cell, whose whole backward is W, weighs each
+    micro-batch by its share of the batch: that cell's W stays per micro-batch, with a warning."""
+    rng = np.random.default_rng(1)
+    x, y = rng.normal(size=(9, 8)).astype("float32"), rng.normal(size=(9, 3)).astype("float32")
+    plain = keras.Sequential([keras.Input((8,)), *_regularized_layers(activity_first)])
+    balance = [2, 2 if activity_first else 3]
+    model = tfpipe.PipelineModel(_regularized_layers(activity_first), balance=balance, devices=cpu_devices(2),
+                                 num_micro_batches=3, remat="never", schedule=BATCHED_W)  # fmt: skip
+    _fit(plain, x, y, "adam")
+    caught = _fit(model, x, y, "adam")
+    assert max_rel_error(model.get_weights(), plain.get_weights()) < 1e-5
+    np.testing.assert_allclose(model.evaluate(x, y, verbose=0), plain.evaluate(x, y, verbose=0), rtol=1e-5)
+    if activity_first:
+        assert len(caught) == 1 and "cell 0 computes its weight gradients once per micro-batch" in caught[0]
+    else:
+        assert caught == []
+
+
 def test_batched_weight_gradients_train_a_transformer_like_gpipe():
     # Embedding gradients are slices (concatenated), attention's are einsums, LayerNorm's sums; Dropout's
     # masks are each micro-batch's own.

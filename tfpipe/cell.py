@@ -179,6 +179,16 @@ class Cell:
         ]
         return tf.add_n(terms) if terms else tf.constant(0.0)
 
+    def regularization_gradients(
+        self, trainable: Sequence[tf.Tensor], scale: tf.Tensor
+    ) -> tuple[tf.Tensor, list[tf.Tensor]]:
+        """The cell's regularization penalty on ``trainable``, and its gradients times ``scale`` (the loss scale)."""
+        with tf.GradientTape(watch_accessed_variables=False) as tape:
+            tape.watch(trainable)
+            penalty = self.regularization_loss(trainable)
+            scaled = penalty * scale
+        return penalty, tape.gradient(scaled, trainable, unconnected_gradients=tf.UnconnectedGradients.ZERO)
+
     # Running ------------------------------------------------------------------------------
     def run_inline(
         self,
@@ -195,7 +205,9 @@ class Cell:
         mapping = list(zip(self.trainable_variables, trainable)) + list(
             zip(self.non_trainable_variables, non_trainable)
         )
-        with keras.StatelessScope(state_mapping=mapping, collect_losses=training) as scope:
+        with keras.StatelessScope(
+            state_mapping=mapping, collect_losses=True
+        ) as scope:  # Keras adds them in inference too
             if self.program is not None:
                 x = self.program(x, training)
             else:
@@ -204,7 +216,7 @@ class Cell:
                     x = layer(x, training=training)
                 x = carry_hung(x)
             new_state = [scope.get_current_value(v) for v in self.non_trainable_variables]
-            losses = [tf.cast(tf.reduce_sum(loss), tf.float32) for loss in scope.losses] if training else []
+            losses = [tf.cast(tf.reduce_sum(loss), tf.float32) for loss in scope.losses]
         added = tf.add_n(losses) if losses else tf.constant(0.0)
         return x, new_state, added
 
@@ -372,3 +384,8 @@ def tie(cells: Sequence[Cell]) -> list[tuple[keras.Variable, int]]:
                 cell.borrowed.add(id(v))
     trainable = {id(v) for cell in cells for v in cell.trainable_variables}
     return [pair for key, pair in first.items() if key in trainable]
+
+
+def add_dense(grads: Sequence[Any], extra: Sequence[tf.Tensor]) -> list[Any]:
+    """Each gradient of ``grads`` plus its dense ``extra`` (slices made dense; None counts as zero)."""
+    return [e if g is None else tf.convert_to_tensor(g) + e for g, e in zip(grads, extra)]

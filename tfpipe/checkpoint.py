@@ -480,7 +480,10 @@ def batch_weights(records: Sequence[Checkpoint], shared_grads: Sequence[bool]) -
         return None
     given = [d for t, d in zip(first._select(first.outputs), shared_grads) if _differentiable(t)]
     shared = {name for name, d in zip(first._parts.dys, given) if d}
-    shared |= {name for name in first._parts.inputs if all(r._env[name] is first._env[name] for r in records)}
+    # The inputs fed as the same tensor to every micro-batch (a weight, a seed); a capture of the traced body is
+    # not fed, and W does not read it (an activity regularizer's leaves one).
+    fed = [name for name in first._parts.inputs if name in first._env]
+    shared |= {name for name in fed if all(r._env.get(name) is first._env[name] for r in records)}
     try:
         key = ("batched", tuple(r._split_key() for r in records))
         big = first._cache.lookup(key, functools.partial(first._trace_split, first._cache, records))

@@ -17,7 +17,7 @@ from typing import Any
 import tensorflow as tf
 
 from tfpipe import devices, state
-from tfpipe.cell import Cell
+from tfpipe.cell import Cell, add_dense
 
 # loss_grads(j, y_j) -> (micro-batch j's weighted loss, gradients of the scaled loss for the leaves of y_j)
 LossGrads = Callable[[int, Any], tuple[tf.Tensor, list[tf.Tensor | None]]]
@@ -280,15 +280,8 @@ def _backward(
                 else:
                     grads.append(next(dense))
             if cell.has_regularizers:  # counted once per step, outside the loops
-                with tf.GradientTape(watch_accessed_variables=False) as tape:
-                    tape.watch(weights[k][0])
-                    penalty = cell.regularization_loss(weights[k][0])
-                    scaled = penalty * scales[k]
-                extra = tape.gradient(scaled, weights[k][0], unconnected_gradients=tf.UnconnectedGradients.ZERO)
-                grads = [
-                    g + e if not isinstance(g, tf.IndexedSlices) else tf.convert_to_tensor(g) + e
-                    for g, e in zip(grads, extra)
-                ]
+                penalty, extra = cell.regularization_gradients(weights[k][0], scales[k])
+                grads = add_dense(grads, extra)
                 result.added[k] = result.added[k] + penalty
             result.grads.append(grads)
 

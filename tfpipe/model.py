@@ -301,6 +301,8 @@ class PipelineModel(keras.Model):
         sizes = microbatch.sizes(inputs, self._pipeline.num_micro_batches, allow_empty=not training)
         parts = microbatch.split(inputs, sizes)
         result = self._pipeline.forward(parts, training=training, fractions=microbatch.fractions(sizes))
+        if result.added_loss is not None:  # the layers' add_loss terms, which Keras' evaluate adds to the loss
+            self.add_loss(result.added_loss)
         self._assign(result.state_updates)
         with devices_lib.scope(self._devices[-1]):
             return hang(microbatch.merge(result.outputs))

@@ -21,7 +21,7 @@ import keras
 import tensorflow as tf
 
 from tfpipe import checkpoint, devices, loop, loss_task, microbatch, schedule, sendrecv, state
-from tfpipe.cell import Cell, tie
+from tfpipe.cell import Cell, add_dense, tie
 from tfpipe.loss_task import LossFn
 from tfpipe.routes import MODEL_INPUT, Routes
 from tfpipe.tasks import TASK_END, TASK_START, task_scope_name
@@ -41,6 +41,8 @@ class StepResult:
 
     outputs: list[Any]  # per micro-batch outputs of the last cell
     loss: tf.Tensor | None = None  # total (unscaled) loss of the mini-batch
+    # Forward only: the layers' add_loss terms (activity regularizers), each micro-batch's weighted by its share.
+    added_loss: tf.Tensor | None = None
     gradients: list[tf.Tensor] = dataclasses.field(default_factory=list)  # aligned with ``variables``
     variables: list[keras.Variable] = dataclasses.field(default_factory=list)
     state_updates: list[tuple[keras.Variable, tf.Tensor]] = dataclasses.field(default_factory=list)
@@ -253,11 +255,19 @@ class Pipeline:
                 self._backward_task(task, step, chain)
             else:
                 self._weight_task(task, step, chain)
+        if loss_fn is not None and self.schedule == "gpipe_batched_w":
+            for i, cell in enumerate(self.cells):
+                if cell.has_regularizers:
+                    with devices.scope(cell.device):
+                        penalty, extra = cell.regularization_gradients(step.weights[i][0], step.scales[i])
+                        step.grads[i] = add_dense(self._running(step, i), extra)
+                        step.added.append(penalty)
 
         m = self.num_micro_batches
         return self._result(
             [step.outputs[j] for j in range(m)],
-            [step.losses[j] for j in range(m)] + step.added if loss_fn is not None else None,
+            [step.losses[j] for j in range(m)] if loss_fn is not None else None,
+            step.added,
             step.grads,
             step.new_state,
             step.weights,
@@ -277,20 +287,24 @@ class Pipeline:
         looped = loop.run(self.cells, weights, inputs, training, fractions, loss_grads, loss_scale, first)
         return self._result(
             looped.outputs,
-            looped.losses + looped.added if loss_fn is not None else None,
+            looped.losses if loss_fn is not None else None,
+            looped.added,
             looped.grads,
             looped.new_state,
             weights,
             fractions if training and merge else None,
         )
 
-    def _result(self, outputs, loss_terms, grads, new_state, weights, fractions) -> StepResult:
-        """The step's result: the loss from its terms, gradients per variable, merged state updates (training)."""
+    def _result(self, outputs, losses, added, grads, new_state, weights, fractions) -> StepResult:
+        """The step's result: the loss from the micro-batches' ``losses`` (None: forward only) and ``added`` terms,
+        gradients per variable, merged state updates (training)."""
         m = self.num_micro_batches
         result = StepResult(outputs=list(outputs), weights=list(weights))
         result.new_states = [[new_state[(i, j)] for j in range(m)] for i in range(len(self.cells))]
-        if loss_terms is not None:
-            result.loss = _sum_on_devices(loss_terms)
+        if losses is None:
+            result.added_loss = _sum_on_devices(added) if added else None
+        else:
+            result.loss = _sum_on_devices(list(losses) + list(added))
             result.variables, result.gradients = tied_gradients(self.cells, grads)
         if fractions is not None:
             for i, cell in enumerate(self.cells):
@@ -314,7 +328,9 @@ class Pipeline:
             else:  # forward only: plain numbers, no ops
                 share = step.fractions[j] if step.fractions is not None else 1.0
                 reg_weight = 0.0
-            regularized = backward and cell.has_regularizers  # weight regularizers count once per step
+            # Weight regularizers count once per step: in micro-batch 0's task, or after the cell's one W
+            # under gpipe_batched_w, whose W batches only what is the same function in every micro-batch.
+            regularized = backward and cell.has_regularizers and self.schedule != "gpipe_batched_w"
             n_w = len(trainable)
 
             def fn(x_in, *rest):

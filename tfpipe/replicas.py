@@ -101,6 +101,9 @@ class Replicated:
         """One step's result from the replicas': outputs in order, losses and gradients summed, state merged."""
         primary = results[0]
         combined = StepResult(outputs=[y for r in results for y in r.outputs], variables=list(primary.variables))
+        if primary.added_loss is not None:
+            with devices.scope(self.cells[-1].device):
+                combined.added_loss = tf.add_n([r.added_loss for r in results])
         if primary.loss is not None:
             with devices.scope(self.cells[-1].device):
                 combined.loss = tf.add_n([r.loss for r in results])
