@@ -62,6 +62,13 @@ flags.DEFINE_list(
     "dims", ["256"], "Transformer model dimension / AmoebaNet filters / MLP width; one set of tables each."
 )
 flags.DEFINE_integer("seq_len", 32, "Transformer sequence length / image size.", lower_bound=8)
+flags.DEFINE_integer("vocab", 256, "Transformer vocabulary size.", lower_bound=2)
+flags.DEFINE_bool(
+    "tie_embeddings",
+    False,
+    "Transformer: the output projection is the token embedding (models/transformer.py transformer_lm_tied), used "
+    "by the first and last cells; the reference too.",
+)
 flags.DEFINE_enum(
     "remat",
     "except_last",
@@ -109,7 +116,7 @@ def _layers_and_data(dim: int, n: int):
     if FLAGS.model == "transformer":
         from scripts.data import random_lm
 
-        return random_lm(n, FLAGS.seq_len, FLAGS.blocks, dim)
+        return random_lm(n, FLAGS.seq_len, FLAGS.blocks, dim, FLAGS.vocab, tied=FLAGS.tie_embeddings)
     if FLAGS.model == "mlp":
         layers = [keras.layers.Dense(dim, activation="tanh") for _ in range(FLAGS.blocks)] + [keras.layers.Dense(10)]
         return layers, rng.normal(size=(n, dim)).astype("float32"), rng.integers(0, 10, size=n)
@@ -181,6 +188,9 @@ def time_entry(
 
 def main(argv: list[str]) -> None:
     del argv
+    for name in ("tie_embeddings", "vocab"):
+        if FLAGS[name].present and FLAGS.model != "transformer":
+            raise app.UsageError(f"--{name} applies to --model=transformer, not --model={FLAGS.model}")
     from tfpipe import checkpoint, schedule
     from tfpipe.cluster import LocalCluster
 
@@ -241,6 +251,7 @@ def main(argv: list[str]) -> None:
                             "schedule": FLAGS.schedule,
                             "optimizer": FLAGS.optimizer,
                             "jit_compile": FLAGS.jit_compile,
+                            "tie_embeddings": FLAGS.tie_embeddings,
                             "examples_per_s": rate,
                             "reference": base,
                             "speedup": rate / base,
@@ -282,6 +293,8 @@ def main(argv: list[str]) -> None:
         + (f", optimizer={FLAGS.optimizer!r}" if FLAGS.optimizer != "sgd" else "")
         + (f", steps_per_execution={FLAGS.steps_per_execution}" if FLAGS.steps_per_execution > 1 else "")
         + (", cells compiled by XLA (the reference without)" if FLAGS.jit_compile else "")
+        + (f", vocabulary {FLAGS.vocab}" if FLAGS.model == "transformer" else "")
+        + (", embedding tied to the output" if FLAGS.tie_embeddings else "")
         + "\n\n"
         + _markdown([r for r in rows if r["size"] == size], ms)
         for size in dict.fromkeys(r["size"] for r in rows)

@@ -171,13 +171,16 @@ def _first_feature(features: Any, feature_type: type, what: str, spec: str) -> s
     raise ValueError(f"{spec} has no {what} feature (it has {sorted(features.keys())}); pick a data set that does")
 
 
-def random_lm(batch_size: int, seq_len: int, blocks: int, dim: int, vocab: int = 256, seed: int = 0):
+def random_lm(
+    batch_size: int, seq_len: int, blocks: int, dim: int, vocab: int = 256, seed: int = 0, tied: bool = False
+):
     """A Transformer LM's layers and one batch of random tokens with next-token targets, for timing only.
 
-    Feed-forward width 4*dim, one head per 64 dimensions. Returns (layers, x, y).
+    Feed-forward width 4*dim, one head per 64 dimensions. Returns (layers, x, y); with ``tied``, a Functional
+    model whose output projection is its token embedding (``transformer_lm_tied``) in place of the layers.
     """
-    from models.transformer import transformer_lm
+    from models.transformer import transformer_lm, transformer_lm_tied
 
-    layers = transformer_lm(vocab, seq_len, blocks, dim, 4 * dim, max(1, dim // 64))
+    layers = (transformer_lm_tied if tied else transformer_lm)(vocab, seq_len, blocks, dim, 4 * dim, max(1, dim // 64))
     x = np.random.default_rng(seed).integers(0, vocab, size=(batch_size, seq_len)).astype("int32")
     return layers, x, np.roll(x, -1, axis=1)

@@ -92,6 +92,19 @@ def test_speed_benchmark_times_a_functional_unet(tmp_path):
     assert "optimizer='adam', steps_per_execution=2, cells compiled by XLA (the reference without)" in table
 
 
+def test_speed_benchmark_times_a_transformer_with_its_embedding_tied_to_the_output(tmp_path):
+    out = str(tmp_path / "tied")
+    flags = ("--micro_batches=2", "--steps=1", "--warmup=1", "--warmup_s=0", "--dims=16", "--blocks=2", "--seq_len=8")
+    proc = run_script("benchmark_speed.py", *flags, "--batch_sizes=4", "--vocab=40", "--tie_embeddings", f"--out={out}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    with open(out + ".csv") as f:
+        rows = list(csv.DictReader(f))
+    assert [(r["K"], r["M"], r["tie_embeddings"]) for r in rows] == [("1", "2", "True"), ("2", "2", "True")]
+    assert "vocabulary 40, embedding tied to the output" in open(out + ".md").read()
+    refused = run_script("benchmark_speed.py", "--model=mlp", "--tie_embeddings")
+    assert refused.returncode != 0 and "--tie_embeddings applies to --model=transformer" in refused.stderr
+
+
 def test_scale_benchmark_times_the_first_step_in_a_fresh_process(tmp_path):
     out = str(tmp_path / "scale")
     proc = run_script(
