@@ -205,9 +205,8 @@ class Cell:
         mapping = list(zip(self.trainable_variables, trainable)) + list(
             zip(self.non_trainable_variables, non_trainable)
         )
-        with keras.StatelessScope(
-            state_mapping=mapping, collect_losses=True
-        ) as scope:  # Keras adds them in inference too
+        # add_loss terms are collected in inference too: Keras' evaluate adds them to its loss.
+        with keras.StatelessScope(state_mapping=mapping, collect_losses=True) as scope:
             if self.program is not None:
                 x = self.program(x, training)
             else:
