@@ -12,7 +12,6 @@ import pytest
 
 import tfpipe
 from tests.util import cpu_devices
-from tfpipe import state
 
 
 def _data(n=16, d=4, seed=0):
@@ -38,20 +37,6 @@ def test_a_layer_assigning_other_state_trains_with_micro_batches():
     _fit_two_cells(
         [keras.layers.Dense(8), keras.layers.BatchNormalization(renorm=True), keras.layers.Dense(1)], balance=[2, 1]
     )
-
-
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="seed-generator states are created with their layer, on the default device, before the cell places it",
-)
-def test_seed_states_live_on_their_cells_device():
-    model = tfpipe.PipelineModel(
-        [keras.layers.Dense(4), keras.layers.Dropout(0.5)], balance=[1, 1], devices=cpu_devices(2)
-    )
-    model.build((None, 3))
-    (seed,) = state.seed_states(model.pipeline_layers)
-    assert seed.value.device.endswith("CPU:1")
 
 
 @pytest.mark.xfail(

@@ -76,6 +76,28 @@ def test_micro_batches_draw_different_masks_and_seed_advances_once():
     np.testing.assert_array_equal(model(tf.ones((8, 64)), training=False).numpy(), np.ones((8, 64)))
 
 
+def test_seed_states_move_to_their_cells_devices_and_draw_as_before():
+    """A random layer makes its seed state with itself, on the default device; build moves it to its cell's."""
+
+    def functional():
+        inputs = keras.Input((6,))
+        hidden = keras.layers.Dropout(0.5, seed=3)(keras.layers.Dense(6)(inputs))
+        return keras.Model(inputs, keras.layers.Dense(2)(hidden))
+
+    for layers, balance in (
+        ([keras.layers.Dense(6), keras.layers.Dropout(0.5, seed=3)], [1, 1]),
+        (functional(), [1, 2]),
+    ):
+        model = tfpipe.PipelineModel(layers, balance=balance, devices=cpu_devices(2), num_micro_batches=2)
+        model.build((None, 6))
+        cell = next(c for c in model.cells if any(isinstance(layer, keras.layers.Dropout) for layer in c.layers))
+        (seed,) = tfpipe.state.seed_states(cell.layers)
+        assert seed.value.device.endswith(f"CPU:{cell.index}")
+        before = seed.numpy().copy()
+        model(tf.ones((4, 6)), training=True)
+        np.testing.assert_array_equal(seed.numpy(), before + [0, 1])  # still the layer's state, advanced once
+
+
 @pytest.mark.parametrize("m,n", [(4, 12), (3, 10)])
 def test_batchnorm_moving_statistics_follow_the_whole_mini_batch(m, n):
     rng = np.random.default_rng(4)

@@ -143,7 +143,7 @@ class PipelineModel(keras.Model):
         if cell_sizes is not None:
             self._make_pipeline(cell_sizes)
         if graph is not None:  # its layers are built: so is this model, for the graph's inputs
-            self._move_graph_variables()
+            self._move_variables(seeds_only=False)
             self.build(graph.model.input)
         if isinstance(layers, keras.Model):  # the user's model keeps these layers, and so their devices
             saving.keep_off_xla(layers, self._devices)
@@ -173,17 +173,19 @@ class PipelineModel(keras.Model):
         self._pipeline = pipelines[0] if len(pipelines) == 1 else Replicated(pipelines)
         self._apply_cells_jit()
 
-    def _move_graph_variables(self) -> None:
-        """A Functional model's weights were created where it was built: move each to its cell's device.
+    def _move_variables(self, seeds_only: bool) -> None:
+        """Move variables made elsewhere to their cells' devices, as a layer list's weights are made there.
 
-        As a layer list's are created there. Not under a distribution strategy, which owns placement.
+        A Functional model's weights were made where it was built (``seeds_only=False``); a random layer's
+        seed state is made with the layer, on the default device, and a cell would read and write it
+        across devices every step. Not under a distribution strategy, which owns placement.
         """
         if not _compat.is_default_strategy(tf.distribute.get_strategy()):
             return
         placed: set[int] = set()  # a layer called in several cells (tied weights) stays with the first
         for cell in self._pipeline.cells:
             for layer in cell.layers:
-                for variable in layer.weights:
+                for variable in state_lib.seed_states([layer]) if seeds_only else layer.weights:
                     if id(variable) in placed:
                         continue
                     placed.add(id(variable))
@@ -282,6 +284,7 @@ class PipelineModel(keras.Model):
             x = cell.build(x)
         self._built_spec = (given, x) if self._graph is None else None
         tie(self._pipeline.cells)  # so that summary() counts tied weights once
+        self._move_variables(seeds_only=True)
         self.built = True
 
     def call(self, inputs: Any, training: bool | None = False) -> Any:
