@@ -153,6 +153,33 @@ print(json.dumps(one_step(lambda: mlp_layers(), (5,), **{options!r})))
     assert result["changed"] > 1e-3 and result["error"] < 1e-5
 
 
+def test_an_embedding_tied_to_the_output_across_two_gpus_trains_like_keras_on_the_gpu():
+    # The table lives on GPU:0; GPU:1 reads it for the logits and sends its gradient back to be added.
+    result = _run(
+        """
+from models.transformer import transformer_lm_tied
+rng = np.random.default_rng(0)
+x, y = rng.integers(0, 11, (8, 6)).astype("int32"), rng.integers(0, 11, (8, 6)).astype("int32")
+with tf.device("/GPU:0"):
+    keras.utils.set_random_seed(4)
+    reference = transformer_lm_tied(11, 6, 2, 8, 16, 2)
+    keras.utils.set_random_seed(4)
+    model = tfpipe.PipelineModel(transformer_lm_tied(11, 6, 2, 8, 16, 2), balance=[3, 3], devices=DEVICES,
+                                 num_micro_batches=2)
+    for net in (reference, model):
+        net.compile(optimizer=keras.optimizers.SGD(0.5), jit_compile=False,
+                    loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        net.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
+# Relative to each weight's scale, floored: the attention's key biases get only rounding noise (no gradient).
+error = max(float(np.max(np.abs(a - b)) / max(np.max(np.abs(b)), 1e-2))
+            for a, b in zip(model.get_weights(), reference.get_weights()))
+table = tf.DeviceSpec.from_string(model.get_layer("tokens").embeddings.value.device)
+print(json.dumps({"error": error, "table": f"{table.device_type}:{table.device_index}"}))
+"""
+    )
+    assert result["table"] == "GPU:0" and result["error"] < 1e-5
+
+
 def test_models_sharing_the_cells_weights_predict_under_keras_defaults():
     # On a GPU, Keras' jit_compile="auto" is XLA, which cannot read the variables of a second device.
     result = _run(
