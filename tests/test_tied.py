@@ -65,6 +65,14 @@ def test_a_kernel_used_by_the_first_and_last_cells_trains_like_keras(schedule, r
     assert [cell.count_params() for cell in model.cells] == [12, 0, 8]  # counted once, in cell 0
 
 
+def test_balance_by_parameters_counts_a_tied_weight_in_its_first_layer():
+    layers = _tied_layers()
+    keras.Sequential([keras.Input((3,)), *layers])  # builds them
+    assert layers[2].count_params() == 12  # Keras counts the encoder's kernel in the decoder that tracks it too
+    split, costs = tfpipe.balance.by_params(layers, 2, return_costs=True)
+    assert costs == [12.0, 0.0, 0.0, 8.0] and split == [1, 3]
+
+
 def _lm():
     return transformer_lm_tied(vocab_size=11, max_length=6, num_blocks=2, dim=8, hidden=16, heads=2)
 

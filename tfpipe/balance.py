@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any, Union
 
@@ -155,7 +156,12 @@ def by_params(layers: Any, k: int, sample: Any = None, return_costs: bool = Fals
                 f"Layers {unbuilt[:3]} are not built, so they have no parameters yet; pass sample= "
                 "(a batch of inputs) to build copies of them."
             )
-        costs = [float(layer.count_params()) for layer in layers]
+        seen: set[int] = set()  # a weight two layers use (tied) counts in the first
+        costs = []
+        for layer in layers:
+            own = [v for v in layer.weights if id(v) not in seen]
+            seen.update(id(v) for v in own)
+            costs.append(float(sum(math.prod(v.shape) for v in own)))
         split = partition(costs, k)
         return (split, costs) if return_costs else split
     return _by("params", layers, k, sample, return_costs)
