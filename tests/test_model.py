@@ -1,5 +1,7 @@
 """PipelineModel as a keras.Model: fit/evaluate/predict, datasets, callbacks, weights, placement, summary."""
 
+import re
+
 import keras
 import numpy as np
 import pytest
@@ -154,6 +156,19 @@ def test_summary_lists_cells_devices_layers_and_params():
         row = next(line for line in lines if line.startswith(f"{cell.index} "))
         assert cell.device in row and cell.layers[0].name in row and f"{cell.count_params():,}" in row
     assert f"Total params: {model.count_params():,}" in text
+
+
+def test_summary_cuts_long_layer_names_to_their_column_and_keeps_the_count():
+    layers = [keras.layers.Dense(4, name=f"a_rather_long_layer_name_{k}") for k in range(6)]
+    model = tfpipe.PipelineModel(layers, balance=[5, 1], devices=cpu_devices(2))
+    model.build((None, 3))
+    lines = []
+    model.summary(print_fn=lines.append)
+    row = next(line for line in lines if line.startswith("0 "))
+    assert "a_rather_long_layer_name_0 .. a_rather_lon\u2026 (5 layers)" not in row  # only what its column allows
+    assert re.search(r"a_rather_long_\S*\u2026 \(5 layers\) +\d", row), row
+    assert model.cells[0].describe() == "a_rather_long_layer_name_0 .. a_rather_long_layer_name_4 (5 layers)"
+    assert model.cells[0].describe(20) == "a_rather\u2026 (5 layers)"  # 20 characters
 
 
 def test_read_only_attributes():

@@ -319,12 +319,16 @@ class Cell:
         template = tf.nest.pack_sequence_as(found["y"], [None if t is None else 0 for t in leaves])
         return _Trace(function, template, [i for i, t in enumerate(leaves) if t is not None], found["changed"])
 
-    def describe(self) -> str:
-        """The cell's layers: all names when few, else first and last with the count."""
+    def describe(self, width: int | None = None) -> str:
+        """The cell's layers: all names when few, else first and last with the count; cut to ``width`` characters
+        with an ellipsis, the count kept."""
         names = [layer.name for layer in self.layers]
-        if len(names) <= 3:
-            return ", ".join(names)
-        return f"{names[0]} .. {names[-1]} ({len(names)} layers)"
+        text, count = (
+            (", ".join(names), "") if len(names) <= 3 else (f"{names[0]} .. {names[-1]}", f" ({len(names)} layers)")
+        )
+        if width is not None and len(text) + len(count) > width:
+            text = text[: max(width - len(count) - 1, 0)] + "\u2026"
+        return text + count
 
 
 @dataclasses.dataclass

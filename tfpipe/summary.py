@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -40,12 +40,14 @@ def print_summary(model: Any, line_length: int | None = None, print_fn: Callable
             if estimate.output_bytes:
                 out = si(estimate.output_bytes[sum(balance[: k + 1]) - 1]) + "B"
         device = ", ".join(row[k] for row in model.devices) if replicated else cell.device  # replicas listed
-        rows.append((str(k), device, cell.describe(), params, cost, share, out))
+        rows.append([str(k), device, cell.describe(), params, cost, share, out])
     widths = list(WIDTHS)
     widths[1] = max(widths[1], *(len(row[1]) for row in rows))
     widths[2] = max(12, width - sum(widths) - 2 * (len(widths) - 1))
+    for row, cell in zip(rows[1:], model.cells):  # the layers, cut to their column with the count kept
+        row[2] = cell.describe(widths[2])
 
-    def fmt(row: tuple) -> str:
+    def fmt(row: Sequence[Any]) -> str:
         return "  ".join(str(c)[:w].ljust(w) for c, w in zip(row, widths)).rstrip()
 
     k, m = model.num_partitions, model.num_micro_batches
