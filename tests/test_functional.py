@@ -272,7 +272,7 @@ def test_unroll_false_falls_back_to_unrolled_for_a_graph_with_skips():
     reference.compile(optimizer="sgd", loss="mse")
     model.compile(optimizer="sgd", loss="mse")
     reference.fit(x, y, batch_size=4, verbose=0)
-    with pytest.warns(UserWarning, match="skip cells"):
+    with pytest.warns(UserWarning, match="cells take their inputs through routes"):
         model.fit(x, y, batch_size=4, verbose=0)
     assert model.unrolled and max_rel_error(model.get_weights(), reference.get_weights()) < 1e-5
 

@@ -276,7 +276,10 @@ class Pipeline:
 
     def _run_loops(self, inputs, training, loss_fn, fractions, loss_scale, first, merge) -> StepResult:
         if self.routes is not None:
-            raise loop.Unsupported("tensors of the Functional graph skip cells, which the loops do not carry")
+            raise loop.Unsupported(
+                "a Functional model's cells take their inputs through routes (tensors may skip cells), which the "
+                "loops do not carry"
+            )
         weights = [cell.read() for cell in self.cells]
         loss_grads = None
         if loss_fn is not None:
