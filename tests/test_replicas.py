@@ -72,6 +72,32 @@ def test_replicas_of_loops_train_like_plain_keras():  # unroll=False: each repli
     assert max_rel_error(model.get_weights(), plain.get_weights()) < 1e-5
 
 
+@pytest.mark.parametrize(
+    "options",
+    [{"schedule": "gpipe"}, {"schedule": "gpipe_batched_w", "remat": "never"}, {"unroll": False, "remat": "always"}],
+    ids=["gpipe", "gpipe_batched_w", "loops"],
+)
+def test_replicas_count_weight_penalties_once_per_step(options):
+    """Each replica used to add every cell's weight penalty in its own first micro-batch: R times in all."""
+
+    def layers():
+        keras.utils.set_random_seed(0)
+        return [
+            keras.layers.Dense(16, activation="tanh", kernel_regularizer=keras.regularizers.L2(0.1)),
+            keras.layers.Dense(3, bias_regularizer="l1"),
+        ]
+
+    x, y = _data(12)
+    histories = []
+    plain = keras.Sequential([keras.Input((8,)), *layers()])
+    for net in (plain, tfpipe.PipelineModel(layers(), balance=[1, 1], devices=GRID, num_micro_batches=2, **options)):
+        net.compile(optimizer="sgd", loss="mse")
+        histories.append((net.fit(x, y, batch_size=12, epochs=2, shuffle=False, verbose=0).history["loss"], net))
+    (expected, _), (losses, model) = histories
+    np.testing.assert_allclose(losses, expected, rtol=1e-5)
+    assert max_rel_error(model.get_weights(), plain.get_weights()) < 1e-5
+
+
 def test_replica_cells_run_on_their_devices_and_the_variables_live_once_on_replica_0s():
     model = tfpipe.PipelineModel(mlp_layers(), num_partitions=2, devices=GRID, num_micro_batches=2)
     model.build((None, 8))

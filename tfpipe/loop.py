@@ -279,7 +279,7 @@ def _backward(
                     grads.append(tf.IndexedSlices(values.concat(), indices.concat(), tf.shape(w, out_type=tf.int64)))
                 else:
                     grads.append(next(dense))
-            if cell.has_regularizers:  # counted once per step, outside the loops
+            if cell.has_regularizers and first == 0:  # once per step, outside the loops; replica 0 takes them
                 penalty, extra = cell.regularization_gradients(weights[k][0], scales[k])
                 grads = add_dense(grads, extra)
                 result.added[k] = result.added[k] + penalty

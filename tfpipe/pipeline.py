@@ -255,7 +255,7 @@ class Pipeline:
                 self._backward_task(task, step, chain)
             else:
                 self._weight_task(task, step, chain)
-        if loss_fn is not None and self.schedule == "gpipe_batched_w":
+        if loss_fn is not None and self.schedule == "gpipe_batched_w" and first == 0:  # replica 0 takes penalties
             for i, cell in enumerate(self.cells):
                 if cell.has_regularizers:
                     with devices.scope(cell.device):
@@ -327,7 +327,9 @@ class Pipeline:
             x = tf.nest.map_structure(lambda t: None if t is None else tf.identity(t), x)  # arrive on this device
             seeds = state.micro_batch_states(cell.non_trainable_variables, other, step.first + j) if training else other
             if step.shares:
-                share, reg_weight = step.shares[cell.device][j], step.reg_weights[cell.device][0 if j == 0 else 1]
+                # Penalties count in the step's first micro-batch: a replica's other than replica 0's do not.
+                reg_weight = step.reg_weights[cell.device][0 if step.first + j == 0 else 1]
+                share = step.shares[cell.device][j]
             else:  # forward only: plain numbers, no ops
                 share = step.fractions[j] if step.fractions is not None else 1.0
                 reg_weight = 0.0
