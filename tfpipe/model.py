@@ -367,6 +367,7 @@ class PipelineModel(keras.Model):
             self._compile_config.config["jit_compile"] = jit_compile
         if self.optimizer is not None:
             training_lib.place_on_variable_devices(self.optimizer)
+            training_lib.check_slices_finite(self.optimizer)
 
     @property
     def cells_jit_compile(self) -> bool:

@@ -209,6 +209,25 @@ def place_on_variable_devices(optimizer: keras.optimizers.Optimizer) -> None:
         opt._tfpipe_placed = True
 
 
+def check_slices_finite(optimizer: keras.optimizers.Optimizer) -> None:
+    """Make a LossScaleOptimizer's finite check read sparse gradients' values, so that it skips their overflows.
+
+    Keras checks a ``tf.IndexedSlices`` by scattering its rows into a dense tensor; where an index
+    repeats (an embedding's rows, and more so with micro-batches and replicas, whose slices are
+    concatenated), a later finite row overwrites a non-finite one, and the step is applied with inf
+    or NaN. ``check_finite`` is a public method; it is wrapped on this instance.
+    """
+    if not isinstance(optimizer, keras.optimizers.LossScaleOptimizer) or getattr(optimizer, "_tfpipe_slices", False):
+        return
+    check = optimizer.check_finite
+
+    def check_finite(grads: Any) -> Any:
+        return check([g.values if isinstance(g, tf.IndexedSlices) else g for g in grads])
+
+    optimizer.check_finite = check_finite
+    optimizer._tfpipe_slices = True
+
+
 def _reads_per_device() -> Callable[[Any, str], Any]:
     """``read(value, device)``: a variable's value read once per device and traced step, else ``value``.
 
