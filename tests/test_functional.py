@@ -1,5 +1,6 @@
 """Functional models enter PipelineModel: skips go straight to their readers, and training equals the model's own."""
 
+import functools
 import types
 
 import keras
@@ -78,24 +79,27 @@ def test_two_inputs_one_read_deep_with_an_op_and_a_nested_model_trains_like_the_
     )  # noqa: SLF001 - keras.ops.tanh is a node of its own
 
 
-def _two_outputs():
+def _two_outputs(as_list=False):
     keras.utils.set_random_seed(5)
     x = keras.Input((5,), name="x")
     h = keras.layers.Dense(8, activation="tanh", name="h")(x)
     early = keras.layers.Dense(1, name="early")(h)
     h = keras.layers.Dense(8, activation="relu", name="h2")(h)
     late = keras.layers.Dense(3, activation="softmax", name="late")(h)
-    return keras.Model(x, {"early": early, "late": late})
+    return keras.Model(x, [early, late] if as_list else {"early": early, "late": late})
 
 
-def test_several_outputs_with_their_own_losses_weights_and_metrics():
+@pytest.mark.parametrize("as_list", [False, True])  # a list: compile matches the dicts by the output layers' names
+def test_several_outputs_with_their_own_losses_weights_and_metrics(as_list):
     args = {
         "optimizer": "sgd",
         "loss": {"early": "mse", "late": "categorical_crossentropy"},
         "loss_weights": {"early": 0.5, "late": 2.0},
         "metrics": {"early": ["mae"], "late": ["categorical_accuracy"]},
     }
-    reference, model, _, (ref_history, history) = _fit_both(_two_outputs, 2, m=2, n=6, compile_args=args)
+    make = functools.partial(_two_outputs, as_list)
+    reference, model, _, (ref_history, history) = _fit_both(make, 2, m=2, n=6, compile_args=args)
+    assert model.output_names == ["early", "late"]
     assert max_rel_error(model.get_weights(), reference.get_weights()) < 1e-5
     assert sorted(history) == sorted(ref_history)
     for name, values in ref_history.items():

@@ -265,6 +265,11 @@ class PipelineModel(keras.Model):
         return self._cost
 
     @property
+    def output_names(self) -> list[str] | None:
+        """The Functional model's output names, which ``compile`` matches dict losses and metrics to (else None)."""
+        return list(self._graph.model.output_names) if self._graph is not None else None
+
+    @property
     def cells(self) -> list[Cell]:
         """The cells, in pipeline order (empty until the balance is known)."""
         return list(self._pipeline.cells) if self._pipeline else []
