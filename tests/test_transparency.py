@@ -111,6 +111,32 @@ def test_evaluate_adds_the_layers_losses_as_keras_does(devices, unroll):
     np.testing.assert_allclose(model.evaluate(x, y, batch_size=10, verbose=0), expected, rtol=1e-5)
 
 
+@pytest.mark.parametrize(
+    "options", [{"schedule": "gpipe_batched_w", "remat": "never"}, {"unroll": False, "remat": "always"}], ids=str
+)
+def test_an_embedding_beside_weight_penalties_keeps_its_sparse_gradient(options):
+    """Where the penalties are added after the micro-batches (batched W, loops), an embedding's rows must stay
+    rows: Adam moves only the rows a batch has, and a densified gradient moved every row."""
+
+    def layers():
+        keras.utils.set_random_seed(0)
+        return [
+            keras.layers.Embedding(9, 6),
+            keras.layers.Dense(6, activation="tanh", kernel_regularizer="l2"),
+            keras.layers.GlobalAveragePooling1D(),
+            keras.layers.Dense(2),
+        ]
+
+    rng = np.random.default_rng(0)
+    x, y = rng.integers(1, 5, (14, 7)).astype("int32"), rng.integers(0, 2, 14)  # rows 5-8 never looked up
+    reference = keras.Sequential([keras.Input((7,), dtype="int32")] + layers())
+    model = tfpipe.PipelineModel(layers(), balance=[2, 2], devices=cpu_devices(2), num_micro_batches=2, **options)
+    for net in (reference, model):
+        net.compile(optimizer=OPTIMIZERS["adam"](), loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        net.fit(x, y, batch_size=7, epochs=2, shuffle=False, verbose=0)
+    assert max_rel_error(model.get_weights(), reference.get_weights()) < 1e-5
+
+
 def test_cells_that_cannot_be_traced_as_functions_run_inline_with_the_same_result(monkeypatch):
     from tfpipe.cell import Cell
 

@@ -182,12 +182,13 @@ class Cell:
     def regularization_gradients(
         self, trainable: Sequence[tf.Tensor], scale: tf.Tensor
     ) -> tuple[tf.Tensor, list[tf.Tensor]]:
-        """The cell's regularization penalty on ``trainable``, and its gradients times ``scale`` (the loss scale)."""
+        """The cell's regularization penalty on ``trainable``, and its gradients times ``scale`` (the loss scale);
+        None for a weight without a regularizer."""
         with tf.GradientTape(watch_accessed_variables=False) as tape:
             tape.watch(trainable)
             penalty = self.regularization_loss(trainable)
             scaled = penalty * scale
-        return penalty, tape.gradient(scaled, trainable, unconnected_gradients=tf.UnconnectedGradients.ZERO)
+        return penalty, tape.gradient(scaled, trainable)
 
     # Running ------------------------------------------------------------------------------
     def run_inline(
@@ -389,6 +390,13 @@ def tie(cells: Sequence[Cell]) -> list[tuple[keras.Variable, int]]:
     return [pair for key, pair in first.items() if key in trainable]
 
 
-def add_dense(grads: Sequence[Any], extra: Sequence[tf.Tensor]) -> list[Any]:
-    """Each gradient of ``grads`` plus its dense ``extra`` (slices made dense; None counts as zero)."""
-    return [e if g is None else tf.convert_to_tensor(g) + e for g, e in zip(grads, extra)]
+def add_dense(grads: Sequence[Any], extra: Sequence[tf.Tensor | None]) -> list[Any]:
+    """Each gradient of ``grads`` plus its dense ``extra``; None counts as zero.
+
+    Slices stay slices where nothing is added: Keras' optimizers update only their rows (an
+    embedding's moments decay only where the batch has tokens), so densifying them changes Adam's step.
+    """
+    added = []
+    for g, e in zip(grads, extra, strict=True):
+        added.append(g if e is None else e if g is None else tf.convert_to_tensor(g) + e)
+    return added
