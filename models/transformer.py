@@ -6,6 +6,7 @@ token embedding itself (``transformer_lm_tied``, weights tied as in GPT-2).
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 import keras
@@ -84,16 +85,35 @@ class ClippedDense(keras.layers.Dense):
     """A Dense layer whose outputs (logits) are clipped to [-logit_clip, logit_clip]."""
 
     def __init__(self, units: int, logit_clip: float, **kwargs):
-        if not logit_clip > 0:
-            raise ValueError(f"logit_clip={logit_clip!r} must be a positive number, e.g. 15.0.")
+        logit_clip = _checked_clip(logit_clip)
         super().__init__(units, **kwargs)
-        self.logit_clip = float(logit_clip)
+        self.logit_clip = logit_clip
 
     def call(self, inputs, training=None):
         return keras.ops.clip(super().call(inputs, training=training), -self.logit_clip, self.logit_clip)
 
     def get_config(self):
         return {**super().get_config(), "logit_clip": self.logit_clip}
+
+
+def _checked_clip(logit_clip: float) -> float:
+    if not logit_clip > 0:
+        raise ValueError(f"logit_clip={logit_clip!r} must be a positive number, e.g. 15.0.")
+    return float(logit_clip)
+
+
+def _blocks(
+    num_blocks: int, dim: int, hidden: int, heads: int, dropout: float, scaled_init: bool, named: bool = False
+) -> Iterator[TransformerBlock]:
+    """The ``num_blocks`` blocks of both models (named ``block_k`` if ``named``); see ``transformer_lm``.
+
+    Made one at a time: a block's random layers draw their seeds when made, so a Functional model that
+    calls (builds) each block before making the next draws its initial weights in that order.
+    """
+    scale = 1.0 / max(num_blocks, 1) if scaled_init else 1.0
+    for k in range(num_blocks):
+        name = {"name": f"block_{k}"} if named else {}
+        yield TransformerBlock(dim, hidden, heads, dropout, ffn_init_scale=scale, **name)
 
 
 def transformer_lm(
@@ -121,13 +141,12 @@ def transformer_lm(
     """
     if dim % heads:
         raise ValueError(f"dim={dim} must be divisible by heads={heads}.")
-    scale = 1.0 / max(num_blocks, 1) if scaled_init else 1.0
     projection = (
         keras.layers.Dense(vocab_size) if logit_clip is None else ClippedDense(vocab_size, logit_clip=logit_clip)
     )
     return (
         [TokenAndPositionEmbedding(vocab_size, max_length, dim)]
-        + [TransformerBlock(dim, hidden, heads, dropout, ffn_init_scale=scale) for _ in range(num_blocks)]
+        + list(_blocks(num_blocks, dim, hidden, heads, dropout, scaled_init))
         + [keras.layers.LayerNormalization(epsilon=1e-5), projection]
     )
 
@@ -173,17 +192,15 @@ def transformer_lm_tied(
     """
     if dim % heads:
         raise ValueError(f"dim={dim} must be divisible by heads={heads}.")
-    scale = 1.0 / max(num_blocks, 1) if scaled_init else 1.0
+    clip = None if logit_clip is None else _checked_clip(logit_clip)
     tokens = keras.layers.ReversibleEmbedding(vocab_size, dim, name="tokens")
     ids = keras.Input((max_length,), dtype="int32", name="ids")
     x = AddPositions(max_length, dim, name="positions")(tokens(ids))
-    for k in range(num_blocks):
-        x = TransformerBlock(dim, hidden, heads, dropout, ffn_init_scale=scale, name=f"block_{k}")(x)
+    for block in _blocks(num_blocks, dim, hidden, heads, dropout, scaled_init, named=True):
+        x = block(x)
     logits = tokens(keras.layers.LayerNormalization(epsilon=1e-5, name="final_norm")(x), reverse=True)
-    if logit_clip is not None:
-        if not logit_clip > 0:
-            raise ValueError(f"logit_clip={logit_clip!r} must be a positive number, e.g. 15.0.")
-        logits = keras.ops.clip(logits, -float(logit_clip), float(logit_clip))
+    if clip is not None:
+        logits = keras.ops.clip(logits, -clip, clip)
     return keras.Model(ids, logits, name="transformer_lm_tied")
 
 
