@@ -21,6 +21,7 @@ setup(
         # the formatter's output changes between minors)
         # importlib_resources: tensorflow-datasets' download path imports it (through etils.epath) without
         # depending on it
+        # keras-hub: the keras_hub tasks' tests (tests/test_hub*.py); it brings tensorflow-text, pinned to TensorFlow
         # pytest-xdist: two test processes (setup.cfg) take the suite from 31 to 17 minutes on a 2-core machine,
         # where most tests wait on TensorFlow subprocesses and workers
         "test": [
@@ -29,8 +30,12 @@ setup(
             "tensorflow-datasets>=4.9,<5",
             "importlib_resources>=6",
             "ruff>=0.17,<0.18",
+            "keras-hub>=0.32,<0.33",
         ],
         "data": ["tensorflow-datasets>=4.9,<5", "importlib_resources>=6"],
+        # keras_hub tasks (GPT-2, Gemma, Llama, BERT, ...) pipelined as they are: models/hub.py, --model=hub:NAME;
+        # tfpipe itself never imports it
+        "hub": ["keras-hub>=0.32,<0.33"],
         "timeline": ["matplotlib>=3.7"],  # scripts/timeline.py draws its PNG with it
     },
 )

@@ -137,6 +137,17 @@ def execution_order(model: keras.Model) -> list[Any]:
     return [node for depth in sorted(by_depth, reverse=True) for node in by_depth[depth] if not node.is_input]
 
 
+def runs_as_functional(model: keras.Model) -> bool:
+    """Whether ``model``'s ``call`` is Keras' Functional one (runs its graph), not a subclass's override.
+
+    keras_hub backbones and tasks subclass Functional models without overriding ``call``; the
+    Functional class itself is not exported.
+    """
+    from keras.src.models.functional import Functional
+
+    return type(model).call is Functional.call
+
+
 def move_variable(variable: keras.Variable, device: str) -> None:
     """Re-create the TensorFlow variable behind a Keras variable on ``device``, with its value.
 

@@ -24,7 +24,7 @@ import numpy as np
 import tensorflow as tf
 
 from tfpipe import flops as flops_lib
-from tfpipe import functional, specs
+from tfpipe import functional, specs, zoo
 from tfpipe._args import positive_int
 from tfpipe.sequence import copy_layer, layer_list
 
@@ -116,6 +116,9 @@ def estimate_graph(
 ) -> Estimate:
     """Every node's cost in a Functional graph, for micro-batches of a batch of ``batch`` samples.
 
+    Dimensions the model leaves unknown after the batch (a language model's sequence length)
+    are taken as ``zoo.stand_in_length(graph.model)``.
+
     As ``estimate``, one value per node; the nodes call the model's own (built) layers with
     nothing assigned, since a Functional model has its variables already. A layer called at
     several nodes counts its parameters at the first. ``output_bytes`` are the bytes per
@@ -126,6 +129,7 @@ def estimate_graph(
     result = Estimate(kind=cost if isinstance(cost, str) else "custom", costs=[], output_bytes=graph.live_bytes())
     device = device or _default_device()
     n = -(-int(batch) // num_micro_batches) if batch else specs.ESTIMATION_BATCH
+    length = zoo.stand_in_length(graph.model)
     measure = _measure_fn(cost, n, device, positive_int("repeats", repeats))
     measured: dict[str, tuple[float, str | None]] = {}  # identical nodes (class, config, input spec) counted once
     counted: set[int] = set()
@@ -142,10 +146,10 @@ def estimate_graph(
             else:
                 key = f"node {index}"
                 if cost == "flops":  # traced, not run: specs, and identical nodes counted once
-                    x = tuple(keras.KerasTensor((n,) + tuple(t.shape[1:]), t.dtype) for t in spec)
+                    x = tuple(keras.KerasTensor(specs.filled((n,) + tuple(t.shape[1:]), length), t.dtype) for t in spec)
                     key = _same_layer_key(node.operation, x) or key
                 else:
-                    x = tuple(tf.convert_to_tensor(a) for a in specs.estimation_sample(spec, n, 1))
+                    x = tuple(tf.convert_to_tensor(a) for a in specs.estimation_sample(spec, n, 1, length))
                 if key not in measured:
                     measured[key] = measure(call, x)
                 value, note = measured[key]

@@ -42,6 +42,7 @@ class Node:
     arguments: Any  # Keras' record of the call's arguments (symbolic tensors and constants)
     keys: dict[int, int]  # id of each symbolic tensor argument -> key of the tensor it stands for
     outputs: list[int]  # keys of the tensors the call produces, in Keras' flattened order
+    training: bool | None = None  # fixed by an enclosing model's call (``base(x, training=False)``), else None
 
     @property
     def inputs(self) -> list[int]:
@@ -56,6 +57,7 @@ class Node:
     def run(self, values: Mapping[int, Any], training: bool | None) -> list[Any]:
         """Call the operation on ``values`` (key -> tensor) as Keras' Functional call does; its flat outputs."""
         args, kwargs = self.arguments.fill_in({i: values[k] for i, k in self.keys.items()})
+        training = self.training if self.training is not None else training
         # What keras.src.models.functional.operation_fn does with the call-context argument `training`.
         if training is not None and "training" in getattr(self.operation, "_call_context_args", ()):
             kwargs["training"] = training
@@ -114,6 +116,7 @@ class Graph:
         self.model = model
         self.specs: dict[int, keras.KerasTensor] = {}  # key -> symbolic tensor (shape, dtype)
         self.nodes: list[Node] = []
+        self.whole: dict[str, str] = {}  # path of each nested model kept as one node -> why it was not expanded
         self.inputs = [self._new_key(t) for t in model.inputs]
         aliases = {id(t): k for t, k in zip(model.inputs, self.inputs)}
         self.outputs = self._expand(model, aliases, model.name)
@@ -130,10 +133,13 @@ class Graph:
         self.specs[key] = tensor
         return key
 
-    def _expand(self, model: keras.Model, aliases: dict[int, int], path: str) -> list[int]:
+    def _expand(
+        self, model: keras.Model, aliases: dict[int, int], path: str, training: bool | None = None
+    ) -> list[int]:
         """Append the nodes of ``model`` (nested models expanded); the keys of its outputs.
 
-        ``aliases`` maps the id of each of its input tensors to the key of the tensor fed to it.
+        ``aliases`` maps the id of each of its input tensors to the key of the tensor fed to it;
+        ``training``, when not None, is what the enclosing call fixed for every node inside.
         """
         for node in _compat.execution_order(model):
             operation = node.operation
@@ -147,7 +153,7 @@ class Graph:
             missing = [t.name for t in args if id(t) not in aliases]
             if missing:
                 raise ValueError(f"The node {where} reads {missing}, which nothing before it in the graph produces.")
-            if is_functional(operation) and not any(v is not None for v in node.arguments.kwargs.values()):
+            if is_functional(operation) and not any(v is not None for v in keras.tree.flatten(node.arguments.kwargs)):
                 inner = dict(zip((id(t) for t in operation.inputs), (aliases[id(t)] for t in _inputs_of(node))))
                 outer = self._expand(operation, inner, f"{path}/{operation.name}")
                 for t, key in zip(node.outputs, outer):
@@ -156,7 +162,7 @@ class Graph:
             keys = {id(t): aliases[id(t)] for t in args}
             outputs = [self._new_key(t) for t in node.outputs]
             aliases.update((id(t), k) for t, k in zip(node.outputs, outputs))
-            self.nodes.append(Node(operation, node.arguments, keys, outputs))
+            self.nodes.append(Node(operation, node.arguments, keys, outputs, training))
         return [aliases[id(t)] for t in model.outputs]
 
     @property
@@ -294,6 +300,24 @@ def tensor_bytes(spec: keras.KerasTensor) -> float:
     """Bytes per sample of a symbolic tensor (its batch dimension left out)."""
     elements = math.prod(int(d) if d is not None else 1 for d in spec.shape[1:])
     return float(elements * np.dtype(keras.backend.standardize_dtype(spec.dtype)).itemsize)
+
+
+def _kept_whole(model: keras.Model, kwargs: Mapping[str, Any]) -> str:
+    """Why a nested Functional model called with ``kwargs`` must stay one node; "" if its nodes can be expanded.
+
+    Expanded, its nodes run as Keras' Functional call runs them: each with the call's
+    ``training`` (``base(x, training=False)`` keeps its BatchNormalization in inference), and
+    with no masks, which keras_hub tasks pass as a structure of Nones.
+    """
+    if not _compat.runs_as_functional(model):
+        return f"its class {type(model).__name__} overrides call(), so the graph may not be what it runs"
+    masks = [m for m in keras.tree.flatten(kwargs.get("mask")) if m is not None]
+    if masks:
+        return "it is called with a mask, which Keras hangs on its inputs for the layers inside it alone"
+    others = sorted(k for k, v in kwargs.items() if k not in ("mask", "training") and v is not None)
+    if others:
+        return f"it is called with {', '.join(others)}=..., which Keras passes to every layer inside it"
+    return ""
 
 
 def _inputs_of(node: Any) -> list[keras.KerasTensor]:

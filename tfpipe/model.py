@@ -11,7 +11,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tfpipe import _compat, checkpoint, functional, messages, microbatch, replicas, saving, specs
+from tfpipe import _compat, checkpoint, functional, messages, microbatch, replicas, saving, specs, zoo
 from tfpipe import balance as balance_lib
 from tfpipe import cluster as cluster_lib
 from tfpipe import cost as cost_lib
@@ -467,36 +467,64 @@ class PipelineModel(keras.Model):
             return xs, microbatch.split(y, sizes), microbatch.split(sample_weight, sizes)
 
     def fit(self, x: Any = None, y: Any = None, batch_size: int | None = None, *args: Any, **kwargs: Any):
-        """Keras ``fit``; checks first that no training batch will be smaller than num_micro_batches."""
+        """Keras ``fit``; checks first that no training batch will be smaller than num_micro_batches.
+
+        A keras_hub task's ``preprocessor`` is applied to the data first, as the task's own ``fit`` does.
+        """
+        if self.preprocess is not None:
+            x, kwargs = zoo.for_fit(self.preprocess, x, y, batch_size, kwargs)
+            y = batch_size = None
         split = kwargs.get("validation_split") or 0.0
         training_lib.check_batches(x, batch_size, split, self.num_micro_batches, self.num_replicas)
         self._before_tracing(x, y, kwargs.get("sample_weight"))
         with cluster_lib.reporting(), training_lib.short_batch_errors():  # named workers, short messages
             return super().fit(x, y, batch_size, *args, **kwargs)
 
-    def evaluate(self, x: Any = None, y: Any = None, *args: Any, **kwargs: Any):
-        """Keras ``evaluate``."""
+    def evaluate(self, x: Any = None, y: Any = None, batch_size: int | None = None, *args: Any, **kwargs: Any):
+        """Keras ``evaluate``, after the task's ``preprocessor`` as in ``fit``."""
+        if self.preprocess is not None and not kwargs.get("_use_cached_eval_dataset"):  # fit's validation: done
+            x, kwargs = zoo.for_evaluate(self.preprocess, x, y, batch_size, kwargs)
+            y = batch_size = None
         self._before_tracing(x, y, kwargs.get("sample_weight"))
         with cluster_lib.reporting():
-            return super().evaluate(x, y, *args, **kwargs)
+            return super().evaluate(x, y, batch_size, *args, **kwargs)
 
-    def predict(self, x: Any, *args: Any, **kwargs: Any):
-        """Keras ``predict``."""
+    def predict(self, x: Any, batch_size: int | None = None, *args: Any, **kwargs: Any):
+        """Keras ``predict``, after the task's ``preprocessor`` as in ``fit``."""
+        if self.preprocess is not None:
+            x, batch_size = zoo.for_predict(self.preprocess, x, batch_size), None
         self._before_tracing(None, None, None)
         with cluster_lib.reporting():
-            return super().predict(x, *args, **kwargs)
+            return super().predict(x, batch_size, *args, **kwargs)
 
     def train_on_batch(self, x: Any = None, y: Any = None, sample_weight: Any = None, *args: Any, **kwargs: Any):
         """Keras ``train_on_batch``, with the variables created before the step is traced."""
+        if self.preprocess is not None:
+            x, y, sample_weight = zoo.for_batch(self.preprocess, x, y, sample_weight)
         self._before_tracing(x, y, sample_weight)
         with cluster_lib.reporting():
             return super().train_on_batch(x, y, sample_weight, *args, **kwargs)
 
     def test_on_batch(self, x: Any = None, y: Any = None, sample_weight: Any = None, *args: Any, **kwargs: Any):
         """Keras ``test_on_batch``, with the variables created before the step is traced."""
+        if self.preprocess is not None:
+            x, y, sample_weight = zoo.for_batch(self.preprocess, x, y, sample_weight)
         self._before_tracing(x, y, sample_weight)
         with cluster_lib.reporting():
             return super().test_on_batch(x, y, sample_weight, *args, **kwargs)
+
+    def predict_on_batch(self, x: Any) -> Any:
+        """Keras ``predict_on_batch``, after the task's ``preprocessor``."""
+        if self.preprocess is not None:
+            x = zoo.for_batch(self.preprocess, x)[0]
+        self._before_tracing(None, None, None)
+        with cluster_lib.reporting():
+            return super().predict_on_batch(x)
+
+    @property
+    def preprocess(self) -> zoo.Preprocess | None:
+        """The keras_hub task's ``preprocess_samples``, applied to the data by fit, evaluate and predict; else None."""
+        return zoo.preprocess_of(self._graph.model) if self._graph is not None else None
 
     def _before_tracing(self, x: Any, y: Any, sample_weight: Any) -> None:
         """Variables created, and explicit transfers between processes prepared, before Keras traces a step."""

@@ -44,13 +44,21 @@ def first_batch_dim(input_shape: Any) -> int | None:
     return first_batch_dim(leaves[0]) if leaves else None
 
 
-def estimation_sample(spec: Any, batch: int | None, num_micro_batches: int) -> Any:
-    """Generated data shaped like one micro-batch of a batch of ``batch`` inputs (or of ESTIMATION_BATCH)."""
+def filled(shape: Any, length: int | None) -> tuple:
+    """``shape`` (batch dimension included) with every unknown dimension after the batch taken as ``length``."""
+    return tuple(shape[:1]) + tuple(length if d is None and length else d for d in shape[1:])
+
+
+def estimation_sample(spec: Any, batch: int | None, num_micro_batches: int, length: int | None = None) -> Any:
+    """Generated data shaped like one micro-batch of a batch of ``batch`` inputs (or of ESTIMATION_BATCH).
+
+    Unknown dimensions after the batch (a sequence length) are taken as ``length`` when it is given.
+    """
     n = -(-int(batch) // num_micro_batches) if batch else ESTIMATION_BATCH
     rng = np.random.default_rng(0)
 
     def make(spec: keras.KerasTensor) -> np.ndarray:
-        shape = (n,) + tuple(spec.shape[1:])
+        shape = filled((n,) + tuple(spec.shape[1:]), length)
         if any(d is None for d in shape):
             raise ValueError(
                 f"Estimating layer costs needs the input's full shape but one sample is {tuple(spec.shape[1:])}; "
