@@ -119,8 +119,12 @@ class Cell:
 
     @property
     def trainable_variables(self) -> list[keras.Variable]:
-        """The cell's trainable variables, in layer order."""
-        return self._unique("trainable_variables")
+        """The cell's trainable variables, in layer order: each weight whose own ``trainable`` is set.
+
+        As Keras' ``Model.trainable_weights`` decides, not each layer's: LoRA freezes a
+        decoder block and then unfreezes the attention layers' LoRA weights inside it.
+        """
+        return [v for v in self._unique("weights") if v.trainable]
 
     @property
     def non_trainable_variables(self) -> list[keras.Variable]:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -120,6 +121,8 @@ class Graph:
         self.inputs = [self._new_key(t) for t in model.inputs]
         aliases = {id(t): k for t, k in zip(model.inputs, self.inputs)}
         self.outputs = self._expand(model, aliases, model.name)
+        if self.whole:
+            warnings.warn(f"{model.name!r}: {self.whole_note()}; the balance cannot cut inside them.", stacklevel=3)
         self.companions: Companions = {}
         for k, spec in list(self.specs.items()):
             mask = getattr(spec, "_keras_mask", None)
@@ -127,6 +130,12 @@ class Graph:
                 self.companions[k] = [("_keras_mask", self._new_key(mask))]
         for k in _with_logits(self.nodes, self.outputs, self.specs):
             self.companions.setdefault(k, []).append(("_keras_logits", self._new_key(self.specs[k])))
+
+    def whole_note(self) -> str:
+        """Which nested models stay one node each and why ("" if none)."""
+        if not self.whole:
+            return ""
+        return "kept as one node: " + "; ".join(f"{path!r}, as {why}" for path, why in self.whole.items())
 
     def _new_key(self, tensor: keras.KerasTensor) -> int:
         key = len(self.specs)

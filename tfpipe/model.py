@@ -105,6 +105,8 @@ class PipelineModel(keras.Model):
                 "balance=tfpipe.balance.by_memory(layers, K, sample) first and pass it as balance=."
             )
         unit = "layers" if graph is None else f"nodes (layer and keras.ops calls) in {layers.name!r}"
+        if graph is not None and graph.whole:
+            unit += f" ({graph.whole_note()})"
         cell_sizes = balance_lib.check(balance, units, unit) if balance is not None else None
         num_cells = len(cell_sizes) if cell_sizes else balance_lib.check_num_partitions(num_partitions, units, unit)
         m = positive_int("num_micro_batches", num_micro_batches, "Use 1 to disable micro-batching.")
@@ -144,6 +146,7 @@ class PipelineModel(keras.Model):
             self._make_pipeline(cell_sizes)
         if graph is not None:  # its layers are built: so is this model, for the graph's inputs
             self._move_variables(seeds_only=False)
+            zoo.forget_traced(graph.model)
             self.build(graph.model.input)
         if isinstance(layers, keras.Model):  # the user's model keeps these layers, and so their devices
             saving.keep_off_xla(layers, self._devices)

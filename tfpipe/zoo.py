@@ -17,6 +17,8 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from tfpipe import _compat
+
 STAND_IN_LENGTH = 128  # an unknown sequence length, for estimating costs, when the model gives no hint
 DEFAULT_BATCH_SIZE = 32  # what Keras' fit batches arrays by
 
@@ -29,6 +31,21 @@ def preprocess_of(model: Any) -> Preprocess | None:
         return None
     preprocess = getattr(model, "preprocess_samples", None)
     return preprocess if callable(preprocess) else None
+
+
+TRACED = ("train_function", "test_function", "predict_function", "generate_function")  # Keras' and keras_hub's
+
+
+def forget_traced(model: keras.Model) -> None:
+    """Drop the step functions ``model`` and the models inside it traced before tfpipe moved their variables.
+
+    A traced function holds the variables it read when it was traced; after the move it
+    would read the old copies (``generate`` and ``predict`` of the task would not see training).
+    """
+    for layer in _compat.flatten_layers(model):
+        for name in TRACED:
+            if isinstance(layer, keras.Model) and getattr(layer, name, None) is not None:
+                setattr(layer, name, None)
 
 
 def stand_in_length(model: Any) -> int:
@@ -75,10 +92,10 @@ def _split(data: Any, fraction: float) -> tuple[Any, Any]:
     at = int(math.floor(n * (1.0 - fraction)))
     if at in (0, n):
         raise ValueError(f"validation_split={fraction} leaves no samples on one side of {n}; use a split in (0, 1).")
-    cut = keras.tree.map_structure(np.asarray, data)
+    arrays = keras.tree.map_structure(lambda a: None if a is None else np.asarray(a), data, none_is_leaf=False)
     return (
-        keras.tree.map_structure(lambda a: a[:at], cut),
-        keras.tree.map_structure(lambda a: a[at:], cut),
+        keras.tree.map_structure(lambda a: a[:at], arrays, none_is_leaf=False),
+        keras.tree.map_structure(lambda a: a[at:], arrays, none_is_leaf=False),
     )
 
 
