@@ -307,3 +307,25 @@ def test_dict_inputs_are_flattened_in_the_models_order_whatever_their_key_order(
     graph = functional.Graph(_two_inputs())
     a, b = tf.zeros((2, 6)), tf.ones((2, 3))
     assert [t.shape[1] for t in graph.flatten_inputs({"b": b, "a": a})] == [6, 3]
+
+
+def test_a_nested_model_called_with_training_false_is_expanded_and_runs_as_keras_runs_it():
+    """``base(x, training=False)``: Keras' Functional call passes fit's training=True to every node inside
+    anyway (BatchNormalization updates its statistics, Dropout draws); the base is cut in two all the same."""
+
+    def make():
+        keras.utils.set_random_seed(6)
+        base_in = keras.Input((6,))
+        h = keras.layers.Dense(8, name="base_dense")(base_in)
+        h = keras.layers.BatchNormalization(name="base_bn")(h)
+        h = keras.layers.Dropout(0.5, name="base_drop")(h)
+        base = keras.Model(base_in, keras.layers.Dense(8, activation="tanh", name="base_out")(h), name="base")
+        x = keras.Input((6,))
+        return keras.Model(x, keras.layers.Dense(2, name="head")(base(x, training=False)), name="transfer")
+
+    reference, model, x, histories = _fit_both(make, 2, m=1, n=8, balance=[2, 3])
+    assert [node.name for node in model._graph.nodes][:2] == ["base_dense", "base_bn"]  # noqa: SLF001 - expanded
+    assert max_rel_error(model.get_weights(), reference.get_weights()) < 1e-5
+    bn = model.to_functional().get_layer("base").get_layer("base_bn")
+    assert np.max(np.abs(bn.moving_mean.numpy())) > 1e-3  # updated, as in Keras' own fit
+    np.testing.assert_allclose(histories[1]["loss"], histories[0]["loss"], rtol=1e-5)

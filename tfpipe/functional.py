@@ -43,7 +43,6 @@ class Node:
     arguments: Any  # Keras' record of the call's arguments (symbolic tensors and constants)
     keys: dict[int, int]  # id of each symbolic tensor argument -> key of the tensor it stands for
     outputs: list[int]  # keys of the tensors the call produces, in Keras' flattened order
-    training: bool | None = None  # fixed by an enclosing model's call (``base(x, training=False)``), else None
 
     @property
     def inputs(self) -> list[int]:
@@ -58,7 +57,6 @@ class Node:
     def run(self, values: Mapping[int, Any], training: bool | None) -> list[Any]:
         """Call the operation on ``values`` (key -> tensor) as Keras' Functional call does; its flat outputs."""
         args, kwargs = self.arguments.fill_in({i: values[k] for i, k in self.keys.items()})
-        training = self.training if self.training is not None else training
         # What keras.src.models.functional.operation_fn does with the call-context argument `training`.
         if training is not None and "training" in getattr(self.operation, "_call_context_args", ()):
             kwargs["training"] = training
@@ -142,13 +140,10 @@ class Graph:
         self.specs[key] = tensor
         return key
 
-    def _expand(
-        self, model: keras.Model, aliases: dict[int, int], path: str, training: bool | None = None
-    ) -> list[int]:
+    def _expand(self, model: keras.Model, aliases: dict[int, int], path: str) -> list[int]:
         """Append the nodes of ``model`` (nested models expanded); the keys of its outputs.
 
-        ``aliases`` maps the id of each of its input tensors to the key of the tensor fed to it;
-        ``training``, when not None, is what the enclosing call fixed for every node inside.
+        ``aliases`` maps the id of each of its input tensors to the key of the tensor fed to it.
         """
         for node in _compat.execution_order(model):
             operation = node.operation
@@ -162,7 +157,10 @@ class Graph:
             missing = [t.name for t in args if id(t) not in aliases]
             if missing:
                 raise ValueError(f"The node {where} reads {missing}, which nothing before it in the graph produces.")
-            if is_functional(operation) and not any(v is not None for v in keras.tree.flatten(node.arguments.kwargs)):
+            kept = _kept_whole(operation, node.arguments.kwargs) if is_functional(operation) else None
+            if kept:
+                self.whole[f"{path}/{operation.name}"] = kept
+            elif kept is not None:
                 inner = dict(zip((id(t) for t in operation.inputs), (aliases[id(t)] for t in _inputs_of(node))))
                 outer = self._expand(operation, inner, f"{path}/{operation.name}")
                 for t, key in zip(node.outputs, outer):
@@ -171,7 +169,7 @@ class Graph:
             keys = {id(t): aliases[id(t)] for t in args}
             outputs = [self._new_key(t) for t in node.outputs]
             aliases.update((id(t), k) for t, k in zip(node.outputs, outputs))
-            self.nodes.append(Node(operation, node.arguments, keys, outputs, training))
+            self.nodes.append(Node(operation, node.arguments, keys, outputs))
         return [aliases[id(t)] for t in model.outputs]
 
     @property
@@ -314,9 +312,9 @@ def tensor_bytes(spec: keras.KerasTensor) -> float:
 def _kept_whole(model: keras.Model, kwargs: Mapping[str, Any]) -> str:
     """Why a nested Functional model called with ``kwargs`` must stay one node; "" if its nodes can be expanded.
 
-    Expanded, its nodes run as Keras' Functional call runs them: each with the call's
-    ``training`` (``base(x, training=False)`` keeps its BatchNormalization in inference), and
-    with no masks, which keras_hub tasks pass as a structure of Nones.
+    Expanded, its nodes run as Keras' Functional call runs them: with the ``training`` of the
+    outermost call, which overrides a ``training=`` given to the nested call (as Keras'
+    ``operation_fn`` does), and with no masks, which keras_hub tasks pass as a structure of Nones.
     """
     if not _compat.runs_as_functional(model):
         return f"its class {type(model).__name__} overrides call(), so the graph may not be what it runs"
