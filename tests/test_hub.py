@@ -247,3 +247,13 @@ def test_dropout_at_m1_draws_the_masks_the_task_draws():
     plain.compile(optimizer=keras.optimizers.SGD(0.5), loss=LOSS)
     plain.fit(x, y, sample_weight=weights, batch_size=7, epochs=2, shuffle=False, verbose=0)
     assert per_layer_error(model.pipeline_layers, _layers(plain)) > 1e-3
+
+
+def test_a_model_whose_class_overrides_call_is_refused():
+    class Doubled(keras.Model):
+        def call(self, inputs, training=None):
+            return super().call(inputs, training=training) * 2.0
+
+    x = keras.Input((4,))
+    with pytest.raises(ValueError, match="its class Doubled overrides call"):
+        tfpipe.PipelineModel(Doubled(x, keras.layers.Dense(2)(x)), num_partitions=1)

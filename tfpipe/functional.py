@@ -112,6 +112,12 @@ class Graph:
     def __init__(self, model: keras.Model):
         if not is_functional(model):
             raise TypeError(f"Graph takes a Functional keras.Model, got {type(model).__name__}.")
+        if not _compat.runs_as_functional(model):
+            raise ValueError(
+                f"Model {model.name!r}: its class {type(model).__name__} overrides call(), so its graph of layers "
+                "may not be what it runs, and tfpipe runs the graph. Pass a Functional model whose call is Keras' "
+                "own (or the layers as a list)."
+            )
         self.model = model
         self.specs: dict[int, keras.KerasTensor] = {}  # key -> symbolic tensor (shape, dtype)
         self.nodes: list[Node] = []
