@@ -17,6 +17,7 @@ executor has learnt its kernels' costs) and the median step time is used. Every 
     python scripts/benchmark_speed.py --model=mlp --dims=256,1024 --batch_sizes=128,1024 --remat=never
     python scripts/benchmark_speed.py --max_partitions=4 --out=docs/speed   # also K=4; write .csv and .md
     python scripts/benchmark_speed.py --replicas=2     # also R=2 replicas of each K, on 2K workers
+    python scripts/benchmark_speed.py --model=hub:llama --blocks=4 --dims=128   # a keras_hub causal LM (hub extra)
 
 With --replicas=R, R x K entries run R data-parallel replicas of the K cells on R x K
 workers, each replica on 1/R of the batch; their ideal is R x K*M/(M+K-1). On a
@@ -32,16 +33,19 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
 from absl import app, flags  # noqa: E402
 
+from scripts import hub_models  # noqa: E402
 from scripts.report import StepTimes, timed_fit, warm_up, write_table  # noqa: E402
 
 FLAGS = flags.FLAGS
-flags.DEFINE_enum(
+MODELS = ("transformer", "amoebanet", "mlp", "unet", "resnet50")
+flags.DEFINE_string(
     "model",
     "transformer",
-    ["transformer", "amoebanet", "mlp", "unet", "resnet50"],
-    "Model to time; mlp: --blocks Dense(--dims) + tanh layers and a Dense(10) classifier; unet: models/unet.py "
-    "(a Functional model: depth 3, 2 convolutions per stage, --dims base channels, --seq_len pixels square); "
-    "resnet50: keras.applications.ResNet50 (Functional, --seq_len pixels square, --dims ignored).",
+    f"Model to time: one of {', '.join(MODELS)} or hub:NAME; mlp: --blocks Dense(--dims) + tanh layers and a "
+    "Dense(10) classifier; unet: models/unet.py (a Functional model: depth 3, 2 convolutions per stage, --dims base "
+    "channels, --seq_len pixels square); resnet50: keras.applications.ResNet50 (Functional, --seq_len pixels "
+    "square, --dims ignored); hub:NAME: a tiny random keras_hub causal LM of models/hub.py (gpt2, gemma, llama, "
+    "...: --blocks blocks, --dims wide, --seq_len tokens, --vocab tokens; needs the hub extra).",
 )
 flags.DEFINE_integer("max_partitions", 2, "Largest K (powers of two from 1).", lower_bound=1)
 flags.DEFINE_list("micro_batches", ["1", "2", "4", "8", "16", "32"], "Values of M.")
@@ -56,13 +60,11 @@ flags.DEFINE_float(
     lower_bound=0.0,
 )
 flags.DEFINE_integer(
-    "blocks", 8, "Transformer blocks / AmoebaNet normal cells (a multiple of 3) / MLP hidden layers.", lower_bound=1
+    "blocks", 8, "Transformer/hub blocks / AmoebaNet normal cells (a multiple of 3) / MLP hidden layers.", lower_bound=1
 )
-flags.DEFINE_list(
-    "dims", ["256"], "Transformer model dimension / AmoebaNet filters / MLP width; one set of tables each."
-)
-flags.DEFINE_integer("seq_len", 32, "Transformer sequence length / image size.", lower_bound=8)
-flags.DEFINE_integer("vocab", 256, "Transformer vocabulary size.", lower_bound=2)
+flags.DEFINE_list("dims", ["256"], "Transformer/hub model dimension / AmoebaNet filters / MLP width; tables each.")
+flags.DEFINE_integer("seq_len", 32, "Transformer/hub sequence length / image size.", lower_bound=8)
+flags.DEFINE_integer("vocab", 256, "Transformer/hub vocabulary size.", lower_bound=2)
 flags.DEFINE_bool(
     "tie_embeddings",
     False,
@@ -117,6 +119,10 @@ def _layers_and_data(dim: int, n: int):
         from scripts.data import random_lm
 
         return random_lm(n, FLAGS.seq_len, FLAGS.blocks, dim, FLAGS.vocab, tied=FLAGS.tie_embeddings)
+    if hub_models.is_hub(FLAGS.model):
+        name = FLAGS.model[len(hub_models.PREFIX) :]
+        task = hub_models.causal_lm(name, FLAGS.vocab, FLAGS.blocks, dim, FLAGS.seq_len)
+        return (task, *hub_models.random_batch(n, FLAGS.seq_len, FLAGS.vocab))
     if FLAGS.model == "mlp":
         layers = [keras.layers.Dense(dim, activation="tanh") for _ in range(FLAGS.blocks)] + [keras.layers.Dense(10)]
         return layers, rng.normal(size=(n, dim)).astype("float32"), rng.integers(0, 10, size=n)
@@ -172,6 +178,8 @@ def time_entry(
         steps_per_execution=FLAGS.steps_per_execution,
         jit_compile=jit_compile,
     )
+    if hub_models.is_hub(FLAGS.model):  # x: token ids; each fit adds the padding mask
+        model = hub_models.FitOnTokenIds(model)
     if FLAGS.warmup_s > 0:
         warm_up(model, x, y, batch_size, FLAGS.warmup_s)
     batches = FLAGS.warmup + FLAGS.steps
@@ -188,9 +196,17 @@ def time_entry(
 
 def main(argv: list[str]) -> None:
     del argv
-    for name in ("tie_embeddings", "vocab"):
-        if FLAGS[name].present and FLAGS.model != "transformer":
-            raise app.UsageError(f"--{name} applies to --model=transformer, not --model={FLAGS.model}")
+    hub = hub_models.is_hub(FLAGS.model)
+    try:
+        if hub:
+            hub_models.check(FLAGS.model)
+        elif FLAGS.model not in MODELS:
+            raise ValueError(f"use one of {', '.join(MODELS)} or hub:NAME, e.g. hub:gpt2")
+    except ValueError as err:
+        raise app.UsageError(f"--model={FLAGS.model}: {err}") from None
+    for name, kinds in (("tie_embeddings", ("transformer",)), ("vocab", ("transformer", "hub:NAME"))):
+        if FLAGS[name].present and ("hub:NAME" if hub else FLAGS.model) not in kinds:
+            raise app.UsageError(f"--{name} applies to --model={' or '.join(kinds)}, not --model={FLAGS.model}")
     from tfpipe import checkpoint, schedule
     from tfpipe.cluster import LocalCluster
 
@@ -293,7 +309,7 @@ def main(argv: list[str]) -> None:
         + (f", optimizer={FLAGS.optimizer!r}" if FLAGS.optimizer != "sgd" else "")
         + (f", steps_per_execution={FLAGS.steps_per_execution}" if FLAGS.steps_per_execution > 1 else "")
         + (", cells compiled by XLA (the reference without)" if FLAGS.jit_compile else "")
-        + (f", vocabulary {FLAGS.vocab}" if FLAGS.model == "transformer" else "")
+        + (f", vocabulary {FLAGS.vocab}" if FLAGS.model == "transformer" or hub else "")
         + (", embedding tied to the output" if FLAGS.tie_embeddings else "")
         + "\n\n"
         + _markdown([r for r in rows if r["size"] == size], ms)

@@ -5,6 +5,7 @@ python scripts/train.py --model=resnet --depth=50 --width=16 --devices=cpu:4 --p
 python scripts/train.py --model=amoebanet --dataset=tfds:cifar10 --model_dir=/tmp/run --tensorboard
 python scripts/train.py --model=unet --unet_depth=3 --image_size=32   # a Functional model: skips cross the cuts
 python scripts/train.py --model=keras:MobileNetV2 --partitions=4      # any keras.applications model by name
+python scripts/train.py --model=hub:llama --blocks=4 --dim=64         # a keras_hub causal LM, tiny and random
 """
 
 from __future__ import annotations
@@ -23,22 +24,26 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 from absl import app, flags  # noqa: E402
 
+from scripts import hub_models  # noqa: E402
+
 FLAGS = flags.FLAGS
 MODELS = ("transformer", "amoebanet", "resnet", "unet")
 flags.DEFINE_string(
     "model",
     "transformer",
-    f"Reference model to train: one of {', '.join(MODELS)}, or keras:NAME for a keras.applications model "
-    "(weights=None, on the image task).",
+    f"Reference model to train: one of {', '.join(MODELS)}, keras:NAME for a keras.applications model "
+    "(weights=None, on the image task), or hub:NAME for a tiny random keras_hub causal LM (models/hub.py: gpt2, "
+    "gemma, llama, mistral, ...; --blocks, --dim, --vocab size it) on the generated language task (--task) or "
+    "tfds text; needs the hub extra.",
 )
 # model sizes
 flags.DEFINE_integer(
     "blocks",
     None,
-    "Transformer blocks (L, default 4) or AmoebaNet-D normal cells (L, a multiple of 3, default 3).",
+    "Transformer or keras_hub blocks (L, default 4) or AmoebaNet-D normal cells (L, a multiple of 3, default 3).",
     lower_bound=1,
 )
-flags.DEFINE_integer("dim", 64, "Transformer model dimension.", lower_bound=1)
+flags.DEFINE_integer("dim", 64, "Transformer (or keras_hub model) dimension.", lower_bound=1)
 flags.DEFINE_integer("hidden", 256, "Transformer feed-forward hidden size (H).", lower_bound=1)
 flags.DEFINE_integer("heads", 4, "Transformer attention heads (A).", lower_bound=1)
 flags.DEFINE_float("logit_clip", None, "Clip the Transformer's logits to [-c, c] (GPipe section 5).")
@@ -67,7 +72,8 @@ flags.DEFINE_enum(
     "task",
     "sort",
     ["sort", "copy"],
-    "Transformer's generated task: write the sequence sorted (keeps improving over the run) or copied (easy).",
+    "Transformer's (or keras_hub LM's) generated task: write the sequence sorted (keeps improving over the run) or "
+    "copied (easy).",
 )
 # pipeline
 flags.DEFINE_integer("partitions", 2, "Number of cells K, balanced by --cost.", lower_bound=1)
@@ -267,14 +273,14 @@ def _ints(name: str) -> list[int] | None:
 
 # Flags that size one kind of model: given with another, they would be silently ignored.
 MODEL_FLAGS = {
-    "dim": ("transformer",),
+    "dim": ("transformer", "hub:NAME"),
     "hidden": ("transformer",),
     "heads": ("transformer",),
     "logit_clip": ("transformer",),
     "tie_embeddings": ("transformer",),
-    "vocab": ("transformer",),
-    "task": ("transformer",),
-    "blocks": ("transformer", "amoebanet"),
+    "vocab": ("transformer", "hub:NAME"),
+    "task": ("transformer", "hub:NAME"),
+    "blocks": ("transformer", "amoebanet", "hub:NAME"),
     "filters": ("amoebanet",),
     "depth": ("resnet",),
     "width": ("resnet",),
@@ -295,9 +301,18 @@ def _flag(name: str) -> str:
 
 def check_flags() -> None:
     """Flag combinations that cannot work, found before anything is built."""
-    if FLAGS.model not in MODELS and not FLAGS.model.startswith("keras:"):
-        raise UsageError(f"--model={FLAGS.model}: use one of {', '.join(MODELS)} or keras:NAME, e.g. keras:ResNet50")
-    kind = "keras:NAME" if FLAGS.model.startswith("keras:") else FLAGS.model
+    if FLAGS.model not in MODELS and not FLAGS.model.startswith("keras:") and not hub_models.is_hub(FLAGS.model):
+        raise UsageError(
+            f"--model={FLAGS.model}: use one of {', '.join(MODELS)} or keras:NAME, e.g. keras:ResNet50, "
+            "or hub:NAME, e.g. hub:gpt2"
+        )
+    kind = {"keras": "keras:NAME", "hub": "hub:NAME"}.get(FLAGS.model.split(":")[0], FLAGS.model)
+    if kind == "hub:NAME":
+        with quiet_gpu_probe():  # models/hub.py imports Keras, and with it TensorFlow
+            try:
+                hub_models.check(FLAGS.model)
+            except ValueError as err:
+                raise UsageError(f"--model={FLAGS.model}: {err}") from None
     for name, kinds in MODEL_FLAGS.items():
         if FLAGS[name].present and kind not in kinds:
             raise UsageError(f"{_flag(name)}: applies to --model={' or '.join(kinds)}, not --model={FLAGS.model}")
@@ -363,9 +378,7 @@ def make_task() -> Task:
 
     from scripts import data
 
-    if FLAGS.model == "transformer":
-        from models.transformer import transformer_lm, transformer_lm_tied
-
+    if FLAGS.model == "transformer" or hub_models.is_hub(FLAGS.model):
         if FLAGS.dataset == "synthetic":
             make = data.sort_task if FLAGS.task == "sort" else data.copy_task
             arrays = make(FLAGS.examples + held_out_examples(), FLAGS.seq_len, FLAGS.vocab, seed=FLAGS.seed)
@@ -374,18 +387,26 @@ def make_task() -> Task:
         else:
             loaded = _tfds("text")
             dataset, held, vocab, scored = loaded.dataset, None, loaded.vocab_size, "next bytes"
-        length = dataset.element_spec[0].shape[1]
-        make_lm = transformer_lm_tied if FLAGS.tie_embeddings else transformer_lm
-        layers = make_lm(
-            vocab, length, FLAGS.blocks or 4, FLAGS.dim, FLAGS.hidden, FLAGS.heads, logit_clip=FLAGS.logit_clip
-        )
+        length, input_shape = dataset.element_spec[0].shape[1], None
+        if hub_models.is_hub(FLAGS.model):  # a keras_hub CausalLM: named inputs, the padding mask among them
+            pad = None if FLAGS.dataset == "synthetic" else data.SEPARATOR  # text pads with it; the tasks have none
+            dataset, held = (None if d is None else hub_models.lm_batches(d, pad) for d in (dataset, held))
+            layers = hub_models.causal_lm(FLAGS.model[4:], vocab, FLAGS.blocks or 4, FLAGS.dim, length, FLAGS.seed)
+            input_shape = hub_models.input_spec(length)
+        else:
+            from models.transformer import transformer_lm, transformer_lm_tied
+
+            make_lm = transformer_lm_tied if FLAGS.tie_embeddings else transformer_lm
+            layers = make_lm(
+                vocab, length, FLAGS.blocks or 4, FLAGS.dim, FLAGS.hidden, FLAGS.heads, logit_clip=FLAGS.logit_clip
+            )
         metrics = {"weighted_metrics": ["accuracy"]}
         return Task(
             layers,
             keras.losses.SparseCategoricalCrossentropy(from_logits=True),
             metrics,
             dataset,
-            (None, length),
+            input_shape or (None, length),
             scored,
             held,
         )
@@ -483,6 +504,10 @@ def _run(stack: contextlib.ExitStack) -> dict:
         task = make_task()
     except ValueError as err:  # the model builders name their argument; map it to the flags
         raise UsageError(f"--model={FLAGS.model} sizes: {err}") from None
+    except ImportError as err:  # keras_hub missing after all (scripts/hub_models.py names the extra)
+        if err.name != "keras_hub":
+            raise
+        raise UsageError(str(err)) from None
     try:
         model = tfpipe.PipelineModel(
             task.layers,

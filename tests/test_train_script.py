@@ -143,7 +143,7 @@ BAD_FLAGS = [
     (["--micro_batches=0"], "train.py: error: --micro_batches=0: 0 is not a positive integer"),
     (["--model=resnet", "--depth=34"], "train.py: error: --depth=34: value should be one of <50|101>"),
     (["--stage_blocks=1,1,1,1"], "train.py: error: --stage_blocks=1,1,1,1: applies to --model=resnet, not "),
-    (["--model=unet", "--dim=32"], "train.py: error: --dim=32: applies to --model=transformer, not --model=unet"),
+    (["--model=unet", "--dim=32"], "train.py: error: --dim=32: applies to --model=transformer or hub:NAME, not --"),
     (["--model=resnet", "--tie_embeddings"], "--tie_embeddings=True: applies to --model=transformer, not --model=resn"),
     (["--model=resnet", "--balance=3,3"], "train.py: error: --balance=3,3: balance=[3, 3] sums to 6"),
     (["--nope=1"], "train.py: error: Unknown command line flag 'nope'"),
