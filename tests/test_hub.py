@@ -148,7 +148,9 @@ def _tokenized_task() -> keras.Model:
     return keras_hub.models.GPT2CausalLM(backbone=backbone, preprocessor=preprocessor)
 
 
-TEXT = np.array(["a quick fox", "a fox jumps!", "a quick quick fox jumps", "a fox", "a jumps quick!", "fox fox a"])
+TEXT = np.array(
+    ["a quick fox", "a fox jumps!", "a quick quick fox jumps", "a fox", "a jumps quick!", "fox fox a", "a a", "quick!"]
+)
 
 
 def test_the_preprocessor_turns_strings_into_tokens_in_fit_evaluate_and_predict_as_the_tasks_own():
@@ -157,9 +159,10 @@ def test_the_preprocessor_turns_strings_into_tokens_in_fit_evaluate_and_predict_
     results = []
     for net in (reference, model):
         net.compile(optimizer=keras.optimizers.SGD(0.5), loss=LOSS, weighted_metrics=["accuracy"])
-        history = net.fit(TEXT, batch_size=3, epochs=2, validation_split=0.34, verbose=0).history
-        evaluated = net.evaluate(TEXT, batch_size=3, verbose=0, return_dict=True)
-        on_batch = net.train_on_batch(list(TEXT[:4]))
+        # batches of 2 everywhere (6 to train, 2 split off to validate): one trace per step function
+        history = net.fit(TEXT, batch_size=2, epochs=2, validation_split=0.25, verbose=0).history
+        evaluated = net.evaluate(TEXT, batch_size=2, verbose=0, return_dict=True)
+        on_batch = net.train_on_batch(list(TEXT[:2]))
         results.append((history, evaluated, on_batch, net.predict(TEXT, batch_size=2, verbose=0)))
     (h0, e0, b0, p0), (h1, e1, b1, p1) = results
     for key in h0:
