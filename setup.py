@@ -37,5 +37,8 @@ setup(
         # tfpipe itself never imports it
         "hub": ["keras-hub>=0.32,<0.33"],
         "timeline": ["matplotlib>=3.7"],  # scripts/timeline.py draws its PNG with it
+        # scripts/benchmark_peers.py times torch.distributed.pipelining beside tfpipe, in processes of its own;
+        # tfpipe itself never imports torch
+        "peers": ["torch>=2.9,<2.15"],
     },
 )
