@@ -6,7 +6,7 @@ Both sides train the same layers (the same shapes, FLOPs, loss and SGD step) and
 models and processes alive for a configuration: a "run" is ``--warmup`` untimed then ``--steps``
 timed steps of the live model, and its figure is the median step. Runs alternate, tfpipe first,
 ``--pairs`` pairs per configuration, after one warm-up per side (tfpipe: untimed steps for
-``--warmup_s``, at most 100, as benchmark_speed.py; torch: as many, at most 5). Each row gives each
+``--warmup_s``, at most 100, as benchmark_speed.py; torch: as many, at most 3). Each row gives each
 side's min / median / max run, the median of the per-pair ratios tfpipe / torch, and each side's
 speed-up over its own K=1 reference (one worker or process, the whole model, M=1, no recomputation).
 
@@ -15,8 +15,9 @@ of the train function (the batch from the prefetched dataset, the pipelined forw
 the SGD update on every worker, the loss back in the client; scripts/report.py ``timed_fit``).
 torch, on rank 0: ``schedule.step``, ``optimizer.step()``, ``zero_grad()`` and one ``all_reduce``
 of a scalar over every stage (so every stage has stepped); at K=1 forward, backward, step, zero_grad.
+Garbage (earlier rows' models) is collected before each row is built, never inside a run.
 
-    python scripts/benchmark_peers.py                          # every model, K=2, M in 1,4,8,16
+    python scripts/benchmark_peers.py                          # every model, K=2, M in 1,4,8,16: ~20 min, 2 cores
     python scripts/benchmark_peers.py --models=floor,mlp512 --micro_batches=1,8 --pairs=3 --out=/tmp/peers
     python scripts/benchmark_peers.py --check --pairs=0         # only: both sides' losses from the same weights
 
@@ -27,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import gc
 import importlib.util
 import json
 import os
@@ -47,6 +49,7 @@ from scripts.report import timed_fit, warm_up, write_table  # noqa: E402
 FLAGS = flags.FLAGS
 MODELS = ("floor", "mlp256", "mlp512", "mlp1024", "transformer")
 BATCH = {"floor": 512, "mlp256": 512, "mlp512": 512, "mlp1024": 256, "transformer": 32}
+SIDES = ("tfpipe", "torch")
 PEER = {"gpipe": "gpipe", "1f1b": "1f1b", "zero_bubble": "zero_bubble", "gpipe_batched_w": "gpipe"}
 flags.DEFINE_list("models", list(MODELS), f"Models: {', '.join(MODELS)} (floor: the MLP at width 16).")
 flags.DEFINE_integer("partitions", 2, "K: cells on tfpipe's side, stages (processes) on torch's.", lower_bound=2)
@@ -67,7 +70,7 @@ flags.DEFINE_float(
     "warmup_s",
     3.0,
     "tfpipe: untimed steps per configuration before its first run, for this many seconds after the first (at most "
-    "100; TensorFlow's executor learns its kernels' costs over about 90 runs); torch: as many, at most 5.",
+    "100; TensorFlow's executor learns its kernels' costs over about 90 runs); torch: as many, at most 3.",
     lower_bound=0,
 )
 flags.DEFINE_list("schedules", ["gpipe", "1f1b", "zero_bubble"], f"tfpipe schedules; torch's peer: {PEER}.")
@@ -93,6 +96,9 @@ class Config:
     peer: str
 
 
+REFERENCE = Config(1, 1, "gpipe", "never", "plain")  # one worker / process, the whole model, M=1, no recomputation
+
+
 def model_spec(name: str) -> dict[str, Any]:
     """What both sides build for model ``name`` (the torch side reads the same dict)."""
     sizes = dict(BATCH, **{k: int(v) for k, v in (item.split("=", 1) for item in FLAGS.batch_size)})
@@ -106,9 +112,8 @@ def model_spec(name: str) -> dict[str, Any]:
 
 def describe(name: str, spec: dict[str, Any]) -> str:
     """One line: the model, its batch and the step."""
-    if spec["kind"] == "mlp":
-        what = f"{spec['layers']} x Dense({spec['width']}) + tanh, batch {spec['batch']}"
-    else:
+    what = f"{spec['layers']} x Dense({spec['width']}) + tanh, batch {spec['batch']}"
+    if spec["kind"] == "transformer":
         what = (
             f"{spec['layers']} pre-norm Transformer blocks (dim {spec['width']}, feed-forward {spec['hidden']}, "
             f"{spec['heads']} heads, causal), batch {spec['batch']} x {spec['seq_len']} tokens"
@@ -125,7 +130,7 @@ def data(spec: dict[str, Any]) -> tuple[np.ndarray, np.ndarray]:
 
 def configs(spec: dict[str, Any], k: int) -> list[Config]:
     """The reference (K=1, M=1) and every pipelined row of ``spec``, M dividing its batch."""
-    rows = [Config(1, 1, "gpipe", "never", "plain")]
+    rows = [REFERENCE]
     for m in (int(m) for m in FLAGS.micro_batches):
         if spec["batch"] % m:
             continue
@@ -249,15 +254,18 @@ def measure(
     spec: dict[str, Any], config: Config, cluster: Any, peers: TorchPeers, x: np.ndarray, y: np.ndarray, path: str
 ) -> tuple[list[float], list[float], dict[str, float]]:
     """``--pairs`` interleaved runs of ``config`` on both sides: each run's median step, seconds (tfpipe, torch),
-    and the seconds each side took to build and warm up (tfpipe's first step traces its graph)."""
+    and the seconds to collect garbage and for each side to build and warm up (tfpipe's first step traces)."""
     began = time.perf_counter()
+    gc.collect()  # the models of earlier rows go now, while their workers run, not in a timed step or at exit
+    collected = time.perf_counter()
     model = keras_model(spec, config, cluster.devices, FLAGS.lr)[0]
     n = spec["batch"]
     warmed = warm_up(model, x, y, n, FLAGS.warmup_s) if FLAGS.warmup_s > 0 else 1
     built = time.perf_counter()
+    setup = {"gc_s": collected - began, "tfpipe_setup_s": built - collected}
     peers.setup(spec, config, path, FLAGS.lr)
-    peers.run(min(warmed, 5), 0)
-    setup = {"tfpipe_setup_s": built - began, "torch_setup_s": time.perf_counter() - built}
+    peers.run(min(warmed, 3), 0)
+    setup["torch_setup_s"] = time.perf_counter() - built
     xs, ys = (np.repeat(a, FLAGS.warmup + FLAGS.steps, axis=0) for a in (x, y))
     ours, theirs = [], []
     for _ in range(FLAGS.pairs):
@@ -266,13 +274,13 @@ def measure(
     return ours, theirs, setup
 
 
-def row(
-    name: str, config: Config, ours: list[float], theirs: list[float], setup: dict, ref: dict | None = None
-) -> dict:
-    """The CSV row of one configuration: ms per step on each side, the median ratio, each side's speed-up."""
+def row(name: str, config: Config, measured: tuple[list[float], list[float], dict], ref: dict | None = None) -> dict:
+    """The CSV row of one configuration (``measure``'s result): ms per step on each side, the median ratio, each
+    side's speed-up over ``ref`` (the reference row; none: this is it)."""
+    ours, theirs, setup = measured
     ratios = [a / b for a, b in zip(ours, theirs)]
     out = {"model": name, **dataclasses.asdict(config), "pairs": len(ours), **setup}
-    for side, runs in (("tfpipe", ours), ("torch", theirs)):
+    for side, runs in zip(SIDES, (ours, theirs)):
         out.update({f"{side}_{s}_ms": 1e3 * f(runs) for s, f in (("min", min), ("median", np.median), ("max", max))})
         out[f"{side}_runs_ms"] = " ".join(f"{1e3 * t:.2f}" for t in runs)
     out["ratio_median"] = float(np.median(ratios))
@@ -292,9 +300,7 @@ def markdown(rows: list[dict]) -> str:
         "|---" * 10 + "|",
     ]
     for r in rows:
-        ms = [
-            f"{r[f'{s}_min_ms']:.2f} / {r[f'{s}_median_ms']:.2f} / {r[f'{s}_max_ms']:.2f}" for s in ("tfpipe", "torch")
-        ]
+        ms = [" / ".join(f"{r[f'{side}_{s}_ms']:.2f}" for s in ("min", "median", "max")) for side in SIDES]
         schedule = "-" if r["k"] == 1 else r["schedule"]
         lines.append(
             f"| {r['k']} | {r['m']} | {schedule} | {r['remat']} | {r['peer']} | {ms[0]} | {ms[1]} "
@@ -309,8 +315,7 @@ def check(name: str, spec: dict[str, Any], cluster: Any, peers: TorchPeers, tmp:
     x, y = data(spec)
     m = max(int(m) for m in FLAGS.micro_batches if spec["batch"] % int(m) == 0)
     good = True
-    reference = Config(1, 1, "gpipe", "never", "plain")
-    for config in [reference] + [Config(FLAGS.partitions, m, s, "never", PEER[s]) for s in FLAGS.schedules]:
+    for config in [REFERENCE] + [Config(FLAGS.partitions, m, s, "never", PEER[s]) for s in FLAGS.schedules]:
         model, layers = keras_model(spec, config, cluster.devices, 0.1)
         model.build((None, *x.shape[1:]))
         path = os.path.join(tmp, f"{name}-check.npz")
@@ -358,14 +363,14 @@ def main(argv: list[str]) -> None:
                 np.savez(path, x=x, y=y)
                 mine: list[dict] = []
                 for config in configs(spec, k):
-                    mine.append(row(name, config, *measure(spec, config, cluster, peers, x, y, path), *mine[:1]))
+                    mine.append(row(name, config, measure(spec, config, cluster, peers, x, y, path), *mine[:1]))
                     r = mine[-1]
                     print(
                         f"{name} K={config.k} M={config.m} {config.schedule}/{config.remat} vs torch {config.peer}: "
                         f"tfpipe {r['tfpipe_median_ms']:.2f} ms ({r['tfpipe_runs_ms']}), torch "
                         f"{r['torch_median_ms']:.2f} ms ({r['torch_runs_ms']}), ratio {r['ratio_median']:.2f}; "
                         f"speed-up tfpipe {r['tfpipe_speedup']:.2f}x torch {r['torch_speedup']:.2f}x; built and "
-                        f"warmed up in {r['tfpipe_setup_s']:.1f} s / {r['torch_setup_s']:.1f} s "
+                        f"warmed up in {r['tfpipe_setup_s']:.1f} s / {r['torch_setup_s']:.1f} s (gc {r['gc_s']:.1f} s) "
                         f"[{time.perf_counter() - began:.0f} s]",
                         flush=True,
                     )
