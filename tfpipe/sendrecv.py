@@ -38,32 +38,37 @@ def crosses_processes(src: str, dst: str) -> bool:
 def discover(pairs: list[tuple[str, str]]) -> None:
     """Learn, eagerly, the full names and the sender's incarnation for each (src, dst) pair across processes.
 
-    Read from the transfer TensorFlow itself makes in a two-op function. Called before each
+    Read from the transfers TensorFlow itself makes in one small function, one per pair. Called before each
     fit, evaluate or predict, since a restarted worker has a new incarnation under the same name.
     Inside a trace, run metadata came back empty (measured with TF 2.21), hence eagerly.
     """
     wanted = [(a, b) for a, b in pairs if crosses_processes(a, b)]
     if not wanted or not tf.executing_eagerly():
         return
-    for src, dst in wanted:
-        _ENDPOINTS.pop((src, dst), None)  # never a stale incarnation: without a fresh one, TensorFlow's transfers
+    for pair in wanted:
+        _ENDPOINTS.pop(pair, None)  # never a stale incarnation: a pair not found again keeps TensorFlow's transfers
 
-        @tf.function(autograph=False)
-        def move(x, src=src, dst=dst):
+    def move(x: tf.Tensor) -> list[tf.Tensor]:  # one transfer per pair, all in one function
+        out = []
+        for src, dst in wanted:
             with tf.device(src):
                 y = x + 1.0
             with tf.device(dst):
-                return y * 2.0
+                out.append(y * 2.0)
+        return out
 
-        want = _place(src)
-        for graph in _compat.partition_graphs(move, tf.constant(0.0)):
-            for node in graph.node:
-                if node.op == "_Send" and _place(node.attr["send_device"].s.decode()) == want:
-                    _ENDPOINTS[(src, dst)] = (
-                        node.attr["send_device"].s.decode(),
-                        node.attr["recv_device"].s.decode(),
-                        node.attr["send_device_incarnation"].i,
-                    )
+    # A concrete function, traced anew each time (a restarted worker has a new incarnation), is not
+    # counted by tf.function's retracing warning.
+    traced = tf.function(move, autograph=False).get_concrete_function(tf.TensorSpec([], tf.float32))
+    places = {(_place(src), _place(dst)): (src, dst) for src, dst in wanted}
+    for graph in _compat.partition_graphs(traced, tf.constant(0.0)):
+        for node in graph.node:
+            if node.op != "_Send":
+                continue
+            send_device, recv_device = node.attr["send_device"].s.decode(), node.attr["recv_device"].s.decode()
+            pair = places.get((_place(send_device), _place(recv_device)))
+            if pair is not None:
+                _ENDPOINTS[pair] = (send_device, recv_device, node.attr["send_device_incarnation"].i)
 
 
 def known(src: str, dst: str) -> bool:
