@@ -536,12 +536,17 @@ def _run(stack: contextlib.ExitStack) -> dict:
         print(f"resuming from epoch {resumed} (backup in {os.path.join(FLAGS.model_dir, 'backup')})")
     probe = task.dataset.take(4).cache()  # the same few batches before and after training
     start_loss, start_acc = model.evaluate(probe, verbose=0)
-    train_data = task.dataset.repeat() if FLAGS.steps else task.dataset
+    # One iterator for the whole run: handed the finite data set, Keras makes a new iterator at every epoch's
+    # end and another at the next one's start, and the first step of each epoch waited 0.1-2.5 s for the shuffle
+    # buffers those fill (the same in a plain keras.Model); repeated, with the steps given, it makes one.
+    known = int(task.dataset.cardinality())  # negative where tf.data cannot tell (some tfds pipelines)
+    steps_per_epoch = FLAGS.steps or (known if known > 0 else None)
+    train_data = task.dataset.repeat() if steps_per_epoch else task.dataset
     began = time.perf_counter()
     history = model.fit(
         train_data,
         epochs=FLAGS.epochs,
-        steps_per_epoch=FLAGS.steps,
+        steps_per_epoch=steps_per_epoch,
         callbacks=extra,
         verbose=FLAGS.verbose,
         shuffle=False,
