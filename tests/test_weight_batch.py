@@ -36,7 +36,7 @@ def test_batched_weight_gradients_train_like_plain_keras(k, m, n):
     model.set_weights(plain.get_weights())
     _fit(plain, x, y, "adam")
     assert _fit(model, x, y, "adam") == []  # every cell's W ran once over all rows: no fallback
-    assert max_rel_error(model.get_weights(), plain.get_weights()) < 1e-5
+    assert per_layer_error(model.pipeline_layers, plain.layers) < 1e-5
 
 
 def _regularized_layers(activity_first: bool) -> list[keras.layers.Layer]:
@@ -60,7 +60,9 @@ def test_regularizers_train_like_plain_keras(activity_first):
                                  num_micro_batches=3, remat="never", schedule=BATCHED_W)  # fmt: skip
     _fit(plain, x, y, "adam")
     caught = _fit(model, x, y, "adam")
-    assert max_rel_error(model.get_weights(), plain.get_weights()) < 1e-5
+    # 1e-4: the last kernel's data gradient and its L2 gradient nearly cancel, and Adam divides by that gradient's
+    # root, so float32's rounding shows at 2e-5 there (a penalty taken twice moves the weights by 1e-3 to 1e-2)
+    assert per_layer_error(model.pipeline_layers, plain.layers) < 1e-4
     np.testing.assert_allclose(model.evaluate(x, y, verbose=0), plain.evaluate(x, y, verbose=0), rtol=1e-5)
     if activity_first:
         assert len(caught) == 1 and "cell 0 computes its weight gradients once per micro-batch" in caught[0]
@@ -136,7 +138,7 @@ def test_a_micro_batch_of_one_row_keeps_w_per_micro_batch_with_a_warning():
     _fit(plain, x, y, "adam")
     said = _fit(model, x, y, "adam")
     assert len(said) == 2 and all("a micro-batch shaped (1, " in s and "was traced without" in s for s in said), said
-    assert max_rel_error(model.get_weights(), plain.get_weights()) < 1e-5
+    assert per_layer_error(model.pipeline_layers, plain.layers) < 1e-5
 
 
 def test_batched_weight_gradients_need_remat_never():
