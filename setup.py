@@ -22,7 +22,7 @@ setup(
         # importlib_resources: tensorflow-datasets' download path imports it (through etils.epath) without
         # depending on it
         # keras-hub: the keras_hub tasks' tests (tests/test_hub*.py); it brings tensorflow-text, pinned to TensorFlow
-        # pytest-xdist: two test processes (setup.cfg) take the suite from 31 to 17 minutes on a 2-core machine,
+        # pytest-xdist: three test processes (setup.cfg) take the suite to 17 minutes on a 2-core machine (two: 19),
         # where most tests wait on TensorFlow subprocesses and workers
         "test": [
             "pytest>=8",

@@ -159,14 +159,14 @@ def test_the_preprocessor_turns_strings_into_tokens_in_fit_evaluate_and_predict_
     results = []
     for net in (reference, model):
         net.compile(optimizer=keras.optimizers.SGD(0.5), loss=LOSS, weighted_metrics=["accuracy"])
-        # batches of 2 everywhere (6 to train, 2 split off to validate): one trace per step function
-        history = net.fit(TEXT, batch_size=2, epochs=2, validation_split=0.25, verbose=0).history
+        # batches of 2 everywhere: one trace per step function
+        history = net.fit(TEXT, batch_size=2, epochs=2, verbose=0).history
         evaluated = net.evaluate(TEXT, batch_size=2, verbose=0, return_dict=True)
         on_batch = net.train_on_batch(list(TEXT[:2]))
         results.append((history, evaluated, on_batch, net.predict(TEXT, batch_size=2, verbose=0)))
     (h0, e0, b0, p0), (h1, e1, b1, p1) = results
     for key in h0:
-        np.testing.assert_allclose(h1[key], h0[key], rtol=1e-5, err_msg=key)  # validation on the split-off third
+        np.testing.assert_allclose(h1[key], h0[key], rtol=1e-5, err_msg=key)
     assert e1 == pytest.approx(e0, rel=1e-5) and b1 == pytest.approx(b0, rel=1e-5)
     np.testing.assert_allclose(p1, p0, rtol=1e-4, atol=1e-5)
     assert per_layer_error(model.pipeline_layers, _layers(reference)) < 1e-5

@@ -144,3 +144,22 @@ def test_unmergeable_training_state_is_a_clear_error():
     model.compile(optimizer="sgd", loss="mse")
     with pytest.raises(ValueError, match=r"Layer 'counter' assigns its non-trainable variable"):
         model.fit(np.ones((4, 2)), np.ones((4, 2)), verbose=0)
+
+
+def test_batchnorm_moving_statistics_of_a_float64_model_merge_in_float64():
+    # n_j / N are float32; the float64 statistics are merged with them cast (a TypeError before), so float32's
+    # rounding of 3/10 and 4/10 (1e-8) is what remains
+    rng = np.random.default_rng(5)
+    x, y = rng.normal(2.0, 3.0, size=(10, 6)), rng.normal(size=(10, 5))
+    dense = keras.layers.Dense(5, dtype="float64")
+    bn = keras.layers.BatchNormalization(momentum=0.9, dtype="float64")
+    model = tfpipe.PipelineModel([dense, bn], balance=[1, 1], devices=cpu_devices(2), num_micro_batches=3)
+    model.build((None, 6))
+    model.compile(optimizer="sgd", loss="mse")
+    kernel, bias = dense.kernel.numpy(), dense.bias.numpy()
+    mean0, var0 = bn.moving_mean.numpy(), bn.moving_variance.numpy()
+    model.fit(x, y, batch_size=10, epochs=1, verbose=0)
+    h = x @ kernel + bias
+    assert bn.moving_mean.dtype == "float64"
+    np.testing.assert_allclose(bn.moving_mean.numpy(), 0.9 * mean0 + 0.1 * h.mean(0), rtol=1e-7, atol=1e-7)
+    np.testing.assert_allclose(bn.moving_variance.numpy(), 0.9 * var0 + 0.1 * h.var(0), rtol=1e-7, atol=1e-7)

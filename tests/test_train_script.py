@@ -80,7 +80,7 @@ def test_replicas_train_from_the_command_line_with_each_cell_compiled_by_xla():
 
 def test_a_keras_application_trains_by_name():
     proc = _run(
-        "--model=keras:MobileNetV2",
+        "--model=keras:MobileNet",
         "--image_size=32",
         "--examples=16",
         "--batch_size=8",

@@ -100,12 +100,13 @@ class StateMerger:
                 updates.append((v, news[0]))  # micro-batch 0 ran with the step's own state
             elif id(v) in self._bn:
                 role, momentum, mean_id = self._bn[id(v)]
-                merged = tf.add_n([f * n for f, n in zip(fractions, news)])
+                shares = [tf.cast(f, v.dtype) for f in fractions]  # n_j / N are float32; a float64 model's state is not
+                merged = tf.add_n([f * n for f, n in zip(shares, news)])
                 if role == "variance" and momentum < 1.0:
                     means = [nb[index[mean_id]] for nb in new_per_micro_batch]
-                    mean = tf.add_n([f * n for f, n in zip(fractions, means)])
+                    mean = tf.add_n([f * n for f, n in zip(shares, means)])
                     # (1-m) * sum_j f_j (mu_j - mu)^2, with mu_j - mu = (mean'_j - mean') / (1-m)
-                    spread = tf.add_n([f * tf.square(n - mean) for f, n in zip(fractions, means)])
+                    spread = tf.add_n([f * tf.square(n - mean) for f, n in zip(shares, means)])
                     merged = merged + spread / (1.0 - momentum)
                 updates.append((v, merged))
             else:
