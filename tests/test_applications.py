@@ -82,9 +82,10 @@ def test_every_application_splits_and_trains_exactly(name):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", sorted(sweep.EXPECTED_FAILURES))
-def test_in_float64_the_expected_failures_train_exactly(name):
-    # What keeps them from the target in float32 is rounding that their own training amplifies.
-    row = sweep.run_isolated(name, ["--partitions=2", "--dtype=float64", "--tolerance=1e-9"])
+@pytest.mark.parametrize("name", ["MobileNetV3Small", "ResNet50V2"])
+def test_in_float64_steps_chained_from_their_own_weights_are_exact(name):
+    # Chained in float32 (each step from the pipeline's own weights), these drift 1e-4 to 6e-3 from the model by the
+    # second step: a BatchNormalization over a few values per channel amplifies rounding. In float64 they do not.
+    row = sweep.run_isolated(name, ["--partitions=2", "--dtype=float64", "--tolerance=1e-9", "--chain"])
     assert not row.error, row.error
     assert max(row.step_errors[2]) < 1e-9 and row.prediction_error[2] < 1e-9
