@@ -391,7 +391,8 @@ def main(argv: list[str]) -> int:
     if FLAGS.out:
         from scripts.report import write_table
 
-        write_table(FLAGS.out, [r.csv_fields() for r in rows], markdown(rows, title))
+        table = [r.csv_fields() for r in rows]  # a failed row has no error columns: every row's columns
+        write_table(FLAGS.out, table, markdown(rows, title), list(dict.fromkeys(k for r in table for k in r)))
     return 1 if unexpected(rows, expectations) else 0
 
 

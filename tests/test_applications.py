@@ -39,12 +39,15 @@ def test_a_representative_application_splits_and_trains_exactly(name, k):
 
 
 def test_the_sweep_script_prints_a_row_and_writes_the_table(tmp_path):
-    # VGG16 at 32x32: its fc2 holds 49.9% of the parameters, the nearest any model comes to the bound.
+    # VGG16 at 32x32: its fc2 holds 49.9% of the parameters, the nearest any model comes to the bound. A failed row
+    # first (no error columns) is written too: the table has every row's columns.
     out = tmp_path / "apps"
-    proc = run_script("sweep_applications.py", "--models=VGG16", "--partitions=4", f"--out={out}", timeout=300)
-    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
-    assert "1/1 passed, 0 failed as expected (*), 0 unexpected" in proc.stdout
-    (row,) = csv.DictReader(open(f"{out}.csv"))
+    proc = run_script("sweep_applications.py", "--models=NoSuchModel,VGG16", "--partitions=4", f"--out={out}",
+                      timeout=300)  # fmt: skip
+    assert proc.returncode == 1, proc.stdout + proc.stderr[-3000:]  # the failure counts against the exit status
+    assert "1/2 passed, 0 failed as expected (*), 1 unexpected: NoSuchModel" in proc.stdout
+    failed, row = csv.DictReader(open(f"{out}.csv"))
+    assert failed["model"] == "NoSuchModel" and failed["result"] == "FAIL" and failed["weight_error_k4_step1"] == ""
     assert row["model"] == "VGG16" and row["largest_node"] == "fc2" and 0.49 < float(row["largest_share"]) < 0.5
     assert len(row["balance"].split("+")) == 4 and row["result"] == "pass"
     assert max(float(row[f"weight_error_k4_step{i}"]) for i in (1, 2)) < TOLERANCE
