@@ -82,6 +82,7 @@ flags.DEFINE_bool(
     "First compare both sides' losses over two steps from the same weights (every model, the reference and each "
     "schedule at the largest M); stop if any differs by more than 1e-4 relative. --pairs=0: only that.",
 )
+flags.DEFINE_bool("jit_compile", False, "tfpipe: compile(jit_compile=True), each cell's tasks by XLA (K=1 too).")
 flags.DEFINE_string("out", None, "Write the table to OUT.csv and OUT.md.")
 
 
@@ -166,7 +167,9 @@ def keras_model(spec: dict[str, Any], config: Config, devices: list[str], lr: fl
         remat=config.remat,
         schedule=config.schedule,
     )
-    model.compile(optimizer=keras.optimizers.SGD(lr), loss=keras.losses.MeanSquaredError())
+    model.compile(
+        optimizer=keras.optimizers.SGD(lr), loss=keras.losses.MeanSquaredError(), jit_compile=FLAGS.jit_compile
+    )
     return model, layers
 
 

@@ -251,3 +251,18 @@ def test_backward_function_is_the_one_the_tapes_gradient_of_a_call_uses():
 
 def test_is_trainable_takes_floats_not_integers():
     assert _compat.is_trainable(tf.constant(1.0)) and not _compat.is_trainable(tf.constant(1))
+
+
+def test_tensorflow_gradient_is_the_registered_gradient_tf_gradients_uses():
+    x = tf.constant([[[1.0, 2.0]]])
+    w = tf.constant([[3.0], [4.0]])
+
+    @tf.function(autograph=False)
+    def run():
+        y = tf.linalg.matmul(x, w)
+        op = y.op
+        return _compat.tensorflow_gradient("BatchMatMulV2")(op, tf.ones_like(y)), tf.gradients(y, [x, w])
+
+    ours, theirs = run()
+    for a, b in zip(ours, theirs):
+        np.testing.assert_allclose(a.numpy(), b.numpy())

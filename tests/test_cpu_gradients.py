@@ -58,3 +58,49 @@ def test_only_wide_weights_get_the_layout(width, laid_out):
     graph = run.get_concrete_function().graph
     assert any(op.type == "Transpose" for op in graph.get_operations()) == laid_out
     np.testing.assert_allclose(run().numpy(), tf.ones((8, width)) @ tf.transpose(b), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("x_shape", [(2, 3, 5), (2, 2, 3, 5)])
+@pytest.mark.parametrize("adj_y", [False, True])
+def test_broadcast_weight_gradient_is_two_2d_products_with_tensorflows_numbers(x_shape, adj_y):
+    """A BatchMatMulV2 of a batch by a shared 2-D weight (EinsumDense): no per-batch weight gradients to sum."""
+    rng = np.random.default_rng(0)
+    x = tf.constant(rng.standard_normal(x_shape), tf.float32)
+    w = tf.constant(rng.standard_normal((4, 5) if adj_y else (5, 4)), tf.float32)
+    dy = tf.constant(rng.standard_normal(x_shape[:-1] + (4,)), tf.float32)
+
+    def grads(device):
+        @tf.function(autograph=False)
+        def run():
+            with cpu_gradients.scope(device):
+                y = tf.linalg.matmul(x, w, adjoint_b=adj_y)
+            return tf.gradients(y, [x, w], grad_ys=dy)
+
+        types = [op.type for op in run.get_concrete_function().graph.get_operations()]
+        return run(), types
+
+    (gx, gw), ours = grads("/CPU:0")
+    (rx, rw), theirs = grads("/GPU:0")
+    assert ours.count("BatchMatMulV2") == 1 and ours.count("MatMul") == 2  # the forward, then two 2-D products
+    assert theirs.count("BatchMatMulV2") == 3
+    np.testing.assert_allclose(gx.numpy(), rx.numpy(), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(gw.numpy(), rw.numpy(), rtol=1e-5, atol=1e-5)
+
+
+def test_batched_products_of_two_batches_keep_tensorflows_gradient():
+    """Attention's ``q @ k^T``: both operands batched, TensorFlow's own gradient (its batched products)."""
+    rng = np.random.default_rng(0)
+    q = tf.constant(rng.standard_normal((2, 3, 4)), tf.float32)
+    k = tf.constant(rng.standard_normal((2, 5, 4)), tf.float32)
+
+    @tf.function(autograph=False)
+    def run():
+        with cpu_gradients.scope("/CPU:0"):
+            y = tf.linalg.matmul(q, k, adjoint_b=True)
+        return tf.gradients(y, [q, k])
+
+    gq, gk = run()
+    types = [op.type for op in run.get_concrete_function().graph.get_operations()]
+    assert types.count("BatchMatMulV2") == 3 and "MatMul" not in types
+    np.testing.assert_allclose(gq.numpy(), tf.reduce_sum(k, axis=1, keepdims=True).numpy().repeat(3, 1), rtol=1e-5)
+    np.testing.assert_allclose(gk.numpy(), tf.reduce_sum(q, axis=1, keepdims=True).numpy().repeat(5, 1), rtol=1e-5)

@@ -170,6 +170,13 @@ def backward_function(function: Any) -> Any:
     return function._delayed_rewrite_functions.forward_backward()[1]  # noqa: SLF001
 
 
+def tensorflow_gradient(op_type: str) -> Callable[..., Any]:
+    """TensorFlow's own registered gradient function for ``op_type`` (an override falls back to it)."""
+    from tensorflow.python.framework import ops as _ops
+
+    return _ops._gradient_registry.lookup(op_type)  # noqa: SLF001
+
+
 def is_trainable(t: tf.Tensor) -> bool:
     """Whether TensorFlow's function gradients take a gradient for an output of ``t``'s dtype."""
     from tensorflow.python.eager import backprop_util
