@@ -6,7 +6,11 @@ setup(
     name="tfpipe",
     version="0.1.0",
     description="GPipe pipeline parallelism for TensorFlow 2 and Keras 3",
-    packages=find_packages(include=["tfpipe", "tfpipe.*", "models", "models.*", "scripts", "scripts.*"]),
+    # Only `tfpipe` goes into site-packages: the reference models and the scripts stay in models/ and scripts/ in
+    # the repository and install as tfpipe.models and tfpipe.scripts, so `python scripts/train.py` imports them
+    # without path edits and no top-level `models` or `scripts` package clashes with another project's.
+    packages=find_packages(include=["tfpipe", "tfpipe.*"]) + ["tfpipe.models", "tfpipe.scripts"],
+    package_dir={"tfpipe.models": "models", "tfpipe.scripts": "scripts"},
     python_requires=">=3.10",
     install_requires=[
         "tensorflow>=2.21,<2.22",
@@ -14,14 +18,15 @@ setup(
         "numpy>=1.26",
         "absl-py>=2.1",
         "tensorboard>=2.21,<2.22",  # TensorFlow no longer brings it; keras.callbacks.TensorBoard needs it
-        "grpcio>=1.24,<2",  # tfpipe.health calls the workers' servers; TensorFlow itself depends on it (same range)
+        "grpcio>=1.24,<2",  # tfpipe.distributed.health calls the workers; TensorFlow depends on it (same range)
     ],
     extras_require={
         # the TFDS path is tested with mock data; ruff lints and checks formatting in .ci/run (its minor pinned:
         # the formatter's output changes between minors)
         # importlib_resources: tensorflow-datasets' download path imports it (through etils.epath) without
         # depending on it
-        # keras-hub: the keras_hub tasks' tests (tests/test_hub*.py); it brings tensorflow-text, pinned to TensorFlow
+        # keras-hub: the keras_hub tasks' tests (tests/integration/test_hub.py, tests/scripts/test_hub_scripts.py);
+        # it brings tensorflow-text, pinned to TensorFlow
         # pytest-xdist: three test processes (setup.cfg) take the suite to 17 minutes on a 2-core machine (two: 19),
         # where most tests wait on TensorFlow subprocesses and workers
         "test": [

@@ -29,7 +29,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
 from absl import app, flags  # noqa: E402
 
-from scripts.report import write_table  # noqa: E402
+from tfpipe.scripts.report import write_table  # noqa: E402
 
 FLAGS = flags.FLAGS
 flags.DEFINE_integer("blocks", 4, "L, the Transformer blocks of the activation table (part 1).", lower_bound=1)
@@ -95,7 +95,7 @@ def measure(config: dict[str, Any]) -> dict[str, int]:
     import tensorflow as tf
 
     import tfpipe
-    from models.transformer import transformer_lm
+    from tfpipe.models.transformer import transformer_lm
 
     kind = config["device_type"]
     if config["model"] in SCHEDULES:  # two cells on two logical devices, before TensorFlow starts

@@ -43,7 +43,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
 from absl import app, flags  # noqa: E402
 
-from scripts.report import median_step_seconds, write_table  # noqa: E402
+from tfpipe.scripts.report import median_step_seconds, write_table  # noqa: E402
 
 FLAGS = flags.FLAGS
 flags.DEFINE_integer("blocks", 4, "Transformer blocks.", lower_bound=1)
@@ -88,7 +88,7 @@ def _data() -> tuple[Any, Any]:
 
 def _layers() -> list:
     """Fresh Transformer layers (weights are drawn when they are built)."""
-    from models.transformer import transformer_lm
+    from tfpipe.models.transformer import transformer_lm
 
     return transformer_lm(FLAGS.vocab, FLAGS.seq_len, FLAGS.blocks, FLAGS.dim, 4 * FLAGS.dim, FLAGS.heads)
 

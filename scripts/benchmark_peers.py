@@ -44,7 +44,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 import numpy as np  # noqa: E402
 from absl import app, flags  # noqa: E402
 
-from scripts.report import timed_fit, warm_up, write_table  # noqa: E402
+from tfpipe.scripts.report import timed_fit, warm_up, write_table  # noqa: E402
 
 FLAGS = flags.FLAGS
 MODELS = ("floor", "mlp256", "mlp512", "mlp1024", "transformer")
@@ -152,7 +152,7 @@ def keras_model(spec: dict[str, Any], config: Config, devices: list[str], lr: fl
     import keras
 
     import tfpipe
-    from models.transformer import TransformerBlock
+    from tfpipe.models.transformer import TransformerBlock
 
     keras.utils.set_random_seed(0)
     if spec["kind"] == "mlp":
@@ -350,7 +350,7 @@ def main(argv: list[str]) -> None:
         raise app.UsageError("; ".join(bad or ["--pairs=0 times nothing: add --check"]) + f" ({known})")
     if importlib.util.find_spec("torch") is None:
         sys.exit('benchmark_peers.py needs torch: pip install -e ".[peers]"')
-    from tfpipe.cluster import LocalCluster
+    from tfpipe.distributed.cluster import LocalCluster
 
     k, rows, tables, began = FLAGS.partitions, [], [], time.perf_counter()
     peers = TorchPeers(k)  # its processes start while TensorFlow's workers do

@@ -3,7 +3,7 @@
 Two single-thread TensorFlow servers on loopback, as LocalCluster starts them, each
 holding one replica's gradients (``--tensors`` matrices of ``dim x dim`` float32):
 
-- in-graph (what ``tfpipe.replicas`` does): replica 1's gradient crosses to replica
+- in-graph (what ``tfpipe.step.replicated`` does): replica 1's gradient crosses to replica
   0's worker, ``add_n`` there, and the same bytes cross back (the weights replica 1
   reads next step);
 - collective: ``CollectiveReduceV2`` (ring) on both workers in one function, this

@@ -26,7 +26,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
 from absl import app, flags  # noqa: E402
 
-from scripts.report import write_table  # noqa: E402
+from tfpipe.scripts.report import write_table  # noqa: E402
 
 FLAGS = flags.FLAGS
 flags.DEFINE_list(
@@ -55,7 +55,7 @@ if k:
                                                [tf.config.LogicalDeviceConfiguration()] * k)
 import keras, numpy as np
 import tfpipe
-from scripts.data import random_lm
+from tfpipe.scripts.data import random_lm
 keras.utils.set_random_seed(0)
 layers, x, y = random_lm(batch, seq, blocks, dim)
 began = time.perf_counter()

@@ -33,8 +33,8 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
 from absl import app, flags  # noqa: E402
 
-from scripts import hub_models  # noqa: E402
-from scripts.report import StepTimes, timed_fit, warm_up, write_table  # noqa: E402
+from tfpipe.scripts import hub_models  # noqa: E402
+from tfpipe.scripts.report import StepTimes, timed_fit, warm_up, write_table  # noqa: E402
 
 FLAGS = flags.FLAGS
 MODELS = ("transformer", "amoebanet", "mlp", "unet", "resnet50")
@@ -116,7 +116,7 @@ def _layers_and_data(dim: int, n: int):
 
     rng = np.random.default_rng(0)
     if FLAGS.model == "transformer":
-        from scripts.data import random_lm
+        from tfpipe.scripts.data import random_lm
 
         return random_lm(n, FLAGS.seq_len, FLAGS.blocks, dim, FLAGS.vocab, tied=FLAGS.tie_embeddings)
     if hub_models.is_hub(FLAGS.model):
@@ -128,7 +128,7 @@ def _layers_and_data(dim: int, n: int):
         return layers, rng.normal(size=(n, dim)).astype("float32"), rng.integers(0, 10, size=n)
     size = FLAGS.seq_len
     if FLAGS.model == "unet":
-        from models.unet import unet
+        from tfpipe.models.unet import unet
 
         model = unet((size, size, 3), output_channels=2, depth=3, num_convs=2, base_channels=dim)
         return model, rng.normal(size=(n, size, size, 3)).astype("float32"), rng.integers(0, 2, size=(n, size, size))
@@ -137,7 +137,7 @@ def _layers_and_data(dim: int, n: int):
             weights=None, input_shape=(size, size, 3), classes=10, classifier_activation=None
         )
         return model, rng.normal(size=(n, size, size, 3)).astype("float32"), rng.integers(0, 10, size=n)
-    from models.amoebanet import amoebanet_d
+    from tfpipe.models.amoebanet import amoebanet_d
 
     layers = amoebanet_d(10, FLAGS.blocks, dim)
     return layers, rng.normal(size=(n, size, size, 3)).astype("float32"), rng.integers(0, 10, size=n)
@@ -207,8 +207,9 @@ def main(argv: list[str]) -> None:
     for name, kinds in (("tie_embeddings", ("transformer",)), ("vocab", ("transformer", "hub:NAME"))):
         if FLAGS[name].present and ("hub:NAME" if hub else FLAGS.model) not in kinds:
             raise app.UsageError(f"--{name} applies to --model={' or '.join(kinds)}, not --model={FLAGS.model}")
-    from tfpipe import checkpoint, schedule
-    from tfpipe.cluster import LocalCluster
+    from tfpipe.backward import remat
+    from tfpipe.distributed.cluster import LocalCluster
+    from tfpipe.step import schedule
 
     ks = [k for k in (1, 2, 4, 8, 16) if k <= FLAGS.max_partitions]
     ms = [int(m) for m in FLAGS.micro_batches]
@@ -245,7 +246,7 @@ def main(argv: list[str]) -> None:
                     )
                     rate = n / times.median_s
                     ideal = r * schedule.ideal_speedup(k, m)
-                    recomputed = [j for j in range(m) if checkpoint.recomputes(FLAGS.remat, j, m)]
+                    recomputed = [j for j in range(m) if remat.recomputes(FLAGS.remat, j, m)]
                     allowed = r * schedule.allowed_speedup(FLAGS.schedule, k, m, recomputed)
                     # Over one worker at this M, which recomputes as much: what the schedule allows beside it.
                     allowed_same_m = allowed / schedule.allowed_speedup(FLAGS.schedule, 1, m, recomputed)

@@ -179,7 +179,7 @@ def random_lm(
     Feed-forward width 4*dim, one head per 64 dimensions. Returns (layers, x, y); with ``tied``, a Functional
     model whose output projection is its token embedding (``transformer_lm_tied``) in place of the layers.
     """
-    from models.transformer import transformer_lm, transformer_lm_tied
+    from tfpipe.models.transformer import transformer_lm, transformer_lm_tied
 
     layers = (transformer_lm_tied if tied else transformer_lm)(vocab, seq_len, blocks, dim, 4 * dim, max(1, dim // 64))
     x = np.random.default_rng(seed).integers(0, vocab, size=(batch_size, seq_len)).astype("int32")

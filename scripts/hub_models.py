@@ -23,7 +23,7 @@ def is_hub(model: str) -> bool:
 
 def causal_lms() -> list[str]:
     """The architectures of models/hub.py that the scripts train: its causal LMs."""
-    from models import hub
+    from tfpipe.models import hub
 
     return [name for name in hub.names() if hub.ARCHITECTURES[name].kind == "causal_lm"]
 
@@ -38,7 +38,7 @@ def keras_hub_installed() -> bool:
 
 def check(model: str) -> str:
     """NAME of --model=hub:NAME; a ValueError naming the fix where it is unknown, no causal LM, or keras_hub missing."""
-    from models import hub
+    from tfpipe.models import hub
 
     name = model[len(PREFIX) :]
     known = ", ".join(causal_lms())
@@ -61,7 +61,7 @@ def causal_lm(name: str, vocab: int, layers: int, dim: int, length: int, seed: i
 
     ImportError naming the extra where keras_hub is missing.
     """
-    from models import hub
+    from tfpipe.models import hub
 
     try:
         return hub.task(

@@ -221,7 +221,7 @@ def run_model(
     import numpy as np
 
     import tfpipe
-    from tfpipe import functional
+    from tfpipe.partition import functional
 
     began = time.perf_counter()
     row = Row(name, size=input_size(name, size))
@@ -389,7 +389,7 @@ def main(argv: list[str]) -> int:
         if expectations and name in EXPECTED_FAILURES:
             print(f"* {name}: {EXPECTED_FAILURES[name]}")
     if FLAGS.out:
-        from scripts.report import write_table
+        from tfpipe.scripts.report import write_table
 
         table = [r.csv_fields() for r in rows]  # a failed row has no error columns: every row's columns
         write_table(FLAGS.out, table, markdown(rows, title), list(dict.fromkeys(k for r in table for k in r)))

@@ -5,7 +5,7 @@ worker processes themselves for ``local:N``: every TensorFlow server also serves
 the profiler), attributes each executed op to its task by the graph (each task's
 ops follow its ``F_i_j/task_start`` / ``B_i_j/task_start`` / ``W_i_j/task_start`` marker) and to a phase
 (forward, loss, recompute, backward, accumulate, transfer, optimizer, other) with
-``tfpipe.tasks``, and writes OUT.csv (one row per step, device, task and phase),
+``tfpipe.analysis.tasks``, and writes OUT.csv (one row per step, device, task and phase),
 OUT.png (the measured timeline above the ideal one, ``tfpipe.schedule.simulate``;
 needs matplotlib) and a summary.
 
@@ -31,9 +31,9 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
 from absl import app, flags  # noqa: E402
 
-from scripts.report import write_table  # noqa: E402
-from tfpipe import schedule  # noqa: E402
-from tfpipe.tasks import PHASES, TRANSFER_TYPES, OpInfo, attribute, lookup, parse_task_name  # noqa: E402
+from tfpipe.analysis.tasks import PHASES, TRANSFER_TYPES, OpInfo, attribute, lookup, parse_task_name  # noqa: E402
+from tfpipe.scripts.report import write_table  # noqa: E402
+from tfpipe.step import schedule  # noqa: E402
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string(
@@ -395,7 +395,7 @@ def _layers_and_data():
     rng = np.random.default_rng(0)
     n = FLAGS.batch_size
     if FLAGS.model == "transformer":
-        from scripts.data import random_lm
+        from tfpipe.scripts.data import random_lm
 
         return random_lm(n, FLAGS.seq_len, FLAGS.blocks, FLAGS.dim)
     import keras
@@ -486,10 +486,10 @@ def main(argv: list[str]) -> None:
             import matplotlib  # noqa: F401
         except ImportError:
             sys.exit('timeline.py needs matplotlib for the PNG: pip install -e ".[timeline]" (or pass --nopng).')
-    from tfpipe import checkpoint
+    from tfpipe.backward import remat
 
     try:
-        checkpoint.check_mode(FLAGS.remat)
+        remat.check_mode(FLAGS.remat)
     except ValueError as err:
         raise app.UsageError(str(err)) from None
     os.makedirs(os.path.dirname(os.path.abspath(FLAGS.out)), exist_ok=True)
@@ -505,7 +505,7 @@ def main(argv: list[str]) -> None:
         info, windows = profile_steps(devices, None, logdir)
         host_device: dict[str, int] = {}
     else:
-        from tfpipe.cluster import LocalCluster
+        from tfpipe.distributed.cluster import LocalCluster
 
         with LocalCluster(k, threads_per_worker=1) as cluster:
             devices = cluster.devices

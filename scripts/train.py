@@ -24,7 +24,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 from absl import app, flags  # noqa: E402
 
-from scripts import hub_models  # noqa: E402
+from tfpipe.scripts import hub_models  # noqa: E402
 
 FLAGS = flags.FLAGS
 MODELS = ("transformer", "amoebanet", "resnet", "unet")
@@ -202,7 +202,7 @@ def setup_devices(spec: str, partitions: int, stack: contextlib.ExitStack) -> li
         tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * count)
         return [f"/CPU:{i}" for i in range(count)][:partitions] if count >= partitions else None
     if spec.startswith("local:"):
-        from tfpipe.cluster import LocalCluster, WorkerError
+        from tfpipe.distributed.cluster import LocalCluster, WorkerError
 
         try:
             count = int(spec[6:])
@@ -223,7 +223,7 @@ def replica_devices(devices: list[str] | None, partitions: int) -> list[str] | l
     if r == 1:
         return devices
     if devices is None:  # 'auto' on a GPU machine: every GPU
-        from tfpipe.devices import available
+        from tfpipe.distributed.devices import available
 
         devices = available()
     if len(devices) < r * partitions:
@@ -330,7 +330,7 @@ def check_flags() -> None:
     if FLAGS.save_every and not FLAGS.model_dir:
         raise UsageError("--save_every backs up into --model_dir; give --model_dir too")
     if FLAGS.dataset != "synthetic":
-        from scripts.data import parse_tfds
+        from tfpipe.scripts.data import parse_tfds
 
         try:
             parse_tfds(FLAGS.dataset)
@@ -357,7 +357,7 @@ def _batches(arrays: tuple, batch: int, seed: int):
 
 
 def _tfds(kind: str):
-    from scripts.data import load_tfds
+    from tfpipe.scripts.data import load_tfds
 
     try:
         return load_tfds(
@@ -376,7 +376,7 @@ def make_task() -> Task:
     """The model's layers, loss, metrics and data as the flags say."""
     import keras
 
-    from scripts import data
+    from tfpipe.scripts import data
 
     if FLAGS.model == "transformer" or hub_models.is_hub(FLAGS.model):
         if FLAGS.dataset == "synthetic":
@@ -394,7 +394,7 @@ def make_task() -> Task:
             layers = hub_models.causal_lm(FLAGS.model[4:], vocab, FLAGS.blocks or 4, FLAGS.dim, length, FLAGS.seed)
             input_shape = hub_models.input_spec(length)
         else:
-            from models.transformer import transformer_lm, transformer_lm_tied
+            from tfpipe.models.transformer import transformer_lm, transformer_lm_tied
 
             make_lm = transformer_lm_tied if FLAGS.tie_embeddings else transformer_lm
             layers = make_lm(
@@ -413,7 +413,7 @@ def make_task() -> Task:
 
     size = FLAGS.image_size
     if FLAGS.model == "unet":
-        from models.unet import unet
+        from tfpipe.models.unet import unet
 
         images, masks = data.shapes_segmentation(FLAGS.examples + held_out_examples(), size, seed=FLAGS.seed)
         model = unet((size, size, 3), 1, FLAGS.unet_depth, FLAGS.unet_convs, FLAGS.unet_channels)
@@ -435,7 +435,7 @@ def make_task() -> Task:
         loaded = _tfds("image")
         dataset, held, classes = loaded.dataset, None, loaded.num_classes
     if FLAGS.model == "amoebanet":
-        from models.amoebanet import amoebanet_d
+        from tfpipe.models.amoebanet import amoebanet_d
 
         layers = amoebanet_d(classes, FLAGS.blocks or 3, FLAGS.filters)
     elif FLAGS.model.startswith("keras:"):
@@ -448,7 +448,7 @@ def make_task() -> Task:
         except ValueError as err:
             raise UsageError(f"--model={FLAGS.model}: {str(err).splitlines()[0]}") from None
     else:
-        from models.resnet import resnet
+        from tfpipe.models.resnet import resnet
 
         layers = resnet(int(FLAGS.depth), classes, FLAGS.width, stage_blocks=_ints("stage_blocks"))
     return Task(

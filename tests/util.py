@@ -29,7 +29,7 @@ def mlp_layers(width: int = 16, out: int = 3, depth: int = 4) -> list[keras.laye
 
 def small_unet() -> keras.Model:
     """A Functional U-Net on 16 x 16 x 3 images (two levels, skips, no BatchNorm), the same weights every call."""
-    from models.unet import unet
+    from tfpipe.models.unet import unet
 
     keras.utils.set_random_seed(3)
     return unet((16, 16, 3), output_channels=2, depth=2, num_convs=1, base_channels=4, batch_norm=False)

@@ -1,4 +1,4 @@
-"""Every private Keras and TensorFlow internal tfpipe relies on, each with why; tests/test_compat.py pins them.
+"""Every private Keras and TensorFlow internal tfpipe relies on, each with why; tests/unit/test_compat.py pins them.
 
 A rename in Keras or TensorFlow must fail loudly here (and in that test), not
 silently change what tfpipe does: nothing below falls back quietly.
@@ -164,7 +164,7 @@ def backward_function(function: Any) -> Any:
 
     Its inputs are the gradients of the trainable outputs, then ``captured_inputs``:
     intermediates that ``function.graph.outputs`` now also lists. The tape's gradient of a
-    call op in a graph uses this same pair, so tfpipe.replay can run it without a second
+    call op in a graph uses this same pair, so tfpipe.backward.replay can run it without a second
     symbolic differentiation; TensorFlow has no public handle on it.
     """
     return function._delayed_rewrite_functions.forward_backward()[1]  # noqa: SLF001
@@ -188,7 +188,7 @@ def partition_graphs(fn: Any, *args: Any) -> list[Any]:
     """Run the tf.function ``fn`` eagerly once and return the GraphDefs TensorFlow partitioned it into.
 
     The only place the runtime shows a device's incarnation, which an explicit ``_Send``
-    to another process must name (tfpipe/sendrecv.py); run metadata is not public API.
+    to another process must name (tfpipe/distributed/sendrecv.py); run metadata is not public API.
     """
     ctx = _tf_context.context()
     ctx.enable_run_metadata()
@@ -250,7 +250,7 @@ def dataset_batching(dataset: tf.data.Dataset) -> tuple[int, int, bool] | None:
 def call_options() -> bytes:
     """The serialized ConfigProto that TensorFlow puts on a function call op it makes in a graph.
 
-    ``tfpipe.calls`` makes its call ops itself and gives them the same (the user's
+    ``tfpipe.graph.calls`` makes its call ops itself and gives them the same (the user's
     Grappler settings reach the called bodies).
     """
     return _tf_context.context().function_call_options.config_proto_serialized

@@ -11,20 +11,23 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tfpipe import _compat, checkpoint, functional, messages, microbatch, replicas, saving, specs, zoo
-from tfpipe import balance as balance_lib
-from tfpipe import cluster as cluster_lib
-from tfpipe import cost as cost_lib
-from tfpipe import devices as devices_lib
-from tfpipe import schedule as schedule_lib
-from tfpipe import state as state_lib
-from tfpipe import summary as summary_lib
+from tfpipe import _compat, messages, saving
 from tfpipe import training as training_lib
 from tfpipe._args import positive_int
-from tfpipe.cell import Cell, hang, tie
-from tfpipe.pipeline import Pipeline, check_remat, check_unroll
-from tfpipe.replicas import Replicated
-from tfpipe.sequence import layer_list
+from tfpipe.backward import remat as remat_lib
+from tfpipe.distributed import cluster as cluster_lib
+from tfpipe.distributed import devices as devices_lib
+from tfpipe.partition import functional, hub, specs
+from tfpipe.partition.cell import Cell, hang, tie
+from tfpipe.partition.sequence import layer_list
+from tfpipe.planning import balance as balance_lib
+from tfpipe.planning import cost as cost_lib
+from tfpipe.planning import summary as summary_lib
+from tfpipe.step import microbatch, replicated
+from tfpipe.step import schedule as schedule_lib
+from tfpipe.step import state as state_lib
+from tfpipe.step.replicated import Replicated
+from tfpipe.step.unrolled import Pipeline, check_remat, check_unroll
 
 
 @keras.saving.register_keras_serializable(package="tfpipe")
@@ -46,7 +49,7 @@ class PipelineModel(keras.Model):
         ``build``), on copies of the layers, before any variable is created.
       devices: one device string per cell; default: all GPUs, else the logical CPU
         devices, else ``/CPU:0`` for every cell. Or R lists of one device per cell: R
-        data-parallel replicas of the pipeline (``tfpipe.replicas``), each taking 1/R of every
+        data-parallel replicas of the pipeline (``tfpipe.step.replicated``), each taking 1/R of every
         batch in M micro-batches; the variables live once, on replica 0's devices, and one
         optimizer step applies the gradients summed over all replicas.
       num_micro_batches: M, the number of micro-batches each mini-batch is split into.
@@ -110,7 +113,7 @@ class PipelineModel(keras.Model):
         cell_sizes = balance_lib.check(balance, units, unit) if balance is not None else None
         num_cells = len(cell_sizes) if cell_sizes else balance_lib.check_num_partitions(num_partitions, units, unit)
         m = positive_int("num_micro_batches", num_micro_batches, "Use 1 to disable micro-batching.")
-        remat = checkpoint.check_mode(remat)
+        remat = remat_lib.check_mode(remat)
         unroll = check_unroll(unroll, remat)
         schedule = schedule_lib.check_name(schedule)
         check_remat(remat, schedule)
@@ -146,7 +149,7 @@ class PipelineModel(keras.Model):
             self._make_pipeline(cell_sizes)
         if graph is not None:  # its layers are built: so is this model, for the graph's inputs
             self._move_variables(seeds_only=False)
-            zoo.forget_traced(graph.model)
+            hub.forget_traced(graph.model)
             self.build(graph.model.input)
         if isinstance(layers, keras.Model):  # the user's model keeps these layers, and so their devices
             saving.keep_off_xla(layers, self._devices)
@@ -164,7 +167,7 @@ class PipelineModel(keras.Model):
             routes = None
         pipelines = [
             Pipeline(
-                cells if r == 0 else replicas.replica_cells(cells, devices),
+                cells if r == 0 else replicated.replica_cells(cells, devices),
                 self._m,
                 self._remat,
                 self._unroll,
@@ -475,7 +478,7 @@ class PipelineModel(keras.Model):
         A keras_hub task's ``preprocessor`` is applied to the data first, as the task's own ``fit`` does.
         """
         if self.preprocess is not None:
-            x, kwargs = zoo.for_fit(self.preprocess, x, y, batch_size, kwargs)
+            x, kwargs = hub.for_fit(self.preprocess, x, y, batch_size, kwargs)
             y = batch_size = None
         split = kwargs.get("validation_split") or 0.0
         training_lib.check_batches(x, batch_size, split, self.num_micro_batches, self.num_replicas)
@@ -486,7 +489,7 @@ class PipelineModel(keras.Model):
     def evaluate(self, x: Any = None, y: Any = None, batch_size: int | None = None, *args: Any, **kwargs: Any):
         """Keras ``evaluate``, after the task's ``preprocessor`` as in ``fit``."""
         if self.preprocess is not None and not kwargs.get("_use_cached_eval_dataset"):  # fit's validation: done
-            x, kwargs = zoo.for_evaluate(self.preprocess, x, y, batch_size, kwargs)
+            x, kwargs = hub.for_evaluate(self.preprocess, x, y, batch_size, kwargs)
             y = batch_size = None
         self._before_tracing(x, y, kwargs.get("sample_weight"))
         with cluster_lib.reporting():
@@ -495,7 +498,7 @@ class PipelineModel(keras.Model):
     def predict(self, x: Any, batch_size: int | None = None, *args: Any, **kwargs: Any):
         """Keras ``predict``, after the task's ``preprocessor`` as in ``fit``."""
         if self.preprocess is not None:
-            x, batch_size = zoo.for_predict(self.preprocess, x, batch_size), None
+            x, batch_size = hub.for_predict(self.preprocess, x, batch_size), None
         self._before_tracing(None, None, None)
         with cluster_lib.reporting():
             return super().predict(x, batch_size, *args, **kwargs)
@@ -503,7 +506,7 @@ class PipelineModel(keras.Model):
     def train_on_batch(self, x: Any = None, y: Any = None, sample_weight: Any = None, *args: Any, **kwargs: Any):
         """Keras ``train_on_batch``, with the variables created before the step is traced."""
         if self.preprocess is not None:
-            x, y, sample_weight = zoo.for_batch(self.preprocess, x, y, sample_weight)
+            x, y, sample_weight = hub.for_batch(self.preprocess, x, y, sample_weight)
         self._before_tracing(x, y, sample_weight)
         with cluster_lib.reporting():
             return super().train_on_batch(x, y, sample_weight, *args, **kwargs)
@@ -511,7 +514,7 @@ class PipelineModel(keras.Model):
     def test_on_batch(self, x: Any = None, y: Any = None, sample_weight: Any = None, *args: Any, **kwargs: Any):
         """Keras ``test_on_batch``, with the variables created before the step is traced."""
         if self.preprocess is not None:
-            x, y, sample_weight = zoo.for_batch(self.preprocess, x, y, sample_weight)
+            x, y, sample_weight = hub.for_batch(self.preprocess, x, y, sample_weight)
         self._before_tracing(x, y, sample_weight)
         with cluster_lib.reporting():
             return super().test_on_batch(x, y, sample_weight, *args, **kwargs)
@@ -519,15 +522,15 @@ class PipelineModel(keras.Model):
     def predict_on_batch(self, x: Any) -> Any:
         """Keras ``predict_on_batch``, after the task's ``preprocessor``."""
         if self.preprocess is not None:
-            x = zoo.for_batch(self.preprocess, x)[0]
+            x = hub.for_batch(self.preprocess, x)[0]
         self._before_tracing(None, None, None)
         with cluster_lib.reporting():
             return super().predict_on_batch(x)
 
     @property
-    def preprocess(self) -> zoo.Preprocess | None:
+    def preprocess(self) -> hub.Preprocess | None:
         """The keras_hub task's ``preprocess_samples``, applied to the data by fit, evaluate and predict; else None."""
-        return zoo.preprocess_of(self._graph.model) if self._graph is not None else None
+        return hub.preprocess_of(self._graph.model) if self._graph is not None else None
 
     def _before_tracing(self, x: Any, y: Any, sample_weight: Any) -> None:
         """Variables created, and explicit transfers between processes prepared, before Keras traces a step."""

@@ -8,7 +8,7 @@ from typing import Any
 import keras
 import tensorflow as tf
 
-from tfpipe.sequence import copy_layer, layer_list
+from tfpipe.partition.sequence import copy_layer, layer_list
 
 
 class SeedStates(keras.layers.Layer):

@@ -12,7 +12,8 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tfpipe import _compat, microbatch
+from tfpipe import _compat
+from tfpipe.step import microbatch
 
 DEFAULT_REDUCTION = "sum_over_batch_size"  # what compile() gives a loss given as a string or function
 
@@ -36,7 +37,7 @@ class MicroBatchLoss:
     """``loss(j, y_pred)``: micro-batch j's share of the mini-batch loss, weighted so the shares add up.
 
     Without an override of ``compute_loss`` (``default_hook`` is the class's own) the
-    compiled loss is weighted by its reduction, and the loss is ``tfpipe.loss_task.Traceable``:
+    compiled loss is weighted by its reduction, and the loss is ``tfpipe.step.loss.Traceable``:
     it reads only micro-batch j's targets, sample weights and weight. An override is called
     per micro-batch and, as Keras' losses do by default, taken as a mean over the micro-batch.
     """
@@ -56,7 +57,7 @@ class MicroBatchLoss:
         self._traceable = not overridden and not self._none
         self._reduction = DEFAULT_REDUCTION if overridden or self._none else loss_reduction(model.loss)
         self._weights: list[tf.Tensor] = []
-        self.traces: dict = {}  # tfpipe.loss_task's traced functions
+        self.traces: dict = {}  # tfpipe.step.loss's traced functions
 
     def _weight(self, j: int) -> tf.Tensor:
         if not self._weights:  # made at the first loss, inside the task that uses them

@@ -1,0 +1,114 @@
+"""scripts/timeline.py in its smallest mode: a CSV row for every task of the schedule, a PNG if matplotlib is there."""
+
+import csv
+import os
+import re
+
+import pytest
+
+from tests.util import run_script
+
+
+def _has_matplotlib() -> bool:
+    """Whether matplotlib imports (it is an optional extra: ".[timeline]")."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _smallest(out, *flags):
+    """Run the script on 2 logical CPU devices, tiny Transformer, one profiled step."""
+    return run_script(
+        "timeline.py",
+        *flags,
+        "--devices=cpu:2",
+        "--micro_batches=2",
+        "--batch_size=4",
+        "--blocks=1",
+        "--dim=16",
+        "--seq_len=4",
+        "--steps=1",
+        "--warmup=1",
+        f"--out={out}",
+        *([] if _has_matplotlib() else ["--nopng"]),
+    )
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    out = str(tmp_path_factory.mktemp("timeline") / "tl")
+    return _smallest(out), out
+
+
+def _ideal_bubble(stdout):
+    """The ideal bubble the summary states, checked to be the one it compares the measured bubble with."""
+    ideal = re.search(r"ideal bubble of the schedule (\d\.\d+)", stdout).group(1)
+    assert f"vs ideal {ideal}" in stdout
+    return float(ideal)
+
+
+def test_csv_has_every_task_of_the_schedule_and_a_summary(run):
+    from tfpipe.step import schedule
+
+    proc, out = run
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    with open(out + ".csv") as f:
+        rows = list(csv.DictReader(f))
+    tasks = {r["task"] for r in rows if r["task"]}
+    want = {f"{t.kind}_{t.cell}_{t.micro_batch}" for t in schedule.flatten(schedule.gpipe(2, 2))}
+    assert want <= tasks, f"missing {sorted(want - tasks)}"
+    assert all(float(r["end_ms"]) >= float(r["start_ms"]) >= -1.0 for r in rows)
+    phases = {r["phase"] for r in rows}
+    assert {"forward", "backward", "recompute"} <= phases
+    # Simulated from the measured task costs: GPipe's (K-1)/(M+K-1) = 1/3 with equal cells, here nearly so.
+    assert 0.2 < _ideal_bubble(proc.stdout) < 0.5
+
+
+def test_zero_bubble_draws_its_w_tasks_and_its_own_ideal(tmp_path):
+    from tfpipe.step import schedule
+
+    out = str(tmp_path / "zb")
+    proc = _smallest(out, "--schedule=zero_bubble", "--remat=never")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    with open(out + ".csv") as f:
+        tasks = {r["task"] for r in csv.DictReader(f) if r["task"]}
+    want = {f"{t.kind}_{t.cell}_{t.micro_batch}" for t in schedule.steps("zero_bubble", 2, 2) if t.kind != "B"}
+    assert want <= tasks, f"missing {sorted(want - tasks)}"  # (cell 0's B tasks are empty: its inputs are data)
+    assert "of which W" in proc.stdout and 0 < _ideal_bubble(proc.stdout) < 1  # tiny cells: costs are noise
+
+
+def test_batched_w_draws_one_w_task_per_cell_counted_per_micro_batch(tmp_path):
+    from tfpipe.analysis.tasks import task_scope_name
+    from tfpipe.step import schedule
+
+    out = str(tmp_path / "bw")
+    proc = _smallest(out, "--schedule=gpipe_batched_w", "--remat=never")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    with open(out + ".csv") as f:
+        rows = list(csv.DictReader(f))
+    tasks = {r["task"] for r in rows if r["task"]}
+    assert {task_scope_name(t) for t in schedule.steps("gpipe_batched_w", 2, 2) if t.kind == "W"} <= tasks
+    assert {r["micro_batch"] for r in rows if r["task"] == "W_1_all"} == {"all"}
+    # The ideal counts an M-th of W(i, all) per micro-batch: "of which W" is per micro-batch.
+    assert "of which W" in proc.stdout and 0 < _ideal_bubble(proc.stdout) < 1
+
+
+def test_png_is_drawn(run):
+    pytest.importorskip("matplotlib")
+    proc, out = run
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert os.path.getsize(out + ".png") > 1000
+
+
+def test_without_matplotlib_a_png_request_names_the_extra():
+    if _has_matplotlib():
+        pytest.skip("matplotlib is installed")
+    proc = run_script("timeline.py", "--devices=cpu:2", timeout=120)
+    assert proc.returncode != 0 and 'pip install -e ".[timeline]"' in proc.stderr
+
+
+def test_bad_devices_flag_is_refused():
+    proc = run_script("timeline.py", "--devices=gpu:2", timeout=120)
+    assert proc.returncode != 0 and "cpu:N" in proc.stderr

@@ -1,0 +1,505 @@
+"""Re-materialization: run a cell so that its vector-Jacobian product can be taken later.
+
+A recomputed cell keeps no activations after its forward task; its backward task
+runs the pure cell function again under a tape (same inputs, same seeds, so the
+same result) and differentiates that. A kept cell records its forward on a tape.
+Because cells are pure functions of tensors, recomputation changes no result.
+
+Inside a graph, a recomputed backward can be one traced function (``TracedVJPs``):
+recompute, VJP and the sum into the running weight gradients, traced once per cell
+and called once per micro-batch, so that the step graph does not grow with M by a
+tape gradient and a sum per weight for every task.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+import functools
+import weakref
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, ContextManager
+
+import tensorflow as tf
+
+from tfpipe.backward import batched_w
+from tfpipe.backward import split_vjp as split_lib
+from tfpipe.graph import calls, slim
+from tfpipe.graph.names import GRADIENT_SUM, SPLIT_FORWARD, TRACED_VJP
+
+REMAT_MODES = ("always", "except_last", "never")
+
+_IN_VJP_TRACE: contextvars.ContextVar[bool] = contextvars.ContextVar("tfpipe_in_vjp_trace", default=False)
+_UNRECORDED: contextvars.ContextVar[bool] = contextvars.ContextVar("tfpipe_unrecorded", default=False)
+
+
+def _after(anchors: Sequence[tf.Tensor], tensors: Sequence[tf.Tensor]) -> list[tf.Tensor]:
+    """``tensors`` through identities that wait for ``anchors`` (a traced VJP's incoming gradients).
+
+    Inlined into the step, a recomputation is the same ops on the same inputs as the
+    forward it repeats, and Grappler's common-subexpression elimination merged the two:
+    the forward's activations then lived until the backward and remat saved nothing
+    (K=1, M=8 Transformer: 2,129 MiB against 401 MiB). Waiting for the gradients makes
+    the recomputed ops distinct, and starts them when the backward's turn comes.
+    """
+    if not anchors:
+        return list(tensors)
+    with tf.control_dependencies(anchors):
+        return [tf.identity(t) for t in tensors]
+
+
+def check_mode(remat: str) -> str:
+    """Validate a re-materialization mode."""
+    if remat not in REMAT_MODES:
+        raise ValueError(f"Unknown remat={remat!r}; use one of {', '.join(repr(m) for m in REMAT_MODES)}.")
+    return remat
+
+
+def recomputes(remat: str, micro_batch: int, num_micro_batches: int) -> bool:
+    """Whether micro-batch j is recomputed in the backward pass (torchgpipe's checkpoint_stop)."""
+    if remat == "always":
+        return True
+    if remat == "except_last":
+        return micro_batch < num_micro_batches - 1
+    return False
+
+
+def in_vjp_trace() -> bool:
+    """Whether a ``TracedVJPs`` function is being traced here (a cell then runs its layers inline)."""
+    return _IN_VJP_TRACE.get()
+
+
+def unrecorded() -> bool:
+    """Whether the forward being made here is one that no tape records (a recomputed micro-batch's)."""
+    return _UNRECORDED.get()
+
+
+def _differentiable(t: Any) -> bool:
+    return t is not None and t.dtype.is_floating
+
+
+def add(a: Any, b: Any) -> Any:
+    """Sum two gradients; sparse ones (embeddings) stay sparse by concatenating their slices."""
+    if isinstance(a, tf.IndexedSlices) and isinstance(b, tf.IndexedSlices):
+        return tf.IndexedSlices(tf.concat([a.values, b.values], 0), tf.concat([a.indices, b.indices], 0), a.dense_shape)
+    return tf.convert_to_tensor(a) + tf.convert_to_tensor(b)
+
+
+@dataclasses.dataclass
+class _Traced:
+    function: Any  # ConcreteFunction: (sources, extras, output grads, running sums) -> gradients, flattened
+    sparse: frozenset[int]  # source positions whose gradient is returned as (values, indices, dense_shape)
+
+
+class TracedVJPs:
+    """The traced backward functions of one cell, per outer graph and input signature."""
+
+    def __init__(self, scope: Callable[[], ContextManager], options: Callable[[], dict[str, Any]]):
+        """``scope()`` is entered around the traced body (the cell's device); ``options()`` gives the cell's
+        ``tf.function`` options (``Cell.function_options``)."""
+        self._scope = scope
+        self.options = options
+        self._graphs: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # outer graph -> {key: _Traced}
+        self._sparse: dict[Any, frozenset[int]] = {}  # key -> positions found sparse when first traced
+        self.num_traces = 0
+
+    def _here(self) -> dict[Any, Any]:
+        """What was traced (and the shared empty tensors) for the current graph."""
+        return self._graphs.setdefault(tf.compat.v1.get_default_graph(), {})
+
+    def sparse(self, key: Any) -> frozenset[int]:
+        """The source positions known to get sparse gradients under ``key``."""
+        return self._sparse.get(key, frozenset())
+
+    def lookup(self, key: Any, build: Callable[[], _Traced]) -> _Traced:
+        """The function for ``key`` in the current graph, traced by ``build`` the first time."""
+        traces = self._here()
+        if key not in traces:
+            traces[key] = build()
+            self._sparse[key] = traces[key].sparse
+        return traces[key]
+
+    def placeholder(self, like: tf.Tensor) -> tf.Tensor:
+        """An empty tensor of ``like``'s dtype and rank, one per graph: every call site passes the same node.
+
+        (Grappler's function optimizer copies a function for each distinct constant input.)
+        """
+        traces = self._here()
+        key = ("empty", like.dtype, like.shape.rank)
+        if key not in traces:
+            with tf.control_dependencies(None):
+                traces[key] = tf.zeros([0] * like.shape.rank, like.dtype)
+        return traces[key]
+
+    def sum(self, a: Sequence[tf.Tensor], b: Sequence[tf.Tensor]) -> list[tf.Tensor]:
+        """``[x + y for x, y in zip(a, b)]`` as one call of a function traced once per signature."""
+        args = [tf.convert_to_tensor(t) for t in list(a) + list(b)]
+        key = ("sum", tuple((tuple(t.shape), t.dtype) for t in args))
+        traces = self._here()
+        if key not in traces:
+            n = len(a)
+
+            def body(*flat: tf.Tensor) -> list[tf.Tensor]:
+                return [x + y for x, y in zip(flat[:n], flat[n:])]
+
+            body.__name__ = GRADIENT_SUM  # how tfpipe.analysis.tasks recognizes the call in a step's graph
+            specs = [tf.TensorSpec(t.shape, t.dtype) for t in args]
+            function = tf.function(body, autograph=False, **self.options())
+            traces[key] = _Traced(function.get_concrete_function(*specs), frozenset())
+        return calls.call(traces[key].function, args)
+
+    def wrap(self, function: Any, specs: Sequence[tf.TensorSpec], part: str) -> Any:
+        """A part of a split VJP (``backward.split_vjp``) as the function a task calls, inlined or not as the cell is.
+
+        Named so that tfpipe.analysis.tasks tells a forward part from a gradient part.
+        """
+
+        def body(*flat: tf.Tensor) -> Any:
+            return function(*flat)
+
+        body.__name__ = SPLIT_FORWARD if part == "forward" else f"{TRACED_VJP}_{part}"
+        with self.tracing():
+            return tf.function(body, autograph=False, **self.options()).get_concrete_function(*specs)
+
+    @contextlib.contextmanager
+    def tracing(self) -> Iterator[None]:
+        """The context of a traced body: the cell's scope, and cells run inline within."""
+        token = _IN_VJP_TRACE.set(True)
+        try:
+            with self._scope():
+                yield
+        finally:
+            _IN_VJP_TRACE.reset(token)
+
+
+class Checkpoint:
+    """The forward of a pure function ``fn(*sources, *extras)`` whose VJP is taken later by ``vjp``."""
+
+    def __init__(
+        self,
+        fn: Callable[..., Any],
+        sources: Sequence[tf.Tensor],
+        recompute: bool,
+        constant: int = 0,
+        extras: Sequence[tf.Tensor] = (),
+        traced: TracedVJPs | None = None,
+        key: Any = None,
+        split: tuple[int, Callable[[Any], Sequence[tf.Tensor]]] | None = None,
+    ):
+        """``constant``: how many leading sources need no gradient (the inputs of the first cell).
+
+        ``extras`` are further inputs that need no gradient (seeds, weights of terms). With
+        ``traced``, a recomputed VJP inside a graph is a function cached under ``key``, which
+        must tell apart every ``fn`` that differs other than through sources and extras.
+
+        ``split=(n, select)`` splits the VJP between ``input_vjp`` (the gradients of all
+        sources but the last n, for the gradients of ``select(outputs)``) and ``weight_vjp``
+        (those of the last n, the weights), to be called later (zero bubble). Inside a graph
+        with ``traced``, W then redoes nothing of B (``tfpipe.backward.split_vjp``); otherwise B computes
+        both and W only adds.
+        """
+        self._fn = fn
+        self._sources = list(sources)
+        self._extras = list(extras)
+        self._recompute = recompute
+        self._cache = traced
+        self._key = key
+        self._wanted = [i for i, s in enumerate(self._sources) if i >= constant and _differentiable(s)]
+        self._tape: tf.GradientTape | None = None
+        self._split_at, self._select = (len(self._sources) - split[0], split[1]) if split else (None, None)
+        self._parts: split_lib.SplitVJP | None = None
+        self._env: dict[str, tf.Tensor] = {}
+        self._weight_grads: list[Any] = []
+        self.computed: list[Any] = []  # what input_vjp computed, for W to wait on (the task chain)
+        if split and traced is not None and not tf.executing_eagerly():
+            self._parts = traced.lookup(self._split_key(), functools.partial(self._trace_split, traced))
+            self._env = dict(zip(self._parts.inputs, self._sources + self._extras))
+        if self._parts is not None and not recompute:
+            self._parts.part("forward", recompute=False)(self._env)
+            self.outputs = self._parts.unpack(self._env)
+        elif recompute:
+            token = _UNRECORDED.set(True)
+            try:
+                self.outputs = fn(*self._sources, *self._extras)
+            finally:
+                _UNRECORDED.reset(token)
+        else:
+            self._tape, self.outputs = self._record(self._sources, self._extras)
+
+    @property
+    def sources(self) -> list[tf.Tensor]:
+        """The tensors whose gradients the VJP gives."""
+        return self._sources
+
+    @property
+    def _traced(self) -> TracedVJPs | None:
+        """Where the whole VJP is traced: only a recomputation can be (a kept one has its tape)."""
+        return self._cache if self._recompute else None
+
+    def _record(self, sources: Sequence[tf.Tensor], extras: Sequence[tf.Tensor]):
+        tape = tf.GradientTape(watch_accessed_variables=False)
+        with tape:
+            for i in self._wanted:
+                tape.watch(sources[i])
+            outputs = self._fn(*sources, *extras)
+        return tape, outputs
+
+    def vjp(
+        self,
+        select: Callable[[Any], Sequence[tf.Tensor]],
+        output_grads: Sequence[tf.Tensor | None],
+        accumulate: Sequence[Any] | None = None,
+    ) -> list[tf.Tensor | None]:
+        """Gradients of the sources for the given gradients of ``select(outputs)``.
+
+        ``accumulate``, if given, holds running sums for the last ``len(accumulate)``
+        sources: their gradients come back added to them. Call it inside the backward
+        task's device and control-dependency scope: a recomputation then runs there,
+        after the incoming gradients exist.
+        """
+        if self._traced is not None and not tf.executing_eagerly():
+            return self._traced_vjp(select, output_grads, list(accumulate or []))
+        if self._recompute:
+            tape, outputs = self._record(self._sources, self._extras)
+        else:
+            tape, outputs = self._tape, self.outputs
+        self._tape = None  # a kept tape is used once; let its activations go
+        grads = self._gradient(tape, outputs, self._sources, select, output_grads)
+        result: list[Any] = [None] * len(self._sources)
+        for i, g in zip(self._wanted, grads):
+            result[i] = g
+        return self._accumulate(result, accumulate)
+
+    def input_vjp(
+        self, output_grads: Sequence[tf.Tensor | None], batched: batched_w.BatchedW | None = None
+    ) -> list[tf.Tensor | None]:
+        """B: the gradients of the sources before the weights (None for the weights), as ``vjp``'s.
+
+        Call it inside the B task's scope; ``weight_vjp`` later gives the weights' gradients, or,
+        with ``batched`` (``batch_weights``), ``batched_weight_vjp`` those of all micro-batches.
+        """
+        if self._split_at is None:
+            raise ValueError("input_vjp needs a Checkpoint made with split=(number of weights, select).")
+        if self._parts is None:  # eagerly or untraced: the whole VJP now, the weights' part kept for W
+            result = self.vjp(self._select, output_grads)
+            self._weight_grads = result[self._split_at :]
+            self.computed = [g for g in result if g is not None]
+            return result[: self._split_at] + [None] * (len(result) - self._split_at)
+        given = [g for t, g in zip(self._select(self.outputs), output_grads) if _differentiable(t)]
+        for name, g, spec in zip(self._parts.dys, given, self._parts.dy_specs):
+            self._env[name] = tf.zeros(spec.shape, spec.dtype) if g is None else g
+        part = self._parts.part("inputs", self._recompute) if batched is None else batched.inputs_part(self._parts)
+        self.computed = part(self._env)
+        result: list[Any] = [None] * len(self._sources)
+        for i, name in zip([i for i in self._wanted if i < self._split_at], self._parts.dx):
+            result[i] = self._env[name]
+        return result
+
+    def weight_vjp(self, accumulate: Sequence[Any]) -> list[Any]:
+        """W: the weights' gradients added to their running sums ``accumulate``, after ``input_vjp``."""
+        if self._parts is None:
+            grads = self._weight_grads
+        else:
+            self._parts.part("weights", self._recompute)(self._env)
+            grads = [None] * (len(self._sources) - self._split_at)
+            weights = [i - self._split_at for i in self._wanted if i >= self._split_at]
+            for k, g in zip(weights, self._parts.weight_gradients(self._env)):
+                grads[k] = g
+        self._env, self._weight_grads = {}, []  # let go of what W read
+        result = [None] * self._split_at + list(grads)
+        return self._accumulate(result, accumulate)[self._split_at :]
+
+    def _split_key(self) -> Any:
+        return (
+            "split",
+            self._key,
+            self._split_at,
+            tuple(self._wanted),
+            tuple((tuple(a.shape), a.dtype) for a in self._sources + self._extras),
+        )
+
+    def _specs(self, records: Sequence[Checkpoint] = ()) -> list[tf.TensorSpec]:
+        """The specs of the sources and extras; with ``records``, the sources before the weights hold all their rows."""
+        specs = []
+        for k, a in enumerate(self._sources + self._extras):
+            shape = a.shape
+            if records and k < self._split_at and shape.rank:
+                rows = [r._sources[k].shape[0] for r in records]
+                shape = tf.TensorShape([None if None in rows else sum(rows)]).concatenate(shape[1:])
+            specs.append(tf.TensorSpec(shape, a.dtype))
+        return specs
+
+    def _trace_split(self, traced: TracedVJPs, records: Sequence[Checkpoint] = ()) -> split_lib.SplitVJP:
+        """Trace the forward and VJP as one graph, to be cut into forward, B and W (``tfpipe.backward.split_vjp``).
+
+        With ``records``, the sources hold the rows of all of them (W over all micro-batches at once).
+        """
+        n_src = len(self._sources)
+
+        def body(*flat: tf.Tensor):
+            sources, extras = list(flat[:n_src]), list(flat[n_src:])
+            with traced.tracing():
+                outputs = self._fn(*sources, *extras)
+                targets = [t for t in self._select(outputs) if _differentiable(t)]
+                dys = [tf.compat.v1.placeholder(t.dtype, t.shape) for t in targets]
+                wanted = [sources[i] for i in self._wanted]
+                # Symbolic gradients, not a tape: they honour the cell's gradient overrides (cpu_gradients).
+                grads = tf.gradients(
+                    targets, wanted, grad_ys=dys, unconnected_gradients=tf.UnconnectedGradients.ZERO
+                ) if targets else [tf.zeros_like(w) for w in wanted]  # fmt: skip
+            dx = [g for i, g in zip(self._wanted, grads) if i < self._split_at]
+            dw = [g for i, g in zip(self._wanted, grads) if i >= self._split_at]
+            return outputs, dys, dx, dw
+
+        traced.num_traces += 1
+        return split_lib.SplitVJP(body, self._specs(records), traced.wrap, calls.call)
+
+    def _accumulate(self, result: list[Any], accumulate: Sequence[Any] | None) -> list[Any]:
+        """``result`` with the gradients of the last ``len(accumulate)`` sources added to their running sums."""
+        n_acc = len(accumulate) if accumulate is not None else 0
+        pairs = [(k, len(self._sources) - n_acc + k) for k in range(n_acc)]
+        pairs = [(k, i) for k, i in pairs if accumulate[k] is not None and result[i] is not None]
+        dense = [(k, i) for k, i in pairs if not isinstance(accumulate[k], tf.IndexedSlices)]
+        dense = [(k, i) for k, i in dense if not isinstance(result[i], tf.IndexedSlices)]
+        if self._cache is None or tf.executing_eagerly():
+            dense = []
+        if dense:  # one call op for all the dense sums instead of one AddV2 per weight in the step graph
+            totals = self._cache.sum([accumulate[k] for k, _ in dense], [result[i] for _, i in dense])
+            for (_, i), total in zip(dense, totals):
+                result[i] = total
+        for k, i in pairs:
+            if (k, i) not in dense:
+                result[i] = add(accumulate[k], result[i])
+        return result
+
+    def _gradient(self, tape, outputs, sources, select, output_grads) -> list[Any]:
+        targets = list(select(outputs))
+        pairs = [(t, g) for t, g in zip(targets, output_grads) if _differentiable(t) and g is not None]
+        if not pairs:
+            return [tf.zeros_like(sources[i]) for i in self._wanted]
+        return tape.gradient(
+            [t for t, _ in pairs],
+            [sources[i] for i in self._wanted],
+            output_gradients=[g for _, g in pairs],
+            unconnected_gradients=tf.UnconnectedGradients.ZERO,
+        )
+
+    def _traced_vjp(self, select, output_grads, accumulate) -> list[Any]:
+        """The VJP as one call of a function traced once per key and signature.
+
+        Dense weight gradients are summed into their running sums inside the function;
+        sparse ones (embeddings) come back as slices and are added outside, as ``add`` does.
+        """
+        n_src, n_acc = len(self._sources), len(accumulate)
+        grads_in = [tf.convert_to_tensor(g) for g in output_grads if g is not None]
+        key = (
+            self._key,
+            tuple(g is None for g in output_grads),
+            tuple(self._wanted),
+            tuple((tuple(a.shape), a.dtype) for a in self._sources + self._extras + grads_in),
+            n_acc,
+        )
+        summed = [k for k in range(n_acc) if n_src - n_acc + k in self._wanted]
+        sparse = self._traced.sparse(key)  # known once the key was traced (in any graph)
+        sums = []
+        for k in summed:
+            source, running = self._sources[n_src - n_acc + k], accumulate[k]
+            if n_src - n_acc + k in sparse or isinstance(running, tf.IndexedSlices):
+                sums.append(self._traced.placeholder(source))  # unused: slices are summed outside
+            elif running is None:  # the first task of a cell adds zeros, so that every task calls one function
+                sums.append(tf.zeros_like(source))
+            else:
+                sums.append(running)
+        args = self._sources + self._extras + grads_in + sums
+        traced = self._traced.lookup(key, functools.partial(self._trace, select, output_grads, args, summed, n_acc))
+        outputs = iter(calls.call(traced.function, args))
+        result: list[Any] = [None] * n_src
+        for i in self._wanted:
+            if i in traced.sparse:
+                values, indices, shape = next(outputs), next(outputs), next(outputs)
+                result[i] = tf.IndexedSlices(values, indices, shape)
+                k = i - (n_src - n_acc)
+                if k >= 0 and accumulate[k] is not None:
+                    result[i] = add(accumulate[k], result[i])
+            else:
+                result[i] = next(outputs)
+        return result
+
+    def _trace(self, select, output_grads, args, summed, n_acc) -> _Traced:
+        n_src, n_ex = len(self._sources), len(self._extras)
+        mask = [g is not None for g in output_grads]
+        n_in = sum(mask)
+        positions = {n_src - n_acc + k: s for s, k in enumerate(summed)}
+        sparse: set[int] = set()
+
+        def body(*flat: tf.Tensor) -> list[tf.Tensor]:
+            sources, extras = list(flat[:n_src]), list(flat[n_src : n_src + n_ex])
+            given = iter(flat[n_src + n_ex : n_src + n_ex + n_in])
+            grads_in = [next(given) if m else None for m in mask]
+            sums = flat[n_src + n_ex + n_in :]
+            with self._traced.tracing():
+                sources = _after([g for g in grads_in if g is not None], sources)
+                tape, outputs = self._record(sources, extras)
+                grads = self._gradient(tape, outputs, sources, select, grads_in)
+            out: list[tf.Tensor] = []
+            for i, g in zip(self._wanted, grads):
+                if isinstance(g, tf.IndexedSlices):  # its running sum is kept outside, as slices
+                    sparse.add(i)
+                    out += [g.values, g.indices, tf.cast(g.dense_shape, tf.int64)]
+                elif i in positions:
+                    total = g + sums[positions[i]]
+                    total.set_shape(g.shape)
+                    out.append(total)
+                else:
+                    out.append(g)
+            return out
+
+        body.__name__ = TRACED_VJP  # how tfpipe.analysis.tasks recognizes the call in a step's graph
+        self._traced.num_traces += 1
+        # Running sums are typed without a static shape: a sparse gradient's slot gets an empty placeholder.
+        specs = [tf.TensorSpec(a.shape, a.dtype) for a in args[: len(args) - len(summed)]]
+        specs += [tf.TensorSpec([None] * a.shape.rank, a.dtype) for a in args[len(args) - len(summed) :]]
+        options = self._traced.options()
+        function = tf.function(body, autograph=False, **options).get_concrete_function(*specs)
+        if options["experimental_attributes"]:  # called, not inlined: once per micro-batch, each call site
+            with self._traced.tracing():  # costing with the body's size
+                function = slim.slimmed(function, TRACED_VJP, options)
+        return _Traced(function, frozenset(sparse))
+
+
+def batch_weights(records: Sequence[Checkpoint], shared_grads: Sequence[bool]) -> batched_w.BatchedW | str | None:
+    """Cut the W of one cell's micro-batches ``records`` (after their forwards) so that it runs once over all of them.
+
+    ``shared_grads[k]`` says that the gradient of the k-th selected output will be the same
+    tensor in every micro-batch (the loss scale, for added losses). Returns the cut, to be
+    handed to each record's ``input_vjp`` and to ``batched_weight_vjp``; else why not (a
+    string), or None where there is nothing to batch (one micro-batch; no traced W, as eagerly).
+    """
+    first = records[0]
+    if len(records) < 2 or any(r._parts is None or r._recompute for r in records) or first._cache is None:
+        return None
+    given = [d for t, d in zip(first._select(first.outputs), shared_grads) if _differentiable(t)]
+    shared = {name for name, d in zip(first._parts.dys, given) if d}
+    # The inputs fed as the same tensor to every micro-batch (a weight, a seed); a capture of the traced body is
+    # not fed, and W does not read it (an activity regularizer's leaves one).
+    fed = [name for name in first._parts.inputs if name in first._env]
+    shared |= {name for name in fed if all(r._env.get(name) is first._env[name] for r in records)}
+    try:
+        key = ("batched", tuple(r._split_key() for r in records))
+        big = first._cache.lookup(key, functools.partial(first._trace_split, first._cache, records))
+        return batched_w.BatchedW([r._parts for r in records], big, shared)
+    except batched_w.Unbatchable as why:
+        return str(why)
+
+
+def batched_weight_vjp(records: Sequence[Checkpoint], batched: batched_w.BatchedW) -> list[Any]:
+    """W over all micro-batches' ``records``, each after ``input_vjp(..., batched)``: the summed weight gradients."""
+    first = records[0]
+    grads = batched.run([r._env for r in records])
+    result: list[Any] = [None] * (len(first._sources) - first._split_at)
+    for k, g in zip([i - first._split_at for i in first._wanted if i >= first._split_at], grads):
+        result[k] = g
+    for r in records:
+        r._env = {}  # let go of what W read
+    return result

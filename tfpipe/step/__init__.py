@@ -1,0 +1,1 @@
+"""One training step: the schedule, micro-batches, the loss, per-micro-batch state and the executors."""

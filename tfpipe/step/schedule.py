@@ -1,0 +1,323 @@
+"""The pipeline schedule as plain data: which task each device runs, in which order.
+
+Three schedules of one synchronous step:
+
+- ``"gpipe"``: every cell runs all its forwards, then all its backwards (last
+  micro-batch first); a cell holds the activations of all M micro-batches. Bubble
+  (K-1)/(M+K-1).
+- ``"1f1b"`` (PipeDream-flush, Narayanan et al. 2021): cell i runs min(K-i, M)
+  forwards, then alternates one backward and one forward, then drains its
+  backwards (first micro-batch first); a cell holds at most K-i micro-batches.
+  Same bubble as GPipe.
+- ``"zero_bubble"`` (ZB-H1, Qi et al. 2024): 1F1B's order with each backward split
+  in two, B (the gradient of the cell's input, which the previous cell waits for)
+  and W (the gradient of its weights, which nobody waits for). Cell i runs W(i, j)
+  after B(i, j + i), and its last i W tasks after its last B: they fill the time
+  1F1B's cell i would wait at the end of the step. A cell holds at most K
+  micro-batches (their activations live until W); the bubble per device is
+  (K-1)(F+B-W) instead of 1F1B's (K-1)(F+B+W).
+- ``"gpipe_batched_w"``: GPipe's order with each backward split the same way, and
+  each cell's W run once, after its last B, over all M micro-batches together
+  (``W(i, all)``): one weight-gradient product over the whole mini-batch instead of M
+  small ones (the cell's activations and output gradients of every micro-batch are
+  held until then). Cell i's W fills the time it would wait for cell 0 to finish.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Collection, Sequence
+
+from tfpipe._args import positive_int
+
+ALL = -1  # the micro-batch of a W task over all micro-batches at once ("gpipe_batched_w")
+
+
+@dataclasses.dataclass(frozen=True)
+class Task:
+    """One unit of work of one cell on one micro-batch: forward "F", backward "B" or, split off it, "W".
+
+    Without W tasks, B is the cell's whole backward. With them (zero bubble), B computes
+    only the gradient of the cell's inputs and W that of its weights; a W task whose
+    micro-batch is ``ALL`` computes them over every micro-batch at once.
+    """
+
+    kind: str
+    cell: int
+    micro_batch: int
+
+    def __str__(self) -> str:
+        return f"{self.kind}({self.cell},{micro_batch_name(self.micro_batch)})"
+
+
+def micro_batch_name(micro_batch: int) -> str:
+    """How a task's micro-batch is written in names: its number, or "all" for ``ALL``."""
+    return "all" if micro_batch == ALL else str(micro_batch)
+
+
+def gpipe(num_cells: int, num_micro_batches: int, backward: bool = True) -> list[list[Task]]:
+    """GPipe's clock cycles: each cycle lists the tasks that may run at the same time.
+
+    Forward: at cycle k, cell i runs micro-batch k - i. Backward mirrors it: cell
+    K-1 starts with micro-batch M-1, and cell i runs B(i, j) at backward cycle
+    (K-1-i) + (M-1-j).
+    """
+    positive_int("num_cells", num_cells)
+    positive_int("num_micro_batches", num_micro_batches)
+    k_cells, m = num_cells, num_micro_batches
+    cycles = []
+    for clock in range(m + k_cells - 1):
+        cycles.append([Task("F", i, clock - i) for i in range(k_cells) if 0 <= clock - i < m])
+    if backward:
+        for clock in range(m + k_cells - 1):
+            tasks = []
+            for i in reversed(range(k_cells)):
+                j = (m - 1) - (clock - (k_cells - 1 - i))
+                if 0 <= j < m:
+                    tasks.append(Task("B", i, j))
+            cycles.append(tasks)
+    return cycles
+
+
+SCHEDULES = ("gpipe", "1f1b", "zero_bubble", "gpipe_batched_w")
+
+
+def check_name(name: str) -> str:
+    """Validate a schedule name."""
+    if name not in SCHEDULES:
+        raise ValueError(f"Unknown schedule={name!r}; use one of {', '.join(repr(s) for s in SCHEDULES)}.")
+    return name
+
+
+def splits_backward(name: str) -> bool:
+    """Whether schedule ``name`` splits each backward into B (input gradient) and W (weight gradient) tasks."""
+    return check_name(name) in ("zero_bubble", "gpipe_batched_w")
+
+
+def batches_weights(name: str) -> bool:
+    """Whether schedule ``name`` runs each cell's W once over all micro-batches (``Task("W", i, ALL)``)."""
+    return check_name(name) == "gpipe_batched_w"
+
+
+def cell_orders(name: str, num_cells: int, num_micro_batches: int) -> list[list[Task]]:
+    """Each cell's forward and backward tasks in the order the schedule ``name`` runs them."""
+    check_name(name)
+    k_cells = positive_int("num_cells", num_cells)
+    m = positive_int("num_micro_batches", num_micro_batches)
+    orders = []
+    for i in range(k_cells):
+        forwards = [Task("F", i, j) for j in range(m)]
+        if name in ("gpipe", "gpipe_batched_w"):
+            backwards = [Task("B", i, j) for j in reversed(range(m))]
+            orders.append(forwards + backwards + ([Task("W", i, ALL)] if name == "gpipe_batched_w" else []))
+            continue
+        # 1F1B, and zero bubble's B tasks: min(K-i, M) forwards, then one backward and one forward.
+        warm = min(k_cells - i, m)
+        deferred = i if name == "zero_bubble" else None  # W tasks held back behind their B
+        order: list[Task] = forwards[:warm]
+        for j in range(m):
+            order.append(Task("B", i, j))
+            if deferred is not None and j >= deferred:
+                order.append(Task("W", i, j - deferred))
+            if warm + j < m:
+                order.append(forwards[warm + j])
+        if deferred is not None:
+            order += [Task("W", i, j) for j in range(max(m - deferred, 0), m)]
+        orders.append(order)
+    return orders
+
+
+def steps(name: str, num_cells: int, num_micro_batches: int, backward: bool = True) -> list[Task]:
+    """Every task of a step in an order that keeps each cell's order and puts each task after its inputs.
+
+    GPipe's is its clock-cycle order (``flatten(gpipe(...))``); forward-only steps run GPipe's
+    forward whatever ``name``. Other schedules are merged from ``cell_orders``, one task per cell
+    in turn whenever its inputs exist.
+    """
+    check_name(name)
+    if name == "gpipe" or not backward:
+        return flatten(gpipe(num_cells, num_micro_batches, backward=backward))
+    return merge(cell_orders(name, num_cells, num_micro_batches))
+
+
+def merge(orders: Sequence[Sequence[Task]]) -> list[Task]:
+    """One order of all tasks that keeps each cell's ``orders[i]`` and the data dependencies.
+
+    F(i, j) needs F(i-1, j); B(i, j) needs F(i, j) and B(i+1, j); W(i, j) needs B(i, j). A
+    ValueError names the tasks that wait on each other if the cells' orders cannot all be kept
+    (a deadlock).
+    """
+    k_cells = len(orders)
+    done: set[Task] = set()
+    position, merged = [0] * k_cells, []
+    while any(position[i] < len(orders[i]) for i in range(k_cells)):
+        moved = False
+        for i in range(k_cells):
+            if position[i] < len(orders[i]) and _ready(orders[i][position[i]], done, k_cells):
+                task = orders[i][position[i]]
+                done.add(task)
+                merged.append(task)
+                position[i] += 1
+                moved = True
+        if not moved:
+            waiting = [str(orders[i][position[i]]) for i in range(k_cells) if position[i] < len(orders[i])]
+            raise ValueError(f"The cells' task orders deadlock: {', '.join(waiting)} each wait for another.")
+    return merged
+
+
+def _ready(task: Task, done: set[Task], num_cells: int) -> bool:
+    return all(dep in done for dep in depends_on(task, num_cells))
+
+
+def depends_on(task: Task, num_cells: int) -> list[Task]:
+    """The tasks whose results ``task`` reads: F(i, j) F(i-1, j); B(i, j) F(i, j) and B(i+1, j); W(i, j) B(i, j).
+
+    W(i, all) reads every B(i, j); it names B(i, 0), the last of them in its cell's order.
+    """
+    i, j = task.cell, task.micro_batch
+    if task.kind == "F":
+        return [Task("F", i - 1, j)] if i > 0 else []
+    if task.kind == "W":
+        return [Task("B", i, 0 if j == ALL else j)]
+    return [Task("F", i, j)] + ([Task("B", i + 1, j)] if i < num_cells - 1 else [])
+
+
+def in_flight(order: Sequence[Task], num_cells: int) -> list[int]:
+    """Per cell, the most micro-batches whose forward has run and backward has not: activations held at once.
+
+    A micro-batch is held until its cell's last backward task: W where the order has W tasks, else B.
+    """
+    split = {task.cell for task in order if task.kind == "W"}
+    held, peak = [0] * num_cells, [0] * num_cells
+    for task in order:
+        if task.kind == "F":
+            held[task.cell] += 1
+        elif task.kind == "W" and task.micro_batch == ALL:
+            held[task.cell] = 0
+        elif task.kind == ("W" if task.cell in split else "B"):
+            held[task.cell] -= 1
+        peak[task.cell] = max(peak[task.cell], held[task.cell])
+    return peak
+
+
+def flatten(cycles: Sequence[Sequence[Task]]) -> list[Task]:
+    """All tasks in clock-cycle order; every task comes after the tasks it depends on."""
+    return [task for cycle in cycles for task in cycle]
+
+
+def device_order(cycles: Sequence[Sequence[Task]], cell_devices: Sequence[str]) -> dict[str, list[Task]]:
+    """For each device, its tasks in the order the device must run them (clock cycle, then cell)."""
+    order: dict[str, list[Task]] = {}
+    for cycle in cycles:
+        for task in sorted(cycle, key=lambda t: t.cell):
+            order.setdefault(cell_devices[task.cell], []).append(task)
+    return order
+
+
+def simulate(
+    num_cells: int,
+    num_micro_batches: int,
+    f_cost: Sequence[float],
+    b_cost: Sequence[float],
+    name: str = "gpipe",
+    w_cost: Sequence[float] | None = None,
+    r_cost: Sequence[float] | None = None,
+    recomputed: Collection[int] = (),
+) -> list[tuple[Task, float, float]]:
+    """(task, start, end) of every task of schedule ``name``, cell i on its own device taking f_cost[i] per F
+    and b_cost[i] per whole backward.
+
+    ``w_cost[i]`` is the part of b_cost[i] that computes weight gradients (default: half,
+    the zero-bubble paper's T_B = T_W): a schedule that splits backwards runs it as W and
+    the rest as B. The B task of each micro-batch in ``recomputed`` first recomputes the
+    cell's forward, r_cost[i] more (default: f_cost[i]), as tfpipe does once the incoming
+    gradient is there. Tasks come in the order of ``steps``; a task starts when its device
+    has finished the task before it and the tasks it ``depends_on`` have. Transfers take no time.
+    """
+    positive_int("num_cells", num_cells)
+    m = positive_int("num_micro_batches", num_micro_batches)
+    f_cost, b_cost = _costs("f_cost", f_cost, num_cells), _costs("b_cost", b_cost, num_cells)
+    w_cost = [b / 2 for b in b_cost] if w_cost is None else _costs("w_cost", w_cost, num_cells)
+    r_cost = f_cost if r_cost is None else _costs("r_cost", r_cost, num_cells)
+    if any(w > b for w, b in zip(w_cost, b_cost)):
+        raise ValueError(f"w_cost {list(w_cost)} is part of b_cost {list(b_cost)}: each must be at most b_cost's.")
+    bad = [j for j in recomputed if not (isinstance(j, int) and 0 <= j < m)]
+    if bad:
+        raise ValueError(f"recomputed holds {bad}: it lists micro-batch indices from 0 to {m - 1}.")
+    split = splits_backward(name)
+    cost = {
+        "F": f_cost,
+        "B": [b - w for b, w in zip(b_cost, w_cost)] if split else b_cost,
+        "W": w_cost,
+    }
+    done: dict[Task, float] = {}
+    free = [0.0] * num_cells
+    out = []
+    for task in steps(name, num_cells, m):
+        ready = max((done[dep] for dep in depends_on(task, num_cells)), default=0.0)
+        start = max(free[task.cell], ready)
+        duration = cost[task.kind][task.cell] * (m if task.micro_batch == ALL else 1)
+        if task.kind == "B" and task.micro_batch in recomputed:
+            duration += r_cost[task.cell]
+        done[task] = free[task.cell] = start + duration
+        out.append((task, start, done[task]))
+    return out
+
+
+def idle_fraction(simulated: Sequence[tuple[Task, float, float]], num_cells: int) -> float:
+    """Share of each device's time idle in a ``simulate`` result: 1 - busy / (K x the step's span)."""
+    span = max((end for _, _, end in simulated), default=0.0)
+    busy = sum(end - start for _, start, end in simulated)
+    return 1.0 - busy / (num_cells * span) if span > 0 else 0.0
+
+
+def predicted_bubble(name: str, num_cells: int, num_micro_batches: int) -> float:
+    """The idle share of schedule ``name`` with equal cells, a backward twice the forward and W half of it.
+
+    (K-1)/(M+K-1) for GPipe and 1F1B; for zero bubble (K-1)/(3M+K-1) when M >= K.
+    """
+    k_cells = positive_int("num_cells", num_cells)
+    ones = [1.0] * k_cells
+    return idle_fraction(simulate(k_cells, num_micro_batches, ones, [2.0] * k_cells, name), k_cells)
+
+
+def _costs(name: str, costs: Sequence[float], num_cells: int) -> list[float]:
+    """``costs`` as floats if it holds one duration >= 0 per cell, else a ValueError naming it."""
+    try:
+        values = [float(c) for c in costs]
+    except (TypeError, ValueError):
+        values = []
+    if len(values) != num_cells or any(not v >= 0 for v in values):
+        raise ValueError(f"{name} must be a list of {num_cells} durations >= 0, one per cell, got {costs!r}.")
+    return values
+
+
+def bubble_fraction(num_cells: int, num_micro_batches: int) -> float:
+    """Share of each device's time spent idle in a GPipe step: (K-1) / (M+K-1)."""
+    positive_int("num_cells", num_cells)
+    positive_int("num_micro_batches", num_micro_batches)
+    return (num_cells - 1) / (num_micro_batches + num_cells - 1)
+
+
+def ideal_speedup(num_cells: int, num_micro_batches: int) -> float:
+    """Speed-up over one device if cells are perfectly balanced: K*M / (M+K-1)."""
+    return num_cells * (1.0 - bubble_fraction(num_cells, num_micro_batches))
+
+
+def allowed_speedup(name: str, num_cells: int, num_micro_batches: int, recomputed: Collection[int] = ()) -> float:
+    """The speed-up over one device (M=1, no recomputation) that schedule ``name`` allows with equal cells.
+
+    ``simulate`` with a backward twice the forward and a recomputation as long as the forward,
+    for the micro-batches in ``recomputed``: the ceiling of a pipeline whose every task and
+    transfer costs nothing more. Without recomputation it is ``ideal_speedup`` for GPipe and
+    1F1B; with ``remat="except_last"`` (all but the last micro-batch), GPipe at K=2, M=8
+    allows 48/35 = 1.37x, 77% of the ideal 1.78x.
+    """
+    k_cells = positive_int("num_cells", num_cells)
+    timed = simulate(k_cells, num_micro_batches, [1.0] * k_cells, [2.0] * k_cells, name, recomputed=recomputed)
+    return 3.0 * k_cells * num_micro_batches / max(end for _, _, end in timed)
+
+
+def task_scope_name(task: Task) -> str:
+    """The name scope of a task's ops in the graph: "F_1_3" for the forward of cell 1 on micro-batch 3."""
+    return f"{task.kind}_{task.cell}_{micro_batch_name(task.micro_batch)}"
