@@ -5,7 +5,7 @@ CPU allocator, which counts the bytes. Part 1 fits GPipe's activation-memory mod
 L under a budget. The method, in full: docs/benchmarks.md, "Memory: GPipe Table 1", "How it is measured".
 
     python scripts/benchmark_memory.py                             # defaults: L=4 table, 2 GiB budget, M=8
-    python scripts/benchmark_memory.py --out=docs/memory            # also write .csv and .md
+    python scripts/benchmark_memory.py --out=docs/results/memory            # also write .csv and .md
     python scripts/benchmark_memory.py --max_blocks=32              # the full remat search (about 20 min)
     python scripts/benchmark_memory.py --schedules --table_micro_batches=2,4,8,16   # GPipe, 1F1B, zero bubble; K=2
     python scripts/benchmark_memory.py --device_type=GPU --budget_gib=4    # on the first GPU (two logical ones for K=2)

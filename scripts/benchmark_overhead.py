@@ -29,7 +29,7 @@ slower than "never" (recomputing the forward adds about one forward to a step
 whose backward costs about two, i.e. about +33%, so that target has little slack).
 
     python scripts/benchmark_overhead.py                          # 4 blocks, dim 128, seq 32, batch 32
-    python scripts/benchmark_overhead.py --repeats=9 --out=docs/overhead   # also write .csv and .md
+    python scripts/benchmark_overhead.py --repeats=9 --out=docs/results/overhead   # also write .csv and .md
     python scripts/benchmark_overhead.py --device=/GPU:0                  # all three on a GPU
     python scripts/benchmark_overhead.py --device=/GPU:0 --jit_compile    # and both with XLA
 """

@@ -7,7 +7,7 @@ steps, and the process's peak resident memory; the build (split, cells, variable
 also reported on its own.
 
     python scripts/benchmark_scale.py                               # K=2 and K=8 at M=32, 8-block Transformer
-    python scripts/benchmark_scale.py --configs=2x4,2x16,2x32,8x32 --out=docs/scale
+    python scripts/benchmark_scale.py --configs=2x4,2x16,2x32,8x32 --out=docs/results/scale
     python scripts/benchmark_scale.py --configs=2x32,8x32 --unroll=true,false   # the unrolled graph against the loops
     python scripts/benchmark_scale.py --configs=keras,2x32   # beside the same layers in a plain keras.Sequential
 

@@ -15,7 +15,7 @@ executor has learnt its kernels' costs) and the median step time is used. Every 
 
     python scripts/benchmark_speed.py                       # Transformer, K in {1, 2}, M in {1, 2, 4, 8, 16, 32}
     python scripts/benchmark_speed.py --model=mlp --dims=256,1024 --batch_sizes=128,1024 --remat=never
-    python scripts/benchmark_speed.py --max_partitions=4 --out=docs/speed   # also K=4; write .csv and .md
+    python scripts/benchmark_speed.py --max_partitions=4 --out=docs/results/speed   # also K=4; write .csv and .md
     python scripts/benchmark_speed.py --replicas=2     # also R=2 replicas of each K, on 2K workers
     python scripts/benchmark_speed.py --model=hub:llama --blocks=4 --dims=128   # a keras_hub causal LM (hub extra)
 

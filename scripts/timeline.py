@@ -9,7 +9,7 @@ ops follow its ``F_i_j/task_start`` / ``B_i_j/task_start`` / ``W_i_j/task_start`
 OUT.png (the measured timeline above the ideal one, ``tfpipe.schedule.simulate``;
 needs matplotlib) and a summary.
 
-    python scripts/timeline.py --devices=local:2 --micro_batches=8 --out=docs/timeline_local2_m8
+    python scripts/timeline.py --devices=local:2 --micro_batches=8 --out=docs/results/timeline_local2_m8
     python scripts/timeline.py --devices=cpu:2 --blocks=1 --dim=32 --steps=1 --out=/tmp/tl   # smallest
     python scripts/timeline.py --nopng ...        # CSV and summary only, without matplotlib
 """
