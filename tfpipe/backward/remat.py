@@ -5,32 +5,45 @@ runs the pure cell function again under a tape (same inputs, same seeds, so the
 same result) and differentiates that. A kept cell records its forward on a tape.
 Because cells are pure functions of tensors, recomputation changes no result.
 
-Inside a graph, a recomputed backward can be one traced function (``TracedVJPs``):
-recompute, VJP and the sum into the running weight gradients, traced once per cell
-and called once per micro-batch, so that the step graph does not grow with M by a
-tape gradient and a sum per weight for every task.
+Inside a graph, a recomputed backward can be one traced function, cached per cell in
+``tfpipe.backward.traced_vjp.TracedVJPs``: recompute, VJP and the sum into the running
+weight gradients, traced once per cell and called once per micro-batch, so that the step
+graph does not grow with M by a tape gradient and a sum per weight for every task.
+One W over all micro-batches' records is ``tfpipe.backward.batched_records``.
 """
 
 from __future__ import annotations
 
-import contextlib
 import contextvars
-import dataclasses
 import functools
-import weakref
-from collections.abc import Callable, Iterator, Sequence
-from typing import Any, ContextManager
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import tensorflow as tf
 
 from tfpipe.backward import batched_w
 from tfpipe.backward import split_vjp as split_lib
+from tfpipe.backward.batched_records import batch_weights, batched_weight_vjp
+from tfpipe.backward.gradients import add, differentiable
+from tfpipe.backward.traced_vjp import Traced, TracedVJPs
 from tfpipe.graph import calls, slim
-from tfpipe.graph.names import GRADIENT_SUM, SPLIT_FORWARD, TRACED_VJP
+from tfpipe.graph.names import TRACED_VJP
+
+# Reached through this module by the step (remat_lib.batch_weights, ...), and TracedVJPs by tests.
+__all__ = [
+    "REMAT_MODES",
+    "Checkpoint",
+    "TracedVJPs",
+    "add",
+    "batch_weights",
+    "batched_weight_vjp",
+    "check_mode",
+    "recomputes",
+    "unrecorded",
+]
 
 REMAT_MODES = ("always", "except_last", "never")
 
-_IN_VJP_TRACE: contextvars.ContextVar[bool] = contextvars.ContextVar("tfpipe_in_vjp_trace", default=False)
 _UNRECORDED: contextvars.ContextVar[bool] = contextvars.ContextVar("tfpipe_unrecorded", default=False)
 
 
@@ -65,112 +78,9 @@ def recomputes(remat: str, micro_batch: int, num_micro_batches: int) -> bool:
     return False
 
 
-def in_vjp_trace() -> bool:
-    """Whether a ``TracedVJPs`` function is being traced here (a cell then runs its layers inline)."""
-    return _IN_VJP_TRACE.get()
-
-
 def unrecorded() -> bool:
     """Whether the forward being made here is one that no tape records (a recomputed micro-batch's)."""
     return _UNRECORDED.get()
-
-
-def _differentiable(t: Any) -> bool:
-    return t is not None and t.dtype.is_floating
-
-
-def add(a: Any, b: Any) -> Any:
-    """Sum two gradients; sparse ones (embeddings) stay sparse by concatenating their slices."""
-    if isinstance(a, tf.IndexedSlices) and isinstance(b, tf.IndexedSlices):
-        return tf.IndexedSlices(tf.concat([a.values, b.values], 0), tf.concat([a.indices, b.indices], 0), a.dense_shape)
-    return tf.convert_to_tensor(a) + tf.convert_to_tensor(b)
-
-
-@dataclasses.dataclass
-class _Traced:
-    function: Any  # ConcreteFunction: (sources, extras, output grads, running sums) -> gradients, flattened
-    sparse: frozenset[int]  # source positions whose gradient is returned as (values, indices, dense_shape)
-
-
-class TracedVJPs:
-    """The traced backward functions of one cell, per outer graph and input signature."""
-
-    def __init__(self, scope: Callable[[], ContextManager], options: Callable[[], dict[str, Any]]):
-        """``scope()`` is entered around the traced body (the cell's device); ``options()`` gives the cell's
-        ``tf.function`` options (``Cell.function_options``)."""
-        self._scope = scope
-        self.options = options
-        self._graphs: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # outer graph -> {key: _Traced}
-        self._sparse: dict[Any, frozenset[int]] = {}  # key -> positions found sparse when first traced
-        self.num_traces = 0
-
-    def _here(self) -> dict[Any, Any]:
-        """What was traced (and the shared empty tensors) for the current graph."""
-        return self._graphs.setdefault(tf.compat.v1.get_default_graph(), {})
-
-    def sparse(self, key: Any) -> frozenset[int]:
-        """The source positions known to get sparse gradients under ``key``."""
-        return self._sparse.get(key, frozenset())
-
-    def lookup(self, key: Any, build: Callable[[], _Traced]) -> _Traced:
-        """The function for ``key`` in the current graph, traced by ``build`` the first time."""
-        traces = self._here()
-        if key not in traces:
-            traces[key] = build()
-            self._sparse[key] = traces[key].sparse
-        return traces[key]
-
-    def placeholder(self, like: tf.Tensor) -> tf.Tensor:
-        """An empty tensor of ``like``'s dtype and rank, one per graph: every call site passes the same node.
-
-        (Grappler's function optimizer copies a function for each distinct constant input.)
-        """
-        traces = self._here()
-        key = ("empty", like.dtype, like.shape.rank)
-        if key not in traces:
-            with tf.control_dependencies(None):
-                traces[key] = tf.zeros([0] * like.shape.rank, like.dtype)
-        return traces[key]
-
-    def sum(self, a: Sequence[tf.Tensor], b: Sequence[tf.Tensor]) -> list[tf.Tensor]:
-        """``[x + y for x, y in zip(a, b)]`` as one call of a function traced once per signature."""
-        args = [tf.convert_to_tensor(t) for t in list(a) + list(b)]
-        key = ("sum", tuple((tuple(t.shape), t.dtype) for t in args))
-        traces = self._here()
-        if key not in traces:
-            n = len(a)
-
-            def body(*flat: tf.Tensor) -> list[tf.Tensor]:
-                return [x + y for x, y in zip(flat[:n], flat[n:])]
-
-            body.__name__ = GRADIENT_SUM  # how tfpipe.analysis.tasks recognizes the call in a step's graph
-            specs = [tf.TensorSpec(t.shape, t.dtype) for t in args]
-            function = tf.function(body, autograph=False, **self.options())
-            traces[key] = _Traced(function.get_concrete_function(*specs), frozenset())
-        return calls.call(traces[key].function, args)
-
-    def wrap(self, function: Any, specs: Sequence[tf.TensorSpec], part: str) -> Any:
-        """A part of a split VJP (``backward.split_vjp``) as the function a task calls, inlined or not as the cell is.
-
-        Named so that tfpipe.analysis.tasks tells a forward part from a gradient part.
-        """
-
-        def body(*flat: tf.Tensor) -> Any:
-            return function(*flat)
-
-        body.__name__ = SPLIT_FORWARD if part == "forward" else f"{TRACED_VJP}_{part}"
-        with self.tracing():
-            return tf.function(body, autograph=False, **self.options()).get_concrete_function(*specs)
-
-    @contextlib.contextmanager
-    def tracing(self) -> Iterator[None]:
-        """The context of a traced body: the cell's scope, and cells run inline within."""
-        token = _IN_VJP_TRACE.set(True)
-        try:
-            with self._scope():
-                yield
-        finally:
-            _IN_VJP_TRACE.reset(token)
 
 
 class Checkpoint:
@@ -205,7 +115,7 @@ class Checkpoint:
         self._recompute = recompute
         self._cache = traced
         self._key = key
-        self._wanted = [i for i, s in enumerate(self._sources) if i >= constant and _differentiable(s)]
+        self._wanted = [i for i, s in enumerate(self._sources) if i >= constant and differentiable(s)]
         self._tape: tf.GradientTape | None = None
         self._split_at, self._select = (len(self._sources) - split[0], split[1]) if split else (None, None)
         self._parts: split_lib.SplitVJP | None = None
@@ -286,7 +196,7 @@ class Checkpoint:
             self._weight_grads = result[self._split_at :]
             self.computed = [g for g in result if g is not None]
             return result[: self._split_at] + [None] * (len(result) - self._split_at)
-        given = [g for t, g in zip(self._select(self.outputs), output_grads) if _differentiable(t)]
+        given = [g for t, g in zip(self._select(self.outputs), output_grads) if differentiable(t)]
         for name, g, spec in zip(self._parts.dys, given, self._parts.dy_specs):
             self._env[name] = tf.zeros(spec.shape, spec.dtype) if g is None else g
         part = self._parts.part("inputs", self._recompute) if batched is None else batched.inputs_part(self._parts)
@@ -341,7 +251,7 @@ class Checkpoint:
             sources, extras = list(flat[:n_src]), list(flat[n_src:])
             with traced.tracing():
                 outputs = self._fn(*sources, *extras)
-                targets = [t for t in self._select(outputs) if _differentiable(t)]
+                targets = [t for t in self._select(outputs) if differentiable(t)]
                 dys = [tf.compat.v1.placeholder(t.dtype, t.shape) for t in targets]
                 wanted = [sources[i] for i in self._wanted]
                 # Symbolic gradients, not a tape: they honour the cell's gradient overrides (cpu_gradients).
@@ -375,7 +285,7 @@ class Checkpoint:
 
     def _gradient(self, tape, outputs, sources, select, output_grads) -> list[Any]:
         targets = list(select(outputs))
-        pairs = [(t, g) for t, g in zip(targets, output_grads) if _differentiable(t) and g is not None]
+        pairs = [(t, g) for t, g in zip(targets, output_grads) if differentiable(t) and g is not None]
         if not pairs:
             return [tf.zeros_like(sources[i]) for i in self._wanted]
         return tape.gradient(
@@ -426,7 +336,7 @@ class Checkpoint:
                 result[i] = next(outputs)
         return result
 
-    def _trace(self, select, output_grads, args, summed, n_acc) -> _Traced:
+    def _trace(self, select, output_grads, args, summed, n_acc) -> Traced:
         n_src, n_ex = len(self._sources), len(self._extras)
         mask = [g is not None for g in output_grads]
         n_in = sum(mask)
@@ -465,41 +375,4 @@ class Checkpoint:
         if options["experimental_attributes"]:  # called, not inlined: once per micro-batch, each call site
             with self._traced.tracing():  # costing with the body's size
                 function = slim.slimmed(function, TRACED_VJP, options)
-        return _Traced(function, frozenset(sparse))
-
-
-def batch_weights(records: Sequence[Checkpoint], shared_grads: Sequence[bool]) -> batched_w.BatchedW | str | None:
-    """Cut the W of one cell's micro-batches ``records`` (after their forwards) so that it runs once over all of them.
-
-    ``shared_grads[k]`` says that the gradient of the k-th selected output will be the same
-    tensor in every micro-batch (the loss scale, for added losses). Returns the cut, to be
-    handed to each record's ``input_vjp`` and to ``batched_weight_vjp``; else why not (a
-    string), or None where there is nothing to batch (one micro-batch; no traced W, as eagerly).
-    """
-    first = records[0]
-    if len(records) < 2 or any(r._parts is None or r._recompute for r in records) or first._cache is None:
-        return None
-    given = [d for t, d in zip(first._select(first.outputs), shared_grads) if _differentiable(t)]
-    shared = {name for name, d in zip(first._parts.dys, given) if d}
-    # The inputs fed as the same tensor to every micro-batch (a weight, a seed); a capture of the traced body is
-    # not fed, and W does not read it (an activity regularizer's leaves one).
-    fed = [name for name in first._parts.inputs if name in first._env]
-    shared |= {name for name in fed if all(r._env.get(name) is first._env[name] for r in records)}
-    try:
-        key = ("batched", tuple(r._split_key() for r in records))
-        big = first._cache.lookup(key, functools.partial(first._trace_split, first._cache, records))
-        return batched_w.BatchedW([r._parts for r in records], big, shared)
-    except batched_w.Unbatchable as why:
-        return str(why)
-
-
-def batched_weight_vjp(records: Sequence[Checkpoint], batched: batched_w.BatchedW) -> list[Any]:
-    """W over all micro-batches' ``records``, each after ``input_vjp(..., batched)``: the summed weight gradients."""
-    first = records[0]
-    grads = batched.run([r._env for r in records])
-    result: list[Any] = [None] * (len(first._sources) - first._split_at)
-    for k, g in zip([i - first._split_at for i in first._wanted if i >= first._split_at], grads):
-        result[k] = g
-    for r in records:
-        r._env = {}  # let go of what W read
-    return result
+        return Traced(function, frozenset(sparse))

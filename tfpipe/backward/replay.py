@@ -3,7 +3,7 @@
 A cell's forward function is differentiated once by TensorFlow whichever way the step
 takes it: the tape's gradient of a kept micro-batch's call op builds a backward function
 and a forward that also returns the intermediates the backward reads (cached per
-function). A recomputed micro-batch's traced VJP (``checkpoint.TracedVJPs``) used to
+function). A recomputed micro-batch's traced VJP (``traced_vjp.TracedVJPs``) used to
 run the cell's layers again and differentiate them on a tape of its own: a second trace
 and a second symbolic differentiation per cell, about half a second each for a
 4-block Transformer cell. Here the VJP's body instead imports that forward and backward

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import math
 import warnings
 import weakref
@@ -13,9 +12,10 @@ from typing import Any, NamedTuple
 import keras
 import tensorflow as tf
 
-from tfpipe.backward import remat, replay
+from tfpipe.backward import remat, traced_vjp
 from tfpipe.distributed import devices
-from tfpipe.graph import calls, cpu_gradients
+from tfpipe.graph import cpu_gradients
+from tfpipe.partition.cell_trace import CellTrace
 from tfpipe.step import state
 
 
@@ -70,14 +70,14 @@ class Cell:
         self._merger: state.StateMerger | None = None
         # TPU cores are entered through the strategy, where nested function calls are untested: run inline there.
         self._traceable = devices.tpu_core(device) is None
-        self._traces: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # outer graph -> {signature: _Trace}
+        self._traces: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # outer graph -> {signature: CellTrace}
         self._layer_runs = 0  # the layers' Python run to trace a function
         # Whether the traced functions stay one call op each (not inlined): see Pipeline.__init__.
         self.noinline = False
         # Whether the traced functions are compiled by XLA, each on the cell's device (compile(jit_compile=True)).
         self.jit_compile = False
-        # The traced backward of re-materialized micro-batches (remat.TracedVJPs).
-        self.vjps = remat.TracedVJPs(self._placed, self.function_options)
+        # The traced backward of re-materialized micro-batches (traced_vjp.TracedVJPs).
+        self.vjps = traced_vjp.TracedVJPs(self._placed, self.function_options)
         # Ids of the variables an earlier cell also uses (tied weights; set by ``tie``).
         self.borrowed: set[int] = set()
 
@@ -248,7 +248,7 @@ class Cell:
         """
         if not self._traceable or tf.executing_eagerly():
             return self.run_inline(trainable, non_trainable, x, training)
-        if remat.in_vjp_trace():  # a recomputation: TensorFlow's differentiation of the forward, replayed
+        if traced_vjp.in_vjp_trace():  # a recomputation: TensorFlow's differentiation of the forward, replayed
             trace = self._outer_trace(x, trainable, non_trainable, training)
             replayed = trace.replay(x, trainable, non_trainable) if trace is not None else None
             if replayed is not None:
@@ -260,7 +260,9 @@ class Cell:
             return self.run_inline(trainable, non_trainable, x, training)
         return trace.apply(x, trainable, non_trainable, cheap=remat.unrecorded())
 
-    def traced(self, x: Any, trainable: Sequence[Any], non_trainable: Sequence[Any], training: bool) -> _Trace | None:
+    def traced(
+        self, x: Any, trainable: Sequence[Any], non_trainable: Sequence[Any], training: bool
+    ) -> CellTrace | None:
         """The cell traced for inputs like these (tensors or TensorSpecs), once per graph and signature.
 
         None where the cell runs inline (a TPU core, or tracing failed: then with a warning).
@@ -306,7 +308,7 @@ class Cell:
             graph = getattr(graph, "outer_graph", None)
         return None
 
-    def _trace(self, x: Any, args: Sequence[tf.Tensor], n_x: int, n_w: int, training: bool) -> _Trace:
+    def _trace(self, x: Any, args: Sequence[tf.Tensor], n_x: int, n_w: int, training: bool) -> CellTrace:
         """Trace the cell as a concrete function of (inputs, trainable values, non-trainable values)."""
         found: dict[str, Any] = {}
 
@@ -325,7 +327,7 @@ class Cell:
         function = tf.function(body, autograph=False, **self.function_options()).get_concrete_function(*specs)
         leaves = tf.nest.flatten(found["y"])
         template = tf.nest.pack_sequence_as(found["y"], [None if t is None else 0 for t in leaves])
-        return _Trace(function, template, [i for i, t in enumerate(leaves) if t is not None], found["changed"])
+        return CellTrace(function, template, [i for i, t in enumerate(leaves) if t is not None], found["changed"])
 
     def describe(self, width: int | None = None) -> str:
         """The cell's layers: all names when few, else first and last with the count; cut to ``width`` characters
@@ -337,46 +339,6 @@ class Cell:
         if width is not None and len(text) + len(count) > width:
             text = text[: max(width - len(count) - 1, 0)] + "\u2026"
         return text + count
-
-
-@dataclasses.dataclass
-class _Trace:
-    """A cell traced for one input signature: the function and how to unpack its flat outputs."""
-
-    function: Any  # a ConcreteFunction: (inputs, trainable, non-trainable) -> y leaves + changed state + added loss
-    y: Any  # the structure of the cell's outputs, with None where an output is None
-    y_leaves: list[int]  # positions of the tensor leaves in tf.nest.flatten(y)
-    changed: list[int]  # indices of the non-trainable values that the cell assigns
-
-    def apply(self, x: Any, trainable: Sequence[tf.Tensor], non_trainable: Sequence[tf.Tensor], cheap: bool = False):
-        """Call the function: (outputs, new non-trainable values, added losses), as ``Cell.run_inline``.
-
-        ``cheap``: no tape differentiates this call, so it may be made the way that costs the build
-        less (``tfpipe.graph.calls``).
-        """
-        args = self._args(x, trainable, non_trainable)
-        return self._unpack(calls.call(self.function, args) if cheap else self.function(*args), non_trainable)
-
-    def replay(self, x: Any, trainable: Sequence[tf.Tensor], non_trainable: Sequence[tf.Tensor]):
-        """What ``apply`` returns, as the function's ops with TensorFlow's gradient of it (backward.replay); or None."""
-        outputs = replay.call(self.function, self._args(x, trainable, non_trainable))
-        return None if outputs is None else self._unpack(outputs, non_trainable)
-
-    @staticmethod
-    def _args(x: Any, trainable: Sequence[tf.Tensor], non_trainable: Sequence[tf.Tensor]) -> list[tf.Tensor]:
-        xs = [tf.convert_to_tensor(t) for t in tf.nest.flatten(x) if t is not None]
-        return [*xs, *trainable, *non_trainable]
-
-    def _unpack(self, outputs: Sequence[tf.Tensor], non_trainable: Sequence[tf.Tensor]):
-        """(outputs, new non-trainable values, added losses) from the function's flat outputs."""
-        n_y = len(self.y_leaves)
-        flat_y: list[Any] = [None] * len(tf.nest.flatten(self.y))
-        for position, t in zip(self.y_leaves, outputs[:n_y]):
-            flat_y[position] = t
-        new_state = list(non_trainable)
-        for k, value in zip(self.changed, outputs[n_y:-1]):
-            new_state[k] = value
-        return tf.nest.pack_sequence_as(self.y, flat_y), new_state, outputs[-1]
 
 
 def tie(cells: Sequence[Cell]) -> list[tuple[keras.Variable, int]]:
