@@ -1,9 +1,12 @@
-"""PipelineModel: a keras.Model whose train, test and predict steps run the layers as a GPipe pipeline."""
+"""PipelineModel: a keras.Model whose train, test and predict steps run the layers as a GPipe pipeline.
+
+Here: how the model is made (the layers cut into cells on devices), built, called and trained a step. Its
+settings' properties are in ``tfpipe.settings``, compile/fit/evaluate/predict in ``tfpipe.keras_api``, saving,
+loading and conversion in ``tfpipe.saving``.
+"""
 
 from __future__ import annotations
 
-import functools
-import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -12,11 +15,10 @@ import numpy as np
 import tensorflow as tf
 
 from tfpipe import _compat, messages, saving
+from tfpipe import settings as settings_lib
 from tfpipe import training as training_lib
-from tfpipe._args import positive_int
-from tfpipe.backward import remat as remat_lib
-from tfpipe.distributed import cluster as cluster_lib
 from tfpipe.distributed import devices as devices_lib
+from tfpipe.keras_api import KerasEntryPoints
 from tfpipe.partition import functional, hub, specs
 from tfpipe.partition.cell import Cell, hang, tie
 from tfpipe.partition.sequence import layer_list
@@ -24,14 +26,13 @@ from tfpipe.planning import balance as balance_lib
 from tfpipe.planning import cost as cost_lib
 from tfpipe.planning import summary as summary_lib
 from tfpipe.step import microbatch, replicated
-from tfpipe.step import schedule as schedule_lib
 from tfpipe.step import state as state_lib
 from tfpipe.step.replicated import Replicated
-from tfpipe.step.unrolled import Pipeline, check_remat, check_unroll
+from tfpipe.step.unrolled import Pipeline
 
 
 @keras.saving.register_keras_serializable(package="tfpipe")
-class PipelineModel(keras.Model):
+class PipelineModel(settings_lib.SettingsProperties, KerasEntryPoints, saving.Saving, keras.Model):
     """A sequence of Keras layers cut into cells on devices and trained as a GPipe pipeline.
 
     Args:
@@ -96,55 +97,22 @@ class PipelineModel(keras.Model):
         graph = functional.Graph(layers) if functional.is_functional(layers) else None
         layers_ = graph.layers if graph is not None else layer_list(layers)
         units = len(graph.nodes) if graph is not None else len(layers_)
-        if (balance is None) == (num_partitions is None):
-            raise ValueError(
-                "Give exactly one of balance=[layers per cell] or num_partitions=K; got "
-                f"balance={balance!r}, num_partitions={num_partitions!r}."
-            )
-        cost = cost_lib.check_kind(cost)
-        if cost == "memory":
-            raise ValueError(
-                "cost='memory' needs a measurement outside the training graph; compute "
-                "balance=tfpipe.balance.by_memory(layers, K, sample) first and pass it as balance=."
-            )
-        unit = "layers" if graph is None else f"nodes (layer and keras.ops calls) in {layers.name!r}"
-        if graph is not None and graph.whole:
-            unit += f" ({graph.whole_note()})"
-        cell_sizes = balance_lib.check(balance, units, unit) if balance is not None else None
-        num_cells = len(cell_sizes) if cell_sizes else balance_lib.check_num_partitions(num_partitions, units, unit)
-        m = positive_int("num_micro_batches", num_micro_batches, "Use 1 to disable micro-batching.")
-        remat = remat_lib.check_mode(remat)
-        unroll = check_unroll(unroll, remat)
-        schedule = schedule_lib.check_name(schedule)
-        check_remat(remat, schedule)
-        if schedule != "gpipe" and not unroll:
-            raise ValueError(f"schedule={schedule!r} needs unroll=True; unroll=False runs GPipe's clock cycles.")
-        replica_devices = devices_lib.resolve_replicas(devices, num_cells)
+        settings = settings_lib.check(
+            layers, graph, units, balance, num_partitions, cost, devices, num_micro_batches, remat, unroll, schedule
+        )
         super().__init__(**kwargs)
         # XLA would compile the pipeline for one device (see compile); Keras' "auto" means XLA wherever a GPU
         # is, for an uncompiled model's predict too
         self.jit_compile = False
         self.pipeline_layers = layers_  # tracked first, so weights are ordered as in keras.Sequential
         self._graph = graph  # a Functional model's nodes, or None for a layer sequence
-        self._cost = cost
-        self._num_cells, self._m, self._remat = num_cells, m, remat
-        self._replica_devices = replica_devices
-        self._devices = list(replica_devices[0])  # replica 0's cells own the variables
-        self._unroll = unroll
-        self._schedule = schedule
+        self._keep_settings(settings)
         self._estimate: cost_lib.Estimate | None = None
         self._inputs: Any = None  # symbolic inputs the model was built for, batch dimension included
         self._built_spec: tuple[Any, Any] | None = None  # (inputs, outputs) as build ran the layers on them
         self._pipeline: Pipeline | Replicated | None = None
         self._cells_jit = False  # compile(jit_compile=True): XLA per cell
-        if cell_sizes is None and num_cells in (1, units):
-            cell_sizes = balance_lib.uniform(units, num_cells)  # the only split there is
-        elif cell_sizes is None and callable(cost):
-            cell_sizes = self._split_by_cost(None)
-        elif cell_sizes is None and graph is not None:
-            cell_sizes = self._split_by_cost(None)  # the graph knows its shapes
-        elif cell_sizes is None and isinstance(layers, keras.Model) and layers.built and layers.inputs:
-            cell_sizes = self._split_by_cost(layers.inputs[0] if len(layers.inputs) == 1 else layers.inputs)
+        cell_sizes = settings.cell_sizes if settings.cell_sizes is not None else self._split_early(layers, units)
         if cell_sizes is not None:
             self._make_pipeline(cell_sizes)
         if graph is not None:  # its layers are built: so is this model, for the graph's inputs
@@ -153,6 +121,25 @@ class PipelineModel(keras.Model):
             self.build(graph.model.input)
         if isinstance(layers, keras.Model):  # the user's model keeps these layers, and so their devices
             saving.keep_off_xla(layers, self._devices)
+
+    def _keep_settings(self, settings: settings_lib.Settings) -> None:
+        """Keep the checked arguments (all but the balance, which ``_make_pipeline`` keeps once known)."""
+        self._cost = settings.cost
+        self._num_cells, self._m, self._remat = settings.num_cells, settings.num_micro_batches, settings.remat
+        self._replica_devices = settings.replica_devices
+        self._devices = list(settings.replica_devices[0])  # replica 0's cells own the variables
+        self._unroll = settings.unroll
+        self._schedule = settings.schedule
+
+    def _split_early(self, layers: Any, units: int) -> list[int] | None:
+        """The balance for ``num_partitions`` where it can be found before ``build``; else None (build splits)."""
+        if self._num_cells in (1, units):
+            return balance_lib.uniform(units, self._num_cells)  # the only split there is
+        if callable(self._cost) or self._graph is not None:  # a callable needs no shapes; the graph knows them
+            return self._split_by_cost(None)
+        if isinstance(layers, keras.Model) and layers.built and layers.inputs:
+            return self._split_by_cost(layers.inputs[0] if len(layers.inputs) == 1 else layers.inputs)
+        return None
 
     def _make_pipeline(self, cell_sizes: Sequence[int]) -> None:
         self._balance = [int(n) for n in cell_sizes]
@@ -216,69 +203,6 @@ class PipelineModel(keras.Model):
         if not callable(self._cost):
             sample = specs.estimation_sample(specs.symbolic(input_shape), specs.first_batch_dim(input_shape), self._m)
         return cost_lib.estimate(self.pipeline_layers, sample, self._cost)
-
-    # Read-only configuration --------------------------------------------------------------
-    @property
-    def balance(self) -> list[int] | None:
-        """Layers per cell; ``None`` until built when ``num_partitions`` splits by an estimated cost."""
-        return list(self._balance) if self._pipeline else None
-
-    @property
-    def devices(self) -> list[str] | list[list[str]]:
-        """The device of each cell; with replicas, one such list per replica."""
-        if len(self._replica_devices) > 1:
-            return [list(row) for row in self._replica_devices]
-        return list(self._devices)
-
-    @property
-    def num_replicas(self) -> int:
-        """R, the number of data-parallel replicas of the pipeline (1 unless ``devices`` gives R lists)."""
-        return len(self._replica_devices)
-
-    @property
-    def num_partitions(self) -> int:
-        """K, the number of cells."""
-        return self._num_cells
-
-    @property
-    def num_micro_batches(self) -> int:
-        """M, the number of micro-batches per mini-batch."""
-        return self._m
-
-    @property
-    def remat(self) -> str:
-        """The re-materialization mode."""
-        return self._remat
-
-    @property
-    def unroll(self) -> bool:
-        """Whether each step is an unrolled graph of tasks (True) or two loops over clock cycles (False)."""
-        return self._unroll
-
-    @property
-    def schedule(self) -> str:
-        """The order of each cell's tasks: ``"gpipe"`` or ``"1f1b"``."""
-        return self._schedule
-
-    @property
-    def unrolled(self) -> bool | None:
-        """How the step is built now (loops fall back to unrolled if a cell cannot be traced); None before a split."""
-        return self._pipeline.unroll if self._pipeline else None
-
-    @property
-    def cost(self) -> cost_lib.Cost:
-        """The per-layer cost used to balance the cells and shown by ``summary``."""
-        return self._cost
-
-    @property
-    def output_names(self) -> list[str] | None:
-        """The Functional model's output names, which ``compile`` matches dict losses and metrics to (else None)."""
-        return list(self._graph.model.output_names) if self._graph is not None else None
-
-    @property
-    def cells(self) -> list[Cell]:
-        """The cells, in pipeline order (empty until the balance is known)."""
-        return list(self._pipeline.cells) if self._pipeline else []
 
     # Building and calling ------------------------------------------------------------------
     def build(self, input_shape: Any) -> None:
@@ -360,63 +284,7 @@ class PipelineModel(keras.Model):
             changed.add(id(variable))
             variable.assign(value)
 
-    # Keras training --------------------------------------------------------------------------
-    def compile(self, *args: Any, jit_compile: Any = "auto", **kwargs: Any) -> None:
-        """Keras ``compile``; ``jit_compile=True`` compiles each cell's tasks by XLA on the cell's device.
-
-        The step itself is never one XLA cluster, which would ignore the cells' devices. ``"auto"`` (Keras'
-        default, which means XLA wherever a GPU is) and False leave the cells to TensorFlow's executor.
-        """
-        if jit_compile not in (True, False, "auto"):
-            raise ValueError(f"jit_compile must be True, False or 'auto', got {jit_compile!r}.")
-        if jit_compile is True and kwargs.get("run_eagerly"):
-            warnings.warn("run_eagerly=True runs the cells' layers eagerly: jit_compile=True is ignored.", stacklevel=2)
-        super().compile(*args, jit_compile=False, **kwargs)
-        self._cells_jit = jit_compile is True and not self.run_eagerly
-        self._apply_cells_jit()
-        if hasattr(self, "_compile_config"):  # saved and loaded with the user's choice, not the outer step's
-            self._compile_config.config["jit_compile"] = jit_compile
-        if self.optimizer is not None:
-            training_lib.place_on_variable_devices(self.optimizer)
-            training_lib.check_slices_finite(self.optimizer)
-
-    @property
-    def cells_jit_compile(self) -> bool:
-        """Whether each cell's traced tasks are compiled by XLA on its device (``compile(jit_compile=True)``)."""
-        return self._cells_jit
-
-    def _apply_cells_jit(self) -> None:
-        for pipeline in getattr(self._pipeline, "pipelines", [self._pipeline] if self._pipeline else []):
-            for cell in pipeline.cells:
-                cell.jit_compile = self._cells_jit
-
-    def make_train_function(self, force: bool = False) -> Callable:
-        """Keras' train function; a step that calls its cells runs with fewer Grappler passes.
-
-        See ``_with_fewer_rewrites``.
-        """
-        return self._made("train_function", super().make_train_function, force)
-
-    def make_test_function(self, force: bool = False) -> Callable:
-        """Keras' test function, as ``make_train_function`` makes it."""
-        return self._made("test_function", super().make_test_function, force)
-
-    def make_predict_function(self, force: bool = False) -> Callable:
-        """Keras' predict function, as ``make_train_function`` makes it."""
-        return self._made("predict_function", super().make_predict_function, force)
-
-    def _made(self, name: str, make: Callable[[bool], Any], force: bool) -> Callable:
-        if getattr(self, name) is None or force:
-            make(force)
-            setattr(self, name, _with_fewer_rewrites(getattr(self, name), self._calls_cells))
-        return getattr(self, name)
-
-    def _calls_cells(self) -> bool:
-        """Whether the step is unrolled with the cells called as functions TensorFlow does not inline."""
-        pipeline = self._pipeline
-        cells = pipeline.cells if pipeline is not None and pipeline.unroll else []
-        return any(cell.noinline and cell.traceable for cell in cells)  # not on TPU cores: cells run inline there
-
+    # The training step ---------------------------------------------------------------------------
     def compute_loss(
         self, x: Any = None, y: Any = None, y_pred: Any = None, sample_weight: Any = None, training: bool = True
     ) -> Any:
@@ -472,186 +340,6 @@ class PipelineModel(keras.Model):
         with devices_lib.scope(self._devices[-1]):
             return xs, microbatch.split(y, sizes), microbatch.split(sample_weight, sizes)
 
-    def fit(self, x: Any = None, y: Any = None, batch_size: int | None = None, *args: Any, **kwargs: Any):
-        """Keras ``fit``; checks first that no training batch will be smaller than num_micro_batches.
-
-        A keras_hub task's ``preprocessor`` is applied to the data first, as the task's own ``fit`` does.
-        """
-        if self.preprocess is not None:
-            x, kwargs = hub.for_fit(self.preprocess, x, y, batch_size, kwargs)
-            y = batch_size = None
-        split = kwargs.get("validation_split") or 0.0
-        training_lib.check_batches(x, batch_size, split, self.num_micro_batches, self.num_replicas)
-        self._before_tracing(x, y, kwargs.get("sample_weight"))
-        with cluster_lib.reporting(), training_lib.short_batch_errors():  # named workers, short messages
-            return super().fit(x, y, batch_size, *args, **kwargs)
-
-    def evaluate(self, x: Any = None, y: Any = None, batch_size: int | None = None, *args: Any, **kwargs: Any):
-        """Keras ``evaluate``, after the task's ``preprocessor`` as in ``fit``."""
-        if self.preprocess is not None and not kwargs.get("_use_cached_eval_dataset"):  # fit's validation: done
-            x, kwargs = hub.for_evaluate(self.preprocess, x, y, batch_size, kwargs)
-            y = batch_size = None
-        self._before_tracing(x, y, kwargs.get("sample_weight"))
-        with cluster_lib.reporting():
-            return super().evaluate(x, y, batch_size, *args, **kwargs)
-
-    def predict(self, x: Any, batch_size: int | None = None, *args: Any, **kwargs: Any):
-        """Keras ``predict``, after the task's ``preprocessor`` as in ``fit``."""
-        if self.preprocess is not None:
-            x, batch_size = hub.for_predict(self.preprocess, x, batch_size), None
-        self._before_tracing(None, None, None)
-        with cluster_lib.reporting():
-            return super().predict(x, batch_size, *args, **kwargs)
-
-    def train_on_batch(self, x: Any = None, y: Any = None, sample_weight: Any = None, *args: Any, **kwargs: Any):
-        """Keras ``train_on_batch``, with the variables created before the step is traced."""
-        if self.preprocess is not None:
-            x, y, sample_weight = hub.for_batch(self.preprocess, x, y, sample_weight)
-        self._before_tracing(x, y, sample_weight)
-        with cluster_lib.reporting():
-            return super().train_on_batch(x, y, sample_weight, *args, **kwargs)
-
-    def test_on_batch(self, x: Any = None, y: Any = None, sample_weight: Any = None, *args: Any, **kwargs: Any):
-        """Keras ``test_on_batch``, with the variables created before the step is traced."""
-        if self.preprocess is not None:
-            x, y, sample_weight = hub.for_batch(self.preprocess, x, y, sample_weight)
-        self._before_tracing(x, y, sample_weight)
-        with cluster_lib.reporting():
-            return super().test_on_batch(x, y, sample_weight, *args, **kwargs)
-
-    def predict_on_batch(self, x: Any) -> Any:
-        """Keras ``predict_on_batch``, after the task's ``preprocessor``."""
-        if self.preprocess is not None:
-            x = hub.for_batch(self.preprocess, x)[0]
-        self._before_tracing(None, None, None)
-        with cluster_lib.reporting():
-            return super().predict_on_batch(x)
-
-    @property
-    def preprocess(self) -> hub.Preprocess | None:
-        """The keras_hub task's ``preprocess_samples``, applied to the data by fit, evaluate and predict; else None."""
-        return hub.preprocess_of(self._graph.model) if self._graph is not None else None
-
-    def _before_tracing(self, x: Any, y: Any, sample_weight: Any) -> None:
-        """Variables created, and explicit transfers between processes prepared, before Keras traces a step."""
-        if x is not None:
-            training_lib.build_before_tracing(self, x, y, sample_weight)
-        if self._pipeline is not None:
-            self._pipeline.prepare()
-
-    # Saving and converting ------------------------------------------------------------------------
-    def get_config(self) -> dict[str, Any]:
-        """The layers, the split (balance once known, else K and the cost), devices, M and remat.
-
-        A callable ``cost`` cannot be saved; its balance is, so a loaded model is split the same way.
-        """
-        config: dict[str, Any] = {
-            "name": self.name,
-            "trainable": self.trainable,
-            "dtype": keras.dtype_policies.serialize(self.dtype_policy),
-            "devices": self.devices,
-            "num_micro_batches": self._m,
-            "remat": self._remat,
-            "unroll": self._unroll,
-            "schedule": self._schedule,
-            "cost": self._cost if isinstance(self._cost, str) else "flops",
-        }
-        if self._graph is not None:
-            config["model"] = keras.saving.serialize_keras_object(self._graph.model)
-        else:
-            config["layers"] = [saving.layer_config(layer) for layer in self.pipeline_layers]
-        if self.balance is not None:
-            config["balance"] = self.balance
-        else:
-            config["num_partitions"] = self._num_cells
-        return config
-
-    @classmethod
-    def from_config(cls, config: dict[str, Any], custom_objects: Any = None) -> PipelineModel:
-        """A model from ``get_config``; saved devices this machine lacks are replaced by its own (with a warning)."""
-        config = dict(config)
-        if "model" in config:  # a Functional model
-            layers = keras.saving.deserialize_keras_object(config.pop("model"), custom_objects=custom_objects)
-        else:
-            layers = [
-                keras.saving.deserialize_keras_object(c, custom_objects=custom_objects) for c in config.pop("layers")
-            ]
-        num_cells = len(config["balance"]) if config.get("balance") else config["num_partitions"]
-        devices, why = devices_lib.restore(config.pop("devices"), num_cells)
-        if why:
-            warnings.warn(f"Loading PipelineModel {config.get('name')!r}: {why}.", stacklevel=2)
-        return cls(layers, devices=devices, **config)
-
-    def get_build_config(self) -> dict[str, Any] | None:
-        """The shapes and dtypes of the inputs the model was built for."""
-        return {"inputs": specs.to_config(self._inputs)} if self._inputs is not None else None
-
-    def build_from_config(self, config: dict[str, Any] | None) -> None:
-        """Build for the inputs recorded by ``get_build_config`` (loading then finds every variable)."""
-        if config and "inputs" in config:
-            self.build(specs.from_config(config["inputs"]))
-
-    def compile_from_config(self, config: dict[str, Any]) -> None:
-        """Compile as saved, creating the optimizer's variables on their devices so that its state loads."""
-        self.compile(**keras.saving.deserialize_keras_object(config))
-        if self.optimizer is not None and self.built:
-            self.optimizer.build(self.trainable_variables)
-
-    @property
-    def _tfpipe_seed_states(self) -> saving.SeedStates:
-        # Keras saves every KerasSaveable attribute of a model, so this one puts the seed
-        # states in their own group (a keras.Sequential loading the file ignores it). Set
-        # without Keras' attribute tracking, so that it is not one of the model's layers.
-        if "_seed_saver" not in self.__dict__:
-            states = saving.SeedStates(lambda: state_lib.seed_states(self.pipeline_layers))
-            object.__setattr__(self, "_seed_saver", states)
-        return self.__dict__["_seed_saver"]
-
-    @classmethod
-    def from_sequential(cls, model: keras.Sequential, *, copy: bool = True, **kwargs: Any) -> PipelineModel:
-        """A PipelineModel of a Sequential's layers; ``kwargs`` as for the constructor.
-
-        ``copy=True`` (default) clones the layers and copies their weights, so the new
-        variables are created on the cells' devices and the Sequential is left alone.
-        ``copy=False`` shares the layer objects, and with them the variables, wherever
-        they already are.
-        """
-        return saving.from_sequential(cls, model, copy, kwargs)
-
-    def to_sequential(self, *, copy: bool = False) -> keras.Sequential:
-        """The same layers as a plain ``keras.Sequential`` (for serving or export), built if this model is.
-
-        ``copy=False`` (default) shares the layers and weights: training one trains the
-        other. ``copy=True`` clones the layers and copies the current weights.
-        """
-        if self._graph is not None:
-            raise TypeError(
-                f"PipelineModel {self.name!r} was made from the Functional model {self._graph.model.name!r}; "
-                "use to_functional() to get it back."
-            )
-        sequential = saving.to_sequential(self.pipeline_layers, self._inputs, f"{self.name}_sequential", copy)
-        if not copy:  # copies are made on one device; shared weights stay on the cells'
-            saving.keep_off_xla(sequential, self._devices)
-        return sequential
-
-    def to_functional(self, *, copy: bool = False) -> keras.Model:
-        """The Functional model this one was made from: the same graph over the same layers.
-
-        ``copy=False`` (default) returns that model, sharing the layers and weights. ``copy=True``
-        clones it (``keras.models.clone_model``) with the current weights.
-        """
-        if self._graph is None:
-            raise TypeError(
-                f"PipelineModel {self.name!r} was made from a layer sequence, not a Functional model; "
-                "use to_sequential() (or keras.Sequential(model.pipeline_layers))."
-            )
-        model = self._graph.model
-        if not copy:
-            return model
-        clone = keras.models.clone_model(model)
-        clone.set_weights(model.get_weights())
-        return clone
-
     # Presentation -------------------------------------------------------------------------------
     def layer_costs(self) -> cost_lib.Estimate | None:
         """Per-layer costs under ``cost``: those the split used, else estimated now (needs a built model)."""
@@ -677,29 +365,3 @@ class PipelineModel(keras.Model):
         Ends with the predicted pipeline efficiency: M / (M + K - 1) times mean / max cell cost.
         """
         summary_lib.print_summary(self, line_length, print_fn)
-
-
-def _with_fewer_rewrites(function: Callable, calls_cells: Callable[[], bool]) -> Callable:
-    """``function`` (a Keras step function) called without two Grappler passes when ``calls_cells()``.
-
-    TensorFlow's runtime inlines every call it may (``LowerFunctionalOpsPass``) before
-    Grappler sees the step. What is left of an unrolled step with many tasks are the cells'
-    ``_noinline`` calls, and Grappler's function optimizer rebuilds the body of each of them,
-    call site by call site, before it reads the mark and leaves it alone: 1.8 s of the 10-12 s
-    first step at K=2, M=32. Its TFG optimizer (MLIR passes that sink ops into the branches
-    of If and Case, and tidy the function library) changes nothing in such a step and took
-    0.4-0.6 s more. Both are off for the step and the functions it calls; later steps
-    measured the same. With cells inlined (fewer tasks) neither rebuilds anything of theirs,
-    and both stay on: across worker processes, K=2, M=8 measured 1.18-1.26x over one worker
-    with the function optimizer off against 1.20-1.31x with it on.
-    The user's other Grappler settings stay as they are.
-    """
-
-    @functools.wraps(function)
-    def call(*args: Any, **kwargs: Any) -> Any:
-        if not calls_cells():
-            return function(*args, **kwargs)
-        with _compat.fewer_rewrites():
-            return function(*args, **kwargs)
-
-    return call

@@ -1,0 +1,155 @@
+"""A PipelineModel's settings: the constructor's arguments checked, and the read-only properties that give them back."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+import keras
+
+from tfpipe._args import positive_int
+from tfpipe.backward import remat as remat_lib
+from tfpipe.distributed import devices as devices_lib
+from tfpipe.partition import functional
+from tfpipe.partition.cell import Cell
+from tfpipe.planning import balance as balance_lib
+from tfpipe.planning import cost as cost_lib
+from tfpipe.step import schedule as schedule_lib
+from tfpipe.step.replicated import Replicated
+from tfpipe.step.unrolled import Pipeline, check_remat, check_unroll
+
+
+class Settings(NamedTuple):
+    """The constructor's arguments, checked: the split asked for, M, how steps are built, the devices."""
+
+    cell_sizes: list[int] | None  # the balance given; None when num_partitions asks for a split by cost
+    num_cells: int
+    cost: cost_lib.Cost
+    num_micro_batches: int
+    remat: str
+    unroll: bool
+    schedule: str
+    replica_devices: list[list[str]]  # one device per cell, per replica
+
+
+def check(
+    layers: Any,
+    graph: functional.Graph | None,
+    units: int,
+    balance: Sequence[int] | None,
+    num_partitions: int | None,
+    cost: cost_lib.Cost,
+    devices: Any,
+    num_micro_batches: int,
+    remat: str,
+    unroll: bool,
+    schedule: str,
+) -> Settings:
+    """PipelineModel's arguments checked (``units``: layers, or a Functional model's nodes), with errors that
+    say what to pass instead."""
+    if (balance is None) == (num_partitions is None):
+        raise ValueError(
+            "Give exactly one of balance=[layers per cell] or num_partitions=K; got "
+            f"balance={balance!r}, num_partitions={num_partitions!r}."
+        )
+    cost = cost_lib.check_kind(cost)
+    if cost == "memory":
+        raise ValueError(
+            "cost='memory' needs a measurement outside the training graph; compute "
+            "balance=tfpipe.balance.by_memory(layers, K, sample) first and pass it as balance=."
+        )
+    unit = "layers" if graph is None else f"nodes (layer and keras.ops calls) in {layers.name!r}"
+    if graph is not None and graph.whole:
+        unit += f" ({graph.whole_note()})"
+    cell_sizes = balance_lib.check(balance, units, unit) if balance is not None else None
+    num_cells = len(cell_sizes) if cell_sizes else balance_lib.check_num_partitions(num_partitions, units, unit)
+    m = positive_int("num_micro_batches", num_micro_batches, "Use 1 to disable micro-batching.")
+    remat = remat_lib.check_mode(remat)
+    unroll = check_unroll(unroll, remat)
+    schedule = schedule_lib.check_name(schedule)
+    check_remat(remat, schedule)
+    if schedule != "gpipe" and not unroll:
+        raise ValueError(f"schedule={schedule!r} needs unroll=True; unroll=False runs GPipe's clock cycles.")
+    replica_devices = devices_lib.resolve_replicas(devices, num_cells)
+    return Settings(cell_sizes, num_cells, cost, m, remat, unroll, schedule, replica_devices)
+
+
+class SettingsProperties(keras.Model):
+    """PipelineModel's read-only properties: its settings, and the split and cells they led to.
+
+    A base class of ``PipelineModel`` alone: it reads what the model's constructor and build set.
+    """
+
+    _balance: list[int]
+    _replica_devices: list[list[str]]
+    _devices: list[str]
+    _num_cells: int
+    _m: int
+    _remat: str
+    _unroll: bool
+    _schedule: str
+    _cost: cost_lib.Cost
+    _graph: functional.Graph | None
+    _pipeline: Pipeline | Replicated | None
+
+    @property
+    def balance(self) -> list[int] | None:
+        """Layers per cell; ``None`` until built when ``num_partitions`` splits by an estimated cost."""
+        return list(self._balance) if self._pipeline else None
+
+    @property
+    def devices(self) -> list[str] | list[list[str]]:
+        """The device of each cell; with replicas, one such list per replica."""
+        if len(self._replica_devices) > 1:
+            return [list(row) for row in self._replica_devices]
+        return list(self._devices)
+
+    @property
+    def num_replicas(self) -> int:
+        """R, the number of data-parallel replicas of the pipeline (1 unless ``devices`` gives R lists)."""
+        return len(self._replica_devices)
+
+    @property
+    def num_partitions(self) -> int:
+        """K, the number of cells."""
+        return self._num_cells
+
+    @property
+    def num_micro_batches(self) -> int:
+        """M, the number of micro-batches per mini-batch."""
+        return self._m
+
+    @property
+    def remat(self) -> str:
+        """The re-materialization mode."""
+        return self._remat
+
+    @property
+    def unroll(self) -> bool:
+        """Whether each step is an unrolled graph of tasks (True) or two loops over clock cycles (False)."""
+        return self._unroll
+
+    @property
+    def schedule(self) -> str:
+        """The order of each cell's tasks: ``"gpipe"`` or ``"1f1b"``."""
+        return self._schedule
+
+    @property
+    def unrolled(self) -> bool | None:
+        """How the step is built now (loops fall back to unrolled if a cell cannot be traced); None before a split."""
+        return self._pipeline.unroll if self._pipeline else None
+
+    @property
+    def cost(self) -> cost_lib.Cost:
+        """The per-layer cost used to balance the cells and shown by ``summary``."""
+        return self._cost
+
+    @property
+    def output_names(self) -> list[str] | None:
+        """The Functional model's output names, which ``compile`` matches dict losses and metrics to (else None)."""
+        return list(self._graph.model.output_names) if self._graph is not None else None
+
+    @property
+    def cells(self) -> list[Cell]:
+        """The cells, in pipeline order (empty until the balance is known)."""
+        return list(self._pipeline.cells) if self._pipeline else []
