@@ -4,6 +4,7 @@ checks before fit, variables created before tracing, and optimizer updates place
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -188,26 +189,39 @@ def place_on_variable_devices(optimizer: keras.optimizers.Optimizer) -> None:
     inner one), as is the gradients' cross-replica sum, which runs per variable device.
     """
     for opt in (optimizer, getattr(optimizer, "inner_optimizer", None)):
-        if opt is None or getattr(opt, "_tfpipe_placed", False):
+        if opt is None or _compat.patched(opt, "placed"):
             continue
-        create, update = opt.add_variable_from_reference, opt.update_step
-
-        def add_variable_from_reference(reference_variable, *args, _create=create, **kwargs):
-            with tf.device(_device_of(reference_variable)):
-                return _create(reference_variable, *args, **kwargs)
-
+        _compat.wrap_optimizer_method(opt, "add_variable_from_reference", _created_on_variable_device)
         read = _reads_per_device()
-
-        def update_step(gradient, variable, learning_rate, _update=update, _read=read, _opt=opt):
-            device = _device_of(variable)
-            counter = _read(_compat.step_counter(_opt), device)  # Adam and others read it in every update
-            with tf.device(device), _compat.step_counter_as(_opt, counter):
-                return _update(gradient, variable, _read(learning_rate, device))
-
-        opt.add_variable_from_reference = add_variable_from_reference
-        opt.update_step = update_step
+        _compat.wrap_optimizer_method(
+            opt, "update_step", functools.partial(_updated_on_variable_device, opt=opt, read=read)
+        )
         _compat.set_gradient_all_reduce(opt, _by_device(_compat.gradient_all_reduce(opt)))
-        opt._tfpipe_placed = True
+        _compat.mark_patched(opt, "placed")
+
+
+def _created_on_variable_device(create: Callable[..., Any]) -> Callable[..., Any]:
+    """``add_variable_from_reference`` that creates the slot on its variable's device."""
+
+    def add_variable_from_reference(reference_variable: Any, *args: Any, **kwargs: Any) -> Any:
+        with tf.device(_device_of(reference_variable)):
+            return create(reference_variable, *args, **kwargs)
+
+    return add_variable_from_reference
+
+
+def _updated_on_variable_device(
+    update: Callable[..., Any], opt: keras.optimizers.Optimizer, read: Callable[[Any, str], Any]
+) -> Callable[..., Any]:
+    """``update_step`` that runs on its variable's device, reading the step counter and learning rate there."""
+
+    def update_step(gradient: Any, variable: Any, learning_rate: Any) -> Any:
+        device = _device_of(variable)
+        counter = read(_compat.step_counter(opt), device)  # Adam and others read it in every update
+        with tf.device(device), _compat.step_counter_as(opt, counter):
+            return update(gradient, variable, read(learning_rate, device))
+
+    return update_step
 
 
 def check_slices_finite(optimizer: keras.optimizers.Optimizer) -> None:
@@ -218,15 +232,19 @@ def check_slices_finite(optimizer: keras.optimizers.Optimizer) -> None:
     concatenated), a later finite row overwrites a non-finite one, and the step is applied with inf
     or NaN. ``check_finite`` is a public method; it is wrapped on this instance.
     """
-    if not isinstance(optimizer, keras.optimizers.LossScaleOptimizer) or getattr(optimizer, "_tfpipe_slices", False):
+    if not isinstance(optimizer, keras.optimizers.LossScaleOptimizer) or _compat.patched(optimizer, "slices"):
         return
-    check = optimizer.check_finite
+    _compat.wrap_optimizer_method(optimizer, "check_finite", _reading_slice_values)
+    _compat.mark_patched(optimizer, "slices")
+
+
+def _reading_slice_values(check: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    """``check_finite`` that checks a ``tf.IndexedSlices``' values instead of its scattered dense form."""
 
     def check_finite(grads: Any) -> Any:
         return check([g.values if isinstance(g, tf.IndexedSlices) else g for g in grads])
 
-    optimizer.check_finite = check_finite
-    optimizer._tfpipe_slices = True
+    return check_finite
 
 
 def _reads_per_device() -> Callable[[Any, str], Any]:

@@ -61,14 +61,10 @@ def discover(pairs: list[tuple[str, str]]) -> None:
     # counted by tf.function's retracing warning.
     traced = tf.function(move, autograph=False).get_concrete_function(tf.TensorSpec([], tf.float32))
     places = {(_place(src), _place(dst)): (src, dst) for src, dst in wanted}
-    for graph in _compat.partition_graphs(traced, tf.constant(0.0)):
-        for node in graph.node:
-            if node.op != "_Send":
-                continue
-            send_device, recv_device = node.attr["send_device"].s.decode(), node.attr["recv_device"].s.decode()
-            pair = places.get((_place(send_device), _place(recv_device)))
-            if pair is not None:
-                _ENDPOINTS[pair] = (send_device, recv_device, node.attr["send_device_incarnation"].i)
+    for send_device, recv_device, incarnation in _compat.inserted_sends(traced, tf.constant(0.0)):
+        pair = places.get((_place(send_device), _place(recv_device)))
+        if pair is not None:
+            _ENDPOINTS[pair] = (send_device, recv_device, incarnation)
 
 
 def known(src: str, dst: str) -> bool:
@@ -79,28 +75,14 @@ def known(src: str, dst: str) -> bool:
 def send(tensor: tf.Tensor, name: str, src: str, dst: str) -> tf.Operation:
     """Send ``tensor`` from ``src`` (the current device scope) to ``dst`` under ``name``, unique in the step."""
     send_device, recv_device, incarnation = _ENDPOINTS[(src, dst)]
-    return tf.raw_ops.Send(
-        tensor=tensor,
-        tensor_name=name,
-        send_device=send_device,
-        send_device_incarnation=incarnation,
-        recv_device=recv_device,
-        client_terminated=False,
-    )
+    return _compat.send(tensor, name, send_device, incarnation, recv_device)
 
 
 def recv(like: tf.Tensor, name: str, src: str, dst: str) -> tf.Tensor:
     """Receive on ``dst`` what ``send`` sent under ``name``; typed and shaped like ``like``."""
     send_device, recv_device, incarnation = _ENDPOINTS[(src, dst)]
     with tf.device(dst), tf.control_dependencies(None):  # waits for the data alone, not the producer's chain
-        received = tf.raw_ops.Recv(
-            tensor_type=like.dtype,
-            tensor_name=name,
-            send_device=send_device,
-            send_device_incarnation=incarnation,
-            recv_device=recv_device,
-            client_terminated=False,
-        )
+        received = _compat.recv(like.dtype, name, send_device, incarnation, recv_device)
     received.set_shape(like.shape)
     return received
 

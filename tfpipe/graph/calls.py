@@ -20,27 +20,18 @@ from collections.abc import Sequence
 from typing import Any
 
 import tensorflow as tf
-from tensorflow.core.framework import attr_value_pb2
 
 from tfpipe import _compat
 
-XLA_MUST_COMPILE = "_XlaMustCompile"  # the attribute of a function made with tf.function(jit_compile=True)
 _FACTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # function -> (not inlined, stateful body)
 
 
 def _facts(function: Any) -> tuple[bool, bool]:
     """Whether ``function`` is marked ``_noinline``, and whether its body is stateful; read once per function."""
     if function not in _FACTS:
-        marked = function.function_def.attr.get("_noinline")
         stateful = any(op.op_def.is_stateful for op in function.graph.get_operations())
-        _FACTS[function] = (marked is not None and marked.b, stateful)
+        _FACTS[function] = (_compat.is_noinline(function), stateful)
     return _FACTS[function]
-
-
-def _types(tensors: Sequence[tf.Tensor]) -> attr_value_pb2.AttrValue:
-    return attr_value_pb2.AttrValue(
-        list=attr_value_pb2.AttrValue.ListValue(type=[t.dtype.as_datatype_enum for t in tensors])
-    )
 
 
 def call(function: Any, args: Sequence[Any]) -> list[tf.Tensor]:
@@ -53,19 +44,7 @@ def call(function: Any, args: Sequence[Any]) -> list[tf.Tensor]:
     inputs = [tf.convert_to_tensor(a) for a in args] + list(function.captured_inputs)
     # Not ``function.outputs``: once TensorFlow differentiates the function, its graph also outputs intermediates.
     outputs = function.function_type.flat_outputs
-    attrs = {
-        "f": attr_value_pb2.AttrValue(func=attr_value_pb2.NameAttrList(name=function.name)),
-        "Tin": _types(inputs),
-        "Tout": _types(outputs),
-        "config_proto": attr_value_pb2.AttrValue(s=_compat.call_options()),
-        "executor_type": attr_value_pb2.AttrValue(s=b""),
-        "_disable_call_shape_inference": attr_value_pb2.AttrValue(b=True),
-    }
-    xla = function.function_def.attr.get(XLA_MUST_COMPILE)
-    if xla is not None:  # as TensorFlow's own call op carries it: the call is compiled by XLA on its device
-        attrs[XLA_MUST_COMPILE] = xla
-    op_type = "StatefulPartitionedCall" if _facts(function)[1] else "PartitionedCall"
-    op = graph.create_op(op_type, inputs, [t.dtype for t in outputs], name=op_type, attrs=attrs)
+    op = _compat.call_op(graph, function, inputs, [t.dtype for t in outputs], stateful=_facts(function)[1])
     for out, like in zip(op.outputs, outputs):
         out.set_shape(like.shape)
     return list(op.outputs)

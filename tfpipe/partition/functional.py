@@ -57,8 +57,8 @@ class Node:
     def run(self, values: Mapping[int, Any], training: bool | None) -> list[Any]:
         """Call the operation on ``values`` (key -> tensor) as Keras' Functional call does; its flat outputs."""
         args, kwargs = self.arguments.fill_in({i: values[k] for i, k in self.keys.items()})
-        # What keras.src.models.functional.operation_fn does with the call-context argument `training`.
-        if training is not None and "training" in getattr(self.operation, "_call_context_args", ()):
+        # What Keras' Functional call does with the call-context argument `training`.
+        if training is not None and _compat.takes_training(self.operation):
             kwargs["training"] = training
         return keras.tree.flatten(self.operation(*args, **kwargs))
 
@@ -71,7 +71,7 @@ def hang_companions(values: dict[int, Any], keys: Sequence[int], companions: Com
     for k in keys:
         for attribute, c in companions.get(k, ()):
             if c in values and k in values:
-                setattr(values[k], attribute, values[c])
+                _compat.hang(values[k], attribute, values[c])
 
 
 @dataclasses.dataclass
@@ -97,7 +97,7 @@ class Segment:
             values.update(zip(node.outputs, node.run(values, training)))
             for k in node.outputs:
                 for attribute, c in self.companions.get(k, ()):
-                    values[c] = getattr(values[k], attribute, None)
+                    values[c] = _compat.hung(values[k], attribute)
                     if values[c] is None:
                         raise ValueError(
                             f"Node {node.name!r} gave a tensor without the {attribute} that its symbolic call "
@@ -129,11 +129,11 @@ class Graph:
             warnings.warn(f"{model.name!r}: {self.whole_note()}; the balance cannot cut inside them.", stacklevel=3)
         self.companions: Companions = {}
         for k, spec in list(self.specs.items()):
-            mask = getattr(spec, "_keras_mask", None)
+            mask = _compat.hung(spec, _compat.MASK)
             if mask is not None and k not in self.inputs:
-                self.companions[k] = [("_keras_mask", self._new_key(mask))]
+                self.companions[k] = [(_compat.MASK, self._new_key(mask))]
         for k in _with_logits(self.nodes, self.outputs, self.specs):
-            self.companions.setdefault(k, []).append(("_keras_logits", self._new_key(self.specs[k])))
+            self.companions.setdefault(k, []).append((_compat.LOGITS, self._new_key(self.specs[k])))
 
     def whole_note(self) -> str:
         """Which nested models stay one node each and why ("" if none)."""
@@ -287,7 +287,7 @@ def _with_logits(nodes: Sequence[Node], outputs: Sequence[int], specs: Mapping[i
         wanted = [k for k in node.outputs if k in outputs]
         if wanted:
             made = _trace_alone(node, specs)
-            found.extend(k for k in wanted if getattr(made.get(k), "_keras_logits", None) is not None)
+            found.extend(k for k in wanted if _compat.hung(made.get(k), _compat.LOGITS) is not None)
     return found
 
 

@@ -1,91 +1,16 @@
-"""Every private Keras/TensorFlow internal in tfpipe/_compat.py still exists and behaves as tfpipe expects.
+"""Every private TensorFlow internal in tfpipe/_compat/tensorflow.py still exists and behaves as tfpipe expects.
 
-If one of these fails after upgrading Keras or TensorFlow, the internal it names
-changed: fix tfpipe/_compat.py, do not loosen the test.
+If one of these fails after upgrading TensorFlow, the internal it names changed:
+fix tfpipe/_compat/tensorflow.py, do not loosen the test.
 """
 
 import inspect
 
-import keras
 import numpy as np
 import pytest
 import tensorflow as tf
 
 from tfpipe import _compat
-
-
-def test_in_stateless_scope():
-    assert not _compat.in_stateless_scope()
-    with keras.StatelessScope():
-        assert _compat.in_stateless_scope()
-
-
-def _compiled_model():
-    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
-    model.compile(optimizer="sgd", loss="mse", metrics=["mae"])
-    return model
-
-
-def test_compiled_loss_is_the_compiled_loss_without_model_losses():
-    model = _compiled_model()
-    y, y_pred = np.ones((4, 2), "float32"), np.zeros((4, 2), "float32")
-    assert float(_compat.compiled_loss(model)(y, y_pred, None)) == pytest.approx(1.0)
-    unlossed = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
-    unlossed.compile(optimizer="sgd")
-    assert _compat.compiled_loss(unlossed) is None
-
-
-def test_loss_tracker_reports_fits_loss():
-    model = _compiled_model()
-    tracker = _compat.loss_tracker(model)
-    assert isinstance(tracker, keras.metrics.Mean) and tracker.name == "loss"
-    assert tracker in model.metrics
-
-
-def test_symbolic_build_creates_metric_and_optimizer_variables():
-    model = _compiled_model()
-    batch = (keras.KerasTensor((None, 3)), keras.KerasTensor((None, 2)), None)
-    assert not model.optimizer.built
-    before = len(model.metrics_variables)
-    _compat.symbolic_build(model, batch)
-    assert model.optimizer.built and len(model.metrics_variables) > before
-
-
-def test_gradient_all_reduce_is_called_before_every_update_and_can_be_replaced():
-    optimizer = keras.optimizers.SGD(0.5)
-    variable = keras.Variable(np.ones(2, "float32"))
-    optimizer.build([variable])
-    reduce, seen = _compat.gradient_all_reduce(optimizer), []
-
-    def doubled(grads_and_vars):
-        seen.append(len(grads_and_vars))
-        return [(2.0 * g, v) for g, v in reduce(grads_and_vars)]
-
-    _compat.set_gradient_all_reduce(optimizer, doubled)
-    optimizer.apply_gradients([(tf.ones(2), variable)])
-    assert seen == [1]
-    np.testing.assert_allclose(variable.numpy(), [0.0, 0.0])  # 1 - 0.5 * (2 * 1)
-
-
-def test_step_counter_as_is_what_an_update_reads_and_is_restored():
-    optimizer = keras.optimizers.Adam(0.1)
-    variable = keras.Variable(np.ones(2, "float32"))
-    optimizer.build([variable])
-    counter = _compat.step_counter(optimizer)
-    assert counter is optimizer.iterations  # no gradient accumulation
-    with _compat.step_counter_as(optimizer, tf.constant(9, counter.dtype)):  # Adam's bias correction at step 10
-        optimizer.update_step(tf.ones(2), variable, 0.1)
-    assert _compat.step_counter(optimizer) is counter
-    m, v = 0.1, 0.001  # after one update from zero slots with gradient 1
-    alpha = 0.1 * np.sqrt(1 - 0.999**10) / (1 - 0.9**10)
-    np.testing.assert_allclose(variable.numpy(), 1 - m * alpha / (np.sqrt(v) + 1e-7), rtol=1e-5)  # step 1: 1 - 0.1
-
-
-def test_flatten_layers_reaches_nested_layers():
-    inner = keras.Sequential([keras.layers.Dense(2, name="deep")])
-    outer = keras.Sequential([keras.Input((3,)), inner])
-    names = [layer.name for layer in _compat.flatten_layers(outer)]
-    assert names[0] == outer.name and inner.name in names and "deep" in names
 
 
 def test_function_graph_finds_a_called_function():
@@ -135,16 +60,6 @@ def test_tpu_strategy_keeps_its_device_assignment_privately():
 def test_default_strategy_is_recognized():
     assert _compat.is_default_strategy(tf.distribute.get_strategy())
     assert not _compat.is_default_strategy(tf.distribute.OneDeviceStrategy("/CPU:0"))
-
-
-def test_functional_execution_order_is_by_depth_without_input_nodes():
-    inputs = keras.Input((3,))
-    dense = keras.layers.Dense(3, name="d")
-    outputs = keras.layers.Add(name="add")([dense(inputs), inputs])
-    model = keras.Model(inputs, outputs)
-    nodes = _compat.execution_order(model)
-    assert [n.operation.name for n in nodes] == ["d", "add"]
-    assert list(nodes[1].arguments.keras_tensors)[1] is inputs
 
 
 def test_partition_graphs_show_the_transfers_tensorflow_makes():
@@ -266,3 +181,91 @@ def test_tensorflow_gradient_is_the_registered_gradient_tf_gradients_uses():
     ours, theirs = run()
     for a, b in zip(ours, theirs):
         np.testing.assert_allclose(a.numpy(), b.numpy())
+
+
+def _op_types_run(attributes):
+    inner = tf.function(lambda x: x * 2.0 + 1.0, autograph=False, experimental_attributes=attributes)
+    inner = inner.get_concrete_function(tf.TensorSpec([], tf.float32))
+
+    @tf.function(autograph=False)
+    def outer(x):
+        return inner(x) * 3.0
+
+    return inner, {node.op for graph in _compat.partition_graphs(outer, tf.constant(1.0)) for node in graph.node}
+
+
+def test_noinline_functions_stay_call_ops_where_others_are_inlined():
+    marked, ran = _op_types_run(_compat.noinline())
+    assert _compat.is_noinline(marked) and "PartitionedCall" in ran
+    plain, ran = _op_types_run(None)
+    assert not _compat.is_noinline(plain) and "PartitionedCall" not in ran and "AddV2" in ran
+    assert _compat.noinline() is not _compat.noinline()  # a fresh dict for each tf.function
+
+
+@pytest.mark.parametrize("jit_compile", [None, True])
+def test_call_op_is_tensorflows_call_op_without_the_shape_walk(jit_compile):
+    function = tf.function(lambda x: [tf.tanh(x) * 2.0], autograph=False, jit_compile=jit_compile)
+    function = function.get_concrete_function(tf.TensorSpec([3], tf.float32))
+
+    @tf.function(autograph=False)
+    def both(x):
+        graph = tf.compat.v1.get_default_graph()
+        function.add_to_graph(graph)
+        op = _compat.call_op(graph, function, [x], [tf.float32], stateful=False)
+        assert op.outputs[0].shape.rank is None  # TensorFlow did not walk the body for shapes
+        (own,) = function(x)
+        ours, theirs = set(op.node_def.attr), set(own.op.node_def.attr)
+        assert {a for a in ours if not a.startswith("_")} <= theirs and "_disable_call_shape_inference" in ours
+        assert (_compat.XLA_ATTRIBUTE in theirs, _compat.XLA_ATTRIBUTE in ours) == (bool(jit_compile),) * 2
+        return op.outputs[0], own
+
+    x = tf.constant([0.5, -1.0, 2.0])
+    made, own = both(x)
+    np.testing.assert_array_equal(made.numpy(), own.numpy())
+
+
+def test_send_and_recv_move_a_tensor_between_the_devices_tensorflow_names():
+    @tf.function(autograph=False)
+    def move(x):
+        with tf.device("/CPU:0"):
+            y = x + 1.0
+        with tf.device("/CPU:1"):
+            return y * 2.0
+
+    ((send_device, recv_device, incarnation),) = _compat.inserted_sends(move, tf.constant(1.0))
+    assert send_device.endswith("/device:CPU:0") and recv_device.endswith("/device:CPU:1") and incarnation != 0
+
+    @tf.function(autograph=False)
+    def explicit(x):
+        with tf.device("/CPU:0"):
+            sent = _compat.send(x * 3.0, "t0", send_device, incarnation, recv_device)
+        with tf.device("/CPU:1"):
+            received = _compat.recv(tf.float32, "t0", send_device, incarnation, recv_device)
+        with tf.control_dependencies([sent]):
+            return tf.identity(received)
+
+    assert float(explicit(tf.constant(2.0))) == 6.0
+    ran = {(node.op, node.device[-5:]) for g in _compat.partition_graphs(explicit, tf.constant(2.0)) for node in g.node}
+    assert {("Send", "CPU:0"), ("Recv", "CPU:1")} <= ran  # each where its scope put it
+
+
+def test_wrap_function_keeps_placeholders_made_inside_to_be_fed_when_imported():
+    made = {}
+
+    def body(x):
+        y = tf.tanh(x)
+        made["dy"] = _compat.placeholder(tf.float32, [2])
+        (made["dx"],) = tf.gradients(y, [x], grad_ys=made["dy"])
+        return [y, made["dx"]]
+
+    wrapped = _compat.wrap_function(body, [tf.TensorSpec([2], tf.float32)])
+    assert len(wrapped.inputs) == 1 and made["dy"].op.type == "Placeholder"
+    graph_def = wrapped.graph.as_graph_def()
+
+    @tf.function(autograph=False)
+    def fed(x, dy):
+        feeds = {wrapped.inputs[0].name: x, made["dy"].name: dy}
+        return tf.graph_util.import_graph_def(graph_def, input_map=feeds, return_elements=[made["dx"].name])[0]
+
+    x, dy = np.array([0.5, -1.0], "float32"), np.array([2.0, 3.0], "float32")
+    np.testing.assert_allclose(fed(x, dy).numpy(), (1 - np.tanh(x) ** 2) * dy, rtol=1e-6)

@@ -1,8 +1,4 @@
-"""Every private Keras and TensorFlow internal tfpipe relies on, each with why; tests/unit/test_compat.py pins them.
-
-A rename in Keras or TensorFlow must fail loudly here (and in that test), not
-silently change what tfpipe does: nothing below falls back quietly.
-"""
+"""Every private TensorFlow internal tfpipe relies on, each with why; tests/unit/compat/test_tensorflow.py pins them."""
 
 from __future__ import annotations
 
@@ -11,86 +7,10 @@ import copy
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
-import keras
 import tensorflow as tf
-from keras.src import backend as _keras_backend
+from tensorflow.core.framework import attr_value_pb2
 from tensorflow.core.protobuf import config_pb2, rewriter_config_pb2
 from tensorflow.python.eager import context as _tf_context
-
-
-def in_stateless_scope() -> bool:
-    """Whether Keras is tracing symbolically in a StatelessScope (assignments must not happen there).
-
-    Keras exports ``StatelessScope`` but not the query.
-    """
-    return _keras_backend.in_stateless_scope()
-
-
-def compiled_loss(model: keras.Model) -> Any:
-    """The loss ``compile(loss=...)`` built (a CompileLoss: call it as ``(y, y_pred, sample_weight)``), or None.
-
-    The public ``compute_loss`` also adds ``model.losses``, which re-evaluates every
-    weight regularizer on the variables; the pipeline adds those per cell itself.
-    """
-    return model._compile_loss  # noqa: SLF001
-
-
-def loss_tracker(model: keras.Model) -> keras.metrics.Mean:
-    """The Mean metric that reports ``loss`` in ``fit``'s logs (Keras' train_step updates it)."""
-    return model._loss_tracker  # noqa: SLF001
-
-
-def symbolic_build(model: keras.Model, data_batch: Any) -> None:
-    """Create the compiled metrics' and the optimizer's variables from a symbolic batch, as Keras' fit does.
-
-    Done before Keras traces the step: a variable created while tracing makes
-    TensorFlow trace the whole unrolled pipeline a second time.
-    """
-    model._symbolic_build(data_batch=data_batch)  # noqa: SLF001
-
-
-def gradient_all_reduce(
-    optimizer: keras.optimizers.Optimizer,
-) -> Callable[[list[tuple[Any, Any]]], list[tuple[Any, Any]]]:
-    """The TensorFlow optimizer's sum of (gradient, variable) pairs over replicas, run before every update.
-
-    Under the default strategy it is one ``IdentityN`` over all gradients with no
-    device, which TensorFlow places on the client: each gradient would cross to it
-    and back. tfpipe calls it per variable device instead (training.py).
-    """
-    return optimizer._all_reduce_sum_gradients  # noqa: SLF001
-
-
-def set_gradient_all_reduce(
-    optimizer: keras.optimizers.Optimizer, reduce: Callable[[list[tuple[Any, Any]]], list[tuple[Any, Any]]]
-) -> None:
-    """Replace, on this instance, what ``gradient_all_reduce`` returns."""
-    optimizer._all_reduce_sum_gradients = reduce  # noqa: SLF001
-
-
-def step_counter(optimizer: keras.optimizers.Optimizer) -> Any:
-    """The optimizer's own step counter (``iterations`` is it, or it divided by the accumulation steps)."""
-    return optimizer._iterations  # noqa: SLF001
-
-
-@contextlib.contextmanager
-def step_counter_as(optimizer: keras.optimizers.Optimizer, value: Any) -> Iterator[None]:
-    """Within: the step counter (``step_counter``), which update math reads (Adam's bias correction), is ``value``.
-
-    Keras reads ``optimizer.iterations`` in every variable's update, each read a transfer
-    from the client; tfpipe passes one read per device.
-    """
-    counter = step_counter(optimizer)
-    optimizer._iterations = value  # noqa: SLF001
-    try:
-        yield
-    finally:
-        optimizer._iterations = counter  # noqa: SLF001
-
-
-def flatten_layers(layer: keras.layers.Layer) -> list[keras.layers.Layer]:
-    """A layer and every layer nested in it (Keras tracks sub-layers privately; ``Model.layers`` is one level)."""
-    return list(layer._flatten_layers(include_self=True))  # noqa: SLF001
 
 
 def function_graph(graph: tf.Graph, name: str) -> tf.Graph | None:
@@ -126,37 +46,6 @@ def tpu_cores_per_replica(strategy: tf.distribute.Strategy) -> int:
 def is_default_strategy(strategy: tf.distribute.Strategy) -> bool:
     """Whether ``strategy`` is TensorFlow's default (no ``strategy.scope()`` entered); its class is not exported."""
     return type(strategy).__name__ == "_DefaultDistributionStrategy"
-
-
-def execution_order(model: keras.Model) -> list[Any]:
-    """The nodes of a Functional model in the order its call runs them (``Functional._run_through_graph``).
-
-    By decreasing depth, each depth in Keras' order, input nodes left out; ``_nodes_by_depth`` is not public.
-    """
-    by_depth = model._nodes_by_depth  # noqa: SLF001
-    return [node for depth in sorted(by_depth, reverse=True) for node in by_depth[depth] if not node.is_input]
-
-
-def runs_as_functional(model: keras.Model) -> bool:
-    """Whether ``model``'s ``call`` is Keras' Functional one (runs its graph), not a subclass's override.
-
-    keras_hub backbones and tasks subclass Functional models without overriding ``call``; the
-    Functional class itself is not exported.
-    """
-    from keras.src.models.functional import Functional
-
-    return type(model).call is Functional.call
-
-
-def move_variable(variable: keras.Variable, device: str) -> None:
-    """Re-create the TensorFlow variable behind a Keras variable on ``device``, with its value.
-
-    Keras creates a variable where its layer is built and has no public way to move it;
-    the TensorFlow backend keeps the tf.Variable in ``_value`` and makes it in ``_initialize``.
-    """
-    old = variable._value  # noqa: SLF001
-    with tf.init_scope(), tf.device(device):
-        variable._initialize(tf.identity(old.read_value()))  # noqa: SLF001
 
 
 def backward_function(function: Any) -> Any:
@@ -198,6 +87,22 @@ def partition_graphs(fn: Any, *args: Any) -> list[Any]:
     finally:
         ctx.disable_run_metadata()
     return [graph for function in metadata.function_graphs for graph in function.partition_graphs]
+
+
+def inserted_sends(fn: Any, *args: Any) -> list[tuple[str, str, int]]:
+    """Run the tf.function ``fn`` once: (send device, receive device, sender's incarnation) of each ``_Send``
+    TensorFlow inserted between its devices (``partition_graphs``), full device names.
+    """
+    return [
+        (
+            node.attr["send_device"].s.decode(),
+            node.attr["recv_device"].s.decode(),
+            node.attr["send_device_incarnation"].i,
+        )
+        for graph in partition_graphs(fn, *args)
+        for node in graph.node
+        if node.op == "_Send"
+    ]
 
 
 def grappler_optimize(graph_def: Any, fetches: Sequence[str], optimizers: Sequence[str]) -> Any:
@@ -277,3 +182,97 @@ def fewer_rewrites() -> Iterator[None]:
         yield
     finally:
         ctx.function_call_options = before
+
+
+NOINLINE_ATTRIBUTE = "_noinline"  # a function attribute that TensorFlow's call lowering and Grappler honour
+XLA_ATTRIBUTE = "_XlaMustCompile"  # the attribute of a function made with tf.function(jit_compile=True)
+
+
+def noinline() -> dict[str, bool]:
+    """The ``tf.function`` ``experimental_attributes`` that keep each call of the function one call op.
+
+    TensorFlow otherwise inlines a called function's body at every call site; a cell's traced
+    functions are called once per micro-batch, and the passes over a step graph cost call
+    sites x body size (tfpipe.graph.calls, tfpipe.graph.slim). A new dict each time: tf.function keeps it.
+    """
+    return {NOINLINE_ATTRIBUTE: True}
+
+
+def is_noinline(function: Any) -> bool:
+    """Whether the ConcreteFunction ``function`` was made with ``noinline()`` (TensorFlow will not inline it)."""
+    marked = function.function_def.attr.get(NOINLINE_ATTRIBUTE)
+    return marked is not None and marked.b
+
+
+def _types(dtypes: Sequence[tf.DType]) -> attr_value_pb2.AttrValue:
+    return attr_value_pb2.AttrValue(list=attr_value_pb2.AttrValue.ListValue(type=[d.as_datatype_enum for d in dtypes]))
+
+
+def call_op(
+    graph: tf.Graph, function: Any, inputs: Sequence[tf.Tensor], dtypes: Sequence[tf.DType], stateful: bool
+) -> tf.Operation:
+    """The call op TensorFlow makes for ``function`` (registered in ``graph``) on ``inputs``, without its shape walk.
+
+    ``_disable_call_shape_inference`` makes TensorFlow's shape refiner skip its walk of the
+    called body (``ShapeRefiner::InferShapesForFunction``): the outputs come out unshaped, for
+    the caller to set (tfpipe.graph.calls). The other attributes are those of TensorFlow's own
+    call op, which has no public Python constructor: ``config_proto`` from ``call_options``, and
+    the function's ``_XlaMustCompile`` (compiled by XLA on its device) where it has one.
+    """
+    op_type = "StatefulPartitionedCall" if stateful else "PartitionedCall"
+    attrs = {
+        "f": attr_value_pb2.AttrValue(func=attr_value_pb2.NameAttrList(name=function.name)),
+        "Tin": _types([t.dtype for t in inputs]),
+        "Tout": _types(dtypes),
+        "config_proto": attr_value_pb2.AttrValue(s=call_options()),
+        "executor_type": attr_value_pb2.AttrValue(s=b""),
+        "_disable_call_shape_inference": attr_value_pb2.AttrValue(b=True),
+    }
+    xla = function.function_def.attr.get(XLA_ATTRIBUTE)
+    if xla is not None:
+        attrs[XLA_ATTRIBUTE] = xla
+    return graph.create_op(op_type, list(inputs), list(dtypes), name=op_type, attrs=attrs)
+
+
+def send(tensor: tf.Tensor, name: str, send_device: str, incarnation: int, recv_device: str) -> tf.Operation:
+    """TensorFlow's transfer kernel ``_Send`` as an op of its own: ``tensor`` to ``recv_device`` under ``name``.
+
+    The raw ops ``Send`` and ``Recv`` are the kernels of the transfers TensorFlow inserts between
+    devices; made by tfpipe, the send is part of the producer's task (tfpipe.distributed.sendrecv).
+    Both must name the full devices and the sender's incarnation (``partition_graphs`` shows them);
+    the step's rendezvous pairs a send with the receive of the same name.
+    """
+    return tf.raw_ops.Send(
+        tensor=tensor,
+        tensor_name=name,
+        send_device=send_device,
+        send_device_incarnation=incarnation,
+        recv_device=recv_device,
+        client_terminated=False,
+    )
+
+
+def recv(dtype: tf.DType, name: str, send_device: str, incarnation: int, recv_device: str) -> tf.Tensor:
+    """The tensor of type ``dtype`` that ``send`` sent under ``name`` (unshaped), received where the device scope is."""
+    return tf.raw_ops.Recv(
+        tensor_type=dtype,
+        tensor_name=name,
+        send_device=send_device,
+        send_device_incarnation=incarnation,
+        recv_device=recv_device,
+        client_terminated=False,
+    )
+
+
+def wrap_function(fn: Callable[..., Any], specs: Sequence[tf.TensorSpec]) -> Any:
+    """``fn`` traced once into a TF1-style graph (a WrappedFunction) whose parts tfpipe cuts out by hand.
+
+    Unlike a tf.function's graph it may hold ``placeholder``s besides its inputs: the split
+    VJP's body makes one per output gradient after tracing the forward (tfpipe.backward.split_vjp).
+    """
+    return tf.compat.v1.wrap_function(fn, list(specs))
+
+
+def placeholder(dtype: tf.DType, shape: Any) -> tf.Tensor:
+    """A graph input to be fed later, made inside ``wrap_function``'s trace (TF2 has none outside tf.compat.v1)."""
+    return tf.compat.v1.placeholder(dtype, shape)

@@ -1,0 +1,176 @@
+"""Every private Keras internal tfpipe relies on, each with why; tests/unit/compat/test_keras.py pins them."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import keras
+import tensorflow as tf
+from keras.src import backend as _keras_backend
+
+
+def in_stateless_scope() -> bool:
+    """Whether Keras is tracing symbolically in a StatelessScope (assignments must not happen there).
+
+    Keras exports ``StatelessScope`` but not the query.
+    """
+    return _keras_backend.in_stateless_scope()
+
+
+def compiled_loss(model: keras.Model) -> Any:
+    """The loss ``compile(loss=...)`` built (a CompileLoss: call it as ``(y, y_pred, sample_weight)``), or None.
+
+    The public ``compute_loss`` also adds ``model.losses``, which re-evaluates every
+    weight regularizer on the variables; the pipeline adds those per cell itself.
+    """
+    return model._compile_loss  # noqa: SLF001
+
+
+def loss_tracker(model: keras.Model) -> keras.metrics.Mean:
+    """The Mean metric that reports ``loss`` in ``fit``'s logs (Keras' train_step updates it)."""
+    return model._loss_tracker  # noqa: SLF001
+
+
+def symbolic_build(model: keras.Model, data_batch: Any) -> None:
+    """Create the compiled metrics' and the optimizer's variables from a symbolic batch, as Keras' fit does.
+
+    Done before Keras traces the step: a variable created while tracing makes
+    TensorFlow trace the whole unrolled pipeline a second time.
+    """
+    model._symbolic_build(data_batch=data_batch)  # noqa: SLF001
+
+
+def gradient_all_reduce(
+    optimizer: keras.optimizers.Optimizer,
+) -> Callable[[list[tuple[Any, Any]]], list[tuple[Any, Any]]]:
+    """The TensorFlow optimizer's sum of (gradient, variable) pairs over replicas, run before every update.
+
+    Under the default strategy it is one ``IdentityN`` over all gradients with no
+    device, which TensorFlow places on the client: each gradient would cross to it
+    and back. tfpipe calls it per variable device instead (training.py).
+    """
+    return optimizer._all_reduce_sum_gradients  # noqa: SLF001
+
+
+def set_gradient_all_reduce(
+    optimizer: keras.optimizers.Optimizer, reduce: Callable[[list[tuple[Any, Any]]], list[tuple[Any, Any]]]
+) -> None:
+    """Replace, on this instance, what ``gradient_all_reduce`` returns."""
+    optimizer._all_reduce_sum_gradients = reduce  # noqa: SLF001
+
+
+# The optimizer methods tfpipe replaces on an instance (tfpipe/training.py), each pinned by a test.
+OPTIMIZER_HOOKS = ("add_variable_from_reference", "update_step", "check_finite")
+
+
+def wrap_optimizer_method(
+    optimizer: keras.optimizers.Optimizer, name: str, wrap: Callable[[Callable[..., Any]], Callable[..., Any]]
+) -> None:
+    """Replace the method ``name`` (one of ``OPTIMIZER_HOOKS``) on this instance alone by ``wrap(the method)``.
+
+    tfpipe creates each slot (``add_variable_from_reference``) and runs each update
+    (``update_step``) on its variable's device, and makes a LossScaleOptimizer's finite
+    check (``check_finite``) read sparse gradients' values. Keras' ``build`` and
+    ``apply_gradients`` call them through ``self``, so an instance attribute replaces them;
+    a method Keras no longer has fails here instead of leaving the optimizer unpatched.
+    """
+    method = getattr(optimizer, name, None)
+    if name not in OPTIMIZER_HOOKS or not callable(method):
+        raise AttributeError(
+            f"{type(optimizer).__name__} has no method {name!r} for tfpipe to wrap (Keras renamed it?)"
+        )
+    setattr(optimizer, name, wrap(method))
+
+
+def patched(optimizer: keras.optimizers.Optimizer, what: str) -> bool:
+    """Whether ``mark_patched(optimizer, what)`` was called: a second patch would wrap the first."""
+    return getattr(optimizer, f"_tfpipe_{what}", False)
+
+
+def mark_patched(optimizer: keras.optimizers.Optimizer, what: str) -> None:
+    """Mark ``optimizer`` as patched for ``what`` (an attribute of tfpipe's own on Keras' object)."""
+    setattr(optimizer, f"_tfpipe_{what}", True)
+
+
+def step_counter(optimizer: keras.optimizers.Optimizer) -> Any:
+    """The optimizer's own step counter (``iterations`` is it, or it divided by the accumulation steps)."""
+    return optimizer._iterations  # noqa: SLF001
+
+
+@contextlib.contextmanager
+def step_counter_as(optimizer: keras.optimizers.Optimizer, value: Any) -> Iterator[None]:
+    """Within: the step counter (``step_counter``), which update math reads (Adam's bias correction), is ``value``.
+
+    Keras reads ``optimizer.iterations`` in every variable's update, each read a transfer
+    from the client; tfpipe passes one read per device.
+    """
+    counter = step_counter(optimizer)
+    optimizer._iterations = value  # noqa: SLF001
+    try:
+        yield
+    finally:
+        optimizer._iterations = counter  # noqa: SLF001
+
+
+def flatten_layers(layer: keras.layers.Layer) -> list[keras.layers.Layer]:
+    """A layer and every layer nested in it (Keras tracks sub-layers privately; ``Model.layers`` is one level)."""
+    return list(layer._flatten_layers(include_self=True))  # noqa: SLF001
+
+
+def execution_order(model: keras.Model) -> list[Any]:
+    """The nodes of a Functional model in the order its call runs them (``Functional._run_through_graph``).
+
+    By decreasing depth, each depth in Keras' order, input nodes left out; ``_nodes_by_depth`` is not public.
+    """
+    by_depth = model._nodes_by_depth  # noqa: SLF001
+    return [node for depth in sorted(by_depth, reverse=True) for node in by_depth[depth] if not node.is_input]
+
+
+def runs_as_functional(model: keras.Model) -> bool:
+    """Whether ``model``'s ``call`` is Keras' Functional one (runs its graph), not a subclass's override.
+
+    keras_hub backbones and tasks subclass Functional models without overriding ``call``; the
+    Functional class itself is not exported.
+    """
+    from keras.src.models.functional import Functional
+
+    return type(model).call is Functional.call
+
+
+def takes_training(operation: Any) -> bool:
+    """Whether a Functional model's call passes its ``training`` argument on to the node ``operation``.
+
+    Keras passes a call-context argument only to operations that list it in ``_call_context_args``
+    (layers do, ``keras.ops`` operations do not); tfpipe runs a Functional model's nodes itself.
+    """
+    return "training" in getattr(operation, "_call_context_args", ())
+
+
+# What Keras hangs on a tensor: its mask (layers read it) and, on a softmax or sigmoid output, its logits
+# (Keras' cross-entropy reads them instead, for exactness). A function boundary or a cut drops both;
+# tfpipe carries them across as tensors of their own and hangs them back (``hung``, ``hang``).
+MASK = "_keras_mask"
+LOGITS = "_keras_logits"
+
+
+def hung(x: Any, attribute: str) -> Any:
+    """What Keras hung on the tensor ``x`` under ``attribute`` (``MASK`` or ``LOGITS``), or None."""
+    return getattr(x, attribute, None)
+
+
+def hang(x: Any, attribute: str, value: Any) -> None:
+    """Hang ``value`` on the tensor ``x`` under ``attribute`` (``MASK`` or ``LOGITS``), as Keras' backend does."""
+    setattr(x, attribute, value)
+
+
+def move_variable(variable: keras.Variable, device: str) -> None:
+    """Re-create the TensorFlow variable behind a Keras variable on ``device``, with its value.
+
+    Keras creates a variable where its layer is built and has no public way to move it;
+    the TensorFlow backend keeps the tf.Variable in ``_value`` and makes it in ``_initialize``.
+    """
+    old = variable._value  # noqa: SLF001
+    with tf.init_scope(), tf.device(device):
+        variable._initialize(tf.identity(old.read_value()))  # noqa: SLF001
