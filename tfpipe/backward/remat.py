@@ -21,6 +21,7 @@ from typing import Any
 
 import tensorflow as tf
 
+from tfpipe import _compat
 from tfpipe.backward import batched_w
 from tfpipe.backward import split_vjp as split_lib
 from tfpipe.backward.batched_records import batch_weights, batched_weight_vjp
@@ -252,7 +253,7 @@ class Checkpoint:
             with traced.tracing():
                 outputs = self._fn(*sources, *extras)
                 targets = [t for t in self._select(outputs) if differentiable(t)]
-                dys = [tf.compat.v1.placeholder(t.dtype, t.shape) for t in targets]
+                dys = [_compat.placeholder(t.dtype, t.shape) for t in targets]
                 wanted = [sources[i] for i in self._wanted]
                 # Symbolic gradients, not a tape: they honour the cell's gradient overrides (cpu_gradients).
                 grads = tf.gradients(

@@ -16,6 +16,8 @@ from typing import Any
 
 import tensorflow as tf
 
+from tfpipe import _compat
+
 PARTS = ("forward", "inputs", "weights")
 
 
@@ -71,7 +73,7 @@ class SplitVJP:
             found["dw"] = [t for g in dw for t in _components(g)]
             return [t for t in leaves if t is not None] + found["dx"] + found["dw"]
 
-        self._whole = tf.compat.v1.wrap_function(traced, list(specs))
+        self._whole = _compat.wrap_function(traced, specs)
         self._wrap, self._call = wrap, call
         self._template = found["template"]
         self.inputs = [t.name for t in self._whole.inputs]  # the sources and extras, in order

@@ -12,6 +12,7 @@ from typing import Any, NamedTuple
 import keras
 import tensorflow as tf
 
+from tfpipe import _compat
 from tfpipe.backward import remat, traced_vjp
 from tfpipe.distributed import devices
 from tfpipe.graph import cpu_gradients
@@ -35,7 +36,7 @@ def carry_hung(y: Any) -> Any:
     """``y``, or ``Hung(y, its mask, its logits)`` when Keras hung either on the single tensor ``y``."""
     if not tf.is_tensor(y):
         return y
-    mask, logits = getattr(y, "_keras_mask", None), getattr(y, "_keras_logits", None)
+    mask, logits = _compat.hung(y, _compat.MASK), _compat.hung(y, _compat.LOGITS)
     return y if mask is None and logits is None else Hung(y, mask, logits)
 
 
@@ -43,9 +44,9 @@ def hang(x: Any) -> Any:
     """The tensor of a ``Hung``, with its mask and logits hung back on it as Keras left them; else ``x``."""
     if not isinstance(x, Hung):
         return x
-    for attribute, value in (("_keras_mask", x.mask), ("_keras_logits", x.logits)):
+    for attribute, value in ((_compat.MASK, x.mask), (_compat.LOGITS, x.logits)):
         if value is not None:
-            setattr(x.tensor, attribute, value)  # Keras' own attributes, as its backend sets them
+            _compat.hang(x.tensor, attribute, value)  # Keras' own attributes, as its backend sets them
     return x.tensor
 
 
@@ -99,7 +100,7 @@ class Cell:
     def function_options(self) -> dict[str, Any]:
         """The ``tf.function`` options of the cell's traced functions: inlined or not, compiled by XLA or not."""
         return {
-            "experimental_attributes": {"_noinline": True} if self.noinline else None,
+            "experimental_attributes": _compat.noinline() if self.noinline else None,
             "jit_compile": True if self.jit_compile else None,
         }
 
