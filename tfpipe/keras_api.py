@@ -164,13 +164,14 @@ def with_fewer_rewrites(function: Callable, calls_cells: Callable[[], bool]) -> 
     TensorFlow's runtime inlines every call it may (``LowerFunctionalOpsPass``) before
     Grappler sees the step. What is left of an unrolled step with many tasks are the cells'
     ``_noinline`` calls, and Grappler's function optimizer rebuilds the body of each of them,
-    call site by call site, before it reads the mark and leaves it alone: 1.8 s of the 10-12 s
-    first step at K=2, M=32. Its TFG optimizer (MLIR passes that sink ops into the branches
-    of If and Case, and tidy the function library) changes nothing in such a step and took
-    0.4-0.6 s more. Both are off for the step and the functions it calls; later steps
-    measured the same. With cells inlined (fewer tasks) neither rebuilds anything of theirs,
-    and both stay on: across worker processes, K=2, M=8 measured 1.18-1.26x over one worker
-    with the function optimizer off against 1.20-1.31x with it on.
+    call site by call site, before it reads the mark and leaves it alone, a cost that grows
+    with the call sites of the first step. Its TFG optimizer (MLIR passes that sink ops into
+    the branches of If and Case, and tidy the function library) changes nothing in such a
+    step and still takes time. Both are off for the step and the functions it calls; later
+    steps measured the same. With cells inlined (fewer tasks) neither rebuilds anything of
+    theirs, and both stay on: across worker processes the step measured no faster with the
+    function optimizer off
+    (docs/notes/2026-11-benchmark-passes.md#twelfth-pass-per-call-site-costs-of-tensorflows-first-run-taken-off-2026-11-25).
     The user's other Grappler settings stay as they are.
     """
 

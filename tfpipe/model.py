@@ -63,7 +63,7 @@ class PipelineModel(settings_lib.SettingsProperties, KerasEntryPoints, saving.Sa
         grows with K x M. ``False``: two loops over GPipe's M + K - 1 clock cycles
         (forward, backward), so the graph and the first step do not grow with M; every
         micro-batch is recomputed in the backward pass (not with ``remat="never"``), and
-        later steps were 10-55% slower on CPUs.
+        later steps are slower on CPUs (docs/benchmarks.md#the-first-step).
       schedule: the order of each cell's forward and backward tasks (``tfpipe.schedule``).
         ``"gpipe"`` (default): all forwards, then all backwards; a cell holds the activations
         of all M micro-batches. ``"1f1b"``: after min(K-i, M) forwards, cell i alternates a
@@ -248,8 +248,9 @@ class PipelineModel(settings_lib.SettingsProperties, KerasEntryPoints, saving.Sa
     def _built_output_spec(self, inputs: Any) -> Any:
         """The outputs' spec that ``build`` found, for inputs shaped as it was built for (any batch size); else None.
 
-        Keras' symbolic build (before the first step) asks for it: running the layers again took
-        0.7 s of an 8-block Transformer's first step.
+        Keras' symbolic build (before the first step) asks for it: running the layers again
+        would lengthen the first step
+        (docs/notes/2026-11-benchmark-passes.md#figures-moved-out-of-docstrings-2026-11-26).
         """
         if self._built_spec is None:
             return None

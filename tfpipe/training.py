@@ -150,7 +150,8 @@ def build_before_tracing(model: keras.Model, x: Any, y: Any, sample_weight: Any)
 
     Without a distribution strategy Keras creates them while tracing, and a variable
     created in a trace makes TensorFlow trace the whole unrolled pipeline a second
-    time (about a third of a first fit, measured).
+    time, a large share of a first fit
+    (docs/notes/2026-11-benchmark-passes.md#figures-moved-out-of-docstrings-2026-11-26).
     """
     if not model.compiled:
         return
@@ -273,8 +274,9 @@ def _by_device(reduce: Callable[[list[tuple[Any, Any]]], list[tuple[Any, Any]]])
     """``reduce`` of (gradient, variable) pairs, called once per variable device under that device.
 
     Called once on every pair, the default strategy's identity is one op that TensorFlow
-    puts on the client: a 16 x Dense(1024) MLP sent its 64 MB of gradients there and
-    back every step, 60 ms of a 310 ms step on two loopback workers.
+    puts on the client, so across workers every gradient crossed to the client and back
+    every step
+    (docs/notes/2026-11-benchmark-passes.md#sixth-pass-gradients-stay-on-their-devices-data-arrives-whole-2026-11-25).
     """
 
     def reduce_by_device(grads_and_vars: Any) -> list[tuple[Any, Any]]:

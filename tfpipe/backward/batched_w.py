@@ -3,8 +3,9 @@
 A cell's W (``tfpipe.backward.split_vjp``) computes its weight gradients from tensors its forward and
 B leave it. Fed those tensors of all M micro-batches concatenated along the batch axis,
 W gives the sum of its M results, one product over the mini-batch instead of M small
-ones (on one CPU thread, 8 x 32 rows cost 2x 256 rows: docs/benchmarks.md), if every op
-of W works example by example, or sums over the examples, or is linear in such a sum.
+ones (on one CPU thread, M small products cost more than one over all the rows:
+docs/benchmarks.md#overhead-per-task), if every op of W works example by example, or
+sums over the examples, or is linear in such a sum.
 ``BatchedW`` checks that op by op on W traced with the rows of all micro-batches, each
 tensor labelled by where it holds the examples (``tfpipe.backward.batched_w_ops``).
 Anything else (batch statistics, an op it does not know) makes W run once per micro-batch.

@@ -54,8 +54,9 @@ def _after(anchors: Sequence[tf.Tensor], tensors: Sequence[tf.Tensor]) -> list[t
     Inlined into the step, a recomputation is the same ops on the same inputs as the
     forward it repeats, and Grappler's common-subexpression elimination merged the two:
     the forward's activations then lived until the backward and remat saved nothing
-    (K=1, M=8 Transformer: 2,129 MiB against 401 MiB). Waiting for the gradients makes
-    the recomputed ops distinct, and starts them when the backward's turn comes.
+    (docs/notes/2026-11-benchmark-passes.md#seventh-pass-fewer-crossings-to-the-client-and-remat-recomputes-again-2026-11-25-later).
+    Waiting for the gradients makes the recomputed ops distinct, and starts them when the
+    backward's turn comes.
     """
     if not anchors:
         return list(tensors)

@@ -206,8 +206,8 @@ class LocalCluster:
         tie = _die_with_parent if threading.current_thread() is threading.main_thread() else None
         env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL=os.environ.get("TF_CPP_MIN_LOG_LEVEL", "2"))
         # TensorFlow's default CPU allocator maps and unmaps every large buffer: each weight gradient of each
-        # micro-batch then pays page faults on fresh pages. The BFC allocator reuses its memory. Measured on
-        # single-thread workers, K=2, M=8, 16 x Dense(768), batch 256: backward task 42 -> 19 ms, step 560 -> 312 ms.
+        # micro-batch then pays page faults on fresh pages. The BFC allocator reuses its memory, and steps are faster
+        # (docs/notes/2026-11-benchmark-passes.md, "Third pass: a step graph that grows less with M").
         env.setdefault(BFC_ENV, "true")
         for task in range(self.num_workers):
             self._logs.append(tempfile.TemporaryFile(mode="w+"))

@@ -37,8 +37,9 @@ def grpc_options(timeout: float) -> str:
 
     A keepalive ping every third of the timeout, each given a third to be answered; the
     ping timeout is the one that matters: without it, an unanswered flow-control ping that
-    gRPC sent first holds the keepalive back (measured: still blocked after a minute).
-    With 2 s each, a step blocked on a SIGSTOPped worker failed 6.2-6.4 s after the stop.
+    gRPC sent first holds the keepalive back (measured: it stayed blocked). With these
+    options a step blocked on a SIGSTOPped worker fails shortly after ``timeout`` seconds
+    (docs/notes/2026-11-benchmark-passes.md#a-worker-that-hangs).
     """
     ms = max(1000, int(timeout * 1000 / 3))
     return ",".join(

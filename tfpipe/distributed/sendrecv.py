@@ -2,7 +2,7 @@
 
 Across worker processes, the transfer TensorFlow inserts for a cell's output is a
 ``_Send`` that a one-thread worker queues behind its next forward, so the next cell
-waited for most of the forwards before its first input arrived (docs/benchmarks.md).
+waited for most of the forwards before its first input arrived (docs/benchmarks.md#cost-of-crossing-processes).
 An explicit send (the raw op ``Send``, the kernel of ``_Send``) made part of the
 producing task runs before the producer moves on; the consumer's ``Recv`` waits
 without holding a thread. Within one process the inserted transfers are kept.

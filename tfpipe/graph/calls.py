@@ -2,9 +2,10 @@
 
 An unrolled step calls each cell's traced functions once per micro-batch. Making a
 call op the usual way, TensorFlow infers its output shapes by walking the called
-body (``ShapeRefiner::InferShapesForFunction``): 15-25 ms per call of a Transformer
-cell's backward, over a second of the first step at K=2, M=32. The function's output
-shapes are known when it is traced, so the op made here carries
+body (``ShapeRefiner::InferShapesForFunction``) at every call, which adds up over the
+many calls of a first step
+(docs/notes/2026-11-benchmark-passes.md#tenth-pass-where-the-first-step-of-k2-m32-goes-and-call-ops-without-the-shape-walk-2026-11-25).
+The function's output shapes are known when it is traced, so the op made here carries
 ``_disable_call_shape_inference`` and gets those shapes set. It is the op TensorFlow
 makes otherwise, so the step runs the same.
 

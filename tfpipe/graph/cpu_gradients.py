@@ -2,23 +2,26 @@
 
 TensorFlow's MatMul gradient takes the input gradient as ``dy @ W^T``. On CPU,
 Eigen re-packs the transposed weight on every call, a cost that does not shrink
-with the rows, so on a micro-batch of 32 rows it took 2.0 ms against 0.67 ms for
-the forward ``x @ W`` (768 x 768; scripts/benchmark_kernels.py). ``(W @ dy^T)^T``
-gives the same numbers in 0.84 ms. Cells on a CPU trace their layers under
+with the rows, so on a micro-batch it costs several forwards ``x @ W``, while
+``(W @ dy^T)^T`` gives the same numbers for little more than one
+(docs/notes/2026-11-benchmark-passes.md#where-a-backward-tasks-time-goes;
+scripts/benchmark_kernels.py). Cells on a CPU trace their layers under
 ``tf.Graph.gradient_override_map`` so that their MatMuls get this gradient; other
 code in the process and cells on accelerators keep TensorFlow's own.
 
 Keras' ``EinsumDense`` (every ``MultiHeadAttention`` projection) multiplies a
 ``(batch, seq, dim)`` input by a 2-D kernel with ``tf.matmul``: a BatchMatMulV2 that
 broadcasts the kernel. TensorFlow's gradient of it forms one kernel gradient per batch
-entry and sums them, and broadcasts the kernel again for the input gradient: 9.2 ms
-against 2.6 ms for the same two products on the rows as one 2-D matrix (one thread,
-batch 32 x 32 tokens, dim 256). Cells on a CPU give these products that 2-D gradient.
+entry and sums them, and broadcasts the kernel again for the input gradient, several
+times the cost of the same two products on the rows as one 2-D matrix
+(docs/benchmarks.md#against-torchdistributedpipelining). Cells on a CPU give these
+products that 2-D gradient.
 
 Only weights at least ``MIN_WIDTH`` wide both ways get the layout: on narrower ones it
-gains nothing or loses (one thread: 1.1-1.9x faster at widths 512-2048 on 16-32 rows,
-within about 10% either way at 128-384; a dim-64 Transformer's K=2, M=32 step 2.6% slower
-with it in every backward than with TensorFlow's own).
+gains nothing or loses: a dim-64 Transformer's step was slower with it in every backward
+than with TensorFlow's own
+(docs/notes/2026-11-benchmark-passes.md#thirteenth-pass-what-this-machines-cores-allow-2026-11-25,
+docs/notes/2026-11-benchmark-passes.md#fourteenth-pass-each-cell-traced-and-differentiated-once-2026-11-26-latest).
 """
 
 from __future__ import annotations

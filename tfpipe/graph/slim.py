@@ -4,11 +4,11 @@ TensorFlow's passes over a step graph convert the body of every called function 
 call site: the lowering of calls (``LowerFunctionalOpsPass``), and XLA's
 ``EncapsulateSubgraphsPass``, which runs with XLA unused and does it twice per call site.
 Their cost grows with call sites x body size. A traced VJP of a Transformer cell
-(recomputation, tape gradient, running sums) holds about 1,900 nodes, many of them
-duplicates (shapes, broadcast arguments, constants) that Grappler removes anyway when the
-function is instantiated, leaving about 1,100. Cleaned here once, in Python, its 31 call
-sites at K=2, M=32 convert the smaller body: the step's instantiation took 3.4 s instead
-of 4.7 s.
+(recomputation, tape gradient, running sums) holds many duplicate nodes (shapes, broadcast
+arguments, constants) that Grappler removes anyway when the function is instantiated.
+Cleaned here once, in Python, every call site converts the smaller body, which shortens
+the step's instantiation
+(docs/notes/2026-11-benchmark-passes.md#twelfth-pass-per-call-site-costs-of-tensorflows-first-run-taken-off-2026-11-25).
 
 Only device-independent cleanups run (pruning, common-subexpression elimination,
 constant folding, the dependency optimizer): the body keeps standard TensorFlow ops, which
