@@ -17,8 +17,9 @@ import tensorflow as tf
 from tfpipe.distributed import devices
 from tfpipe.graph import calls
 from tfpipe.graph.names import LOSS_FUNCTION
-from tfpipe.partition.cell import hang
+from tfpipe.partition.cell import Cell, hang
 from tfpipe.step import microbatch
+from tfpipe.step.leaves import flat
 
 LossFn = Callable[[int, Any], tf.Tensor]
 
@@ -65,10 +66,6 @@ def offset(loss_fn: LossFn, first: int) -> LossFn:
     return loss_fn if first == 0 else Offset(loss_fn, first)
 
 
-def _flat(x: Any) -> list[tf.Tensor]:
-    return [t for t in tf.nest.flatten(x) if t is not None]
-
-
 def loss_and_gradients(
     loss_fn: LossFn,
     j: int,
@@ -85,7 +82,7 @@ def loss_and_gradients(
     traced once per signature, made with the ``tf.function`` ``options`` of the cell it runs beside
     (``Cell.function_options``: inlined or not, compiled by XLA or not); otherwise the ops are made here.
     """
-    flat_y = _flat(y)
+    flat_y = flat(y)
     ys = flat_y if leaves is None else list(leaves)
     inputs = loss_fn.loss_inputs(j) if isinstance(loss_fn, Traceable) and device is not None else None
     if inputs is not None and not tf.executing_eagerly():
@@ -96,6 +93,15 @@ def loss_and_gradients(
     loss, grads = _with_gradients(lambda: loss_fn(j, hang(y)), floating, loss_scale)
     found = iter(grads)
     return loss, [next(found) if t.dtype.is_floating else None for t in ys]
+
+
+def on_cell(
+    loss_fn: LossFn, j: int, y: Any, loss_scale: Any, leaves: Sequence[tf.Tensor] | None, cell: Cell
+) -> tuple[tf.Tensor, list[Any]]:
+    """``loss_and_gradients`` as the loss task on ``cell``'s device: traced once per step when the cell's calls are."""
+    if not cell.traceable:
+        return loss_and_gradients(loss_fn, j, y, loss_scale, leaves)
+    return loss_and_gradients(loss_fn, j, y, loss_scale, leaves, cell.device, cell.function_options())
 
 
 def _with_gradients(loss: Callable[[], tf.Tensor], watched: list[tf.Tensor], scale: Any) -> tuple[tf.Tensor, list]:

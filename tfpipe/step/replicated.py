@@ -23,7 +23,10 @@ import tensorflow as tf
 
 from tfpipe.distributed import devices
 from tfpipe.partition.cell import Cell, tie
-from tfpipe.step.unrolled import LossFn, Pipeline, StepResult, sum_gradients
+from tfpipe.step.executor import Executor, StepResult
+from tfpipe.step.gradients import sum_gradients
+from tfpipe.step.loss import LossFn
+from tfpipe.step.unrolled import Pipeline
 
 
 def replica_cells(cells: Sequence[Cell], replica_devices: Sequence[str]) -> list[Cell]:
@@ -31,7 +34,7 @@ def replica_cells(cells: Sequence[Cell], replica_devices: Sequence[str]) -> list
     return [Cell(c.index, c.layers, d, program=c.program) for c, d in zip(cells, replica_devices)]
 
 
-class Replicated:
+class Replicated(Executor):
     """R pipelines over the same layers, run side by side on slices of every batch, as one pipeline."""
 
     def __init__(self, pipelines: Sequence[Pipeline]):
