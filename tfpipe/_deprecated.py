@@ -21,7 +21,7 @@ MOVED = {
     "flops": "tfpipe.planning.flops",
     "summary": "tfpipe.planning.summary",
     "microbatch": "tfpipe.step.microbatch",
-    "state": "tfpipe.step.state",
+    "state": "tfpipe.partition.state",
     "loss_task": "tfpipe.step.loss",
     "pipeline": "tfpipe.step.unrolled",
     "loop": "tfpipe.step.looped",

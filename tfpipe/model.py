@@ -20,13 +20,13 @@ from tfpipe import training as training_lib
 from tfpipe.distributed import devices as devices_lib
 from tfpipe.keras_api import KerasEntryPoints
 from tfpipe.partition import functional, hub, specs
+from tfpipe.partition import state as state_lib
 from tfpipe.partition.cell import Cell, hang, tie
 from tfpipe.partition.sequence import layer_list
 from tfpipe.planning import balance as balance_lib
 from tfpipe.planning import cost as cost_lib
 from tfpipe.planning import summary as summary_lib
 from tfpipe.step import microbatch, replicated
-from tfpipe.step import state as state_lib
 from tfpipe.step.replicated import Replicated
 from tfpipe.step.unrolled import Pipeline
 

@@ -16,8 +16,8 @@ from tfpipe import _compat
 from tfpipe.backward import remat, traced_vjp
 from tfpipe.distributed import devices
 from tfpipe.graph import cpu_gradients
+from tfpipe.partition import state
 from tfpipe.partition.cell_trace import CellTrace
-from tfpipe.step import state
 
 
 class Hung(NamedTuple):
@@ -347,7 +347,7 @@ def tie(cells: Sequence[Cell]) -> list[tuple[keras.Variable, int]]:
 
     A variable used by several cells (an embedding tied to the output projection) lives on the
     device of the first; each cell differentiates its own use and the pipeline sums the gradients
-    there (``pipeline.tied_gradients``). Its regularizer and its parameters count once, in the
+    there (``step.gradients.tied_gradients``). Its regularizer and its parameters count once, in the
     first cell, as in plain Keras.
     """
     first: dict[int, tuple[keras.Variable, int]] = {}

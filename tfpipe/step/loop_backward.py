@@ -11,6 +11,7 @@ from typing import Any
 
 import tensorflow as tf
 
+from tfpipe import _compat
 from tfpipe.distributed import devices
 from tfpipe.partition.cell import Cell, add_dense
 from tfpipe.step import leaves
@@ -147,7 +148,7 @@ class CycleVJP:
         )
         self._n_x = len(in_specs)
         self._function = tf.function(
-            self._body, autograph=False, experimental_attributes={"_noinline": True}
+            self._body, autograph=False, experimental_attributes=_compat.noinline()
         ).get_concrete_function(*arg_specs)
 
     def _body(self, *flat: tf.Tensor) -> list[tf.Tensor]:  # named flat: the traced function's argument names

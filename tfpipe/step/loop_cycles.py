@@ -12,8 +12,8 @@ from typing import Any
 
 import tensorflow as tf
 
+from tfpipe.partition import state
 from tfpipe.partition.cell import Cell
-from tfpipe.step import state
 
 
 @dataclasses.dataclass

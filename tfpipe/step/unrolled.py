@@ -108,8 +108,8 @@ class Pipeline(Executor):
         self.remat = check_remat(remat_lib.check_mode(remat), self.schedule)
         self._wiring = Wiring(self.cells, routes)
         self._tasks = Tasks(self.cells, self._wiring, self.schedule, self.remat, num_micro_batches)
-        # Loops (tfpipe/step/looped.py) build in a time that does not grow with M, but their later steps were
-        # 10-55% slower than unrolled ones on CPUs (docs/benchmarks.md): the user chooses.
+        # Loops (tfpipe/step/looped.py) build in a time that does not grow with M, but their later steps are slower
+        # than unrolled ones on CPUs (docs/benchmarks.md#the-first-step): the user chooses.
         check_unroll(unroll, self.remat)
         self._loops = None if unroll else looped.Looped(self.cells, num_micro_batches, routes)
         large = 2 * len(self.cells) * num_micro_batches >= NOINLINE_TASKS

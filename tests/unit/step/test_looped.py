@@ -7,7 +7,7 @@ import tensorflow as tf
 
 import tfpipe
 from tests.integration.test_transparency import _one_step_each
-from tests.unit.step.test_state import _noisy_layers
+from tests.unit.partition.test_state import _noisy_layers
 from tests.util import cpu_devices, max_rel_error, mlp_layers
 from tfpipe.analysis.tasks import LOSS_FUNCTION
 

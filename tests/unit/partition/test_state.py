@@ -91,7 +91,7 @@ def test_seed_states_move_to_their_cells_devices_and_draw_as_before():
         model = tfpipe.PipelineModel(layers, balance=balance, devices=cpu_devices(2), num_micro_batches=2)
         model.build((None, 6))
         cell = next(c for c in model.cells if any(isinstance(layer, keras.layers.Dropout) for layer in c.layers))
-        (seed,) = tfpipe.step.state.seed_states(cell.layers)
+        (seed,) = tfpipe.partition.state.seed_states(cell.layers)
         assert seed.value.device.endswith(f"CPU:{cell.index}")
         before = seed.numpy().copy()
         model(tf.ones((4, 6)), training=True)
