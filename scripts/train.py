@@ -24,7 +24,43 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 from absl import app, flags  # noqa: E402
 
-from tfpipe.scripts import hub_models  # noqa: E402
+PROBE_NOISE = (
+    "cudart_stub.cc",
+    "cuda_platform.cc",
+    "failed call to cuInit",
+    "All log messages before absl::InitializeLog()",
+    "cpu_feature_guard.cc",
+    "To enable the following instructions",
+)
+
+
+@contextlib.contextmanager
+def quiet_gpu_probe():
+    """Hide TensorFlow's CUDA-probe lines (stderr, file descriptor 2) when this machine has no NVIDIA driver."""
+    if os.path.exists("/proc/driver/nvidia"):
+        yield  # a GPU machine: what TensorFlow says about CUDA matters
+        return
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile(mode="w+b") as caught:
+        os.dup2(caught.fileno(), 2)
+        try:
+            yield
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+            caught.seek(0)
+            for line in caught.read().decode(errors="replace").splitlines(keepends=True):
+                if not any(noise in line for noise in PROBE_NOISE):
+                    sys.stderr.write(line)
+
+
+with quiet_gpu_probe():  # importing tfpipe starts TensorFlow; its first device query probes for CUDA
+    import tensorflow as tf
+
+    from tfpipe.scripts import hub_models
+
+    tf.config.list_physical_devices()
 
 FLAGS = flags.FLAGS
 MODELS = ("transformer", "amoebanet", "resnet", "unet")
@@ -147,37 +183,6 @@ class Task:
 
 
 # TensorFlow's lines while it looks for CUDA on a machine without it: harmless, and they read like failures.
-PROBE_NOISE = (
-    "cudart_stub.cc",
-    "cuda_platform.cc",
-    "failed call to cuInit",
-    "All log messages before absl::InitializeLog()",
-    "cpu_feature_guard.cc",
-    "To enable the following instructions",
-)
-
-
-@contextlib.contextmanager
-def quiet_gpu_probe():
-    """Hide TensorFlow's CUDA-probe lines (stderr, file descriptor 2) when this machine has no NVIDIA driver."""
-    if os.path.exists("/proc/driver/nvidia"):
-        yield  # a GPU machine: what TensorFlow says about CUDA matters
-        return
-    sys.stderr.flush()
-    saved = os.dup(2)
-    with tempfile.TemporaryFile(mode="w+b") as caught:
-        os.dup2(caught.fileno(), 2)
-        try:
-            yield
-        finally:
-            os.dup2(saved, 2)
-            os.close(saved)
-            caught.seek(0)
-            for line in caught.read().decode(errors="replace").splitlines(keepends=True):
-                if not any(noise in line for noise in PROBE_NOISE):
-                    sys.stderr.write(line)
-
-
 def setup_devices(spec: str, partitions: int, stack: contextlib.ExitStack) -> list[str] | None:
     """Configure logical CPU devices (before TensorFlow starts) or start local workers; return the cells' devices.
 

@@ -235,7 +235,7 @@ def _custom(layers):
         sub
         for layer in layers
         for sub in layer._flatten_layers(include_self=True)
-        if type(sub).__module__.startswith("models.")
+        if type(sub).__module__.startswith("tfpipe.models.")
     ]
 
 

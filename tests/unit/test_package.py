@@ -7,7 +7,7 @@ import pytest
 
 import tfpipe
 from tests.util import REPO, run_fresh
-from tfpipe import _deprecated
+from tfpipe import _aliases
 
 PACKAGE = os.path.join(REPO, "tfpipe")
 # Bottom to top: a module may import its own layer and the layers before it, never a later one.
@@ -21,7 +21,7 @@ LAYERS = [
     {"planning"},
     {"messages", "saving", "training", "settings", "keras_api"},
     {"model"},
-    {"analysis", "__init__", "_deprecated"},
+    {"analysis", "__init__", "_aliases"},
 ]
 
 
@@ -85,7 +85,7 @@ def test_every_old_module_path_imports_the_moved_module_with_a_warning():
         f"with pytest.warns(DeprecationWarning, match='tfpipe.{old} moved to {new}'):\n"
         f"    import tfpipe.{old} as old\n"
         f"assert old is importlib.import_module('{new}'), '{old}'"
-        for old, new in _deprecated.MOVED.items()
+        for old, new in _aliases.MOVED.items()
     )
     result = run_fresh("import importlib, warnings, pytest, tfpipe\n" + checks + "\nprint('ok')")
     assert result.stdout.strip().endswith("ok"), result.stderr[-2000:]

@@ -10,6 +10,7 @@ from typing import Any, ContextManager
 import tensorflow as tf
 
 from tfpipe import _compat
+from tfpipe._args import user_stacklevel
 
 
 def _short_name(logical_name: str) -> str:
@@ -103,7 +104,7 @@ def resolve(devices: Sequence[str] | None, num_cells: int, strategy: Any = None)
         found = available()
         if len(found) == 1:
             if num_cells > 1:
-                warnings.warn(share_warning(num_cells, found[0]), stacklevel=4)  # at the caller of PipelineModel
+                warnings.warn(share_warning(num_cells, found[0]), stacklevel=user_stacklevel())
             return found * num_cells
         if len(found) < num_cells:
             raise ValueError(
