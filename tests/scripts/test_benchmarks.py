@@ -78,6 +78,7 @@ def test_speed_benchmark_writes_its_table(tmp_path):
     assert "share of the bound that one worker's micro-batches set" in diagnostic and "allowed" not in diagnostic
 
 
+@pytest.mark.slow  # 48 s alone; U-Net exactness: integration/test_reference_models.py
 def test_speed_benchmark_times_a_functional_unet(tmp_path):
     out = str(tmp_path / "unet")
     flags = ("--model=unet", "--micro_batches=2", "--steps=2", "--warmup=2", "--warmup_s=0", "--dims=2", "--seq_len=8")
@@ -91,6 +92,7 @@ def test_speed_benchmark_times_a_functional_unet(tmp_path):
     assert "optimizer='adam', steps_per_execution=2" in open(out + ".md").read()
 
 
+@pytest.mark.slow  # tied weights: integration/test_tied.py
 def test_speed_benchmark_times_a_transformer_with_its_embedding_tied_to_the_output(tmp_path):
     out = str(tmp_path / "tied")
     flags = ("--micro_batches=2", "--steps=1", "--warmup=1", "--warmup_s=0", "--dims=16", "--blocks=2", "--seq_len=8")

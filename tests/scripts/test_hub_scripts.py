@@ -96,6 +96,7 @@ def test_bad_hub_flags_name_the_fix():
         assert code == 2 and message in stderr and "Traceback" not in stderr, (flags, stderr[-1500:])
 
 
+@pytest.mark.slow  # hub tasks: integration/test_hub.py
 def test_speed_benchmark_times_a_hub_llama_against_one_worker(tmp_path):
     out = str(tmp_path / "llama")
     flags = ("--model=hub:llama", "--micro_batches=2", "--steps=1", "--warmup=1", "--warmup_s=0", "--blocks=2")

@@ -1,1 +1,4 @@
-"""What the user hands in and how it is cut into cells: layer sequences, Functional graphs, cells."""
+"""What the user hands in, cut into cells: layer sequences, Functional graphs, cells and their state.
+
+Internal: the public API is what tfpipe.__all__ names.
+"""

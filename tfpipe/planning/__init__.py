@@ -1,1 +1,4 @@
-"""Choosing the cut: per-layer FLOPs and measured costs, the balance, the summary table."""
+"""Choosing the cut: per-layer FLOPs and measured costs, the balance, the summary table.
+
+Internal: the public API is what tfpipe.__all__ names.
+"""

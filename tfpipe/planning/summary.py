@@ -26,26 +26,7 @@ def print_summary(model: Any, line_length: int | None = None, print_fn: Callable
         estimate, problem = None, str(err)
     balance = model.balance
     per_cell = balance_lib.cell_costs(estimate.costs, balance) if estimate and balance else None
-    header = list(COLUMNS)
-    header[4] = f"Cost ({cost_lib.UNITS.get(cost_name, 'cost')})"
-    rows = [tuple(header)]
-    replicated = model.num_replicas > 1
-    for cell in model.cells:
-        k = cell.index
-        params = f"{cell.count_params():,}" if model.built else "unbuilt"
-        cost = share = out = "-"
-        if per_cell is not None:
-            total = sum(per_cell) or 1.0
-            cost, share = si(per_cell[k]), f"{100.0 * per_cell[k] / total:.1f}%"
-            if estimate.output_bytes:
-                out = si(estimate.output_bytes[sum(balance[: k + 1]) - 1]) + "B"
-        device = ", ".join(row[k] for row in model.devices) if replicated else cell.device  # replicas listed
-        rows.append([str(k), device, cell.describe(), params, cost, share, out])
-    widths = list(WIDTHS)
-    widths[1] = max(widths[1], *(len(row[1]) for row in rows))
-    widths[2] = max(12, width - sum(widths) - 2 * (len(widths) - 1))
-    for row, cell in zip(rows[1:], model.cells):  # the layers, cut to their column with the count kept
-        row[2] = cell.describe(widths[2])
+    rows, widths = _table(model, estimate, per_cell, cost_name, width)
 
     def fmt(row: Sequence[Any]) -> str:
         return "  ".join(str(c)[:w].ljust(w) for c, w in zip(row, widths)).rstrip()
@@ -53,7 +34,7 @@ def print_summary(model: Any, line_length: int | None = None, print_fn: Callable
     k, m = model.num_partitions, model.num_micro_batches
     print_fn(
         f'PipelineModel "{model.name}": '
-        + (f"{model.num_replicas} replicas x " if replicated else "")
+        + (f"{model.num_replicas} replicas x " if model.num_replicas > 1 else "")
         + f"{k} cells, balance={balance}, "
         f"num_micro_batches={m}, remat={model.remat!r}, schedule={model.schedule!r} "
         f"(bubble {100 * schedule.predicted_bubble(model.schedule, k, m):.1f}%), cost={cost_name!r}"
@@ -72,31 +53,70 @@ def print_summary(model: Any, line_length: int | None = None, print_fn: Callable
         listed = ", ".join(f"{name} {list(shape[1:])} {si(b)}B" for name, shape, b in tensors)
         print_fn(f"Cut {cut}|{cut + 1}: {len(tensors)} tensors, {total}/sample: {listed}")
     if model.built:
-        _print_tied(model.cells, print_fn)
-        trainable = sum(int(np.prod(v.shape)) for v in model.trainable_weights)
-        total = sum(int(np.prod(v.shape)) for v in model.weights)
-        print_fn(f"Total params: {total:,}")
-        print_fn(f"Trainable params: {trainable:,}")
-        print_fn(f"Non-trainable params: {total - trainable:,}")
+        _print_params(model, print_fn)
     if per_cell is not None:
-        evenness = balance_lib.evenness(per_cell)
-        if schedule.splits_backward(model.schedule):  # the bubble is not GPipe's M/(M+K-1): say whose it is
-            bubble_free = 1.0 - schedule.predicted_bubble(model.schedule, k, m)
-            print_fn(
-                f"Predicted pipeline efficiency: {100 * bubble_free * evenness:.1f}% = 1 - bubble of "
-                f"{model.schedule!r} {100 * bubble_free:.1f}% (backward 2x forward, half of it W) x "
-                f"mean/max cell cost {100 * evenness:.1f}%"
-            )
-        else:
-            bubble_free = 1.0 - schedule.bubble_fraction(k, m)
-            print_fn(
-                f"Predicted pipeline efficiency: {100 * balance_lib.efficiency(per_cell, m):.1f}% "
-                f"= M/(M+K-1) {100 * bubble_free:.1f}% x mean/max cell cost {100 * evenness:.1f}%"
-            )
-        for hint in _hints(model, per_cell):
-            print_fn(hint)
+        _print_efficiency(model, per_cell, print_fn)
     elif problem:
         print_fn(f"Costs not estimated: {problem}")
+
+
+def _table(
+    model: Any, estimate: Any, per_cell: list[float] | None, cost_name: str, width: int
+) -> tuple[list[Any], list[int]]:
+    """The table's header and one row per cell, and the column widths that fit ``width``."""
+    header = list(COLUMNS)
+    header[4] = f"Cost ({cost_lib.UNITS.get(cost_name, 'cost')})"
+    rows: list[Any] = [tuple(header)]
+    balance = model.balance
+    for cell in model.cells:
+        k = cell.index
+        params = f"{cell.count_params():,}" if model.built else "unbuilt"
+        cost = share = out = "-"
+        if per_cell is not None:
+            total = sum(per_cell) or 1.0
+            cost, share = si(per_cell[k]), f"{100.0 * per_cell[k] / total:.1f}%"
+            if estimate.output_bytes:
+                out = si(estimate.output_bytes[sum(balance[: k + 1]) - 1]) + "B"
+        replicated = model.num_replicas > 1
+        device = ", ".join(row[k] for row in model.devices) if replicated else cell.device  # replicas listed
+        rows.append([str(k), device, cell.describe(), params, cost, share, out])
+    widths = list(WIDTHS)
+    widths[1] = max(widths[1], *(len(row[1]) for row in rows))
+    widths[2] = max(12, width - sum(widths) - 2 * (len(widths) - 1))
+    for row, cell in zip(rows[1:], model.cells):  # the layers, cut to their column with the count kept
+        row[2] = cell.describe(widths[2])
+    return rows, widths
+
+
+def _print_params(model: Any, print_fn: Callable[[str], None]) -> None:
+    """The tied weights and the parameter counts of a built model."""
+    _print_tied(model.cells, print_fn)
+    trainable = sum(int(np.prod(v.shape)) for v in model.trainable_weights)
+    total = sum(int(np.prod(v.shape)) for v in model.weights)
+    print_fn(f"Total params: {total:,}")
+    print_fn(f"Trainable params: {trainable:,}")
+    print_fn(f"Non-trainable params: {total - trainable:,}")
+
+
+def _print_efficiency(model: Any, per_cell: list[float], print_fn: Callable[[str], None]) -> None:
+    """The predicted pipeline efficiency (the schedule's bubble x the cells' evenness) and what would raise it."""
+    k, m = model.num_partitions, model.num_micro_batches
+    evenness = balance_lib.evenness(per_cell)
+    if schedule.splits_backward(model.schedule):  # the bubble is not GPipe's M/(M+K-1): say whose it is
+        bubble_free = 1.0 - schedule.predicted_bubble(model.schedule, k, m)
+        print_fn(
+            f"Predicted pipeline efficiency: {100 * bubble_free * evenness:.1f}% = 1 - bubble of "
+            f"{model.schedule!r} {100 * bubble_free:.1f}% (backward 2x forward, half of it W) x "
+            f"mean/max cell cost {100 * evenness:.1f}%"
+        )
+    else:
+        bubble_free = 1.0 - schedule.bubble_fraction(k, m)
+        print_fn(
+            f"Predicted pipeline efficiency: {100 * balance_lib.efficiency(per_cell, m):.1f}% "
+            f"= M/(M+K-1) {100 * bubble_free:.1f}% x mean/max cell cost {100 * evenness:.1f}%"
+        )
+    for hint in _hints(model, per_cell):
+        print_fn(hint)
 
 
 def _hints(model: Any, per_cell: list[float]) -> list[str]:

@@ -1,1 +1,4 @@
-"""One training step: the schedule, micro-batches, the loss, per-micro-batch state and the executors."""
+"""One training step: the schedule, micro-batches, the loss, the executors and their gradient sums.
+
+Internal: the public API is what tfpipe.__all__ names.
+"""
