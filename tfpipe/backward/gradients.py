@@ -1,4 +1,4 @@
-"""Gradient values: which tensors take a gradient, and the sum of two gradients, dense or sparse."""
+"""Gradient values: which tensors (or specs) take a gradient, and the sum of two gradients, dense or sparse."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import tensorflow as tf
 
 
 def differentiable(t: Any) -> bool:
-    """Whether ``t`` takes a gradient: a tensor of a floating dtype."""
+    """Whether ``t`` (a tensor or spec) takes a gradient: one of a floating dtype."""
     return t is not None and t.dtype.is_floating
 
 

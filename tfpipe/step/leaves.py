@@ -17,8 +17,3 @@ def fill(structure: Any, leaves: Sequence[Any]) -> list[Any]:
     """The flat leaves of ``structure`` with its non-None leaves replaced, in order, by the first ``leaves``."""
     it = iter(leaves)
     return [None if leaf is None else next(it) for leaf in tf.nest.flatten(structure)]
-
-
-def floating(t: Any) -> bool:
-    """Whether ``t`` (a tensor or spec) is a floating-point leaf, which has a gradient."""
-    return t is not None and t.dtype.is_floating

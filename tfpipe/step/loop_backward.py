@@ -12,6 +12,7 @@ from typing import Any
 import tensorflow as tf
 
 from tfpipe import _compat
+from tfpipe.backward.gradients import differentiable
 from tfpipe.distributed import devices
 from tfpipe.partition.cell import Cell, add_dense
 from tfpipe.step import leaves
@@ -34,7 +35,7 @@ def backward(loops: Loops, stashes: list, loss_grads: LossGrads, loss_scale: Any
 def _loss_gradients(loops: Loops, loss_grads: LossGrads, result: LoopOutputs) -> list[tf.TensorArray]:
     """Each micro-batch's loss (into ``result``) and its gradients for the floating outputs, in arrays by j."""
     with devices.scope(loops.cells[-1].device):
-        wanted = [i for i, spec in enumerate(loops.specs[-1]) if leaves.floating(spec)]
+        wanted = [i for i, spec in enumerate(loops.specs[-1]) if differentiable(spec)]
         dys = [array(loops.specs[-1][i], loops.m) for i in wanted]
         for j, y in enumerate(result.outputs):
             loss_value, grads = loss_grads(j, y)
@@ -51,7 +52,7 @@ def _backward_variables(loops: Loops, vjps: list[CycleVJP], loss_scale: Any) -> 
         trainable, vjp = loops.plan.weights[k][0], vjps[k]
         with devices.scope(cell.device):
             last = k == len(loops.cells) - 1
-            dcarry.append([] if last else [empty(s) for s in loops.specs[k + 1] if leaves.floating(s)])
+            dcarry.append([] if last else [empty(s) for s in loops.specs[k + 1] if differentiable(s)])
             sums.append([tf.zeros_like(w) for i, w in enumerate(trainable) if i not in vjp.sparse])
             sparse.append(
                 [
@@ -130,8 +131,8 @@ class CycleVJP:
         self._trainable, self._other = weights
         self._structure = in_structure
         in_specs = leaves.flat(in_structure)
-        self._dx = [i for i, s in enumerate(in_specs) if wants_dx and leaves.floating(s)]
-        self._dy = [i for i, s in enumerate(out_specs) if leaves.floating(s)]
+        self._dx = [i for i, s in enumerate(in_specs) if wants_dx and differentiable(s)]
+        self._dy = [i for i, s in enumerate(out_specs) if differentiable(s)]
         self.sparse: set[int] = set()
         self.values_dtype: dict[int, tf.DType] = {}
         self.index_dtype: dict[int, tf.DType] = {}
