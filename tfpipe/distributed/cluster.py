@@ -29,7 +29,7 @@ from absl import logging as absl_logging
 
 from tfpipe import _compat
 from tfpipe._args import positive_int
-from tfpipe.distributed import health
+from tfpipe.distributed import exposure, health
 
 JOB = "worker"
 BFC_ENV = "TF_CPU_ALLOCATOR_USE_BFC"  # workers use TensorFlow's BFC allocator unless this is set otherwise
@@ -123,12 +123,26 @@ def _die_with_parent() -> None:
         pass
 
 
+def _warn_exposed(pids: list[int]) -> None:
+    """Log one line naming the workers' ports that hosts other than this one can reach (see ``exposure``)."""
+    ports = [port for pid in pids for port in exposure.open_to_network(pid)]
+    if ports:
+        absl_logging.warning(
+            "tfpipe: LocalCluster's workers listen on every network interface, port%s %s: TensorFlow's gRPC "
+            "server binds 0.0.0.0 and has no authentication, so whoever reaches these ports can run TensorFlow "
+            "ops (file reads and writes included) in the workers. Block them from other hosts with a firewall or "
+            "train on a trusted network (README, 'Security').",
+            "s" if len(ports) > 1 else "",
+            ", ".join(map(str, ports)),
+        )
+
+
 def _devices(spec: tf.train.ClusterSpec, job: str, device_type: str) -> list[str]:
     return [f"/job:{job}/task:{k}/device:{device_type}:0" for k in range(spec.num_tasks(job))]
 
 
 class LocalCluster:
-    """K TensorFlow worker processes on loopback, connected to this process; one device per worker.
+    """K TensorFlow worker processes on this host, reached over loopback, connected to this process; one device each.
 
     Use as a context manager::
 
@@ -143,6 +157,10 @@ class LocalCluster:
     inter-op thread pools, so a worker runs one thing at a time by default. Workers
     allocate with TensorFlow's BFC allocator (``TF_CPU_ALLOCATOR_USE_BFC=true``)
     unless this process's environment sets that variable.
+
+    Each worker listens on every network interface, without authentication: TensorFlow's
+    server binds 0.0.0.0 and cannot be confined (``tfpipe.distributed.exposure``). ``start``
+    logs the ports; README's "Security" says how to close them to other hosts.
     """
 
     def __init__(
@@ -188,6 +206,7 @@ class LocalCluster:
         with _worker_threads(self.threads_per_worker):
             tf.config.experimental_connect_to_cluster(tf.train.ClusterSpec({JOB: self.addresses}))
         self.watchdog = _watch(self.addresses, self.timeout, self._kill_hung)
+        _warn_exposed(self.pids)
         return self
 
     def _kill_hung(self, task: int, silent: float) -> None:
@@ -326,6 +345,12 @@ def connect(
     answer for ``timeout`` seconds ends the run: gRPC's ping timeout fails the blocked
     call, and ``PipelineModel``'s fit, evaluate and predict raise a ``WorkerError`` naming
     the task. ``None`` waits forever. Calling ``connect`` again replaces the watch.
+
+    Security: each worker serves TensorFlow's gRPC on every interface of its host, without
+    authentication or encryption; whoever reaches its port can run any op in it, file reads
+    and writes included, and the activations cross the network in the clear. Open the
+    workers' ports to the client's host only (a firewall rule, a private network or a VPN):
+    README, "Security".
     """
     timeout = health.check_timeout(timeout)
     if cluster is None:
