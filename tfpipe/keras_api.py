@@ -13,7 +13,7 @@ from typing import Any
 
 import keras
 
-from tfpipe import _compat
+from tfpipe import _compat, recovery
 from tfpipe import training as training_lib
 from tfpipe.distributed import cluster as cluster_lib
 from tfpipe.partition import functional, hub
@@ -80,7 +80,8 @@ class KerasEntryPoints(keras.Model):
     def _made(self, name: str, make: Callable[[bool], Any], force: bool) -> Callable:
         if getattr(self, name) is None or force:
             make(force)
-            setattr(self, name, with_fewer_rewrites(getattr(self, name), self._calls_cells))
+            made = with_fewer_rewrites(getattr(self, name), self._calls_cells)
+            setattr(self, name, recovery.skipping(made, self) if name == "train_function" else made)
         return getattr(self, name)
 
     def _calls_cells(self) -> bool:
@@ -94,15 +95,26 @@ class KerasEntryPoints(keras.Model):
         """Keras ``fit``; checks first that no training batch will be smaller than num_micro_batches.
 
         A keras_hub task's ``preprocessor`` is applied to the data first, as the task's own ``fit`` does.
+        With a ``keras.callbacks.BackupAndRestore`` callback, SIGTERM writes a backup and ends the process,
+        and workers of a ``LocalCluster(max_restarts=N)`` that die are replaced (``tfpipe.recovery``).
         """
         if self.preprocess is not None:
             x, kwargs = hub.for_fit(self.preprocess, x, y, batch_size, kwargs)
             y = batch_size = None
         split = kwargs.get("validation_split") or 0.0
         training_lib.check_batches(x, batch_size, split, self.num_micro_batches, self.num_replicas)
-        self._before_tracing(x, y, kwargs.get("sample_weight"))
-        with cluster_lib.reporting(), training_lib.short_batch_errors():  # named workers, short messages
-            return super().fit(x, y, batch_size, *args, **kwargs)
+        keras_fit = super().fit
+        positional = len(args) > 2  # fit(x, y, batch_size, epochs, verbose, callbacks, ...)
+        given = args[2] if positional else kwargs.get("callbacks")
+
+        def run(callbacks: list) -> Any:
+            self._before_tracing(x, y, kwargs.get("sample_weight"))
+            call_args = (*args[:2], callbacks, *args[3:]) if positional else args
+            call_kwargs = kwargs if positional else dict(kwargs, callbacks=callbacks)
+            with cluster_lib.reporting(), training_lib.short_batch_errors():  # named workers, short messages
+                return keras_fit(x, y, batch_size, *call_args, **call_kwargs)
+
+        return recovery.fit(self, run, given)
 
     def evaluate(self, x: Any = None, y: Any = None, batch_size: int | None = None, *args: Any, **kwargs: Any):
         """Keras ``evaluate``, after the task's ``preprocessor`` as in ``fit``."""

@@ -166,6 +166,12 @@ class PipelineModel(settings_lib.SettingsProperties, KerasEntryPoints, saving.Sa
         self._pipeline = pipelines[0] if len(pipelines) == 1 else Replicated(pipelines)
         self._apply_cells_jit()
 
+    def _remake_pipeline(self) -> None:
+        """A new pipeline over the same layers and new step functions: the workers were replaced (``recovery``)."""
+        self._make_pipeline(self._balance)
+        tie(self._pipeline.cells)
+        self.train_function = self.test_function = self.predict_function = None
+
     def _move_variables(self, seeds_only: bool) -> None:
         """Move variables made elsewhere to their cells' devices, as a layer list's weights are made there.
 

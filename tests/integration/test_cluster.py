@@ -378,6 +378,7 @@ def test_a_killed_or_stopped_worker_ends_fit_naming_the_worker(how):  # a stoppe
         expected = r"Worker task 1 at localhost:\d+ did not answer for 2\d s \(timeout=20 s\); it was killed"
         assert re.search(expected, message), message
     assert "LEFT []" in proc.stdout  # no worker left behind
+    assert "LocalCluster(..., max_restarts=N)" in message and "BackupAndRestore(backup_dir)" in message  # how to
 
 
 @pytest.mark.parametrize("how", ["SIGSTOP"])  # a stopped worker is killed by the watchdog: both faults end alike

@@ -19,7 +19,7 @@ LAYERS = [
     {"partition"},
     {"step"},
     {"planning"},
-    {"messages", "saving", "training", "settings", "keras_api"},
+    {"messages", "saving", "training", "settings", "recovery", "keras_api"},
     {"model"},
     {"analysis", "__init__", "_aliases"},
 ]

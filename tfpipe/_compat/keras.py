@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -174,3 +175,81 @@ def move_variable(variable: keras.Variable, device: str) -> None:
     old = variable._value  # noqa: SLF001
     with tf.init_scope(), tf.device(device):
         variable._initialize(tf.identity(old.read_value()))  # noqa: SLF001
+
+
+def remake_variable(variable: keras.Variable, device: str, value: tf.Tensor) -> None:
+    """Make the TensorFlow variable behind a Keras variable anew on ``device``, holding ``value``.
+
+    For a variable whose worker process died: its old handle points at nothing. As
+    ``move_variable``, through the TensorFlow backend's ``_initialize``.
+    """
+    with tf.init_scope(), tf.device(device):
+        variable._initialize(value)  # noqa: SLF001
+
+
+# BackupAndRestore keeps its files' paths and its epoch count privately; "tfpipe_batches_done" is tfpipe's own
+# key in the metadata, which Keras reads only the "epoch" of.
+BATCHES_DONE = "tfpipe_batches_done"
+
+
+def _metadata(callback: keras.callbacks.BackupAndRestore) -> dict[str, Any]:
+    path = callback._training_metadata_path  # noqa: SLF001
+    if not tf.io.gfile.exists(path):
+        return {}
+    with tf.io.gfile.GFile(path) as f:
+        return json.loads(f.read())
+
+
+def has_backup(callback: keras.callbacks.BackupAndRestore) -> bool:
+    """Whether a BackupAndRestore callback's directory holds a backup to restore."""
+    return tf.io.gfile.exists(callback._weights_path)  # noqa: SLF001
+
+
+def backup_point(callback: keras.callbacks.BackupAndRestore) -> tuple[int, int]:
+    """(epoch, batches of it trained on) where the callback's backup resumes; (0, 0) without one.
+
+    Keras' own saves inside an epoch (``save_freq=<int>``) record the index of the last batch.
+    """
+    meta = _metadata(callback)
+    if not meta:
+        return 0, 0
+    if BATCHES_DONE in meta:
+        return int(meta["epoch"]), int(meta[BATCHES_DONE])
+    inside = isinstance(callback.save_freq, int) and not isinstance(callback.save_freq, bool)
+    return int(meta["epoch"]), int(meta.get("batch", 0)) + 1 if inside else 0
+
+
+def save_backup(callback: keras.callbacks.BackupAndRestore, epoch: int, batches_done: int) -> None:
+    """Write the callback's backup now (Keras' ``_save_model``), as of ``batches_done`` batches into ``epoch``."""
+    callback._current_epoch = epoch  # noqa: SLF001
+    callback._save_model()  # noqa: SLF001
+    meta = {"epoch": epoch, "batch": max(batches_done - 1, 0), BATCHES_DONE: batches_done}
+    with tf.io.gfile.GFile(callback._training_metadata_path, "w") as f:  # noqa: SLF001
+        f.write(json.dumps(meta))
+
+
+def set_backup_epoch(callback: keras.callbacks.BackupAndRestore, epoch: int) -> None:
+    """Tell the callback which epoch runs: after a restore it still counts from 0, and saves would say so."""
+    callback._current_epoch = epoch  # noqa: SLF001
+
+
+def optimizer_key(optimizer: keras.optimizers.Optimizer, variable: keras.Variable) -> Any:
+    """The key a Keras optimizer knows ``variable`` by (the TensorFlow backend's is the tf.Variable's id)."""
+    return optimizer._var_key(variable)  # noqa: SLF001
+
+
+def rekey_optimizer(optimizer: keras.optimizers.Optimizer, new_keys: dict[Any, Any]) -> None:
+    """Point the optimizer's per-variable tables from old keys to new ones (variables made anew, ``remake_variable``).
+
+    Keras keys them by the tf.Variable behind each Keras variable, which a remade variable replaces.
+    """
+    for inner in (optimizer, getattr(optimizer, "inner_optimizer", None)):  # a LossScaleOptimizer's too
+        if inner is None:
+            continue
+        for name in ("_trainable_variables_indices", "_exclude_from_weight_decay_cache"):
+            table = getattr(inner, name, None)
+            if isinstance(table, dict):
+                setattr(inner, name, {new_keys.get(k, k): v for k, v in table.items()})
+        excluded = getattr(inner, "_exclude_from_weight_decay", None)
+        if isinstance(excluded, set):
+            inner._exclude_from_weight_decay = {new_keys.get(k, k) for k in excluded}  # noqa: SLF001

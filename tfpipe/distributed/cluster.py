@@ -30,6 +30,7 @@ from absl import logging as absl_logging
 from tfpipe import _compat
 from tfpipe._args import positive_int
 from tfpipe.distributed import exposure, health
+from tfpipe.distributed.faults import RECOVER, WorkerError, hung_worker, reporting, unwatch, watch
 
 JOB = "worker"
 BFC_ENV = "TF_CPU_ALLOCATOR_USE_BFC"  # workers use TensorFlow's BFC allocator unless this is set otherwise
@@ -52,61 +53,14 @@ server.join()
 )
 
 
-class WorkerError(RuntimeError):
-    """A worker process failed to start, died, or stopped answering."""
-
-
-_watchdogs: list[health.Watchdog] = []  # one per cluster this process is connected to now
 _joined: health.Watchdog | None = None  # the watch of the cluster ``connect`` joined last
+_started: list[LocalCluster] = []  # the LocalClusters this process runs now, started last at the end
+__all__ = ["LocalCluster", "WorkerError", "connect", "hung_worker", "reporting", "restartable", "RECOVER"]
 
 
-def _watch(addresses: list[str], timeout: float | None, on_hung: Any) -> health.Watchdog | None:
-    if timeout is None:
-        return None
-    watchdog = health.Watchdog(addresses, timeout, on_hung)
-    watchdog.start()
-    _watchdogs.append(watchdog)
-    return watchdog
-
-
-def _unwatch(watchdog: health.Watchdog | None) -> None:
-    if watchdog is not None:
-        watchdog.stop()
-        if watchdog in _watchdogs:
-            _watchdogs.remove(watchdog)
-
-
-def hung_worker(err: BaseException | None = None) -> str | None:
-    """The worker that a watchdog found silent ('task k at host:port did not answer ...'), else None.
-
-    After a TensorFlow ``UnavailableError`` (gRPC's ping timeout can end a blocked call before
-    the watchdog's timeout), the workers are asked once more, with a 2 s deadline.
-    """
-    for watchdog in _watchdogs:
-        if watchdog.hung:
-            return watchdog.hung
-    if isinstance(err, tf.errors.UnavailableError):
-        for watchdog in _watchdogs:
-            silent = watchdog.silent_now()
-            if silent:
-                return f"{', '.join(silent)} did not answer"
-    return None
-
-
-@contextlib.contextmanager
-def reporting() -> Iterator[None]:
-    """Turn a TensorFlow error that a silent worker caused into a ``WorkerError`` that names the worker."""
-    try:
-        yield
-    except tf.errors.OpError as err:
-        why = hung_worker(err)
-        if why is None:
-            raise
-        raise WorkerError(
-            f"Worker {why}: the run ended ({type(err).__name__}). A stopped, frozen or cut-off worker cannot "
-            "finish the step; start a new cluster (or call connect() again once it answers) and resume from "
-            "the last checkpoint."
-        ) from err
+def restartable() -> LocalCluster | None:
+    """The LocalCluster this process started last, if it may still restart its workers; else None."""
+    return _started[-1] if _started and _started[-1].restarts < _started[-1].max_restarts else None
 
 
 def _free_port() -> int:
@@ -153,7 +107,9 @@ class LocalCluster:
     Every worker it started is stopped on exit, also after an error; a worker also
     dies with this process. A worker that does not answer for ``timeout`` seconds
     (stopped, frozen) is killed, and the run ends with a ``WorkerError`` naming it;
-    ``None`` waits forever (see ``tfpipe.distributed.health``). ``threads_per_worker`` sets each worker's intra- and
+    ``None`` waits forever (see ``tfpipe.distributed.health``). With ``max_restarts=N`` and a
+    ``keras.callbacks.BackupAndRestore`` callback, ``fit`` instead replaces the workers and goes
+    on from the last backup, up to N times (``tfpipe.recovery``). ``threads_per_worker`` sets each worker's intra- and
     inter-op thread pools, so a worker runs one thing at a time by default. Workers
     allocate with TensorFlow's BFC allocator (``TF_CPU_ALLOCATOR_USE_BFC=true``)
     unless this process's environment sets that variable.
@@ -169,8 +125,13 @@ class LocalCluster:
         threads_per_worker: int = 1,
         start_timeout: float = START_TIMEOUT,
         timeout: float | None = DEFAULT_TIMEOUT,
+        max_restarts: int = 0,
     ):
         self.num_workers = positive_int("num_workers", num_workers)
+        if isinstance(max_restarts, bool) or not isinstance(max_restarts, int) or max_restarts < 0:
+            raise ValueError(f"max_restarts must be an int >= 0 (0: a dead worker ends fit), got {max_restarts!r}.")
+        self.max_restarts = max_restarts
+        self.restarts = 0  # how many times ``restart`` replaced the workers
         self.threads_per_worker = positive_int("threads_per_worker", threads_per_worker)
         self.start_timeout = start_timeout
         self.timeout = health.check_timeout(timeout)
@@ -205,9 +166,30 @@ class LocalCluster:
         # Only now: connecting before every worker serves can block without a timeout.
         with _worker_threads(self.threads_per_worker):
             tf.config.experimental_connect_to_cluster(tf.train.ClusterSpec({JOB: self.addresses}))
-        self.watchdog = _watch(self.addresses, self.timeout, self._kill_hung)
+        self.watchdog = watch(self.addresses, self.timeout, self._kill_hung)
         _warn_exposed(self.pids)
+        if self not in _started:
+            _started.append(self)
         return self
+
+    def restart(self) -> None:
+        """Replace every worker by a fresh process (new ports, same device names) and connect to them again.
+
+        What the workers held is gone: ``PipelineModel.fit`` makes their variables again and restores
+        the last ``BackupAndRestore`` backup (``tfpipe.recovery``). Counts against ``max_restarts``.
+        """
+        if self.restarts >= self.max_restarts:
+            raise WorkerError(f"LocalCluster has restarted {self.restarts} of max_restarts={self.max_restarts} times.")
+        self.restarts += 1
+        self.stop()
+        self.start()
+
+    def failed(self, err: BaseException | None = None) -> str | None:
+        """Why the last call failed if a worker of this cluster died or hung ('task k at ...'), else None."""
+        if self.watchdog is not None and self.watchdog.hung:
+            return self.watchdog.hung
+        dead = self._dead_after(err) if err is not None else self.dead_workers()
+        return ", ".join(dead) + " died" if dead else None
 
     def _kill_hung(self, task: int, silent: float) -> None:
         """A silent worker cannot finish the step: kill it, so that TensorFlow's blocked call fails at once."""
@@ -261,7 +243,9 @@ class LocalCluster:
 
     def stop(self) -> None:
         """Stop every worker this cluster started (terminate, then kill)."""
-        _unwatch(self.watchdog)
+        if self in _started:
+            _started.remove(self)
+        unwatch(self.watchdog)
         for process in self.processes:
             if process.poll() is None and self.watchdog is not None and self.watchdog.hung:
                 process.kill()  # a stopped process ignores SIGTERM until continued
@@ -297,14 +281,14 @@ class LocalCluster:
         if hung and not isinstance(exc, WorkerError):
             raise WorkerError(
                 f"Worker {hung}: the run ended ({type(exc).__name__}). Start a new cluster and resume from the "
-                "last checkpoint."
+                "last checkpoint." + RECOVER
             ) from exc
         if dead and not isinstance(exc, WorkerError):
             lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
             cause = lines[-1][:300] if lines else type(exc).__name__  # TensorFlow puts the RPC's error last
             raise WorkerError(
                 f"Worker {', '.join(dead)} died during the run ({type(exc).__name__}: {cause}). "
-                "Start a new cluster and resume from the last checkpoint."
+                "Start a new cluster and resume from the last checkpoint." + RECOVER
             ) from exc
 
     def _dead_after(self, exc: BaseException) -> list[str]:
@@ -370,6 +354,6 @@ def connect(
     global _joined
     health.arm(timeout)  # before this process's first gRPC channel
     tf.config.experimental_connect_to_cluster(spec)
-    _unwatch(_joined)
-    _joined = _watch([spec.task_address(job, k) for k in range(spec.num_tasks(job))], timeout, lambda *_: None)
+    unwatch(_joined)
+    _joined = watch([spec.task_address(job, k) for k in range(spec.num_tasks(job))], timeout, lambda *_: None)
     return _devices(spec, job, device_type)

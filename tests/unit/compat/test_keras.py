@@ -4,6 +4,8 @@ If one of these fails after upgrading Keras, the internal it names changed:
 fix tfpipe/_compat/keras.py, do not loosen the test.
 """
 
+import json
+
 import keras
 import numpy as np
 import pytest
@@ -215,3 +217,42 @@ def test_move_variable_recreates_it_on_the_device_with_its_value():
     np.testing.assert_array_equal(kernel.numpy(), np.full((3, 2), 2.0))
     kernel.assign_add(np.ones((3, 2), "float32"))  # still the layer's variable, assignable where it now is
     np.testing.assert_array_equal(layer(np.ones((1, 3), "float32")).numpy(), [[9.0, 9.0]])
+
+
+def test_remake_variable_gives_it_a_new_tensorflow_variable_that_its_optimizer_is_rekeyed_to():
+    layer = keras.layers.Dense(2)
+    layer.build((None, 3))
+    optimizer = keras.optimizers.SGD(0.5)
+    optimizer.build(layer.trainable_variables)
+    old = _compat.optimizer_key(optimizer, layer.kernel)
+    before = layer.kernel.value
+    _compat.remake_variable(layer.kernel, "/CPU:0", tf.ones((3, 2)))
+    assert layer.kernel.value is not before and layer.kernel.value.device.endswith("/device:CPU:0")
+    np.testing.assert_array_equal(layer.kernel.numpy(), np.ones((3, 2)))
+    new = _compat.optimizer_key(optimizer, layer.kernel)
+    assert new != old
+    with pytest.raises(ValueError, match="Unknown variable"):  # Keras knows variables by their tf.Variable
+        optimizer.apply_gradients([(tf.ones((3, 2)), layer.kernel)])
+    _compat.rekey_optimizer(optimizer, {old: new})
+    optimizer.apply_gradients([(tf.ones((3, 2)), layer.kernel)])
+    np.testing.assert_array_equal(layer.kernel.numpy(), np.full((3, 2), 0.5))
+
+
+def test_backups_as_backup_and_restore_reads_and_writes_them(tmp_path):
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+    model.compile(optimizer="sgd", loss="mse")
+    callback = keras.callbacks.BackupAndRestore(str(tmp_path / "b"), save_freq=2)
+    callback.set_model(model)
+    assert not _compat.has_backup(callback) and _compat.backup_point(callback) == (0, 0)
+    _compat.save_backup(callback, epoch=3, batches_done=5)
+    assert _compat.has_backup(callback) and _compat.backup_point(callback) == (3, 5)
+    callback.on_train_begin()  # Keras' own restore reads the epoch
+    assert model._initial_epoch == 3
+    _compat.set_backup_epoch(callback, 4)
+    callback.on_train_batch_end(0)
+    callback.on_train_batch_end(1)  # Keras' own save inside an epoch (save_freq=2): the epoch set, the last index
+    assert json.loads((tmp_path / "b" / "training_metadata.json").read_text()) == {"epoch": 4, "batch": 1}
+    assert _compat.backup_point(callback) == (4, 2)
+    callback.save_freq = "epoch"  # an epoch's save resumes at the next epoch's start
+    callback.on_epoch_end(4)
+    assert _compat.backup_point(callback) == (5, 0)

@@ -1,0 +1,130 @@
+"""A dead worker replaced within the same fit, and SIGTERM: a backup, an exit, and a rerun that goes on exactly.
+
+Every test runs in a fresh process: connecting to a cluster changes TensorFlow's process-wide context.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from tests.util import REPO, run_fresh
+
+# Trains the reference MLP 4 epochs of 4 batches on two LocalCluster workers (no shuffling, no random layers).
+TRAIN = """
+import os, signal, sys, time
+import numpy as np, keras, tfpipe
+from tfpipe.distributed.cluster import LocalCluster, WorkerError
+from tests.util import max_rel_error, mlp_layers
+
+x = np.random.default_rng(0).normal(size=(32, 5)).astype("float32")
+y = np.random.default_rng(1).normal(size=(32, 3)).astype("float32")
+
+
+def train(cluster, backup=None, save_freq="epoch", kill_at=(), on_batch=None):
+    keras.utils.set_random_seed(0)
+    model = tfpipe.PipelineModel(mlp_layers(), num_partitions=2, devices=cluster.devices, num_micro_batches=2)
+    model.build((None, 5))
+    model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
+    callbacks = [keras.callbacks.BackupAndRestore(backup, save_freq=save_freq)] if backup else []
+    now = {"epoch": None}
+    pending = list(kill_at)  # (epoch, batch): SIGKILL worker 1 before that batch, once each
+
+    def begin(batch, logs):
+        if pending and (now["epoch"], batch) == pending[0]:
+            pending.pop(0)
+            os.kill(cluster.pids[1], signal.SIGKILL)
+            time.sleep(0.5)
+
+    def end(batch, logs):
+        if on_batch:
+            on_batch(now["epoch"], batch)
+
+    callbacks.append(keras.callbacks.LambdaCallback(
+        on_epoch_begin=lambda epoch, logs: now.update(epoch=epoch), on_train_batch_begin=begin, on_train_batch_end=end))
+    history = model.fit(x, y, batch_size=8, epochs=4, shuffle=False, verbose=0, callbacks=callbacks)
+    return model.get_weights(), history
+"""
+
+
+def test_a_killed_worker_is_replaced_and_the_same_fit_reaches_the_uninterrupted_weights(tmp_path):
+    proc = run_fresh(
+        TRAIN
+        + f"""
+with LocalCluster(2) as cluster:
+    reference, _ = train(cluster)
+for save_freq in ["epoch", 3]:  # 3: a backup inside epoch 2, after its first batch
+    with LocalCluster(2, max_restarts=1) as cluster:
+        weights, history = train(cluster, {str(tmp_path)!r} + f"/{{save_freq}}", save_freq, kill_at=[(2, 2)])
+        print("RESULT", save_freq, cluster.restarts, history.epoch, max_rel_error(weights, reference))
+try:
+    with LocalCluster(2, max_restarts=1) as cluster:  # a second death: no restart left
+        pids = cluster.pids
+        train(cluster, {str(tmp_path)!r} + "/twice", kill_at=[(1, 1), (2, 1)])
+except WorkerError as err:
+    print("TWICE", cluster.restarts, err)
+print("LEFT", [p for p in cluster.pids + pids if os.path.exists(f"/proc/{{p}}")])
+""",
+        timeout=400,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = [line.split()[1:] for line in proc.stdout.splitlines() if line.startswith("RESULT")]
+    assert [r[:2] for r in results] == [["epoch", "1"], ["3", "1"]], proc.stdout[-2000:]
+    assert all(" ".join(r[2:6]) == "[0, 1, 2, 3]" for r in results)  # the History covers every epoch
+    assert all(float(r[-1]) < 1e-6 for r in results), results
+    # One line per restart, naming the worker and where training goes on (1-based epoch, batches already done).
+    logged = [line for line in proc.stderr.splitlines() if "restarting the workers" in line]
+    assert len(logged) == 3, proc.stderr[-3000:]
+    assert "worker task 1 at localhost:" in logged[0] and "died (UnavailableError)" in logged[0]
+    assert "(restart 1 of 1) and resuming from the backup in" in logged[0] and "at epoch 3, batch 0." in logged[0]
+    assert "at epoch 3, batch 1." in logged[1]
+    twice = proc.stdout.split("TWICE")[1]
+    assert twice.startswith(" 1 Worker task 1 at localhost:") and "died during the run" in twice
+    assert "LEFT []" in proc.stdout
+
+
+SIGTERMED = """
+from tfpipe import recovery
+
+def stop_after(epoch, batch):
+    if (epoch, batch) == (1, 1):  # SIGTERM to this process, as a scheduler sends it, after 6 batches
+        print("PIDS", cluster.pids, flush=True)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+with LocalCluster(2) as cluster:
+    weights, _ = train(cluster, BACKUP, on_batch=stop_after if not os.path.exists(BACKUP) else None)
+    print("DONE", len(weights), flush=True)
+"""
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="SIGTERM")
+def test_sigterm_writes_a_backup_stops_the_workers_and_the_same_command_resumes(tmp_path):
+    backup = str(tmp_path / "backup")
+    code = textwrap.dedent(TRAIN) + f"BACKUP = {backup!r}\n" + textwrap.dedent(SIGTERMED)
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", PYTHONPATH=REPO)
+    first = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert first.returncode == 128 + signal.SIGTERM, first.stderr[-3000:]
+    assert "DONE" not in first.stdout
+    assert "tfpipe: SIGTERM: stopped after epoch 2, batch 2; the backup in" in first.stderr
+    with open(os.path.join(backup, "training_metadata.json")) as f:
+        assert json.load(f) == {"epoch": 1, "batch": 1, "tfpipe_batches_done": 2}
+    pids = eval(first.stdout.split("PIDS")[1].splitlines()[0])
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and any(os.path.exists(f"/proc/{p}") for p in pids):
+        time.sleep(0.2)
+    assert not [p for p in pids if os.path.exists(f"/proc/{p}")]  # the workers were stopped
+    # The same command again: it resumes 2 batches into epoch 2 and ends with the uninterrupted weights.
+    again = code + textwrap.dedent("""
+        with LocalCluster(2) as cluster:
+            reference, _ = train(cluster)
+        print("ERROR", max_rel_error(weights, reference))
+    """)
+    second = subprocess.run([sys.executable, "-c", again], capture_output=True, text=True, env=env, timeout=300)
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert "DONE" in second.stdout and float(second.stdout.split("ERROR")[1]) < 1e-6
+    assert not os.path.exists(backup)  # Keras deletes the backup after a finished fit
