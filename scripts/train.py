@@ -163,6 +163,12 @@ flags.DEFINE_integer(
     "save_every", None, "Back up every N steps (default: every epoch); needs --model_dir.", lower_bound=1
 )
 flags.DEFINE_bool("tensorboard", False, "Write TensorBoard logs under --model_dir/logs.")
+flags.DEFINE_integer(
+    "max_restarts",
+    0,
+    "With --devices=local:N and --model_dir: replace dead workers and go on from the last backup, up to N times.",
+    lower_bound=0,
+)
 
 
 class UsageError(Exception):
@@ -216,7 +222,7 @@ def setup_devices(spec: str, partitions: int, stack: contextlib.ExitStack) -> li
         if count < partitions:
             raise UsageError(f"--devices={spec} starts {count} workers for {partitions} cells; use local:{partitions}")
         try:
-            return stack.enter_context(LocalCluster(count)).devices[:partitions]
+            return stack.enter_context(LocalCluster(count, max_restarts=FLAGS.max_restarts)).devices[:partitions]
         except (ValueError, WorkerError) as err:
             raise UsageError(f"--devices={spec}: {err}") from None
     return [d.strip() for d in spec.split(",") if d.strip()]
@@ -334,6 +340,8 @@ def check_flags() -> None:
         raise UsageError("--tensorboard writes under --model_dir; give --model_dir too")
     if FLAGS.save_every and not FLAGS.model_dir:
         raise UsageError("--save_every backs up into --model_dir; give --model_dir too")
+    if FLAGS.max_restarts and not (FLAGS.model_dir and FLAGS.devices.startswith("local:")):
+        raise UsageError("--max_restarts restarts --devices=local:N workers from the backup in --model_dir; give both")
     if FLAGS.dataset != "synthetic":
         from tfpipe.scripts.data import parse_tfds
 

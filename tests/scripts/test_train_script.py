@@ -152,6 +152,7 @@ BAD_FLAGS = [
     (["--batch_size=2", "--micro_batches=4"], "--batch_size=2 is smaller than --micro_batches=4"),
     (["--dataset=imagenet"], "train.py: error: --dataset=imagenet: write 'synthetic' or tfds:NAME"),
     (["--tensorboard"], "--tensorboard writes under --model_dir"),
+    (["--max_restarts=2", "--devices=local:2"], "--max_restarts restarts --devices=local:N workers from the backup"),
     (["--model=amoebanet", "--blocks=4"], "--model=amoebanet sizes: num_layers=4"),
     (
         ["--partitions=9", "--blocks=1"],
