@@ -3,7 +3,9 @@
 - A worker of a ``LocalCluster(max_restarts=N)`` dies or hangs: the cluster starts fresh
   workers, the variables they held are made again (TensorFlow's remote variables die
   with their process), the step is traced anew, and the same ``fit`` call goes on from
-  the last backup, which Keras' callback restores.
+  the last backup, which Keras' callback restores. After ``connect(max_restarts=N)``,
+  ``fit`` waits up to the timeout for the worker to be back (someone restarts it), then
+  the same.
 - The process gets SIGTERM (what a cloud VM or a scheduler sends before it stops it):
   the current step ends, a backup is written, and the process exits (code 143) through
   the user's ``with LocalCluster`` block, which stops the workers; the same command
@@ -52,11 +54,13 @@ def fit(model: keras.Model, run: Callable[[list], keras.callbacks.History], call
                 if why is None or cluster.restarts >= cluster.max_restarts:
                     raise
                 epoch, done = _compat.backup_point(backup)
+                how = "restarting the workers" if isinstance(cluster, cluster_lib.LocalCluster) else "reconnecting"
                 logging.warning(
-                    "tfpipe: worker %s (%s); restarting the workers (restart %d of %d) and resuming from the "
-                    "backup in %s at epoch %d, batch %d.",
+                    "tfpipe: worker %s (%s); %s (restart %d of %d) and resuming from the backup in %s at epoch %d, "
+                    "batch %d.",
                     why,
                     type(err).__name__,
+                    how,
                     cluster.restarts + 1,
                     cluster.max_restarts,
                     backup.backup_dir,

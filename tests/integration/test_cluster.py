@@ -3,6 +3,7 @@
 Every test runs in a fresh process: connecting to a cluster changes TensorFlow's process-wide context.
 """
 
+import ipaddress
 import os
 import re
 import signal
@@ -152,12 +153,16 @@ def started_and_stopped():
     """Two clusters in one fresh process: one ended normally, one by an error; the workers' listening sockets."""
     proc = run_fresh("""
         import os
+        import tensorflow as tf
         from tfpipe.distributed import exposure
         from tfpipe.distributed.cluster import LocalCluster
         with LocalCluster(2) as cluster:
             pids = list(cluster.pids)
+            with tf.device(cluster.devices[0]):  # a remote tensor: this process's own server listens from now on
+                print("VALUE", float(tf.Variable(2.0) * 2.0))
             print("PORTS", sorted(int(a.rsplit(":", 1)[1]) for a in cluster.addresses))
             print("LISTENING", [exposure.listening(p) for p in pids])  # as ss -ltnp shows them
+            print("OWN", exposure.listening(os.getpid()))
         print("NORMAL", len(pids), [p for p in pids if os.path.exists(f"/proc/{p}")])  # checked while we live
         try:
             with LocalCluster(2) as cluster:
@@ -185,18 +190,18 @@ def test_the_ports_open_to_the_network_are_named_at_start(started_and_stopped):
     # TensorFlow's server binds every interface: the one line logged at start names exactly those ports.
     ports, listening = _listening(started_and_stopped)
     assert sorted(port for sockets in listening for _, port in sockets) == ports  # one socket each, its own
+    own = eval(started_and_stopped.stdout.split("OWN")[1].splitlines()[0])
+    assert len(own) == 1 and not ipaddress.ip_address(own[0][0]).is_loopback  # the training process's own server
     lines = [line for line in started_and_stopped.stderr.splitlines() if "listen on every network interface" in line]
     assert len(lines) == 2  # one per cluster started
-    named = re.search(r"ports (\d+), (\d+):", lines[0])
-    assert named and sorted(map(int, named.groups())) == ports, lines[0]
+    named = re.search(r"workers \(ports (\d+), (\d+)\) and this process's port (\d+) listen", lines[0])
+    assert named and sorted(map(int, named.groups()[:2])) == ports and int(named.group(3)) == own[0][1], lines[0]
     assert "no authentication" in lines[0] and "README, 'Security'" in lines[0]
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 @pytest.mark.xfail(strict=True, reason="TensorFlow's gRPC server binds 0.0.0.0 (hard-coded); README, 'Security'")
 def test_every_worker_socket_listens_on_loopback_only(started_and_stopped):
-    import ipaddress
-
     _, listening = _listening(started_and_stopped)
     addresses = [address for sockets in listening for address, _ in sockets]
     assert addresses and all(ipaddress.ip_address(a).is_loopback for a in addresses), addresses

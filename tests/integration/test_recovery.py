@@ -128,3 +128,56 @@ def test_sigterm_writes_a_backup_stops_the_workers_and_the_same_command_resumes(
     assert second.returncode == 0, second.stderr[-3000:]
     assert "DONE" in second.stdout and float(second.stdout.split("ERROR")[1]) < 1e-6
     assert not os.path.exists(backup)  # Keras deletes the backup after a finished fit
+
+
+def test_after_connect_fit_waits_for_a_restarted_worker_and_reaches_the_uninterrupted_weights(tmp_path):
+    # The workers are plain TensorFlow servers this process starts itself, as a supervisor on each host would.
+    proc = run_fresh(
+        TRAIN
+        + f"""
+import socket, subprocess, threading
+ports = []
+for _ in range(2):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        ports.append(s.getsockname()[1])
+addresses = [f"localhost:{{p}}" for p in ports]
+code = ("import tensorflow as tf; tf.distribute.Server(tf.train.ClusterSpec({{'worker': %r}}), job_name='worker', "
+        "task_index=%d).join()")
+servers = {{}}
+
+def serve(k):
+    servers[k] = subprocess.Popen([sys.executable, "-c", code % (addresses, k)])
+
+class Joined:  # what train() reads from a cluster
+    devices = None
+    pids = property(lambda self: [servers[0].pid, servers[1].pid])
+
+try:
+    serve(0), serve(1)
+    cluster = Joined()
+    cluster.devices = tfpipe.cluster.connect({{"worker": addresses}}, timeout=60, max_restarts=1)
+    reference, _ = train(cluster)
+
+    def kill_and_serve_again(epoch, batch):
+        if (epoch, batch) == (2, 1) and not servers.get("killed"):
+            servers["killed"] = True
+            servers[1].kill()
+            servers[1].wait()
+            threading.Timer(3.0, serve, args=(1,)).start()  # back 3 s later, at the same address
+
+    weights, history = train(cluster, {str(tmp_path / "b")!r}, on_batch=kill_and_serve_again)
+    print("RESULT", history.epoch, max_rel_error(weights, reference))
+finally:
+    for p in servers.values():
+        if hasattr(p, "kill"):
+            p.kill()
+""",
+        timeout=400,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = proc.stdout.split("RESULT")[1].split()
+    assert " ".join(result[:4]) == "[0, 1, 2, 3]" and float(result[4]) < 1e-6, proc.stdout[-2000:]
+    logged = [line for line in proc.stderr.splitlines() if "reconnecting (restart 1 of 1)" in line]
+    assert len(logged) == 1 and "worker task 1 at localhost:" in logged[0], proc.stderr[-3000:]
+    assert "at epoch 3, batch 0." in logged[0]

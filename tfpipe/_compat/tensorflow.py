@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import socket
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -276,3 +277,31 @@ def wrap_function(fn: Callable[..., Any], specs: Sequence[tf.TensorSpec]) -> Any
 def placeholder(dtype: tf.DType, shape: Any) -> tf.Tensor:
     """A graph input to be fed later, made inside ``wrap_function``'s trace (TF2 has none outside tf.compat.v1)."""
     return tf.compat.v1.placeholder(dtype, shape)
+
+
+def reconnect() -> None:
+    """Connect this process to its cluster anew: a new context id, and remote contexts made again on every worker.
+
+    ``tf.config.experimental_connect_to_cluster`` with an unchanged cluster only updates the
+    remote contexts, which a worker restarted at the same address no longer has. This process's
+    own task gets a new port, as connecting picks one: the old one stays bound.
+    """
+    server_def = copy.deepcopy(_tf_context.get_server_def())
+    for job in server_def.cluster.job:
+        if job.name == server_def.job_name:
+            with socket.socket() as s:
+                s.bind(("localhost", 0))
+                job.tasks[server_def.task_index] = f"localhost:{s.getsockname()[1]}"
+    _tf_context.set_server_def(server_def)
+
+
+def own_address() -> str | None:
+    """The host:port this process's own task has in the cluster it is connected to (its server listens there once
+    it exchanges tensors with the workers); None when not connected."""
+    server_def = _tf_context.get_server_def()
+    if server_def is None:
+        return None
+    for job in server_def.cluster.job:
+        if job.name == server_def.job_name:
+            return job.tasks[server_def.task_index]
+    return None

@@ -53,13 +53,14 @@ server.join()
 )
 
 
-_joined: health.Watchdog | None = None  # the watch of the cluster ``connect`` joined last
-_started: list[LocalCluster] = []  # the LocalClusters this process runs now, started last at the end
+_joined: Joined | None = None  # the cluster ``connect`` joined last
+_started: list[Any] = []  # the LocalClusters this process runs and the cluster it joined, the latest last
 __all__ = ["LocalCluster", "WorkerError", "connect", "hung_worker", "reporting", "restartable", "RECOVER"]
 
 
-def restartable() -> LocalCluster | None:
-    """The LocalCluster this process started last, if it may still restart its workers; else None."""
+def restartable() -> Any:
+    """The cluster this process started or joined last (a LocalCluster or a ``Joined``), if ``fit`` may still
+    restart or wait for its workers; else None."""
     return _started[-1] if _started and _started[-1].restarts < _started[-1].max_restarts else None
 
 
@@ -75,20 +76,6 @@ def _die_with_parent() -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     except OSError:
         pass
-
-
-def _warn_exposed(pids: list[int]) -> None:
-    """Log one line naming the workers' ports that hosts other than this one can reach (see ``exposure``)."""
-    ports = [port for pid in pids for port in exposure.open_to_network(pid)]
-    if ports:
-        absl_logging.warning(
-            "tfpipe: LocalCluster's workers listen on every network interface, port%s %s: TensorFlow's gRPC "
-            "server binds 0.0.0.0 and has no authentication, so whoever reaches these ports can run TensorFlow "
-            "ops (file reads and writes included) in the workers. Block them from other hosts with a firewall or "
-            "train on a trusted network (README, 'Security').",
-            "s" if len(ports) > 1 else "",
-            ", ".join(map(str, ports)),
-        )
 
 
 def _devices(spec: tf.train.ClusterSpec, job: str, device_type: str) -> list[str]:
@@ -128,9 +115,7 @@ class LocalCluster:
         max_restarts: int = 0,
     ):
         self.num_workers = positive_int("num_workers", num_workers)
-        if isinstance(max_restarts, bool) or not isinstance(max_restarts, int) or max_restarts < 0:
-            raise ValueError(f"max_restarts must be an int >= 0 (0: a dead worker ends fit), got {max_restarts!r}.")
-        self.max_restarts = max_restarts
+        self.max_restarts = _check_restarts(max_restarts)
         self.restarts = 0  # how many times ``restart`` replaced the workers
         self.threads_per_worker = positive_int("threads_per_worker", threads_per_worker)
         self.start_timeout = start_timeout
@@ -167,7 +152,8 @@ class LocalCluster:
         with _worker_threads(self.threads_per_worker):
             tf.config.experimental_connect_to_cluster(tf.train.ClusterSpec({JOB: self.addresses}))
         self.watchdog = watch(self.addresses, self.timeout, self._kill_hung)
-        _warn_exposed(self.pids)
+        own = _compat.own_address()
+        exposure.warn_exposed(self.pids, int(own.rsplit(":", 1)[1]) if own else None)
         if self not in _started:
             _started.append(self)
         return self
@@ -320,7 +306,11 @@ def _worker_threads(threads: int) -> Iterator[None]:
 
 
 def connect(
-    cluster: Any = None, job: str = JOB, device_type: str = "CPU", timeout: float | None = DEFAULT_TIMEOUT
+    cluster: Any = None,
+    job: str = JOB,
+    device_type: str = "CPU",
+    timeout: float | None = DEFAULT_TIMEOUT,
+    max_restarts: int = 0,
 ) -> list[str]:
     """Join an existing cluster; return one device string per task of ``job``, in task order.
 
@@ -329,14 +319,19 @@ def connect(
     answer for ``timeout`` seconds ends the run: gRPC's ping timeout fails the blocked
     call, and ``PipelineModel``'s fit, evaluate and predict raise a ``WorkerError`` naming
     the task. ``None`` waits forever. Calling ``connect`` again replaces the watch.
+    With ``max_restarts=N`` and a ``keras.callbacks.BackupAndRestore`` callback, ``fit``
+    instead waits up to ``timeout`` for every task to answer again (someone restarts it),
+    connects anew and goes on from the last backup, up to N times.
 
     Security: each worker serves TensorFlow's gRPC on every interface of its host, without
     authentication or encryption; whoever reaches its port can run any op in it, file reads
-    and writes included, and the activations cross the network in the clear. Open the
+    and writes included, and the activations cross the network in the clear (this process's
+    own TensorFlow server listens too, at the port its task has). Open the
     workers' ports to the client's host only (a firewall rule, a private network or a VPN):
     README, "Security".
     """
     timeout = health.check_timeout(timeout)
+    max_restarts = _check_restarts(max_restarts)
     if cluster is None:
         config = os.environ.get("TF_CONFIG")
         if not config:
@@ -354,6 +349,48 @@ def connect(
     global _joined
     health.arm(timeout)  # before this process's first gRPC channel
     tf.config.experimental_connect_to_cluster(spec)
-    unwatch(_joined)
-    _joined = watch([spec.task_address(job, k) for k in range(spec.num_tasks(job))], timeout, lambda *_: None)
+    if _joined is not None:
+        unwatch(_joined.watchdog)
+        _started.remove(_joined)
+    _joined = Joined([spec.task_address(job, k) for k in range(spec.num_tasks(job))], timeout, max_restarts)
+    _started.append(_joined)
     return _devices(spec, job, device_type)
+
+
+def _check_restarts(max_restarts: Any) -> int:
+    if isinstance(max_restarts, bool) or not isinstance(max_restarts, int) or max_restarts < 0:
+        raise ValueError(f"max_restarts must be an int >= 0 (0: a dead worker ends fit), got {max_restarts!r}.")
+    return max_restarts
+
+
+class Joined:
+    """A cluster ``connect`` joined: workers someone else runs, whom ``fit`` may wait for and connect to anew."""
+
+    def __init__(self, addresses: list[str], timeout: float | None, max_restarts: int):
+        self.addresses, self.timeout, self.max_restarts = addresses, timeout, max_restarts
+        self.restarts = 0
+        self.watchdog = watch(addresses, timeout, lambda *_: None)
+
+    def failed(self, err: BaseException | None = None) -> str | None:
+        """Why the last call failed if a task does not answer now ('task k at host:port (down)'), else None."""
+        del err
+        if self.watchdog is not None and self.watchdog.hung:
+            return self.watchdog.hung
+        states = [(k, a, health.status(a, 2.0)) for k, a in enumerate(self.addresses)]
+        bad = [f"task {k} at {a} ({state})" for k, a, state in states if state != "ok"]
+        return ", ".join(bad) + " did not answer" if bad else None
+
+    def restart(self) -> None:
+        """Wait up to ``timeout`` for every task to answer again, then connect anew (``fit``'s recovery)."""
+        if self.restarts >= self.max_restarts:
+            raise WorkerError(f"connect() has gone on {self.restarts} of max_restarts={self.max_restarts} times.")
+        self.restarts += 1
+        unwatch(self.watchdog)
+        self.watchdog = None
+        deadline = None if self.timeout is None else time.monotonic() + self.timeout
+        while (why := self.failed()) is not None:
+            if deadline is not None and time.monotonic() > deadline:
+                raise WorkerError(f"Worker {why} within timeout={self.timeout:g} s: start it again and resume.")
+            time.sleep(1.0)
+        _compat.reconnect()
+        self.watchdog = watch(self.addresses, self.timeout, lambda *_: None)

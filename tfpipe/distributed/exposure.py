@@ -13,6 +13,8 @@ from __future__ import annotations
 import ipaddress
 import os
 
+from absl import logging
+
 _LISTEN = "0A"  # TCP_LISTEN in /proc/net/tcp's "st" column
 
 
@@ -61,3 +63,20 @@ def listening(pid: int) -> list[tuple[str, int]]:
 def open_to_network(pid: int) -> list[int]:
     """The ports process ``pid`` listens on at an address other than loopback (``0.0.0.0`` and ``::`` included)."""
     return sorted({port for address, port in listening(pid) if not ipaddress.ip_address(address).is_loopback})
+
+
+def warn_exposed(pids: list[int], own_port: int | None) -> None:
+    """Log one line naming the ports of LocalCluster's worker processes ``pids`` that other hosts can reach, and
+    this process's own (TensorFlow's server in the training process, which serves remote tensors)."""
+    ports = [port for pid in pids for port in open_to_network(pid)]
+    if ports:
+        own = f" and this process's port {own_port}" if own_port else ""
+        logging.warning(
+            "tfpipe: LocalCluster's workers (port%s %s)%s listen on every network interface: TensorFlow's gRPC "
+            "server binds 0.0.0.0 and has no authentication, so whoever reaches these ports can run TensorFlow "
+            "ops (file reads and writes included) in these processes. Block them from other hosts with a firewall "
+            "or train on a trusted network (README, 'Security').",
+            "s" if len(ports) > 1 else "",
+            ", ".join(map(str, ports)),
+            own,
+        )
