@@ -269,3 +269,9 @@ def test_wrap_function_keeps_placeholders_made_inside_to_be_fed_when_imported():
 
     x, dy = np.array([0.5, -1.0], "float32"), np.array([2.0, 3.0], "float32")
     np.testing.assert_allclose(fed(x, dy).numpy(), (1 - np.tanh(x) ** 2) * dy, rtol=1e-6)
+
+
+def test_own_address_is_none_before_this_process_connects_to_a_cluster():
+    # After connecting, LocalCluster's start names the port (tests/integration/test_cluster.py), and reconnect()
+    # gives it a new one (tests/integration/test_recovery.py): both need a fresh process.
+    assert _compat.own_address() is None
