@@ -95,8 +95,9 @@ class KerasEntryPoints(keras.Model):
         """Keras ``fit``; checks first that no training batch will be smaller than num_micro_batches.
 
         A keras_hub task's ``preprocessor`` is applied to the data first, as the task's own ``fit`` does.
-        With a ``keras.callbacks.BackupAndRestore`` callback, SIGTERM writes a backup and ends the process,
-        and workers of a ``LocalCluster(max_restarts=N)`` that die are replaced (``tfpipe.recovery``).
+        With a ``keras.callbacks.BackupAndRestore`` callback, SIGTERM writes a backup and ends the process, and
+        a dead worker of ``LocalCluster(max_restarts=N)`` or ``connect(max_restarts=N)`` is recovered from
+        within this call (``tfpipe.recovery``).
         """
         if self.preprocess is not None:
             x, kwargs = hub.for_fit(self.preprocess, x, y, batch_size, kwargs)

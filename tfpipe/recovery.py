@@ -38,7 +38,7 @@ PREEMPTED_EXIT_CODE = 128 + signal.SIGTERM  # what a shell reports for a process
 
 
 def fit(model: keras.Model, run: Callable[[list], keras.callbacks.History], callbacks: Any) -> Any:
-    """Run ``run(callbacks)`` (one Keras ``fit``) again after each worker failure the cluster may restart."""
+    """Run ``run(callbacks)`` (one Keras ``fit``); run it again after each worker failure the cluster may recover."""
     callbacks = list(callbacks or [])
     backup = next((c for c in callbacks if isinstance(c, keras.callbacks.BackupAndRestore)), None)
     if backup is None:
@@ -79,7 +79,7 @@ class Guard(keras.callbacks.Callback):
     def __init__(self, backup: keras.callbacks.BackupAndRestore, cluster: Any):
         super().__init__()
         self.backup = backup
-        self.cluster = cluster  # the LocalCluster that may restart its workers, or None
+        self.cluster = cluster  # the LocalCluster or joined cluster whose failures fit recovers from, or None
         self.seeds: dict[int, np.ndarray] = {}  # seed states at the start: a backup does not hold them
         self.signalled = False
         self._epoch = 0  # the epoch running

@@ -2,9 +2,12 @@
 
 import csv
 
+import pytest
+
 from tests.util import run_script
 
 
+@pytest.mark.slow  # a whole benchmark run (56 s)
 def test_memory_benchmark_writes_its_tables(tmp_path):
     """Tiny Transformer, L=1, M in {1, 4}: three child processes, since the searches reuse the table's points."""
     out = str(tmp_path / "memory")

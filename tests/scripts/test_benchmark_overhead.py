@@ -7,6 +7,7 @@ import pytest
 from tests.util import run_script
 
 
+@pytest.mark.slow  # a whole benchmark run (37 s)
 def test_overhead_benchmark_writes_its_table(tmp_path):
     """One round of plain, remat=never and remat=always on a one-block Transformer, and both sides with XLA."""
     out = str(tmp_path / "overhead")

@@ -9,6 +9,7 @@ from tests.util import run_script
 pytest.importorskip("torch")
 
 
+@pytest.mark.slow  # a whole benchmark run on both sides (35 s)
 def test_peers_benchmark_checks_both_sides_and_writes_their_ratios(tmp_path):
     out = str(tmp_path / "peers")
     proc = run_script(

@@ -4,6 +4,8 @@ import csv
 import os
 import time
 
+import pytest
+
 from tests.util import run_script
 
 
@@ -20,6 +22,7 @@ def _gone(pid: int, seconds: float = 5.0) -> bool:
         time.sleep(0.1)
 
 
+@pytest.mark.slow  # a whole benchmark run in both modes (64 s)
 def test_soak_benchmark_samples_both_modes_and_leaves_no_worker(tmp_path):
     """20 steps sampled every 5, in both modes: 5 samples x 3 processes x 2 modes, and every worker gone after."""
     out = str(tmp_path / "soak")

@@ -13,6 +13,7 @@ from tfpipe.scripts import report
 from tfpipe.step import schedule
 
 
+@pytest.mark.slow  # a whole benchmark run (58 s); the suite's time: pytest -m slow runs it
 def test_speed_benchmark_writes_its_table(tmp_path):
     out = str(tmp_path / "speed")
     proc = run_script(
@@ -106,6 +107,7 @@ def test_speed_benchmark_times_a_transformer_with_its_embedding_tied_to_the_outp
     assert refused.returncode != 0 and "--tie_embeddings applies to --model=transformer" in refused.stderr
 
 
+@pytest.mark.slow  # a whole benchmark run (35 s)
 def test_scale_benchmark_times_the_first_step_in_a_fresh_process(tmp_path):
     out = str(tmp_path / "scale")
     proc = run_script(
@@ -145,6 +147,7 @@ def test_kernel_benchmark_prints_a_row_per_size():
     assert "weight gradients per micro-batch" in stack and "once over all micro-batches" in stack
 
 
+@pytest.mark.slow  # a whole benchmark run (29 s)
 def test_speed_benchmark_times_replicas_against_one_worker(tmp_path):
     out = str(tmp_path / "replicas")
     flags = ("--model=mlp", "--micro_batches=2", "--steps=1", "--warmup=1", "--blocks=2", "--dims=16")
