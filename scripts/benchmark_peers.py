@@ -1,26 +1,24 @@
 """tfpipe against torch.distributed.pipelining: the same model, the same machine, one run, runs interleaved.
 
 tfpipe's cells run on ``LocalCluster`` worker processes with one thread each; torch's stages
-(scripts/peers_torch.py) on as many processes joined by gloo on loopback, one thread each.
-Both sides train the same layers (the same shapes, FLOPs, loss and SGD step) and keep their
-models and processes alive for a configuration: a "run" is ``--warmup`` untimed then ``--steps``
-timed steps of the live model, and its figure is the median step. Runs alternate, tfpipe first,
-``--pairs`` pairs per configuration, after one warm-up per side (tfpipe: untimed steps for
-``--warmup_s``, at most 100, as benchmark_speed.py; torch: as many, at most 3). Each row gives each
-side's min / median / max run, the median of the per-pair ratios tfpipe / torch, and each side's
-speed-up over its own K=1 reference (one worker or process, the whole model, M=1, no recomputation).
+(scripts/peers_torch.py) on as many processes joined by gloo on loopback, one thread each. Both sides train the same
+layers (the same shapes, FLOPs, loss and SGD step) and keep their models and processes alive for a configuration: a
+"run" is ``--warmup`` untimed then ``--steps`` timed steps of the live model, and its figure is the median step.
+Runs alternate, tfpipe first, ``--pairs`` pairs per configuration, after one warm-up per side (tfpipe: untimed steps
+for ``--warmup_s``, at most 100, as benchmark_speed.py; torch: as many, at most 3). Each row gives each side's min /
+median / max run, the median of the per-pair ratios tfpipe / torch, and each side's speed-up over its own K=1
+reference (one worker or process, the whole model, M=1, no recomputation).
 
-What a timed step holds. tfpipe: Keras' on_train_batch_begin to on_train_batch_end around one call
-of the train function (the batch from the prefetched dataset, the pipelined forward and backward,
-the SGD update on every worker, the loss back in the client; scripts/report.py ``timed_fit``).
-torch, on rank 0: ``schedule.step``, ``optimizer.step()``, ``zero_grad()`` and one ``all_reduce``
-of a scalar over every stage (so every stage has stepped); at K=1 forward, backward, step, zero_grad.
-Garbage (earlier rows' models) is collected before each row is built, never inside a run.
+What a timed step holds. tfpipe: Keras' on_train_batch_begin to on_train_batch_end around one call of the train
+function (the batch from the prefetched dataset, the pipelined forward and backward, the SGD update on every worker,
+the loss back in the client; scripts/report.py ``timed_fit``). torch, on rank 0: ``schedule.step``,
+``optimizer.step()``, ``zero_grad()`` and one ``all_reduce`` of a scalar over every stage (so every stage has
+stepped); at K=1 forward, backward, step, zero_grad. Garbage (earlier rows' models) is collected before each row is
+built, never inside a run.
 
     python scripts/benchmark_peers.py                          # every model, K=2, M in 1,4,8,16: ~20 min, 2 cores
     python scripts/benchmark_peers.py --models=floor,mlp512 --micro_batches=1,8 --pairs=3 --out=/tmp/peers
     python scripts/benchmark_peers.py --check --pairs=0         # only: both sides' losses from the same weights
-
 Needs the ``peers`` extra (torch); tfpipe itself never imports torch, nor does this process.
 """
 

@@ -11,10 +11,8 @@ python scripts/train.py --model=hub:llama --blocks=4 --dim=64         # a keras_
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import json
 import os
-import re
 import sys
 import tempfile
 import time
@@ -22,7 +20,7 @@ from typing import Any
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-from absl import app, flags  # noqa: E402
+from absl import app  # noqa: E402
 
 PROBE_NOISE = (
     "cudart_stub.cc",
@@ -62,130 +60,60 @@ with quiet_gpu_probe():  # importing tfpipe starts TensorFlow; its first device 
 
     tf.config.list_physical_devices()
 
-FLAGS = flags.FLAGS
-MODELS = ("transformer", "amoebanet", "resnet", "unet")
-flags.DEFINE_string(
-    "model",
-    "transformer",
-    f"Reference model to train: one of {', '.join(MODELS)}, keras:NAME for a keras.applications model "
-    "(weights=None, on the image task), or hub:NAME for a tiny random keras_hub causal LM (models/hub.py: gpt2, "
-    "gemma, llama, mistral, ...; --blocks, --dim, --vocab size it) on the generated language task (--task) or "
-    "tfds text; needs the hub extra.",
+from tfpipe.scripts.train_flags import (  # noqa: E402
+    FLAGS,
+    MODEL_FLAGS,
+    MODELS,
+    UsageError,
+    flag_as_given,
+    guilty_flag,
+    ints,
+    parse_flags,
 )
-# model sizes
-flags.DEFINE_integer(
-    "blocks",
-    None,
-    "Transformer or keras_hub blocks (L, default 4) or AmoebaNet-D normal cells (L, a multiple of 3, default 3).",
-    lower_bound=1,
-)
-flags.DEFINE_integer("dim", 64, "Transformer (or keras_hub model) dimension.", lower_bound=1)
-flags.DEFINE_integer("hidden", 256, "Transformer feed-forward hidden size (H).", lower_bound=1)
-flags.DEFINE_integer("heads", 4, "Transformer attention heads (A).", lower_bound=1)
-flags.DEFINE_float("logit_clip", None, "Clip the Transformer's logits to [-c, c] (GPipe section 5).")
-flags.DEFINE_bool(
-    "tie_embeddings",
-    False,
-    "Transformer: the output projection is the token embedding, transposed (as GPT-2); the first and last "
-    "cells share it.",
-)
-flags.DEFINE_integer("filters", 32, "AmoebaNet-D filters (D, a multiple of 8).", lower_bound=8)
-flags.DEFINE_enum("depth", "50", ["50", "101"], "ResNet depth.")
-flags.DEFINE_integer("width", 16, "ResNet stem filters (64 in the paper).", lower_bound=1)
-flags.DEFINE_list("stage_blocks", None, "ResNet bottleneck blocks per stage, e.g. 1,1,1,1; overrides --depth.")
-flags.DEFINE_integer("unet_depth", 3, "U-Net down/up stages (5 in torchgpipe).", lower_bound=1)
-flags.DEFINE_integer("unet_convs", 2, "U-Net convolutions per stage (5 in torchgpipe).", lower_bound=1)
-flags.DEFINE_integer("unet_channels", 8, "U-Net channels of the first stage (64 in torchgpipe).", lower_bound=1)
-flags.DEFINE_integer("image_size", 32, "Image height and width for the image models.", lower_bound=8)
-flags.DEFINE_integer("num_classes", 10, "Classes of the generated image task.", lower_bound=2)
-# data
-flags.DEFINE_string("dataset", "synthetic", "'synthetic' (generated, learnable) or tfds:NAME[:SPLIT].")
-flags.DEFINE_string("data_dir", None, "tensorflow-datasets data directory.")
-flags.DEFINE_integer("examples", 4096, "Generated training examples.", lower_bound=1)
-flags.DEFINE_integer("seq_len", 8, "Sort/copy task: length of the sequence; text: tokens per example.", lower_bound=1)
-flags.DEFINE_integer("vocab", 12, "Sort/copy task vocabulary size (token 0 is the separator).", lower_bound=3)
-flags.DEFINE_enum(
-    "task",
-    "sort",
-    ["sort", "copy"],
-    "Transformer's (or keras_hub LM's) generated task: write the sequence sorted (keeps improving over the run) or "
-    "copied (easy).",
-)
-# pipeline
-flags.DEFINE_integer("partitions", 2, "Number of cells K, balanced by --cost.", lower_bound=1)
-flags.DEFINE_list("balance", None, "Layers per cell, e.g. 2,2,3; overrides --partitions.")
-flags.DEFINE_enum("cost", "flops", ["flops", "params", "time"], "Per-layer cost that --partitions balances.")
-flags.DEFINE_integer("micro_batches", 4, "Micro-batches per mini-batch (M).", lower_bound=1)
-flags.DEFINE_enum("remat", "except_last", ["always", "except_last", "never"], "Re-materialization mode.")
-flags.DEFINE_enum(
-    "schedule",
-    "gpipe",
-    ["gpipe", "1f1b", "zero_bubble", "gpipe_batched_w"],
-    "Task order: GPipe's, 1F1B (fewer activations held), zero_bubble (1F1B's memory, a third of its bubble) or "
-    "gpipe_batched_w (GPipe's, each cell's weight gradients once over all micro-batches; needs --remat=never).",
-)
-flags.register_multi_flags_validator(
-    ["schedule", "remat"],
-    lambda f: f["schedule"] != "gpipe_batched_w" or f["remat"] == "never",
-    "--schedule=gpipe_batched_w holds every micro-batch's activations until its weight gradients: use --remat=never.",
-)
-flags.DEFINE_bool(
-    "jit_compile", False, "Compile each cell by XLA on its device (compile(jit_compile=True)); meant for GPUs."
-)
-flags.DEFINE_integer(
-    "replicas",
-    1,
-    "Data-parallel replicas R of the K-cell pipeline, on R x K devices (--devices lists replica 0's first).",
-    lower_bound=1,
-)
-flags.DEFINE_string(
-    "devices",
-    "auto",
-    "'auto', 'cpu:N' (split the CPU into N logical devices), 'local:N' (N "
-    "single-thread worker processes on loopback) or a comma list.",
-)
-# training
-flags.DEFINE_integer("batch_size", 32, "Mini-batch size.", lower_bound=1)
-flags.DEFINE_integer("epochs", 4, "Training epochs.", lower_bound=1)
-flags.DEFINE_integer("steps", None, "Steps per epoch (default: the whole data set).", lower_bound=1)
-flags.DEFINE_enum("optimizer", "adam", ["adam", "sgd", "adamw"], "Optimizer.")
-flags.DEFINE_float(
-    "learning_rate",
-    3e-3,
-    "Peak learning rate; it decays along a cosine to a tenth over the run (constant if the data's length is unknown).",
-    lower_bound=0.0,
-)
-flags.DEFINE_integer("seed", 0, "Random seed for data and weights.")
-flags.DEFINE_integer("verbose", 1, "Keras verbosity: 0 silent, 1 progress bar, 2 one line per epoch.")
-# checkpoints and logs
-flags.DEFINE_string("model_dir", None, "Checkpoints go here; a restart with the same directory resumes.")
-flags.DEFINE_integer(
-    "save_every", None, "Back up every N steps (default: every epoch); needs --model_dir.", lower_bound=1
-)
-flags.DEFINE_bool("tensorboard", False, "Write TensorBoard logs under --model_dir/logs.")
-flags.DEFINE_integer(
-    "max_restarts",
-    0,
-    "With --devices=local:N and --model_dir: replace dead workers and go on from the last backup, up to N times.",
-    lower_bound=0,
-)
+from tfpipe.scripts.train_task import make_task  # noqa: E402
 
 
-class UsageError(Exception):
-    """A flag value that cannot work; reported in one line."""
+def check_flags() -> None:
+    """Flag combinations that cannot work, found before anything is built."""
+    if FLAGS.model not in MODELS and not FLAGS.model.startswith("keras:") and not hub_models.is_hub(FLAGS.model):
+        raise UsageError(
+            f"--model={FLAGS.model}: use one of {', '.join(MODELS)} or keras:NAME, e.g. keras:ResNet50, "
+            "or hub:NAME, e.g. hub:gpt2"
+        )
+    kind = {"keras": "keras:NAME", "hub": "hub:NAME"}.get(FLAGS.model.split(":")[0], FLAGS.model)
+    if kind == "hub:NAME":
+        with quiet_gpu_probe():  # models/hub.py imports Keras, and with it TensorFlow
+            try:
+                hub_models.check(FLAGS.model)
+            except ValueError as err:
+                raise UsageError(f"--model={FLAGS.model}: {err}") from None
+    for name, kinds in MODEL_FLAGS.items():
+        if FLAGS[name].present and kind not in kinds:
+            raise UsageError(
+                f"{flag_as_given(name)}: applies to --model={' or '.join(kinds)}, not --model={FLAGS.model}"
+            )
+    if FLAGS.model == "unet" and FLAGS.image_size % 2**FLAGS.unet_depth:
+        raise UsageError(f"--image_size={FLAGS.image_size} must be divisible by 2**--unet_depth={2**FLAGS.unet_depth}")
+    if FLAGS.model == "unet" and FLAGS.dataset != "synthetic":
+        raise UsageError("--model=unet trains on the generated segmentation task; use --dataset=synthetic")
+    if FLAGS.batch_size < FLAGS.micro_batches * FLAGS.replicas:
+        what = f"--micro_batches={FLAGS.micro_batches}" + (
+            f" x --replicas={FLAGS.replicas}" if FLAGS.replicas > 1 else ""
+        )
+        raise UsageError(f"--batch_size={FLAGS.batch_size} is smaller than {what}")
+    if FLAGS.tensorboard and not FLAGS.model_dir:
+        raise UsageError("--tensorboard writes under --model_dir; give --model_dir too")
+    if FLAGS.save_every and not FLAGS.model_dir:
+        raise UsageError("--save_every backs up into --model_dir; give --model_dir too")
+    if FLAGS.max_restarts and not (FLAGS.model_dir and FLAGS.devices.startswith("local:")):
+        raise UsageError("--max_restarts restarts --devices=local:N workers from the backup in --model_dir; give both")
+    if FLAGS.dataset != "synthetic":
+        from tfpipe.scripts.data import parse_tfds
 
-
-@dataclasses.dataclass
-class Task:
-    """What to train: the layers, their loss and metrics, and the data."""
-
-    layers: Any  # a list of layers, or a Functional keras.Model
-    loss: Any
-    metrics: dict  # keyword arguments for compile: metrics or weighted_metrics
-    dataset: Any  # tf.data.Dataset of whole batches: (inputs, targets[, weights])
-    input_shape: tuple
-    scored: str  # what the accuracy counts
-    held_out: Any = None  # batches never trained on (generated tasks), for the report's held-out accuracy
+        try:
+            parse_tfds(FLAGS.dataset)
+        except ValueError as err:
+            raise UsageError(f"--dataset={FLAGS.dataset}: {err}") from None
 
 
 # TensorFlow's lines while it looks for CUDA on a machine without it: harmless, and they read like failures.
@@ -245,236 +173,6 @@ def replica_devices(devices: list[str] | None, partitions: int) -> list[str] | l
     return [devices[i * partitions : (i + 1) * partitions] for i in range(r)]
 
 
-def _guilty_flag(message: str, balance: list[int] | None) -> str:
-    """The pipeline flag that a PipelineModel argument error is about, as given."""
-    for word, name in (
-        ("balance", "balance"),
-        ("num_partitions", "partitions"),
-        ("num_micro_batches", "micro_batches"),
-        ("remat", "remat"),
-        ("schedule", "schedule"),
-        ("replica", "replicas"),
-        ("device", "devices"),
-    ):
-        if word in message and (name != "balance" or balance):
-            return _flag(name)
-    return _flag("partitions") if not balance else _flag("balance")
-
-
-def parse_flags(argv: list[str]) -> list[str]:
-    """absl's flag parsing, with its errors in the script's one form: 'train.py: error: --flag=value: why', exit 2."""
-    try:
-        return FLAGS(argv)
-    except flags.Error as err:
-        text = re.sub(r"^flag (--[^:]+): ", r"\1: ", str(err).strip().splitlines()[0])
-        print(f"train.py: error: {text}", file=sys.stderr)
-        sys.exit(2)
-
-
-def _ints(name: str) -> list[int] | None:
-    """A comma-list flag as ints."""
-    values = FLAGS[name].value
-    if values is None:
-        return None
-    try:
-        return [int(v) for v in values]
-    except ValueError:
-        raise UsageError(f"--{name}={','.join(values)}: give comma-separated integers, e.g. 2,3") from None
-
-
-# Flags that size one kind of model: given with another, they would be silently ignored.
-MODEL_FLAGS = {
-    "dim": ("transformer", "hub:NAME"),
-    "hidden": ("transformer",),
-    "heads": ("transformer",),
-    "logit_clip": ("transformer",),
-    "tie_embeddings": ("transformer",),
-    "vocab": ("transformer", "hub:NAME"),
-    "task": ("transformer", "hub:NAME"),
-    "blocks": ("transformer", "amoebanet", "hub:NAME"),
-    "filters": ("amoebanet",),
-    "depth": ("resnet",),
-    "width": ("resnet",),
-    "stage_blocks": ("resnet",),
-    "unet_depth": ("unet",),
-    "unet_convs": ("unet",),
-    "unet_channels": ("unet",),
-    "image_size": ("amoebanet", "resnet", "unet", "keras:NAME"),
-    "num_classes": ("amoebanet", "resnet", "keras:NAME"),
-}
-
-
-def _flag(name: str) -> str:
-    """A flag as given: --name=value."""
-    value = FLAGS[name].value
-    return f"--{name}={','.join(value) if isinstance(value, list) else value}"
-
-
-def check_flags() -> None:
-    """Flag combinations that cannot work, found before anything is built."""
-    if FLAGS.model not in MODELS and not FLAGS.model.startswith("keras:") and not hub_models.is_hub(FLAGS.model):
-        raise UsageError(
-            f"--model={FLAGS.model}: use one of {', '.join(MODELS)} or keras:NAME, e.g. keras:ResNet50, "
-            "or hub:NAME, e.g. hub:gpt2"
-        )
-    kind = {"keras": "keras:NAME", "hub": "hub:NAME"}.get(FLAGS.model.split(":")[0], FLAGS.model)
-    if kind == "hub:NAME":
-        with quiet_gpu_probe():  # models/hub.py imports Keras, and with it TensorFlow
-            try:
-                hub_models.check(FLAGS.model)
-            except ValueError as err:
-                raise UsageError(f"--model={FLAGS.model}: {err}") from None
-    for name, kinds in MODEL_FLAGS.items():
-        if FLAGS[name].present and kind not in kinds:
-            raise UsageError(f"{_flag(name)}: applies to --model={' or '.join(kinds)}, not --model={FLAGS.model}")
-    if FLAGS.model == "unet" and FLAGS.image_size % 2**FLAGS.unet_depth:
-        raise UsageError(f"--image_size={FLAGS.image_size} must be divisible by 2**--unet_depth={2**FLAGS.unet_depth}")
-    if FLAGS.model == "unet" and FLAGS.dataset != "synthetic":
-        raise UsageError("--model=unet trains on the generated segmentation task; use --dataset=synthetic")
-    if FLAGS.batch_size < FLAGS.micro_batches * FLAGS.replicas:
-        what = f"--micro_batches={FLAGS.micro_batches}" + (
-            f" x --replicas={FLAGS.replicas}" if FLAGS.replicas > 1 else ""
-        )
-        raise UsageError(f"--batch_size={FLAGS.batch_size} is smaller than {what}")
-    if FLAGS.tensorboard and not FLAGS.model_dir:
-        raise UsageError("--tensorboard writes under --model_dir; give --model_dir too")
-    if FLAGS.save_every and not FLAGS.model_dir:
-        raise UsageError("--save_every backs up into --model_dir; give --model_dir too")
-    if FLAGS.max_restarts and not (FLAGS.model_dir and FLAGS.devices.startswith("local:")):
-        raise UsageError("--max_restarts restarts --devices=local:N workers from the backup in --model_dir; give both")
-    if FLAGS.dataset != "synthetic":
-        from tfpipe.scripts.data import parse_tfds
-
-        try:
-            parse_tfds(FLAGS.dataset)
-        except ValueError as err:
-            raise UsageError(f"--dataset={FLAGS.dataset}: {err}") from None
-
-
-def held_out_examples() -> int:
-    """Generated examples kept out of training, on which the report measures accuracy: an eighth, at least a batch."""
-    return max(FLAGS.batch_size, FLAGS.examples // 8)
-
-
-def _batches(arrays: tuple, batch: int, seed: int):
-    """The training batches of the first --examples arrays, and the held-out batches of the rest."""
-    import tensorflow as tf
-
-    n = FLAGS.examples
-    if n < batch:
-        raise UsageError(f"--examples={n} is smaller than --batch_size={batch}")
-    dataset = tf.data.Dataset.from_tensor_slices(tuple(a[:n] for a in arrays)).shuffle(n, seed=seed)
-    held = tf.data.Dataset.from_tensor_slices(tuple(a[n:] for a in arrays))
-    # whole batches: each splits into M micro-batches
-    return dataset.batch(batch, drop_remainder=True), held.batch(batch, drop_remainder=True)
-
-
-def _tfds(kind: str):
-    from tfpipe.scripts.data import load_tfds
-
-    try:
-        return load_tfds(
-            FLAGS.dataset, kind, FLAGS.batch_size, FLAGS.data_dir, FLAGS.image_size, FLAGS.seq_len, seed=FLAGS.seed
-        )
-    except ImportError as err:
-        if err.name != "tensorflow_datasets":  # tensorflow-datasets is there; something it imports is not
-            raise
-        raise UsageError(f"--dataset={FLAGS.dataset} needs tensorflow-datasets: pip install -e '.[data]'") from None
-    except Exception as err:  # noqa: BLE001 - unknown names, missing downloads: one line naming the flag
-        message = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise UsageError(f"--dataset={FLAGS.dataset}: {message}") from None
-
-
-def make_task() -> Task:
-    """The model's layers, loss, metrics and data as the flags say."""
-    import keras
-
-    from tfpipe.scripts import data
-
-    if FLAGS.model == "transformer" or hub_models.is_hub(FLAGS.model):
-        if FLAGS.dataset == "synthetic":
-            make = data.sort_task if FLAGS.task == "sort" else data.copy_task
-            arrays = make(FLAGS.examples + held_out_examples(), FLAGS.seq_len, FLAGS.vocab, seed=FLAGS.seed)
-            (dataset, held), vocab = _batches(arrays, FLAGS.batch_size, FLAGS.seed), FLAGS.vocab
-            scored = "sorted tokens" if FLAGS.task == "sort" else "copied tokens"
-        else:
-            loaded = _tfds("text")
-            dataset, held, vocab, scored = loaded.dataset, None, loaded.vocab_size, "next bytes"
-        length, input_shape = dataset.element_spec[0].shape[1], None
-        if hub_models.is_hub(FLAGS.model):  # a keras_hub CausalLM: named inputs, the padding mask among them
-            pad = None if FLAGS.dataset == "synthetic" else data.SEPARATOR  # text pads with it; the tasks have none
-            dataset, held = (None if d is None else hub_models.lm_batches(d, pad) for d in (dataset, held))
-            layers = hub_models.causal_lm(FLAGS.model[4:], vocab, FLAGS.blocks or 4, FLAGS.dim, length, FLAGS.seed)
-            input_shape = hub_models.input_spec(length)
-        else:
-            from tfpipe.models.transformer import transformer_lm, transformer_lm_tied
-
-            make_lm = transformer_lm_tied if FLAGS.tie_embeddings else transformer_lm
-            layers = make_lm(
-                vocab, length, FLAGS.blocks or 4, FLAGS.dim, FLAGS.hidden, FLAGS.heads, logit_clip=FLAGS.logit_clip
-            )
-        metrics = {"weighted_metrics": ["accuracy"]}
-        return Task(
-            layers,
-            keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-            metrics,
-            dataset,
-            input_shape or (None, length),
-            scored,
-            held,
-        )
-
-    size = FLAGS.image_size
-    if FLAGS.model == "unet":
-        from tfpipe.models.unet import unet
-
-        images, masks = data.shapes_segmentation(FLAGS.examples + held_out_examples(), size, seed=FLAGS.seed)
-        model = unet((size, size, 3), 1, FLAGS.unet_depth, FLAGS.unet_convs, FLAGS.unet_channels)
-        dataset, held = _batches((images, masks), FLAGS.batch_size, FLAGS.seed)
-        return Task(
-            model,
-            keras.losses.BinaryCrossentropy(from_logits=True),
-            {"metrics": [keras.metrics.BinaryAccuracy(threshold=0.0, name="accuracy")]},
-            dataset,
-            (None, size, size, 3),
-            "pixels",
-            held,
-        )
-    if FLAGS.dataset == "synthetic":
-        n = FLAGS.examples + held_out_examples()
-        images, labels = data.pattern_images(n, FLAGS.image_size, FLAGS.num_classes, seed=FLAGS.seed)
-        (dataset, held), classes = _batches((images, labels), FLAGS.batch_size, FLAGS.seed), FLAGS.num_classes
-    else:
-        loaded = _tfds("image")
-        dataset, held, classes = loaded.dataset, None, loaded.num_classes
-    if FLAGS.model == "amoebanet":
-        from tfpipe.models.amoebanet import amoebanet_d
-
-        layers = amoebanet_d(classes, FLAGS.blocks or 3, FLAGS.filters)
-    elif FLAGS.model.startswith("keras:"):
-        name = FLAGS.model[len("keras:") :]
-        application = getattr(keras.applications, name, None)
-        if not callable(application):
-            raise UsageError(f"--model={FLAGS.model}: keras.applications has no model {name!r}, e.g. keras:ResNet50")
-        try:
-            layers = application(weights=None, input_shape=(size, size, 3), classes=classes, classifier_activation=None)
-        except ValueError as err:
-            raise UsageError(f"--model={FLAGS.model}: {str(err).splitlines()[0]}") from None
-    else:
-        from tfpipe.models.resnet import resnet
-
-        layers = resnet(int(FLAGS.depth), classes, FLAGS.width, stage_blocks=_ints("stage_blocks"))
-    return Task(
-        layers,
-        keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-        {"metrics": ["accuracy"]},
-        dataset,
-        (None, size, size, 3),
-        "images",
-        held,
-    )
-
-
 def callbacks(model_dir: str | None) -> tuple[list, int | None]:
     """Backup (resumable), latest weights and TensorBoard callbacks; the epoch a backup resumes from."""
     import keras
@@ -504,7 +202,7 @@ def run() -> dict:
 
 
 def _run(stack: contextlib.ExitStack) -> dict:
-    balance = _ints("balance")
+    balance = ints("balance")
     partitions = len(balance) if balance else FLAGS.partitions
     devices = replica_devices(setup_devices(FLAGS.devices, partitions * FLAGS.replicas, stack), partitions)
 
@@ -534,7 +232,7 @@ def _run(stack: contextlib.ExitStack) -> dict:
         )
         model.build(task.input_shape)
     except (ValueError, TypeError) as err:
-        raise UsageError(f"{_guilty_flag(str(err), balance)}: {err}") from None
+        raise UsageError(f"{guilty_flag(str(err), balance)}: {err}") from None
     optimizer = {"adam": keras.optimizers.Adam, "sgd": keras.optimizers.SGD, "adamw": keras.optimizers.AdamW}[
         FLAGS.optimizer
     ](learning_rate(int(task.dataset.cardinality())))
