@@ -16,11 +16,9 @@ needs matplotlib) and a summary.
 
 from __future__ import annotations
 
-import dataclasses
 import glob
 import os
 import re
-import statistics
 import sys
 import tempfile
 import threading
@@ -31,8 +29,9 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
 from absl import app, flags  # noqa: E402
 
-from tfpipe.analysis.tasks import PHASES, TRANSFER_TYPES, OpInfo, attribute, lookup, parse_task_name  # noqa: E402
+from tfpipe.analysis.tasks import TRANSFER_TYPES, OpInfo, attribute, lookup, parse_task_name  # noqa: E402
 from tfpipe.scripts.report import write_table  # noqa: E402
+from tfpipe.scripts.timeline_analysis import Event, draw, ideal_costs, summarize, task_rows  # noqa: E402
 from tfpipe.step import schedule  # noqa: E402
 
 FLAGS = flags.FLAGS
@@ -69,28 +68,6 @@ flags.DEFINE_bool(
     'Draw OUT.png (needs matplotlib: pip install -e ".[timeline]"); --nopng writes only the CSV and the summary.',
 )
 flags.DEFINE_string("out", "timeline", "Write OUT.csv and OUT.png.")
-
-COLORS = {
-    "forward": "#4C72B0",
-    "loss": "#8172B2",
-    "recompute": "#DD8452",
-    "backward": "#C44E52",
-    "accumulate": "#937860",
-    "transfer": "#8C8C8C",
-    "optimizer": "#222222",
-    "other": "#CCCCCC",
-}
-
-
-@dataclasses.dataclass
-class Event:
-    """One executed op: device index, attribution, absolute start and end in ns."""
-
-    device: int
-    task: str
-    phase: str
-    start: int
-    end: int
 
 
 def _parse_devices(value: str) -> tuple[str, int]:
@@ -193,198 +170,6 @@ def _short(device: str) -> str:
     """'/job:localhost/replica:0/task:0/device:CPU:1' -> '/CPU:1'."""
     found = re.search(r"device:([A-Z]+):(\d+)", device) or re.search(r"/([A-Z]+):(\d+)$", device)
     return f"/{found.group(1)}:{found.group(2)}" if found else device
-
-
-# Analysis ---------------------------------------------------------------------------------------------------
-def task_rows(events: list[Event], windows: list[tuple[int, int]], device_names: list[str]) -> list[dict]:
-    """One row per (step, device, task, phase): first start, last end, busy time and op count, ms from step start."""
-    rows: dict[tuple, dict] = {}
-    for ev in events:
-        step = _step_of(ev, windows)
-        if step is None:
-            continue
-        t0 = windows[step][0]
-        key = (step, ev.device, ev.task, ev.phase)
-        row = rows.get(key)
-        if row is None:
-            task = parse_task_name(ev.task) if ev.task else None
-            kind, cell, mb = (
-                (task.kind, task.cell, schedule.micro_batch_name(task.micro_batch)) if task else ("", "", "")
-            )
-            row = rows[key] = {
-                "step": step,
-                "device": device_names[ev.device],
-                "task": ev.task,
-                "kind": kind,
-                "cell": cell,
-                "micro_batch": mb,
-                "phase": ev.phase,
-                "start_ms": 1e300,
-                "end_ms": -1e300,
-                "busy_ms": 0.0,
-                "ops": 0,
-            }
-        row["start_ms"] = min(row["start_ms"], (ev.start - t0) / 1e6)
-        row["end_ms"] = max(row["end_ms"], (ev.end - t0) / 1e6)
-        row["busy_ms"] += (ev.end - ev.start) / 1e6
-        row["ops"] += 1
-    return sorted(rows.values(), key=lambda r: (r["step"], r["device"], r["start_ms"]))
-
-
-def _step_of(ev: Event, windows: list[tuple[int, int]]) -> int | None:
-    """The profiled step whose client-side window holds the event's start, or None."""
-    for step, (begin, end) in enumerate(windows):
-        if begin <= ev.start <= end:
-            return step
-    return None
-
-
-def _union(intervals: list[tuple[float, float]]) -> float:
-    """Total length covered by possibly overlapping intervals."""
-    total, last_end = 0.0, -1e300
-    for begin, end in sorted(intervals):
-        if end > last_end:
-            total += end - max(begin, last_end)
-            last_end = end
-    return total
-
-
-def summarize(events: list[Event], windows: list[tuple[int, int]], device_names: list[str], ideal_bubble: float) -> str:
-    """Per device: busy fraction and time per phase; bubble measured vs ideal, over the profiled steps.
-
-    ``ideal_bubble`` is the idle share of the ideal schedule (``schedule.idle_fraction``).
-    """
-    wall = sum(end - begin for begin, end in windows) / 1e6
-    lines = [
-        f"{len(windows)} step(s), median {statistics.median((e - b) / 1e6 for b, e in windows):.1f} ms "
-        f"(client wall time); ideal bubble of the schedule {ideal_bubble:.3f}"
-    ]
-    header = f"{'device':<34} {'busy':>6} " + " ".join(f"{p[:9]:>9}" for p in PHASES) + f" {'idle':>9} {'2+ ops':>9}"
-    lines += [header + "   (ms over all profiled steps; 2+ ops: op time beyond one op at a time)"]
-    for d, name in enumerate(device_names):
-        mine = [e for e in events if e.device == d and _step_of(e, windows) is not None]
-        busy = _union([(e.start / 1e6, e.end / 1e6) for e in mine])
-        per = {p: _union([(e.start / 1e6, e.end / 1e6) for e in mine if e.phase == p]) for p in PHASES}
-        overlap = sum(e.end - e.start for e in mine) / 1e6 - busy  # > 0: ops ran concurrently on one device
-        lines.append(
-            f"{name:<34} {busy / wall:6.1%} "
-            + " ".join(f"{per[p]:9.1f}" for p in PHASES)
-            + f" {wall - busy:9.1f} {overlap:9.1f}"
-        )
-    busy_all = [
-        _union([(e.start / 1e6, e.end / 1e6) for e in events if e.device == d and _step_of(e, windows) is not None])
-        for d in range(len(device_names))
-    ]
-    measured = 1 - sum(busy_all) / len(busy_all) / wall
-    lines.append(
-        f"bubble (idle share of the step, mean over devices): measured {measured:.3f} vs ideal {ideal_bubble:.3f}"
-    )
-    return "\n".join(lines)
-
-
-def ideal_costs(
-    events: list[Event], windows: list[tuple[int, int]], k: int, ratio: float | None, m: int = 1
-) -> tuple[list[float], list[float], list[float] | None]:
-    """Per-cell F, whole backward and W durations (ms) for the ideal schedule: the mean time a task's ops covered.
-
-    The whole backward is B + W where the step split them (zero bubble); W is None where it did
-    not; a W over all ``m`` micro-batches counts an m-th of its time. With ``ratio``: F, r*F and
-    None (W half the backward, as ``schedule.simulate`` assumes).
-    """
-    covered: dict[tuple, list[tuple[float, float]]] = {}
-    for e in events:
-        step = _step_of(e, windows)
-        if e.task and e.phase != "transfer" and step is not None:
-            task = parse_task_name(e.task)
-            covered.setdefault((task.kind, task.cell, step, e.task), []).append((e.start / 1e6, e.end / 1e6))
-    split = any(key[0] == "W" for key in covered)
-    f_cost, b_cost, w_cost = [], [], []
-    for i in range(k):
-        for kind, out in (("F", f_cost), ("B", b_cost), ("W", w_cost)):
-            times = [
-                _union(iv) / (m if parse_task_name(key[3]).micro_batch == schedule.ALL else 1)
-                for key, iv in covered.items()
-                if key[:2] == (kind, i)
-            ]
-            out.append(statistics.mean(times) if times else 1.0 if kind != "W" else 0.0)
-    if ratio is not None:
-        unit = statistics.mean(f_cost)
-        return [unit] * k, [ratio * unit] * k, None
-    if not split:
-        return f_cost, b_cost, None
-    return f_cost, [b + w for b, w in zip(b_cost, w_cost)], w_cost
-
-
-def draw(
-    path: str,
-    events: list[Event],
-    window: tuple[int, int],
-    device_names: list[str],
-    ideal: list[tuple[schedule.Task, float, float]],
-    title: str,
-) -> None:
-    """The measured timeline of one step (top) above the ideal schedule (bottom), as a PNG."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    from matplotlib.patches import Patch
-
-    t0 = window[0]
-    span = (window[1] - t0) / 1e6
-    ideal_span = max(end for _, _, end in ideal)
-    fig, (top, bottom) = plt.subplots(2, 1, figsize=(16, 2.2 + 1.1 * len(device_names) * 2), sharex=False)
-    for d in range(len(device_names)):
-        mine = [e for e in events if e.device == d and t0 <= e.start <= window[1]]
-        for (task, phase), begin, end in _runs(mine):
-            x0, width = (begin - t0) / 1e6, (end - begin) / 1e6
-            top.barh(d, width, left=x0, height=0.8, color=COLORS[phase], edgecolor="none")
-            if task and width > span / 60 and phase in ("forward", "recompute", "backward"):
-                parsed = parse_task_name(task)
-                label = f"{'R' if phase == 'recompute' else parsed.kind}{schedule.micro_batch_name(parsed.micro_batch)}"
-                top.text(x0 + width / 2, d, label, ha="center", va="center", fontsize=6, color="white")
-    top.set_yticks(range(len(device_names)), device_names, fontsize=7)
-    top.invert_yaxis()
-    top.set_xlim(0, span)
-    top.set_xlabel("ms since the step was called (measured)")
-    top.set_title(title, fontsize=9)
-    for task, begin, end in ideal:
-        phase = "forward" if task.kind == "F" else "backward"  # W tasks too: labelled W
-        bottom.barh(
-            task.cell, end - begin, left=begin, height=0.8, color=COLORS[phase], edgecolor="white", linewidth=0.5
-        )
-        if end - begin > ideal_span / 80:
-            bottom.text(
-                (begin + end) / 2,
-                task.cell,
-                f"{task.kind}{schedule.micro_batch_name(task.micro_batch)}",
-                ha="center",
-                va="center",
-                fontsize=6,
-                color="white",
-            )
-    bottom.set_yticks(range(len(device_names)), [f"cell {i}" for i in range(len(device_names))], fontsize=7)
-    bottom.invert_yaxis()
-    bottom.set_xlim(0, span)  # the same scale as the measured step
-    bottom.set_xlabel("ms (ideal schedule: same task order and costs, no transfers, no waiting)")
-    fig.legend(
-        handles=[Patch(color=COLORS[p], label=p) for p in PHASES], ncol=len(PHASES), fontsize=7, loc="lower center"
-    )
-    fig.tight_layout(rect=(0, 0.05, 1, 1))
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
-def _runs(events: list[Event]) -> list[tuple[tuple[str, str], int, int]]:
-    """Consecutive events of the same task and phase merged into one bar (gaps inside a run included)."""
-    runs: list[list] = []
-    for ev in sorted(events, key=lambda e: e.start):
-        key = (ev.task, ev.phase)
-        if runs and runs[-1][0] == key:
-            runs[-1][2] = max(runs[-1][2], ev.end)
-        else:
-            runs.append([key, ev.start, ev.end])
-    return [(key, begin, end) for key, begin, end in runs]
 
 
 # Running ---------------------------------------------------------------------------------------------------------
