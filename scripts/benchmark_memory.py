@@ -29,6 +29,8 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
 from absl import app, flags  # noqa: E402
 
+from tfpipe.scripts import memory_report  # noqa: E402
+from tfpipe.scripts.memory_report import GIB, MIB  # noqa: E402
 from tfpipe.scripts.report import write_table  # noqa: E402
 
 FLAGS = flags.FLAGS
@@ -78,10 +80,7 @@ flags.DEFINE_integer(
 )
 flags.DEFINE_string("_child", None, "Internal: measure the JSON configuration in this process.")
 
-GIB, MIB = 1 << 30, 1 << 20
 MAX_BUDGET_GIB = 6.0  # two concurrent probes at up to twice the budget must fit in this 24 GiB machine
-MODEL_TARGET = 0.25  # held-out points within 25% of the fitted GPipe model
-RATIO_TARGET = 3.0  # remat holds at least 3x the blocks of plain Keras under the budget
 RESULT = "RESULT "
 SCHEDULES = ("gpipe", "1f1b", "zero_bubble", "gpipe_batched_w")  # as tfpipe.schedule.SCHEDULES, before TF loads
 _TITLES = {"gpipe": "GPipe", "1f1b": "1F1B", "zero_bubble": "zero bubble", "gpipe_batched_w": "batched W"}
@@ -249,19 +248,6 @@ def largest_under_budget(
     return ok, False, made
 
 
-def fit_model(points: dict[int, dict[str, Any]], blocks: int, n: int) -> tuple[float, float, int, int]:
-    """Constants a, b of ``a*N + b*L*N/M`` through the remat points of the smallest and largest M."""
-    m1, m2 = min(points), max(points)
-    t1, t2 = points[m1]["transient"] / n, points[m2]["transient"] / n
-    b = (t1 - t2) / (blocks / m1 - blocks / m2)
-    return t1 - b * blocks / m1, b, m1, m2
-
-
-def predicted(a: float, b: float, blocks: int, m: int, n: int) -> float:
-    """GPipe's activation memory a*N + b*(L/K)*(N/M), K=1, in bytes."""
-    return a * n + b * blocks * n / m
-
-
 def _validate_flags() -> list[int]:
     """Reject bad flag values with a message naming the fix; return the table's values of M."""
     try:
@@ -324,11 +310,11 @@ def main(argv: list[str]) -> None:
         plain_point = plain.result()
         largest = {"plain": plain_search.result(), "remat": remat_search.result()}
 
-    a, b, m_lo, m_hi = fit_model(remat_points, big_l, n)
+    a, b, m_lo, m_hi = memory_report.fit_model(remat_points, big_l, n)
     fitted = {("remat", big_l, m_lo), ("remat", big_l, m_hi)}
-    rows = [_row("activation", r, a, b, n, fitted) for r in [plain_point] + [remat_points[m] for m in ms]]
+    rows = [memory_report.row("activation", r, a, b, n, fitted) for r in [plain_point] + [remat_points[m] for m in ms]]
     for model, (blocks, capped, made) in largest.items():
-        rows += [_row("probe", r, a, b, n, fitted, budget=budget) for r in made]
+        rows += [memory_report.row("probe", r, a, b, n, fitted, budget=budget) for r in made]
         top = [r for r in made if r["blocks"] == blocks]
         rows.append(
             {
@@ -342,7 +328,7 @@ def main(argv: list[str]) -> None:
                 "note": "cap" if capped else "",
             }
         )
-    text = _report(rows, a, b, m_lo, m_hi, n, largest, budget)
+    text = memory_report.report(rows, a, b, m_lo, m_hi, n, largest, budget)
     print("\n" + text)
     if FLAGS.out:
         fields = [
@@ -386,7 +372,7 @@ def _schedules(ms: list[int]) -> None:
     rows = []
     for m in ms:
         sizes = [results[(name, m)]["transient"] for name in SCHEDULES]
-        cells = [_mib(b) for b in sizes] + [f"{b / sizes[0]:.2f}" for b in sizes[1:]]
+        cells = [memory_report.mib(b) for b in sizes] + [f"{b / sizes[0]:.2f}" for b in sizes[1:]]
         lines.append(f"| {m} | " + " | ".join(cells) + " |")
         for name in SCHEDULES:
             r = results[(name, m)]
@@ -402,138 +388,6 @@ def _schedules(ms: list[int]) -> None:
 def _schedules_batch(m: int) -> int:
     """The global batch of the schedule table at M=m: --micro_batch_size x M if given, else --batch_size."""
     return FLAGS.micro_batch_size * m if FLAGS.micro_batch_size else FLAGS.batch_size
-
-
-def _row(
-    section: str,
-    r: dict[str, Any],
-    a: float,
-    b: float,
-    n: int,
-    fitted: set[tuple[str, int, int]],
-    budget: float | None = None,
-) -> dict[str, Any]:
-    """One CSV row: a measurement beside its prediction (plain Keras is predicted with the M=1 formula)."""
-    m = r["m"] if r["model"] == "remat" else 1
-    pred = predicted(a, b, r["blocks"], m, n)
-    row = {
-        "section": section,
-        "model": r["model"],
-        "blocks": r["blocks"],
-        "M": m,
-        "before_bytes": r["before"],
-        "peak_bytes": r["peak"],
-        "transient_bytes": r["transient"],
-        "transient_over_N": r["transient"] / n,
-        "predicted_bytes": pred,
-        "rel_error": r["transient"] / pred - 1.0 if pred > 0 else "",
-        "fitted": (r["model"], r["blocks"], m) in fitted,
-        "max_rss_bytes": r["max_rss"],
-    }
-    if budget is not None:
-        row["fits_budget"] = r["peak"] <= budget
-    return row
-
-
-def _mib(nbytes: float) -> str:
-    """Bytes as MiB: whole MiB from 100 up, three significant digits below."""
-    mib = nbytes / MIB
-    return f"{mib:.0f}" if mib >= 100 else f"{mib:.3g}"
-
-
-def extrapolated_blocks(a: float, b: float, m: int, n: int, before: float, budget: float) -> float:
-    """The L at which the fitted model's peak (``before`` + a*N + b*L*N/M) reaches the budget."""
-    return (budget - before - a * n) / (b * n / m) if b > 0 else float("inf")
-
-
-def _report(
-    rows: list[dict[str, Any]],
-    a: float,
-    b: float,
-    m_lo: int,
-    m_hi: int,
-    n: int,
-    largest: dict[str, tuple[int, bool, list]],
-    budget: float,
-) -> str:
-    """Both parts as markdown tables, with the fitted constants, the held-out errors and the targets."""
-    names = {"plain": "plain Keras", "remat": 'PipelineModel remat="always"'}
-    act = [r for r in rows if r["section"] == "activation"]
-    lines = [
-        f"Part 1: one training step, L={act[0]['blocks']} blocks, K=1, N = {_mib(n)} MiB "
-        f"(seq {FLAGS.seq_len}, dim {FLAGS.dim}, heads {FLAGS.heads}, batch {FLAGS.batch_size})",
-        "",
-        "| model | M | transient = activations (MiB) | transient / N | predicted (MiB) | error | "
-        "in use before (MiB) | total peak (MiB) | process max RSS (MiB) |",
-        "|---|---|---|---|---|---|---|---|---|",
-    ]
-    for r in act:
-        err = "fitted" if r["fitted"] else f"{100 * r['rel_error']:+.1f}%"
-        lines.append(
-            f"| {names[r['model']]} | {r['M']} | {_mib(r['transient_bytes'])} | "
-            f"{r['transient_over_N']:.1f} | {_mib(r['predicted_bytes'])} | {err} | "
-            f"{_mib(r['before_bytes'])} | {_mib(r['peak_bytes'])} | {_mib(r['max_rss_bytes'])} |"
-        )
-    remat_probes = sorted(
-        (r for r in rows if r["section"] == "probe" and r["model"] == "remat" and not r["fitted"]),
-        key=lambda r: r["blocks"],
-    )
-    held_out = [r for r in act if not r["fitted"]] + remat_probes
-    worst = max(abs(r["rel_error"]) for r in held_out) if held_out else float("nan")
-    lines += [
-        "",
-        f"Model: predicted = a*N + b*(L/K)*(N/M), fitted on remat M={m_lo} and M={m_hi} at "
-        f"L={act[0]['blocks']}: a = {a:.2f}, b = {b:.2f} (in units of N).",
-        "Held out (measured/predicted - 1): "
-        + ", ".join(f"{r['model']} L={r['blocks']} M={r['M']} {100 * r['rel_error']:+.1f}%" for r in held_out)
-        + ".",
-        f"Target: every held-out point within {100 * MODEL_TARGET:.0f}% -> "
-        f"{'met' if worst <= MODEL_TARGET else 'missed'} (worst {100 * worst:.1f}%).",
-        "",
-    ]
-    lines += [
-        f"Part 2: largest L whose training step peaks under {budget / GIB:g} GiB (measured peak, not an "
-        "allocation limit; doubling then bisection, one fresh process per probe)",
-        "",
-        "| model | M | largest L | its peak (MiB) | model extrapolates | probes: L (peak MiB) |",
-        "|---|---|---|---|---|---|",
-    ]
-    for model in ("plain", "remat"):
-        top = next(r for r in rows if r["section"] == "largest" and r["model"] == model)
-        probes = sorted(
-            (r for r in rows if r["section"] == "probe" and r["model"] == model and r["M"] == top["M"]),
-            key=lambda r: r["blocks"],
-        )
-        shown = ", ".join(
-            f"{r['blocks']} ({_mib(r['peak_bytes'])}{'' if r['fits_budget'] else ' over'})" for r in probes
-        )
-        cap = " (the --max_blocks cap)" if top["note"] == "cap" else ""
-        peak = _mib(top["peak_bytes"]) if top["peak_bytes"] != "" else "-"
-        before = top["before_bytes"] if top["before_bytes"] != "" else probes[0]["before_bytes"]
-        guess = extrapolated_blocks(a, b, top["M"], n, before, budget)
-        lines.append(f"| {names[model]} | {top['M']} | {top['blocks']}{cap} | {peak} | {guess:.1f} | {shown} |")
-    (plain_l, plain_cap, _), (remat_l, remat_cap, _) = largest["plain"], largest["remat"]
-    lines.append("")
-    if plain_cap:
-        lines.append(f"Both searches reached --max_blocks={FLAGS.max_blocks}: raise it to compare.")
-    elif plain_l == 0:
-        lines.append(f"Plain Keras does not fit even one block in {budget / GIB:g} GiB; remat fits {remat_l}.")
-    else:
-        ratio = remat_l / plain_l
-        bound = (
-            f" (a lower bound: the remat search stopped at --max_blocks={FLAGS.max_blocks}, still under budget)"
-            if remat_cap
-            else ""
-        )
-        lines.append(
-            f"Ratio remat / plain: {ratio:.2f}x{bound}; target >= {RATIO_TARGET:g}x -> "
-            f"{'met' if ratio >= RATIO_TARGET else ('not shown' if remat_cap else 'missed')}."
-        )
-    lines.append(
-        "'model extrapolates': the L at which the part-1 model, plus the bytes in use before the step, "
-        "reaches the budget (an extrapolation, not a measurement)."
-    )
-    return "\n".join(lines)
 
 
 if __name__ == "__main__":
