@@ -171,6 +171,8 @@ class PipelineModel(settings_lib.SettingsProperties, KerasEntryPoints, saving.Sa
         self._make_pipeline(self._balance)
         tie(self._pipeline.cells)
         self.train_function = self.test_function = self.predict_function = None
+        if self._graph is not None:  # the user's model (a keras_hub task's generate) traced the old variables too
+            hub.forget_traced(self._graph.model)
 
     def _move_variables(self, seeds_only: bool) -> None:
         """Move variables made elsewhere to their cells' devices, as a layer list's weights are made there.

@@ -47,7 +47,8 @@ def train(cluster, backup=None, save_freq="epoch", kill_at=(), on_batch=None):
 
     callbacks.append(keras.callbacks.LambdaCallback(
         on_epoch_begin=lambda epoch, logs: now.update(epoch=epoch), on_train_batch_begin=begin, on_train_batch_end=end))
-    history = model.fit(x, y, batch_size=8, epochs=4, shuffle=False, verbose=0, callbacks=callbacks)
+    history = model.fit(x, y, batch_size=8, epochs=4, shuffle=False, verbose=0, callbacks=callbacks,
+                        validation_data=(x[:8], y[:8]))  # evaluate's step too is made anew after a restart
     return model.get_weights(), history
 """
 
@@ -60,11 +61,13 @@ def test_a_dead_or_hung_worker_is_replaced_and_the_same_fit_reaches_the_uninterr
         TRAIN.replace("signal.SIGKILL", f"signal.{how}")
         + f"""
 with LocalCluster(2) as cluster:
-    reference, _ = train(cluster)
+    reference, reference_history = train(cluster)
+    reference_val = reference_history.history["val_loss"][-1]
 with LocalCluster(2, timeout=5, max_restarts=1) as cluster:
     pids = cluster.pids
     weights, history = train(cluster, {str(tmp_path)!r}, {save_freq}, kill_at=[(2, 2)])
     print("RESULT", cluster.restarts, history.epoch, max_rel_error(weights, reference))
+    print("VAL", len(history.history["val_loss"]), history.history["val_loss"][-1] == reference_val)
 print("LEFT", [p for p in cluster.pids + pids if os.path.exists(f"/proc/{{p}}")])
 """,
         timeout=400,
@@ -73,6 +76,7 @@ print("LEFT", [p for p in cluster.pids + pids if os.path.exists(f"/proc/{{p}}")]
     result = proc.stdout.split("RESULT")[1].split()
     assert result[0] == "1" and " ".join(result[1:5]) == "[0, 1, 2, 3]", proc.stdout[-2000:]  # History: every epoch
     assert float(result[5]) < 1e-6
+    assert "VAL 4 True" in proc.stdout  # every epoch validated, the last as in the uninterrupted run
     # One line per restart, naming the worker and where training goes on (1-based epoch, batches already done).
     logged = [line for line in proc.stderr.splitlines() if "restarting the workers" in line]
     assert len(logged) == 1 and "worker task 1 at localhost:" in logged[0], proc.stderr[-3000:]
