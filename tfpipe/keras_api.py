@@ -15,7 +15,7 @@ import keras
 
 from tfpipe import _compat, recovery
 from tfpipe import training as training_lib
-from tfpipe.distributed import cluster as cluster_lib
+from tfpipe.distributed import faults
 from tfpipe.partition import functional, hub
 from tfpipe.step.replicated import Replicated
 from tfpipe.step.unrolled import Pipeline
@@ -112,7 +112,7 @@ class KerasEntryPoints(keras.Model):
             self._before_tracing(x, y, kwargs.get("sample_weight"))
             call_args = (*args[:2], callbacks, *args[3:]) if positional else args
             call_kwargs = kwargs if positional else dict(kwargs, callbacks=callbacks)
-            with cluster_lib.reporting(), training_lib.short_batch_errors():  # named workers, short messages
+            with faults.reporting(), training_lib.short_batch_errors():  # named workers, short messages
                 return keras_fit(x, y, batch_size, *call_args, **call_kwargs)
 
         return recovery.fit(self, run, given)
@@ -123,7 +123,7 @@ class KerasEntryPoints(keras.Model):
             x, kwargs = hub.for_evaluate(self.preprocess, x, y, batch_size, kwargs)
             y = batch_size = None
         self._before_tracing(x, y, kwargs.get("sample_weight"))
-        with cluster_lib.reporting():
+        with faults.reporting():
             return super().evaluate(x, y, batch_size, *args, **kwargs)
 
     def predict(self, x: Any, batch_size: int | None = None, *args: Any, **kwargs: Any):
@@ -131,7 +131,7 @@ class KerasEntryPoints(keras.Model):
         if self.preprocess is not None:
             x, batch_size = hub.for_predict(self.preprocess, x, batch_size), None
         self._before_tracing(None, None, None)
-        with cluster_lib.reporting():
+        with faults.reporting():
             return super().predict(x, batch_size, *args, **kwargs)
 
     def train_on_batch(self, x: Any = None, y: Any = None, sample_weight: Any = None, *args: Any, **kwargs: Any):
@@ -139,7 +139,7 @@ class KerasEntryPoints(keras.Model):
         if self.preprocess is not None:
             x, y, sample_weight = hub.for_batch(self.preprocess, x, y, sample_weight)
         self._before_tracing(x, y, sample_weight)
-        with cluster_lib.reporting():
+        with faults.reporting():
             return super().train_on_batch(x, y, sample_weight, *args, **kwargs)
 
     def test_on_batch(self, x: Any = None, y: Any = None, sample_weight: Any = None, *args: Any, **kwargs: Any):
@@ -147,7 +147,7 @@ class KerasEntryPoints(keras.Model):
         if self.preprocess is not None:
             x, y, sample_weight = hub.for_batch(self.preprocess, x, y, sample_weight)
         self._before_tracing(x, y, sample_weight)
-        with cluster_lib.reporting():
+        with faults.reporting():
             return super().test_on_batch(x, y, sample_weight, *args, **kwargs)
 
     def predict_on_batch(self, x: Any) -> Any:
@@ -155,7 +155,7 @@ class KerasEntryPoints(keras.Model):
         if self.preprocess is not None:
             x = hub.for_batch(self.preprocess, x)[0]
         self._before_tracing(None, None, None)
-        with cluster_lib.reporting():
+        with faults.reporting():
             return super().predict_on_batch(x)
 
     @property

@@ -30,7 +30,7 @@ from absl import logging as absl_logging
 from tfpipe import _compat
 from tfpipe._args import positive_int
 from tfpipe.distributed import exposure, health
-from tfpipe.distributed.faults import RECOVER, WorkerError, hung_worker, reporting, unwatch, watch
+from tfpipe.distributed.faults import RECOVER, WorkerError, unwatch, watch
 
 JOB = "worker"
 BFC_ENV = "TF_CPU_ALLOCATOR_USE_BFC"  # workers use TensorFlow's BFC allocator unless this is set otherwise
@@ -55,7 +55,7 @@ server.join()
 
 _joined: Joined | None = None  # the cluster ``connect`` joined last
 _started: list[Any] = []  # the LocalClusters this process runs and the cluster it joined, the latest last
-__all__ = ["LocalCluster", "WorkerError", "connect", "hung_worker", "reporting", "restartable", "RECOVER"]
+__all__ = ["LocalCluster", "WorkerError", "connect"]  # what users import from tfpipe.cluster
 
 
 def restartable() -> Any:
