@@ -11,8 +11,13 @@ import numpy as np
 
 def positive_int(name: str, value: Any, fix: str = "") -> int:
     """``value`` as an int if it is an integer >= 1 (bools are not), else a ValueError naming it and ``fix``."""
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
-        raise ValueError(f"{name} must be an integer >= 1, got {value!r}.{' ' + fix if fix else ''}")
+    return int_at_least(name, value, 1, fix)
+
+
+def int_at_least(name: str, value: Any, low: int, fix: str = "") -> int:
+    """``value`` as an int if it is an integer >= ``low`` (bools are not), else a ValueError naming it and ``fix``."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
+        raise ValueError(f"{name} must be an integer >= {low}, got {value!r}.{' ' + fix if fix else ''}")
     return int(value)
 
 

@@ -28,7 +28,7 @@ import tensorflow as tf
 from absl import logging as absl_logging
 
 from tfpipe import _compat
-from tfpipe._args import positive_int
+from tfpipe._args import int_at_least, positive_int
 from tfpipe.distributed import exposure, health
 from tfpipe.distributed.faults import RECOVER, WorkerError, unwatch, watch
 
@@ -358,9 +358,7 @@ def connect(
 
 
 def _check_restarts(max_restarts: Any) -> int:
-    if isinstance(max_restarts, bool) or not isinstance(max_restarts, int) or max_restarts < 0:
-        raise ValueError(f"max_restarts must be an int >= 0 (0: a dead worker ends fit), got {max_restarts!r}.")
-    return max_restarts
+    return int_at_least("max_restarts", max_restarts, 0, "0: a dead worker ends fit.")
 
 
 class Joined:
