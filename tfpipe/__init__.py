@@ -1,6 +1,6 @@
 """tfpipe: GPipe pipeline parallelism for TensorFlow 2 and Keras 3.
 
-The public API is what ``__all__`` names: ``PipelineModel`` and four public modules,
+The public API is what ``__all__`` names: ``PipelineModel``, ``plan`` and its ``Plan``, and four public modules,
 ``tfpipe.balance``, ``tfpipe.cost``, ``tfpipe.schedule`` and ``tfpipe.cluster``, which keep these
 short paths (tfpipe._aliases). Everything else (the subpackages ``partition``, ``planning``,
 ``step``, ``backward``, ``graph``, ``distributed`` and ``analysis``) is internal and may change
@@ -10,10 +10,11 @@ between releases.
 from tfpipe import _aliases
 from tfpipe.distributed import cluster
 from tfpipe.model import PipelineModel  # importing tfpipe registers it for keras.models.load_model
+from tfpipe.planner import Plan, plan
 from tfpipe.planning import balance, cost
 from tfpipe.step import schedule
 
-__all__ = ["PipelineModel", "balance", "cluster", "cost", "schedule"]
+__all__ = ["Plan", "PipelineModel", "balance", "cluster", "cost", "plan", "schedule"]
 __version__ = "0.1.0"
 
 _aliases.install()

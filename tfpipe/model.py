@@ -78,6 +78,8 @@ class PipelineModel(settings_lib.SettingsProperties, KerasEntryPoints, saving.Sa
         cell's weight gradient works example by example or sums over examples (else, with a
         warning, once per micro-batch); it holds each micro-batch's output gradients too
         until then. Non-GPipe schedules need ``unroll=True``.
+      plan: a ``tfpipe.plan(...)`` result: its balance, devices (with replicas), M, remat and
+        schedule, in place of those arguments (docs/guide/planning.md).
     """
 
     def __init__(
@@ -92,11 +94,18 @@ class PipelineModel(settings_lib.SettingsProperties, KerasEntryPoints, saving.Sa
         remat: str = "except_last",
         unroll: bool = True,
         schedule: str = "gpipe",
+        plan: Any = None,
         **kwargs: Any,
     ):
         graph = functional.Graph(layers) if functional.is_functional(layers) else None
         layers_ = graph.layers if graph is not None else layer_list(layers)
         units = len(graph.nodes) if graph is not None else len(layers_)
+        if plan is not None:
+            given = dict(balance=balance, num_partitions=num_partitions, devices=devices)
+            given.update(num_micro_batches=num_micro_batches, remat=remat, schedule=schedule)
+            planned = settings_lib.from_plan(plan, units, given)
+            balance, devices, num_micro_batches = planned["balance"], planned["devices"], planned["num_micro_batches"]
+            remat, schedule = planned["remat"], planned["schedule"]
         settings = settings_lib.check(
             layers, graph, units, balance, num_partitions, cost, devices, num_micro_batches, remat, unroll, schedule
         )

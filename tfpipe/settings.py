@@ -14,6 +14,7 @@ from tfpipe.partition import functional
 from tfpipe.partition.cell import Cell
 from tfpipe.planning import balance as balance_lib
 from tfpipe.planning import cost as cost_lib
+from tfpipe.planning.plans import Plan
 from tfpipe.step import schedule as schedule_lib
 from tfpipe.step.replicated import Replicated
 from tfpipe.step.unrolled import Pipeline, check_remat, check_unroll
@@ -153,3 +154,27 @@ class SettingsProperties(keras.Model):
     def cells(self) -> list[Cell]:
         """The cells, in pipeline order (empty until the balance is known)."""
         return list(self._pipeline.cells) if self._pipeline else []
+
+
+def from_plan(plan: Any, units: int, given: dict[str, Any]) -> dict[str, Any]:
+    """PipelineModel's arguments from ``plan`` (a ``tfpipe.plan`` result), checked against those given beside it.
+
+    ``given`` holds balance, num_partitions, devices, num_micro_batches, remat and schedule as passed:
+    the first three must be left out, the others left at their defaults or equal to the plan's.
+    """
+    if not isinstance(plan, Plan):
+        raise TypeError(f"plan must be what tfpipe.plan(...) returns, got {plan!r:.80}.")
+    if plan.num_layers != units:
+        raise ValueError(
+            f"The plan was made for {plan.num_layers} layers but this model has {units}; plan this model's layers."
+        )
+    clashes = [name for name in ("balance", "num_partitions", "devices") if given[name] is not None]
+    planned = plan.pipeline_arguments()
+    defaults = {"num_micro_batches": 1, "remat": "except_last", "schedule": "gpipe"}
+    clashes += [n for n, d in defaults.items() if given[n] != d and given[n] != planned[n]]
+    if clashes:
+        raise ValueError(
+            f"plan= sets {', '.join(clashes)}; leave {'it' if len(clashes) == 1 else 'them'} out, or drop plan= and "
+            "give every setting yourself."
+        )
+    return planned

@@ -21,7 +21,7 @@ LAYERS = [
     {"planning"},
     {"messages", "saving", "training", "settings", "recovery", "keras_api"},
     {"model"},
-    {"analysis", "__init__", "_aliases"},
+    {"analysis", "planner", "__init__", "_aliases"},
 ]
 
 

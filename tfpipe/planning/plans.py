@@ -1,0 +1,190 @@
+"""A plan: the configuration the planner chose, its predictions, the runners-up and why they lost, the sources."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from tfpipe.planning.predict import Calibration
+from tfpipe.planning.profile import Profile
+from tfpipe.planning.search import Candidate
+
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "kb": 1e3,
+    "mb": 1e6,
+    "gb": 1e9,
+    "tb": 1e12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
+
+
+def parse_bytes(value: Any, name: str = "memory_budget") -> float:
+    """Bytes from an int or float, or a string such as "12GiB", "512 MB" or "1e9"; a ValueError names a bad one."""
+    if isinstance(value, bool):
+        value = None
+    if isinstance(value, (int, float)) and value > 0:
+        return float(value)
+    match = (
+        re.fullmatch(r"\s*([0-9.]+(?:e[0-9]+)?)\s*([kmgt]i?b|b)?\s*", str(value).lower())
+        if isinstance(value, str)
+        else None
+    )
+    if match:
+        try:
+            number = float(match.group(1)) * _UNITS[match.group(2) or ""]
+        except ValueError:
+            number = 0.0
+        if number > 0:
+            return number
+    raise ValueError(f"{name} must be a number of bytes > 0 or a string such as '12GiB' or '512MB', got {value!r}.")
+
+
+def gib(nbytes: float) -> str:
+    """Bytes as the shortest readable binary unit: '1.50 GiB', '12.0 MiB'."""
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if nbytes >= size:
+            return f"{nbytes / size:.3g} {unit}"
+    return f"{nbytes:.0f} B"
+
+
+@dataclasses.dataclass
+class Plan:
+    """The configuration predicted fastest whose predicted peak memory fits the budget on every device.
+
+    Pass it to ``PipelineModel(layers, plan=plan)``; ``summary()`` prints it with the runners-up.
+    """
+
+    num_partitions: int
+    balance: list[int]
+    num_replicas: int
+    num_micro_batches: int
+    remat: str
+    schedule: str
+    devices: list[str] | list[list[str]]
+    step_seconds: float  # predicted
+    peak_bytes: list[float]  # predicted, per device (replica by replica)
+    batch_size: int
+    memory_budget: float | None
+    num_layers: int
+    candidates: list[Candidate]  # every configuration tried, fastest fitting first
+    profile: Profile
+    calibration: Calibration
+    optimizer_slots: int
+
+    @property
+    def device_peaks(self) -> dict[str, float]:
+        """Predicted peak bytes by device name."""
+        flat = [d for row in self.devices for d in row] if self.num_replicas > 1 else list(self.devices)
+        return dict(zip(flat, self.peak_bytes))
+
+    def pipeline_arguments(self) -> dict[str, Any]:
+        """The ``PipelineModel`` arguments this plan stands for."""
+        return {
+            "balance": list(self.balance),
+            "devices": [list(r) for r in self.devices] if self.num_replicas > 1 else list(self.devices),
+            "num_micro_batches": self.num_micro_batches,
+            "remat": self.remat,
+            "schedule": self.schedule,
+        }
+
+    def runners_up(self, count: int = 5) -> list[tuple[Candidate, str]]:
+        """The next ``count`` configurations of other shapes (K, R, M, remat, schedule), each with why it lost."""
+        chosen = self.candidates[0]
+        out = []
+        for candidate in self.candidates[1:]:
+            if len(out) == count:
+                break
+            out.append((candidate, _why_lost(candidate, chosen, self.memory_budget)))
+        return out
+
+    def summary(self, print_fn: Callable[[str], None] | None = None, count: int = 5) -> None:
+        """Print the chosen configuration, its predictions, where they come from, and the runners-up."""
+        say = print_fn or print
+        budget = f"memory budget {gib(self.memory_budget)} per device" if self.memory_budget else "no memory budget"
+        say(f"tfpipe plan for a batch of {self.batch_size} over {self.num_layers} layers, {budget}:")
+        say(f"  chosen: {self.candidates[0].config.describe()}")
+        say(f"  devices: {self.pipeline_arguments()['devices']}")
+        p = self.candidates[0].prediction
+        say(
+            f"  predicted step: {p.step_s * 1e3:.1f} ms (pipeline {p.pipeline_s * 1e3:.1f} + update "
+            f"{p.update_s * 1e3:.1f} + fixed {p.fixed_s * 1e3:.1f})"
+        )
+        say("  predicted peak memory: " + ", ".join(f"{d} {gib(v)}" for d, v in self.device_peaks.items()))
+        for line in self.sources():
+            say(f"  {line}")
+        say(f"  runners-up ({len(self.candidates) - 1} other configurations tried):")
+        for candidate, why in self.runners_up(count):
+            say(f"    {candidate.config.describe()}: {why}")
+
+    def sources(self) -> list[str]:
+        """Where each prediction comes from, one line each."""
+        c = self.calibration
+        return [
+            f"layer times: each layer's forward and backward measured on {self.profile.device} at each micro-batch "
+            f"size ({sorted(self.profile.by_batch)} samples)",
+            f"layer memory: {self.profile.memory_source}; weights, gradients and {self.optimizer_slots} optimizer "
+            "slot(s) per trainable weight counted from the variables",
+            f"step costs ({c.source}): {c.task_s * 1e3:.2f} ms a task, {c.step_s * 1e3:.2f} ms a step, "
+            f"{c.bandwidth / 2**30:.2f} GiB/s between devices, parallelism {c.parallelism:.2f} devices, "
+            f"update {c.update_s_per_byte * 2**20 * 1e3:.3f} ms per MiB of weights",
+            "schedule: simulated task by task (tfpipe.schedule.simulate); activations held per its in-flight count",
+        ]
+
+
+def _why_lost(candidate: Candidate, chosen: Candidate, budget: float | None) -> str:
+    """Why ``candidate`` was not chosen: it does not fit, or how much slower it is predicted."""
+    peak = max(candidate.prediction.peak_bytes)
+    if not candidate.fits:
+        return f"does not fit: predicted peak {gib(peak)} > budget {gib(budget or 0)}"
+    slower = candidate.prediction.step_s / chosen.prediction.step_s - 1
+    return f"{slower:+.0%} slower ({candidate.prediction.step_s * 1e3:.1f} ms), peak {gib(peak)}"
+
+
+def from_candidates(
+    candidates: Sequence[Candidate],
+    devices: Sequence[str],
+    batch_size: int,
+    budget: float | None,
+    profile: Profile,
+    calibration: Calibration,
+    slots: int,
+) -> Plan:
+    """The plan of the first candidate (the fastest that fits); a ValueError naming the smallest budget if none fits."""
+    if not candidates:
+        raise ValueError("No configuration to plan: give at least one layer, device and micro-batch count.")
+    best = candidates[0]
+    if not best.fits:
+        smallest = min(candidates, key=lambda c: max(c.prediction.peak_bytes))
+        raise ValueError(
+            f"No configuration fits memory_budget={gib(budget or 0)} on every device: the smallest predicted peak is "
+            f"{gib(max(smallest.prediction.peak_bytes))}, with {smallest.config.describe()}. Pass memory_budget of at "
+            "least that, more devices, or a smaller batch_size."
+        )
+    config = best.config
+    k, r = config.num_partitions, config.num_replicas
+    chosen = [list(devices[i * k : (i + 1) * k]) for i in range(r)]
+    return Plan(
+        num_partitions=k,
+        balance=list(config.balance),
+        num_replicas=r,
+        num_micro_batches=config.num_micro_batches,
+        remat=config.remat,
+        schedule=config.schedule,
+        devices=chosen if r > 1 else chosen[0],
+        step_seconds=best.prediction.step_s,
+        peak_bytes=list(best.prediction.peak_bytes),
+        batch_size=batch_size,
+        memory_budget=budget,
+        num_layers=len(profile.output_bytes),
+        candidates=list(candidates),
+        profile=profile,
+        calibration=calibration,
+        optimizer_slots=slots,
+    )

@@ -1,0 +1,152 @@
+"""Predicted step time and peak memory of one configuration, from a layer profile and a cluster calibration.
+
+Time: each cell's forward and backward are the sums of its layers' measured times at the
+micro-batch size, plus the calibrated cost of a task and of moving the boundary tensor;
+the schedule is simulated as data (``schedule.simulate``); devices that share compute
+(logical devices on one CPU) cannot together run more than the calibrated parallelism;
+then the optimizer's update and the step's fixed cost are added.
+
+Memory, per device: the cell's weights, one gradient per trainable weight, the
+optimizer's slots (replica 0 only), the micro-batches in flight that the schedule holds
+(``schedule.in_flight``): without re-materialization each holds every layer's saved
+activations, with it only the cell's input, plus one micro-batch recomputed at a time;
+and the largest working set of a backward. The first cell also holds the batch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+from tfpipe.backward import remat as remat_lib
+from tfpipe.planning.profile import Profile
+from tfpipe.step import schedule as schedule_lib
+
+# Optimizer slots per trainable weight (Keras' built-in optimizers)
+SLOTS = {"sgd": 0, "sgd_momentum": 1, "rmsprop": 1, "adagrad": 1, "adam": 2, "adamw": 2, "lamb": 2, "nadam": 2}
+
+
+@dataclasses.dataclass(frozen=True)
+class Calibration:
+    """What a step costs on these devices beyond the layers' own time, measured once per set of devices."""
+
+    task_s: float  # one forward or backward task: its launch, its transfer's latency, its wait
+    step_s: float  # one step's fixed cost: calling the step, the client's work before and after
+    bandwidth: float  # bytes per second from one device to the next
+    parallelism: float  # how many devices' worth of compute run at once (logical devices share a CPU's cores)
+    update_s_per_byte: float  # the optimizer's update, per byte of trainable weights
+    source: str = "measured"  # how these were found, for Plan.summary
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """One candidate: R replicas of K cells cut by ``balance``, M micro-batches, remat and schedule."""
+
+    balance: tuple[int, ...]
+    num_replicas: int
+    num_micro_batches: int
+    remat: str
+    schedule: str
+
+    @property
+    def num_partitions(self) -> int:
+        """K, the number of cells."""
+        return len(self.balance)
+
+    def describe(self) -> str:
+        """One line: K, R, M, remat, schedule and the balance."""
+        replicas = f" x {self.num_replicas} replicas" if self.num_replicas > 1 else ""
+        return (
+            f"K={self.num_partitions}{replicas}, M={self.num_micro_batches}, remat={self.remat!r}, "
+            f"schedule={self.schedule!r}, balance={list(self.balance)}"
+        )
+
+
+@dataclasses.dataclass
+class Prediction:
+    """A configuration's predicted step seconds (and its parts) and peak bytes per device."""
+
+    step_s: float
+    pipeline_s: float  # the simulated schedule (with the parallelism bound)
+    update_s: float
+    fixed_s: float
+    peak_bytes: list[float]  # per device, replica by replica, cell by cell
+
+
+def bounds(balance: Sequence[int]) -> list[tuple[int, int]]:
+    """The layer range [lo, hi) of each cell."""
+    out, lo = [], 0
+    for n in balance:
+        out.append((lo, lo + n))
+        lo += n
+    return out
+
+
+def micro_batch_size(batch_size: int, config: Config) -> int:
+    """Samples per micro-batch: the batch split over R replicas, then over M micro-batches (rounded up)."""
+    return split_size(batch_size, config.num_replicas, config.num_micro_batches)
+
+
+def split_size(batch_size: int, num_replicas: int, num_micro_batches: int) -> int:
+    """The largest micro-batch of a batch split over ``num_replicas``, then ``num_micro_batches``."""
+    per_replica = -(-batch_size // num_replicas)
+    return -(-per_replica // num_micro_batches)
+
+
+def step_seconds(profile: Profile, calibration: Calibration, batch_size: int, config: Config) -> Prediction:
+    """The predicted time of one training step of ``config`` (the same for every replica)."""
+    b = micro_batch_size(batch_size, config)
+    costs = profile.costs(b)
+    k, m = config.num_partitions, config.num_micro_batches
+    cells = bounds(config.balance)
+    fwd = [sum(costs.forward_s[lo:hi]) for lo, hi in cells]
+    bwd = [sum(costs.backward_s[lo:hi]) for lo, hi in cells]
+    # a boundary tensor goes forward after cell i and its gradient comes back: charge the receivers
+    moved = [
+        profile.output_bytes[hi - 1] * b / calibration.bandwidth if i < k - 1 else 0.0
+        for i, (_, hi) in enumerate(cells)
+    ]
+    f_cost = [f + calibration.task_s + (moved[i - 1] if i else 0.0) for i, f in enumerate(fwd)]
+    b_cost = [x + calibration.task_s + moved[i] for i, x in enumerate(bwd)]
+    recomputed = [j for j in range(m) if remat_lib.recomputes(config.remat, j, m)]
+    simulated = schedule_lib.simulate(k, m, f_cost, b_cost, config.schedule, recomputed=recomputed)
+    span = max(end for _, _, end in simulated)
+    devices = k * config.num_replicas
+    work = config.num_replicas * sum(end - start for _, start, end in simulated)
+    pipeline_s = max(span, work / min(calibration.parallelism, devices))
+    trainable = [sum(profile.trainable_bytes[lo:hi]) for lo, hi in cells]
+    # each device updates its own cells' weights; devices that share compute share the work
+    updating = max(max(trainable), sum(trainable) / min(calibration.parallelism, k))
+    update_s = updating * calibration.update_s_per_byte
+    if config.num_replicas > 1:  # weights out to the replicas, their gradient sums back
+        update_s += 2 * sum(trainable) * (config.num_replicas - 1) / calibration.bandwidth
+    return Prediction(pipeline_s + update_s + calibration.step_s, pipeline_s, update_s, calibration.step_s, [])
+
+
+def peak_bytes(profile: Profile, batch_size: int, config: Config, slots: int) -> list[float]:
+    """The predicted peak bytes of each device: replica 0's cells, then each other replica's."""
+    b = micro_batch_size(batch_size, config)
+    k, m = config.num_partitions, config.num_micro_batches
+    held_at_once = schedule_lib.in_flight(schedule_lib.steps(config.schedule, k, m), k)
+    return [
+        cell_peak(profile, b, lo, hi, i == 0, held_at_once[i], config.remat, slots if replica == 0 else 0, m)
+        for replica in range(config.num_replicas)
+        for i, (lo, hi) in enumerate(bounds(config.balance))
+    ]
+
+
+def cell_peak(
+    profile: Profile, b: int, lo: int, hi: int, first: bool, in_flight: int, remat: str, slots: int, m: int
+) -> float:
+    """One cell's predicted peak: layers [lo, hi) at micro-batch size ``b``, ``in_flight`` micro-batches held.
+
+    ``slots``: optimizer slots per trainable weight on this device (0 on replicas other than the first).
+    """
+    costs = profile.costs(b)
+    trainable = sum(profile.trainable_bytes[lo:hi])
+    static = sum(profile.weight_bytes[lo:hi]) + (1 + slots) * trainable
+    cell_input = b * (profile.input_bytes if first else profile.output_bytes[lo - 1])
+    activations = sum(costs.held_bytes[lo:hi])
+    held = in_flight * cell_input + (activations if remat != "never" else in_flight * activations)
+    batch = 2 * m * b * profile.input_bytes if first else 0.0
+    return static + held + max(costs.working_bytes[lo:hi]) + batch

@@ -1,0 +1,192 @@
+"""What the planner measures per layer: forward and backward seconds and the bytes a micro-batch holds, per batch size.
+
+Each layer is copied and measured on one device, as ``tfpipe.cost`` does (the user's
+layers are never built or run here): for every micro-batch size asked for, the median
+seconds of its forward and of its backward, the bytes its forward leaves for the
+backward (what a cell holds per micro-batch in flight without re-materialization), and
+the extra bytes its backward needs at its peak. Memory is read from the device's
+allocator (``get_memory_info``); where it reports nothing (a CPU without
+``TF_CPU_ALLOCATOR_USE_BFC=true``) the bytes held are taken from the layer's output
+sizes instead, and ``Profile.memory_source`` says so.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import random
+import timeit
+from collections.abc import Sequence
+from typing import Any
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from tfpipe.partition import specs
+from tfpipe.planning import cost as cost_lib
+from tfpipe.planning.cost import _bytes, _restoring, _walk  # the cost module's walk over layer copies
+
+MEASURED = "measured with get_memory_info"
+FROM_OUTPUTS = "estimated from output sizes (the allocator reports no bytes: set TF_CPU_ALLOCATOR_USE_BFC=true)"
+
+
+@dataclasses.dataclass
+class LayerCosts:
+    """One micro-batch size's per-layer measurements (lists indexed by layer)."""
+
+    forward_s: list[float]
+    backward_s: list[float]
+    held_bytes: list[float]  # left by the forward for the backward, the layer's output included
+    working_bytes: list[float]  # the backward's peak above what the forward left
+
+
+@dataclasses.dataclass
+class Profile:
+    """Per-layer measurements of a layer sequence at several micro-batch sizes, on ``device``."""
+
+    device: str
+    weight_bytes: list[float]  # per layer: its variables (trainable and not)
+    trainable_bytes: list[float]  # per layer: its trainable variables (gradients and optimizer slots follow them)
+    input_bytes: float  # per sample: the model's input
+    output_bytes: list[float]  # per sample: each layer's output, what crosses a cell boundary after it
+    by_batch: dict[int, LayerCosts]
+    memory_source: str
+
+    def costs(self, batch: int) -> LayerCosts:
+        """The measurements at micro-batch size ``batch`` (a ValueError if it was not profiled)."""
+        if batch not in self.by_batch:
+            raise ValueError(f"micro-batch size {batch} was not profiled; profiled: {sorted(self.by_batch)}.")
+        return self.by_batch[batch]
+
+
+def _memory_name(device: str) -> str:
+    spec = tf.DeviceSpec.from_string(device)
+    return f"{(spec.device_type or 'CPU').upper()}:{spec.device_index or 0}"
+
+
+def _reads_memory(device: str) -> bool:
+    """Whether ``device``'s allocator counts bytes (a CPU's does only with the BFC allocator)."""
+    if _memory_name(device).startswith("CPU") and os.environ.get("TF_CPU_ALLOCATOR_USE_BFC", "").lower() not in (
+        "1",
+        "true",
+    ):
+        return False
+    try:
+        tf.config.experimental.get_memory_info(_memory_name(device))
+    except (ValueError, tf.errors.OpError):
+        return False
+    return True
+
+
+def _median_seconds(fn: Any, repeats: int) -> float:
+    fn()
+    fn()  # trace, then one warm run
+    times = []
+    for _ in range(repeats):
+        began = timeit.default_timer()
+        fn()
+        tf.test.experimental.sync_devices()
+        times.append(timeit.default_timer() - began)
+    return float(np.median(times))
+
+
+def _measure_layer(copy: Any, x: Any, repeats: int, memory: str | None) -> tuple[float, float, float, float]:
+    """(forward s, backward s, bytes held, backward working bytes) of one built layer copy fed ``x``."""
+    forward = tf.function(lambda inputs: copy(inputs, training=True))
+    floats = [t for t in tf.nest.flatten(x) if t.dtype.is_floating]
+    variables = [v.value for v in copy.trainable_variables]
+
+    def sources() -> list[Any]:
+        return variables + floats
+
+    def loss_of(y: Any) -> tf.Tensor:
+        parts = [tf.reduce_sum(tf.cast(t, tf.float32)) for t in tf.nest.flatten(y) if t.dtype.is_floating]
+        return tf.add_n(parts) if parts else tf.constant(0.0)
+
+    @tf.function
+    def forward_backward(inputs: Any) -> Any:
+        with tf.GradientTape() as tape:
+            tape.watch(floats)
+            loss = loss_of(copy(inputs, training=True))
+        return tape.gradient(loss, sources(), unconnected_gradients=tf.UnconnectedGradients.ZERO)
+
+    f_s = _median_seconds(lambda: forward(x), repeats)
+    fb_s = _median_seconds(lambda: forward_backward(x), repeats)
+    if memory is None:
+        return f_s, max(fb_s - f_s, 0.0), 0.0, 0.0
+    # Memory: the forward run under a tape keeps what the backward will read (a traced function's outputs
+    # and the intermediates its gradient needs); the tape's gradient then adds its working set.
+    tf.config.experimental.reset_memory_stats(memory)
+    base = tf.config.experimental.get_memory_info(memory)["current"]
+    with tf.GradientTape() as tape:
+        tape.watch(floats)
+        y = forward(x)
+        loss = loss_of(y)
+    held = tf.config.experimental.get_memory_info(memory)["current"] - base
+    tf.config.experimental.reset_memory_stats(memory)
+    grads = tape.gradient(loss, sources(), unconnected_gradients=tf.UnconnectedGradients.ZERO)
+    tf.test.experimental.sync_devices()
+    peak = tf.config.experimental.get_memory_info(memory)["peak"] - base
+    del grads, tape, y, loss
+    return f_s, max(fb_s - f_s, 0.0), float(max(held, 0)), float(max(peak - held, 0))
+
+
+def measure(
+    layers: Sequence[keras.layers.Layer], sample: Any, batch_sizes: Sequence[int], device: str, repeats: int = 5
+) -> Profile:
+    """Profile ``layers`` on ``device`` at each micro-batch size in ``batch_sizes``, on data shaped like ``sample``."""
+    memory = _memory_name(device) if _reads_memory(device) else None
+    by_batch: dict[int, LayerCosts] = {}
+    weights: list[float] = []
+    trainable: list[float] = []
+    outputs: list[float] = []
+    input_bytes = 0.0
+    with tf.device(device), _restoring((random.getstate(), np.random.get_state())):
+        for batch in sorted(set(int(b) for b in batch_sizes)):
+            x = tf.nest.map_structure(lambda t, n=batch: tf.convert_to_tensor(_resized(t, n)), sample)
+            input_bytes = _bytes(x) / batch
+            costs = LayerCosts([], [], [], [])
+            weights, trainable, outputs = [], [], []
+            for _, _, copy, x_in, y in _walk(list(layers), x, run=True):
+                f_s, b_s, held, working = _measure_layer(copy, x_in, repeats, memory)
+                costs.forward_s.append(f_s)
+                costs.backward_s.append(b_s)
+                out = _bytes(y)
+                # Without an allocator that counts, a layer is taken to hold its output and as much again
+                # inside (a Dense' pre-activation, a normalization's statistics): a rough rule, said so
+                costs.held_bytes.append(held if memory else 2.0 * out)
+                costs.working_bytes.append(working if memory else 2.0 * out)
+                weights.append(sum(_bytes(v) for v in copy.weights))
+                trainable.append(sum(_bytes(v) for v in copy.trainable_variables))
+                outputs.append(out / batch)
+            by_batch[batch] = costs
+    return Profile(device, weights, trainable, input_bytes, outputs, by_batch, MEASURED if memory else FROM_OUTPUTS)
+
+
+def _resized(t: Any, batch: int) -> np.ndarray:
+    """A sample leaf cut or tiled to ``batch`` rows."""
+    array = np.asarray(t)
+    reps = math.ceil(batch / array.shape[0])
+    return np.concatenate([array] * reps)[:batch] if reps > 1 else array[:batch]
+
+
+def sample_of(layers: Any, sample: Any, input_shape: Any) -> Any:
+    """One batch to profile with: ``sample`` as given, else data generated for ``input_shape`` or the model's input."""
+    if sample is not None:
+        cost_lib.batch_size(sample)  # a ValueError unless it is a batch
+        return sample
+    if input_shape is None and isinstance(layers, keras.Model):
+        try:
+            input_shape = tuple(layers.inputs[0].shape) if len(layers.inputs) == 1 else None
+        except (AttributeError, ValueError):
+            input_shape = None
+    if input_shape is None:
+        raise ValueError(
+            "The planner measures every layer on data shaped like the model's input: pass sample=<one batch of "
+            "inputs> or input_shape=(None, ...) (the shape of one batch, e.g. (None, 128))."
+        )
+    shape = tuple(input_shape)
+    spec = specs.symbolic((None,) + shape[1:])
+    return specs.estimation_sample(spec, 1, 1)

@@ -1,0 +1,159 @@
+"""The planner's search: every configuration that can run, its predicted time and memory, the fastest that fits.
+
+A configuration is R replicas of K cells (R x K devices at most), M micro-batches, a
+re-materialization mode and a schedule. Its cells are cut so that their measured times are
+even (``balance.partition``); when that cut overflows the memory budget on some device, the
+cut that evens the times among those whose every cell fits (``memory_balance``) is tried instead.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from collections.abc import Sequence
+
+import numpy as np
+
+from tfpipe.backward.remat import REMAT_MODES
+from tfpipe.planning import balance as balance_lib
+from tfpipe.planning import predict
+from tfpipe.planning.predict import Calibration, Config, Prediction
+from tfpipe.planning.profile import Profile
+from tfpipe.step import schedule as schedule_lib
+
+MICRO_BATCHES = (1, 2, 4, 8, 16, 32)
+
+
+@dataclasses.dataclass
+class Candidate:
+    """A configuration with its prediction, and whether every device's predicted peak fits the budget."""
+
+    config: Config
+    prediction: Prediction
+    fits: bool
+    memory_cut: bool = False  # cut by memory_balance because the time-even cut did not fit
+
+
+@dataclasses.dataclass(frozen=True)
+class Space:
+    """What the search may choose from."""
+
+    num_devices: int
+    micro_batches: tuple[int, ...] = MICRO_BATCHES
+    schedules: tuple[str, ...] = schedule_lib.SCHEDULES
+    remats: tuple[str, ...] = REMAT_MODES
+    replicas: bool = True  # whether fewer cells with replicas may be chosen
+
+
+def shapes(batch_size: int, num_layers: int, space: Space) -> list[tuple[int, int, int]]:
+    """Every (R, K, M) to try: R x K devices at most, K at most the layers, M at most a replica's batch."""
+    out = []
+    for r in range(1, (space.num_devices if space.replicas else 1) + 1):
+        per_replica = -(-batch_size // r)
+        if per_replica < 1 or r > batch_size:
+            continue
+        for k in range(1, min(space.num_devices // r, num_layers) + 1):
+            out.extend((r, k, m) for m in space.micro_batches if m <= per_replica)
+    return out
+
+
+def micro_batch_sizes(batch_size: int, num_layers: int, space: Space) -> list[int]:
+    """The micro-batch sizes the profile must hold for ``shapes``."""
+    sizes = {predict.split_size(batch_size, r, m) for r, _, m in shapes(batch_size, num_layers, space)}
+    return sorted(sizes)
+
+
+def run(
+    profile: Profile,
+    calibration: Calibration,
+    batch_size: int,
+    space: Space,
+    budget: float | None,
+    slots: int,
+) -> list[Candidate]:
+    """Every configuration in ``space``, predicted; fastest first, those that fit before those that do not."""
+    num_layers = len(profile.output_bytes)
+    out: list[Candidate] = []
+    for (r, k, m), schedule, remat in itertools.product(
+        shapes(batch_size, num_layers, space), space.schedules, space.remats
+    ):
+        if schedule_lib.batches_weights(schedule) and remat != "never":
+            continue  # it holds every activation until W: recomputation cannot save any (step.unrolled.check_remat)
+        if k == 1 and schedule != "gpipe":
+            continue  # one cell: every schedule is GPipe's order
+        b = predict.split_size(batch_size, r, m)
+        costs = profile.costs(b)
+        times = [f + x for f, x in zip(costs.forward_s, costs.backward_s)]
+        balance = balance_lib.partition(times, k, boundary_bytes=profile.output_bytes) if k > 1 else [num_layers]
+        candidate = _evaluate(
+            profile, calibration, batch_size, Config(tuple(balance), r, m, remat, schedule), budget, slots
+        )
+        if not candidate.fits and k > 1:
+            cut = memory_balance(profile, times, b, k, m, remat, schedule, slots, budget)
+            if cut is not None:
+                candidate = _evaluate(
+                    profile, calibration, batch_size, Config(tuple(cut), r, m, remat, schedule), budget, slots
+                )
+                candidate.memory_cut = True
+        out.append(candidate)
+    # ties (M=1 runs every remat and schedule alike) go to fewer devices, then to less memory
+    out.sort(
+        key=lambda c: (
+            not c.fits,
+            round(c.prediction.step_s, 9),
+            c.config.num_partitions * c.config.num_replicas,
+            max(c.prediction.peak_bytes),
+        )
+    )
+    return out
+
+
+def _evaluate(
+    profile: Profile, calibration: Calibration, batch_size: int, config: Config, budget: float | None, slots: int
+) -> Candidate:
+    prediction = predict.step_seconds(profile, calibration, batch_size, config)
+    prediction.peak_bytes = predict.peak_bytes(profile, batch_size, config, slots)
+    return Candidate(config, prediction, budget is None or max(prediction.peak_bytes) <= budget)
+
+
+def memory_balance(
+    profile: Profile,
+    times: Sequence[float],
+    b: int,
+    k: int,
+    m: int,
+    remat: str,
+    schedule: str,
+    slots: int,
+    budget: float | None,
+) -> list[int] | None:
+    """The cut into ``k`` cells with the least largest cell time among those whose every cell's peak fits ``budget``.
+
+    None if no cut fits. Dynamic programming over (cells, layers): O(k L^2) peak evaluations.
+    """
+    if budget is None:
+        return None
+    num_layers = len(times)
+    held_at_once = schedule_lib.in_flight(schedule_lib.steps(schedule, k, m), k)
+    prefix = np.concatenate([[0.0], np.cumsum(times)])
+    best = np.full((k + 1, num_layers + 1), np.inf)
+    choice = np.zeros((k + 1, num_layers + 1), dtype=int)
+    best[0, 0] = 0.0
+    for c in range(1, k + 1):
+        for hi in range(c, num_layers - (k - c) + 1):
+            for lo in range(c - 1, hi):
+                if not np.isfinite(best[c - 1, lo]):
+                    continue
+                value = max(best[c - 1, lo], prefix[hi] - prefix[lo])
+                if value >= best[c, hi]:
+                    continue
+                if predict.cell_peak(profile, b, lo, hi, c == 1, held_at_once[c - 1], remat, slots, m) <= budget:
+                    best[c, hi], choice[c, hi] = value, lo
+    if not np.isfinite(best[k, num_layers]):
+        return None
+    cut, hi = [], num_layers
+    for c in range(k, 0, -1):
+        lo = int(choice[c, hi])
+        cut.append(hi - lo)
+        hi = lo
+    return cut[::-1]
