@@ -6,6 +6,7 @@ python scripts/train.py --model=amoebanet --dataset=tfds:cifar10 --model_dir=/tm
 python scripts/train.py --model=unet --unet_depth=3 --image_size=32   # a Functional model: skips cross the cuts
 python scripts/train.py --model=keras:MobileNetV2 --partitions=4      # any keras.applications model by name
 python scripts/train.py --model=hub:llama --blocks=4 --dim=64         # a keras_hub causal LM, tiny and random
+python scripts/train.py --plan --devices=cpu:4 --memory_budget=64MiB  # tfpipe.plan picks K, balance, R, M, remat
 """
 
 from __future__ import annotations
@@ -65,10 +66,12 @@ from tfpipe.scripts.train_flags import (  # noqa: E402
     MODEL_FLAGS,
     MODELS,
     UsageError,
+    check_plan_flags,
     flag_as_given,
     guilty_flag,
     ints,
     parse_flags,
+    plan_choices,
 )
 from tfpipe.scripts.train_task import make_task  # noqa: E402
 
@@ -96,7 +99,15 @@ def check_flags() -> None:
         raise UsageError(f"--image_size={FLAGS.image_size} must be divisible by 2**--unet_depth={2**FLAGS.unet_depth}")
     if FLAGS.model == "unet" and FLAGS.dataset != "synthetic":
         raise UsageError("--model=unet trains on the generated segmentation task; use --dataset=synthetic")
-    if FLAGS.batch_size < FLAGS.micro_batches * FLAGS.replicas:
+    check_plan_flags(kind)
+    if FLAGS.memory_budget is not None:
+        from tfpipe.planning.plans import parse_bytes
+
+        try:
+            parse_bytes(FLAGS.memory_budget)
+        except ValueError as err:
+            raise UsageError(f"{flag_as_given('memory_budget')}: {err}") from None
+    if FLAGS.batch_size < FLAGS.micro_batches * FLAGS.replicas and (not FLAGS.plan or FLAGS["micro_batches"].present):
         what = f"--micro_batches={FLAGS.micro_batches}" + (
             f" x --replicas={FLAGS.replicas}" if FLAGS.replicas > 1 else ""
         )
@@ -117,10 +128,11 @@ def check_flags() -> None:
 
 
 # TensorFlow's lines while it looks for CUDA on a machine without it: harmless, and they read like failures.
-def setup_devices(spec: str, partitions: int, stack: contextlib.ExitStack) -> list[str] | None:
+def setup_devices(spec: str, partitions: int, stack: contextlib.ExitStack, every: bool = False) -> list[str] | None:
     """Configure logical CPU devices (before TensorFlow starts) or start local workers; return the cells' devices.
 
-    Workers started for ``local:N`` stop when ``stack`` closes.
+    Workers started for ``local:N`` stop when ``stack`` closes. ``every``: return all the devices (for --plan to
+    choose from), not the first ``partitions``.
     """
     with quiet_gpu_probe():
         import tensorflow as tf
@@ -139,6 +151,8 @@ def setup_devices(spec: str, partitions: int, stack: contextlib.ExitStack) -> li
             raise UsageError(f"--devices={spec}: N must be >= 1")
         cpu = tf.config.list_physical_devices("CPU")[0]
         tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * count)
+        if every:
+            return [f"/CPU:{i}" for i in range(count)]
         return [f"/CPU:{i}" for i in range(count)][:partitions] if count >= partitions else None
     if spec.startswith("local:"):
         from tfpipe.distributed.cluster import LocalCluster, WorkerError
@@ -147,10 +161,11 @@ def setup_devices(spec: str, partitions: int, stack: contextlib.ExitStack) -> li
             count = int(spec[6:])
         except ValueError:
             raise UsageError(f"--devices={spec}: write local:N with an integer N") from None
-        if count < partitions:
+        if count < partitions and not every:
             raise UsageError(f"--devices={spec} starts {count} workers for {partitions} cells; use local:{partitions}")
         try:
-            return stack.enter_context(LocalCluster(count, max_restarts=FLAGS.max_restarts)).devices[:partitions]
+            started = stack.enter_context(LocalCluster(count, max_restarts=FLAGS.max_restarts)).devices
+            return list(started) if every else started[:partitions]
         except (ValueError, WorkerError) as err:
             raise UsageError(f"--devices={spec}: {err}") from None
     return [d.strip() for d in spec.split(",") if d.strip()]
@@ -204,7 +219,10 @@ def run() -> dict:
 def _run(stack: contextlib.ExitStack) -> dict:
     balance = ints("balance")
     partitions = len(balance) if balance else FLAGS.partitions
-    devices = replica_devices(setup_devices(FLAGS.devices, partitions * FLAGS.replicas, stack), partitions)
+    if FLAGS.plan:  # every device, for the plan to choose from
+        devices = setup_devices(FLAGS.devices, partitions, stack, every=True)
+    else:
+        devices = replica_devices(setup_devices(FLAGS.devices, partitions * FLAGS.replicas, stack), partitions)
 
     import keras
 
@@ -219,17 +237,25 @@ def _run(stack: contextlib.ExitStack) -> dict:
         if err.name != "keras_hub":
             raise
         raise UsageError(str(err)) from None
+    model = None
+    if FLAGS.plan:
+        try:
+            model = planned_model(task, devices)
+        except (ValueError, TypeError) as err:  # nothing fits the budget, a layer the planner cannot measure
+            guilty = flag_as_given("memory_budget") if "memory_budget" in str(err) else "--plan"
+            raise UsageError(f"{guilty}: {err}") from None
     try:
-        model = tfpipe.PipelineModel(
-            task.layers,
-            balance=balance,
-            num_partitions=None if balance else partitions,
-            cost=FLAGS.cost,
-            devices=devices,
-            num_micro_batches=FLAGS.micro_batches,
-            remat=FLAGS.remat,
-            schedule=FLAGS.schedule,
-        )
+        if model is None:
+            model = tfpipe.PipelineModel(
+                task.layers,
+                balance=balance,
+                num_partitions=None if balance else partitions,
+                cost=FLAGS.cost,
+                devices=devices,
+                num_micro_batches=FLAGS.micro_batches,
+                remat=FLAGS.remat,
+                schedule=FLAGS.schedule,
+            )
         model.build(task.input_shape)
     except (ValueError, TypeError) as err:
         raise UsageError(f"{guilty_flag(str(err), balance)}: {err}") from None
@@ -293,9 +319,27 @@ def _run(stack: contextlib.ExitStack) -> dict:
     )
     print(
         f"balance {report['balance']} on {report['devices']}, {report['micro_batches']} micro-batches, "
-        f"remat={FLAGS.remat!r}" + (f", schedule={FLAGS.schedule!r}" if FLAGS.schedule != "gpipe" else "")
+        f"remat={model.remat!r}" + (f", schedule={model.schedule!r}" if model.schedule != "gpipe" else "")
     )
     return report
+
+
+def planned_model(task: Any, devices: list[str] | None) -> Any:
+    """The PipelineModel that tfpipe.plan chooses for ``task`` on ``devices`` (None: the GPUs), its plan printed."""
+    import tfpipe
+
+    sample = next(iter(task.dataset.take(1)))[0]  # one batch of the inputs: what each layer is measured on
+    plan = tfpipe.plan(
+        task.layers,
+        batch_size=FLAGS.batch_size,
+        devices=devices,
+        memory_budget=FLAGS.memory_budget,
+        sample=sample,
+        optimizer=FLAGS.optimizer,
+        **plan_choices(),
+    )
+    plan.summary()
+    return tfpipe.PipelineModel(task.layers, plan=plan)
 
 
 def learning_rate(batches_per_epoch: int) -> Any:

@@ -76,6 +76,23 @@ flags.register_multi_flags_validator(
     "--schedule=gpipe_batched_w holds every micro-batch's activations until its weight gradients: use --remat=never.",
 )
 flags.DEFINE_bool(
+    "plan",
+    False,
+    "Let tfpipe.plan choose the cells, balance, replicas, micro-batches, remat and schedule: it measures every "
+    "layer and the --devices first (seconds to a minute), prints the plan, and trains it. --micro_batches, --remat "
+    "or --schedule given beside it fix that choice.",
+)
+flags.DEFINE_string(
+    "memory_budget",
+    None,
+    "With --plan: the bytes each device may hold at its peak, e.g. 2GiB or 512MB (default: no limit).",
+)
+flags.DEFINE_list(
+    "plan_micro_batches",
+    None,
+    "With --plan: the micro-batch counts M it may choose from, e.g. 2,4 (default 1,2,4,8,16,32); fewer plan faster.",
+)
+flags.DEFINE_bool(
     "jit_compile", False, "Compile each cell by XLA on its device (compile(jit_compile=True)); meant for GPUs."
 )
 flags.DEFINE_integer(
@@ -156,6 +173,56 @@ def ints(name: str) -> list[int] | None:
         return [int(v) for v in values]
     except ValueError:
         raise UsageError(f"--{name}={','.join(values)}: give comma-separated integers, e.g. 2,3") from None
+
+
+# Models built as Functional graphs (scripts/train_task.py): tfpipe.plan takes layer lists and Sequentials only.
+FUNCTIONAL = ("unet", "keras:NAME", "hub:NAME")
+# Pipeline flags that --plan chooses itself: given beside it, they would be silently ignored.
+PLANNED = ("balance", "partitions", "replicas", "cost")
+# Pipeline flags that, given beside --plan, fix that choice of the plan's.
+PLAN_FIXES = {"micro_batches": "num_micro_batches", "remat": "remats", "schedule": "schedules"}
+
+
+def check_plan_flags(kind: str) -> None:
+    """--plan and its flags: alone or with what it chooses, and on a model it can plan (``kind``: --model's kind)."""
+    if not FLAGS.plan:
+        for name in ("memory_budget", "plan_micro_batches"):
+            if FLAGS[name].present:
+                raise UsageError(f"{flag_as_given(name)}: applies with --plan; give --plan too")
+        return
+    for name in PLANNED:
+        if FLAGS[name].present:
+            raise UsageError(
+                f"{flag_as_given(name)}: --plan chooses the cells, balance and replicas itself; drop one of them "
+                "(--devices says which devices the plan may use)"
+            )
+    if FLAGS.plan_micro_batches is not None and FLAGS["micro_batches"].present:
+        raise UsageError(
+            f"{flag_as_given('plan_micro_batches')}: --micro_batches={FLAGS.micro_batches} already fixes M; drop one"
+        )
+    functional = kind in FUNCTIONAL or (kind == "transformer" and FLAGS.tie_embeddings)
+    if functional:
+        what = "--tie_embeddings builds the transformer as" if kind == "transformer" else f"--model={FLAGS.model} is"
+        raise UsageError(
+            f"--plan: {what} a Functional model, and tfpipe.plan takes layer lists (--model=transformer, amoebanet, "
+            "resnet); give --partitions or --balance instead"
+        )
+    counts = ints("plan_micro_batches") or []
+    if any(m < 1 for m in counts) or FLAGS.plan_micro_batches == []:
+        raise UsageError(f"{flag_as_given('plan_micro_batches')}: give positive integers, e.g. 2,4")
+    if counts and min(counts) > FLAGS.batch_size:
+        raise UsageError(f"{flag_as_given('plan_micro_batches')}: each is more than --batch_size={FLAGS.batch_size}")
+
+
+def plan_choices() -> dict[str, list]:
+    """tfpipe.plan's keyword arguments that narrow its search, from --plan_micro_batches and the fixing flags."""
+    out: dict[str, list] = {}
+    if FLAGS.plan_micro_batches is not None:
+        out["num_micro_batches"] = ints("plan_micro_batches")
+    for name, argument in PLAN_FIXES.items():
+        if FLAGS[name].present:
+            out[argument] = [FLAGS[name].value]
+    return out
 
 
 # Flags that size one kind of model: given with another, they would be silently ignored.
