@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -29,13 +30,10 @@ def parse_bytes(value: Any, name: str = "memory_budget") -> float:
     """Bytes from an int or float, or a string such as "12GiB", "512 MB" or "1e9"; a ValueError names a bad one."""
     if isinstance(value, bool):
         value = None
-    if isinstance(value, (int, float)) and value > 0:
+    if isinstance(value, (int, float)) and 0 < value < float("inf"):
         return float(value)
-    match = (
-        re.fullmatch(r"\s*([0-9.]+(?:e[0-9]+)?)\s*([kmgt]i?b|b)?\s*", str(value).lower())
-        if isinstance(value, str)
-        else None
-    )
+    text = value.lower() if isinstance(value, str) else ""
+    match = re.fullmatch(r"\s*([0-9.]+(?:e[+]?[0-9]+)?)\s*([kmgt]i?b|b)?\s*", text)
     if match:
         try:
             number = float(match.group(1)) * _UNITS[match.group(2) or ""]
@@ -46,12 +44,16 @@ def parse_bytes(value: Any, name: str = "memory_budget") -> float:
     raise ValueError(f"{name} must be a number of bytes > 0 or a string such as '12GiB' or '512MB', got {value!r}.")
 
 
-def gib(nbytes: float) -> str:
-    """Bytes as the shortest readable binary unit: '1.50 GiB', '12.0 MiB'."""
-    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if nbytes >= size:
-            return f"{nbytes / size:.3g} {unit}"
-    return f"{nbytes:.0f} B"
+def gib(nbytes: float, up: bool = False) -> str:
+    """Bytes in the largest binary unit they reach, 3 significant figures: '1.5 GiB', '12 MiB'; ``up``: rounded up."""
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10), ("B", 1)):
+        if nbytes >= size or unit == "B":
+            value = nbytes / size
+            if up and value > 0:  # a budget read back from the message must fit
+                step = 10 ** (math.floor(math.log10(value)) - 2)
+                value = math.ceil(value / step - 1e-9) * step
+            return f"{value:.3g} {unit}"
+    return ""
 
 
 @dataclasses.dataclass
@@ -97,10 +99,13 @@ class Plan:
     def runners_up(self, count: int = 5) -> list[tuple[Candidate, str]]:
         """The next ``count`` configurations of other shapes (K, R, M, remat, schedule), each with why it lost."""
         chosen = self.candidates[0]
-        out = []
+        out, seen = [], {_outcome(chosen)}
         for candidate in self.candidates[1:]:
             if len(out) == count:
                 break
+            if _outcome(candidate) in seen:
+                continue  # predicted the same as one shown (M=1 runs every schedule alike): not news
+            seen.add(_outcome(candidate))
             out.append((candidate, _why_lost(candidate, chosen, self.memory_budget)))
         return out
 
@@ -138,6 +143,11 @@ class Plan:
         ]
 
 
+def _outcome(candidate: Candidate) -> tuple[str, str]:
+    """A candidate's predicted step and largest peak as the summary shows them."""
+    return f"{candidate.prediction.step_s * 1e3:.1f}", gib(max(candidate.prediction.peak_bytes))
+
+
 def _why_lost(candidate: Candidate, chosen: Candidate, budget: float | None) -> str:
     """Why ``candidate`` was not chosen: it does not fit, or how much slower it is predicted."""
     peak = max(candidate.prediction.peak_bytes)
@@ -162,10 +172,11 @@ def from_candidates(
     best = candidates[0]
     if not best.fits:
         smallest = min(candidates, key=lambda c: max(c.prediction.peak_bytes))
+        needed = gib(max(smallest.prediction.peak_bytes), up=True)
         raise ValueError(
             f"No configuration fits memory_budget={gib(budget or 0)} on every device: the smallest predicted peak is "
-            f"{gib(max(smallest.prediction.peak_bytes))}, with {smallest.config.describe()}. Pass memory_budget of at "
-            "least that, more devices, or a smaller batch_size."
+            f"{needed}, with {smallest.config.describe()}. Pass memory_budget={needed!r} or more, more devices, or a "
+            "smaller batch_size."
         )
     config = best.config
     k, r = config.num_partitions, config.num_replicas

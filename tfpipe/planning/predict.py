@@ -109,7 +109,7 @@ def step_seconds(profile: Profile, calibration: Calibration, batch_size: int, co
     f_cost = [f + calibration.task_s + (moved[i - 1] if i else 0.0) for i, f in enumerate(fwd)]
     b_cost = [x + calibration.task_s + moved[i] for i, x in enumerate(bwd)]
     recomputed = [j for j in range(m) if remat_lib.recomputes(config.remat, j, m)]
-    simulated = schedule_lib.simulate(k, m, f_cost, b_cost, config.schedule, recomputed=recomputed)
+    simulated = schedule_lib.simulate(k, m, f_cost, b_cost, config.schedule, r_cost=fwd, recomputed=recomputed)
     span = max(end for _, _, end in simulated)
     devices = k * config.num_replicas
     work = config.num_replicas * sum(end - start for _, start, end in simulated)

@@ -80,9 +80,14 @@ def _reads_memory(device: str) -> bool:
     return True
 
 
-def _median_seconds(fn: Any, repeats: int) -> float:
+def _median_seconds(fn: Any, repeats: int, warm_s: float = 0.05) -> float:
+    """Median seconds of ``fn()`` over ``repeats`` runs, after tracing and ``warm_s`` (at most 30 runs) of warm-up."""
     fn()
-    fn()  # trace, then one warm run
+    began = timeit.default_timer()
+    for _ in range(30):  # TensorFlow settles its kernels' cost estimates over the first runs
+        fn()
+        if timeit.default_timer() - began > warm_s:
+            break
     times = []
     for _ in range(repeats):
         began = timeit.default_timer()
@@ -92,76 +97,95 @@ def _median_seconds(fn: Any, repeats: int) -> float:
     return float(np.median(times))
 
 
-def _measure_layer(copy: Any, x: Any, repeats: int, memory: str | None) -> tuple[float, float, float, float]:
-    """(forward s, backward s, bytes held, backward working bytes) of one built layer copy fed ``x``."""
-    forward = tf.function(lambda inputs: copy(inputs, training=True))
-    floats = [t for t in tf.nest.flatten(x) if t.dtype.is_floating]
-    variables = [v.value for v in copy.trainable_variables]
+@tf.function
+def _passed_through(inputs: Any) -> Any:
+    return tf.nest.map_structure(tf.identity, inputs)
 
-    def sources() -> list[Any]:
-        return variables + floats
 
-    def loss_of(y: Any) -> tf.Tensor:
-        parts = [tf.reduce_sum(tf.cast(t, tf.float32)) for t in tf.nest.flatten(y) if t.dtype.is_floating]
-        return tf.add_n(parts) if parts else tf.constant(0.0)
+def _floats(inputs: Any) -> list[Any]:
+    return [t for t in tf.nest.flatten(inputs) if t.dtype.is_floating]
 
-    @tf.function
-    def forward_backward(inputs: Any) -> Any:
+
+def _loss_of(y: Any) -> tf.Tensor:
+    parts = [tf.reduce_sum(tf.cast(t, tf.float32)) for t in tf.nest.flatten(y) if t.dtype.is_floating]
+    return tf.add_n(parts) if parts else tf.constant(0.0)
+
+
+class _Measured:
+    """One built layer copy's forward and forward-plus-backward, traced once for every batch size."""
+
+    def __init__(self, copy: Any):
+        self._copy = copy
+        self._forward = tf.function(lambda inputs: copy(inputs, training=True), reduce_retracing=True)
+        self._forward_backward = tf.function(self._gradients, reduce_retracing=True)
+
+    def _gradients(self, inputs: Any) -> Any:
         with tf.GradientTape() as tape:
-            tape.watch(floats)
-            loss = loss_of(copy(inputs, training=True))
-        return tape.gradient(loss, sources(), unconnected_gradients=tf.UnconnectedGradients.ZERO)
+            tape.watch(_floats(inputs))
+            loss = _loss_of(self._copy(inputs, training=True))
+        return tape.gradient(loss, self._sources(inputs), unconnected_gradients=tf.UnconnectedGradients.ZERO)
 
-    f_s = _median_seconds(lambda: forward(x), repeats)
-    fb_s = _median_seconds(lambda: forward_backward(x), repeats)
-    if memory is None:
-        return f_s, max(fb_s - f_s, 0.0), 0.0, 0.0
-    # Memory: the forward run under a tape keeps what the backward will read (a traced function's outputs
-    # and the intermediates its gradient needs); the tape's gradient then adds its working set.
-    tf.config.experimental.reset_memory_stats(memory)
-    base = tf.config.experimental.get_memory_info(memory)["current"]
-    with tf.GradientTape() as tape:
-        tape.watch(floats)
-        y = forward(x)
-        loss = loss_of(y)
-    held = tf.config.experimental.get_memory_info(memory)["current"] - base
-    tf.config.experimental.reset_memory_stats(memory)
-    grads = tape.gradient(loss, sources(), unconnected_gradients=tf.UnconnectedGradients.ZERO)
-    tf.test.experimental.sync_devices()
-    peak = tf.config.experimental.get_memory_info(memory)["peak"] - base
-    del grads, tape, y, loss
-    return f_s, max(fb_s - f_s, 0.0), float(max(held, 0)), float(max(peak - held, 0))
+    def _sources(self, inputs: Any) -> list[Any]:
+        return [v.value for v in self._copy.trainable_variables] + _floats(inputs)
+
+    def at(self, x: Any, repeats: int, memory: str | None) -> tuple[float, float, float, float]:
+        """(forward s, backward s, bytes held, backward working bytes) fed ``x``."""
+        # each measurement is one function call: take off what calling a function that does nothing costs, which
+        # a cell's graph pays once per task, not once per layer
+        call_s = _median_seconds(lambda: _passed_through(x), repeats)
+        f_s = max(_median_seconds(lambda: self._forward(x), repeats) - call_s, 0.0)
+        fb_s = max(_median_seconds(lambda: self._forward_backward(x), repeats) - call_s, 0.0)
+        if memory is None:
+            return f_s, max(fb_s - f_s, 0.0), 0.0, 0.0
+        # Memory: the forward run under a tape keeps what the backward will read (a traced function's outputs
+        # and the intermediates its gradient needs); the tape's gradient then adds its working set.
+        tf.config.experimental.reset_memory_stats(memory)
+        base = tf.config.experimental.get_memory_info(memory)["current"]
+        with tf.GradientTape() as tape:
+            tape.watch(_floats(x))
+            loss = _loss_of(self._forward(x))
+        held = tf.config.experimental.get_memory_info(memory)["current"] - base
+        tf.config.experimental.reset_memory_stats(memory)
+        grads = tape.gradient(loss, self._sources(x), unconnected_gradients=tf.UnconnectedGradients.ZERO)
+        tf.test.experimental.sync_devices()
+        peak = tf.config.experimental.get_memory_info(memory)["peak"] - base
+        del grads, tape, loss
+        return f_s, max(fb_s - f_s, 0.0), float(max(held, 0)), float(max(peak - held, 0))
 
 
 def measure(
     layers: Sequence[keras.layers.Layer], sample: Any, batch_sizes: Sequence[int], device: str, repeats: int = 5
 ) -> Profile:
-    """Profile ``layers`` on ``device`` at each micro-batch size in ``batch_sizes``, on data shaped like ``sample``."""
+    """Profile ``layers`` on ``device`` at each micro-batch size in ``batch_sizes``, on data shaped like ``sample``.
+
+    The layers are copied and run once at the largest size; each copy is measured on the first rows of its input.
+    """
     memory = _memory_name(device) if _reads_memory(device) else None
-    by_batch: dict[int, LayerCosts] = {}
+    sizes = sorted(set(int(b) for b in batch_sizes))
+    by_batch = {b: LayerCosts([], [], [], []) for b in sizes}
     weights: list[float] = []
     trainable: list[float] = []
     outputs: list[float] = []
-    input_bytes = 0.0
     with tf.device(device), _restoring((random.getstate(), np.random.get_state())):
-        for batch in sorted(set(int(b) for b in batch_sizes)):
-            x = tf.nest.map_structure(lambda t, n=batch: tf.convert_to_tensor(_resized(t, n)), sample)
-            input_bytes = _bytes(x) / batch
-            costs = LayerCosts([], [], [], [])
-            weights, trainable, outputs = [], [], []
-            for _, _, copy, x_in, y in _walk(list(layers), x, run=True):
-                f_s, b_s, held, working = _measure_layer(copy, x_in, repeats, memory)
+        x = tf.nest.map_structure(lambda t: tf.convert_to_tensor(_resized(t, sizes[-1])), sample)
+        input_bytes = _bytes(x) / sizes[-1]
+        for _, _, copy, x_in, y in _walk(list(layers), x, run=True):
+            measured = _Measured(copy)
+            out = _bytes(y) / sizes[-1]
+            for b in sizes:
+                f_s, b_s, held, working = measured.at(
+                    tf.nest.map_structure(lambda t, n=b: t[:n], x_in), repeats, memory
+                )
+                costs = by_batch[b]
                 costs.forward_s.append(f_s)
                 costs.backward_s.append(b_s)
-                out = _bytes(y)
                 # Without an allocator that counts, a layer is taken to hold its output and as much again
                 # inside (a Dense' pre-activation, a normalization's statistics): a rough rule, said so
-                costs.held_bytes.append(held if memory else 2.0 * out)
-                costs.working_bytes.append(working if memory else 2.0 * out)
-                weights.append(sum(_bytes(v) for v in copy.weights))
-                trainable.append(sum(_bytes(v) for v in copy.trainable_variables))
-                outputs.append(out / batch)
-            by_batch[batch] = costs
+                costs.held_bytes.append(held if memory else 2.0 * out * b)
+                costs.working_bytes.append(working if memory else 2.0 * out * b)
+            weights.append(sum(_bytes(v) for v in copy.weights))
+            trainable.append(sum(_bytes(v) for v in copy.trainable_variables))
+            outputs.append(out)
     return Profile(device, weights, trainable, input_bytes, outputs, by_batch, MEASURED if memory else FROM_OUTPUTS)
 
 

@@ -49,9 +49,9 @@ def shapes(batch_size: int, num_layers: int, space: Space) -> list[tuple[int, in
     """Every (R, K, M) to try: R x K devices at most, K at most the layers, M at most a replica's batch."""
     out = []
     for r in range(1, (space.num_devices if space.replicas else 1) + 1):
-        per_replica = -(-batch_size // r)
-        if per_replica < 1 or r > batch_size:
-            continue
+        if batch_size % r:
+            continue  # replicas take equal shares of every batch
+        per_replica = batch_size // r
         for k in range(1, min(space.num_devices // r, num_layers) + 1):
             out.extend((r, k, m) for m in space.micro_batches if m <= per_replica)
     return out

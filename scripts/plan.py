@@ -1,0 +1,96 @@
+"""Plan a pipeline with tfpipe.plan, and with --measure run configurations to compare predicted with measured.
+
+Each measured configuration runs in a fresh child process (this script with ``--_child=JSON``) on
+the same devices, under TensorFlow's BFC CPU allocator so that its peak memory can be read; the
+parent plans (profile and calibration) before any child runs.
+
+    python scripts/plan.py                                        # the plan for an MLP on 2 logical CPUs
+    python scripts/plan.py --model=transformer --memory_budget=64MiB
+    python scripts/plan.py --measure=5 --png=/tmp/plan.png       # also run the top 5 and plot them
+    python scripts/plan.py --grid --out=docs/results/plan_mlp     # a fixed grid of configurations, measured
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from typing import Any
+
+os.environ.setdefault("TF_CPU_ALLOCATOR_USE_BFC", "true")  # before TensorFlow starts: peaks are read from it
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+
+from absl import app, flags  # noqa: E402
+
+from tfpipe.scripts import plan_measure  # noqa: E402
+from tfpipe.scripts.report import write_table  # noqa: E402
+
+FLAGS = flags.FLAGS
+flags.DEFINE_enum("model", "mlp", ["mlp", "transformer"], "Model: Dense(width, tanh) x depth, or a Transformer LM.")
+flags.DEFINE_integer("width", 512, "MLP width.", lower_bound=1)
+flags.DEFINE_integer("depth", 12, "MLP layers.", lower_bound=1)
+flags.DEFINE_integer("blocks", 4, "Transformer blocks.", lower_bound=1)
+flags.DEFINE_integer("dim", 128, "Transformer dimension (feed-forward 4 x dim).", lower_bound=8)
+flags.DEFINE_integer("seq_len", 64, "Transformer sequence length.", lower_bound=2)
+flags.DEFINE_integer("vocab", 256, "Transformer vocabulary.", lower_bound=2)
+flags.DEFINE_integer("batch_size", 256, "Mini-batch size.", lower_bound=1)
+flags.DEFINE_integer("devices", 2, "Logical CPU devices this process splits its CPU into.", lower_bound=1)
+flags.DEFINE_string("memory_budget", None, "Peak bytes per device, e.g. 64MiB (default: no limit).")
+flags.DEFINE_enum("optimizer", "adam", ["adam", "sgd"], "Optimizer.")
+flags.DEFINE_integer("measure", 0, "Run the top N configurations of the plan and compare.", lower_bound=0)
+flags.DEFINE_bool("grid", False, "Run the fixed grid of configurations (plan_measure.GRID) and compare.")
+flags.DEFINE_integer("repeats", 1, "Measure each configuration this many times (interleaved).", lower_bound=1)
+flags.DEFINE_string("png", None, "Draw predicted against measured to this PNG (needs --measure or --grid).")
+flags.DEFINE_string("out", None, "Write the comparison to OUT.csv and OUT.md.")
+flags.DEFINE_string("_child", None, "Internal: measure the JSON configuration in this process.")
+RESULT = "PLAN_RESULT "
+
+
+def model_spec() -> dict[str, Any]:
+    """The model flags, as the child rebuilds the model from them."""
+    keys = ("model", "width", "depth", "blocks", "dim", "seq_len", "vocab", "batch_size", "devices", "optimizer")
+    return {k: getattr(FLAGS, k) for k in keys}
+
+
+def run_child(spec: dict[str, Any], config: dict[str, Any]) -> dict[str, Any]:
+    """Measure one configuration in a fresh Python process running this script."""
+    proc = subprocess.run(
+        [sys.executable, os.path.abspath(__file__), f"--_child={json.dumps({**spec, **config})}"],
+        capture_output=True,
+        text=True,
+        env=dict(os.environ, TF_CPU_ALLOCATOR_USE_BFC="true", TF_CPP_MIN_LOG_LEVEL="3"),
+    )
+    lines = [line for line in proc.stdout.splitlines() if line.startswith(RESULT)]
+    if proc.returncode != 0 or not lines:
+        raise RuntimeError(f"The child measuring {config} failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
+    return json.loads(lines[-1][len(RESULT) :])
+
+
+def main(argv: list[str]) -> None:
+    """Child: measure one configuration. Parent: plan, print the plan, measure and compare."""
+    del argv
+    if FLAGS._child:
+        print(RESULT + json.dumps(plan_measure.measure(json.loads(FLAGS._child))), flush=True)
+        return
+    if FLAGS.png and not (FLAGS.measure or FLAGS.grid):
+        raise app.UsageError("--png draws measured configurations: give --measure=N or --grid too.")
+    spec = model_spec()
+    began = time.perf_counter()
+    plan = plan_measure.make_plan(spec, FLAGS.memory_budget)
+    print(f"planned in {time.perf_counter() - began:.1f} s")
+    plan.summary()
+    configs = plan_measure.GRID if FLAGS.grid else [c.config for c in plan.candidates if c.fits][: FLAGS.measure]
+    if not configs:
+        return
+    rows = plan_measure.compare(plan, configs, lambda config: run_child(spec, config), FLAGS.repeats)
+    print(plan_measure.markdown(rows, spec))
+    if FLAGS.out:
+        write_table(FLAGS.out, rows, plan_measure.markdown(rows, spec))
+    if FLAGS.png:
+        plan_measure.draw(rows, FLAGS.png)
+
+
+if __name__ == "__main__":
+    app.run(main)

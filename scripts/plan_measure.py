@@ -1,0 +1,216 @@
+"""scripts/plan.py's work: the models, the plan, one configuration measured in a child, predicted against measured."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+# The grid of configurations --grid measures: (K, R, M, remat, schedule); those needing more devices are skipped
+GRID = [
+    (1, 1, 1, "never", "gpipe"),
+    (1, 1, 4, "always", "gpipe"),
+    (1, 2, 2, "never", "gpipe"),
+    (2, 1, 1, "never", "gpipe"),
+    (2, 1, 4, "never", "gpipe"),
+    (2, 1, 4, "except_last", "gpipe"),
+    (2, 1, 8, "always", "gpipe"),
+    (2, 1, 8, "never", "1f1b"),
+    (2, 1, 8, "never", "zero_bubble"),
+    (2, 1, 4, "never", "gpipe_batched_w"),
+    (2, 1, 16, "except_last", "1f1b"),
+    (2, 1, 16, "never", "gpipe"),
+    (4, 1, 4, "never", "gpipe"),
+    (4, 1, 8, "except_last", "1f1b"),
+    (2, 2, 4, "never", "gpipe"),
+]
+MIB = 2**20
+
+
+def _devices(n: int) -> list[str]:
+    """Split this process's CPU into ``n`` logical devices (before TensorFlow starts) and name them."""
+    import tensorflow as tf
+
+    cpu = tf.config.list_physical_devices("CPU")[0]
+    if n > 1:
+        tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * n)
+    return [f"/CPU:{i}" for i in range(n)]
+
+
+def model_and_data(spec: dict[str, Any], steps: int = 1) -> tuple[list[Any], Any, Any, Any]:
+    """The layers, ``steps`` batches of (x, y), and the loss, from the model flags in ``spec`` (seeded)."""
+    import keras
+    import numpy as np
+
+    keras.utils.set_random_seed(0)
+    rng = np.random.default_rng(0)
+    n = spec["batch_size"] * steps
+    if spec["model"] == "mlp":
+        layers = [keras.layers.Dense(spec["width"], activation="tanh") for _ in range(spec["depth"])]
+        x = rng.standard_normal((n, spec["width"])).astype("float32")
+        return layers, x, np.tanh(x[:, ::-1]), "mse"
+    from tfpipe.models.transformer import transformer_lm
+
+    dim = spec["dim"]
+    layers = transformer_lm(spec["vocab"], spec["seq_len"], spec["blocks"], dim, 4 * dim, 4)
+    x = rng.integers(0, spec["vocab"], size=(n, spec["seq_len"])).astype("int32")
+    return layers, x, np.roll(x, -1, axis=1), keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+
+def make_plan(spec: dict[str, Any], budget: str | None) -> Any:
+    """The plan for the model of ``spec`` on its logical devices (measured in this process)."""
+    import tfpipe
+
+    devices = _devices(spec["devices"])
+    layers, x, _, _ = model_and_data(spec)
+    return tfpipe.plan(layers, spec["batch_size"], devices, budget, sample=x, optimizer=spec["optimizer"])
+
+
+def measure(config: dict[str, Any]) -> dict[str, float]:
+    """In a child: one configuration's median step seconds and its peak bytes (all logical devices together)."""
+    import keras
+    import tensorflow as tf
+
+    import tfpipe
+
+    devices = _devices(config["devices"])
+    steps, batch = 20, config["batch_size"]
+    layers, x, y, loss = model_and_data(config, steps=steps)
+    # the data lives in the allocator before the model does: the peak counted is the model's own
+    data = tf.data.Dataset.from_tensor_slices((tf.constant(x), tf.constant(y))).batch(batch).repeat()
+    base = tf.config.experimental.get_memory_info("CPU:0")["current"]
+    k, r = len(config["balance"]), config["replicas"]
+    rows = [devices[i * k : (i + 1) * k] for i in range(r)]
+    model = tfpipe.PipelineModel(
+        layers,
+        balance=config["balance"],
+        devices=rows if r > 1 else rows[0],
+        num_micro_batches=config["m"],
+        remat=config["remat"],
+        schedule=config["schedule"],
+    )
+    model.compile(optimizer=config["optimizer"], loss=loss)
+    times: list[float] = []
+
+    class Timer(keras.callbacks.Callback):
+        def on_train_batch_begin(self, batch: int, logs: Any = None) -> None:
+            self.began = time.perf_counter()
+
+        def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
+            times.append(time.perf_counter() - self.began)
+
+    began = time.perf_counter()
+    model.fit(data, steps_per_epoch=5, epochs=1, verbose=0)  # traces the step
+    warm = 5
+    while time.perf_counter() - began < 4 and warm < 100:  # TensorFlow's kernels settle over ~90 runs
+        model.fit(data, steps_per_epoch=10, epochs=1, verbose=0)
+        warm += 10
+    tf.config.experimental.reset_memory_stats("CPU:0")
+    model.fit(data, steps_per_epoch=steps, epochs=1, verbose=0, callbacks=[Timer()])
+    peak = tf.config.experimental.get_memory_info("CPU:0")["peak"] - base
+    return {"step_s": statistics.median(times[2:]), "peak_bytes": float(peak)}
+
+
+def _candidate(plan: Any, shape: Sequence[Any]) -> Any:
+    """The plan's candidate of shape (K, R, M, remat, schedule), or None if the plan did not try it."""
+    for c in plan.candidates:
+        cfg = c.config
+        if (cfg.num_partitions, cfg.num_replicas, cfg.num_micro_batches, cfg.remat, cfg.schedule) == tuple(shape):
+            return c
+    return None
+
+
+def compare(
+    plan: Any, configs: Sequence[Any], run: Callable[[dict[str, Any]], dict[str, float]], repeats: int
+) -> list[dict[str, Any]]:
+    """Measure each configuration ``repeats`` times (interleaved) and pair the medians with the plan's predictions."""
+    chosen = []
+    for config in configs:
+        shape = config if isinstance(config, tuple) else _shape(config)
+        candidate = _candidate(plan, shape)
+        if candidate is not None:
+            chosen.append(candidate)
+    measured: dict[int, list[dict[str, float]]] = {i: [] for i in range(len(chosen))}
+    for _ in range(repeats):
+        for i, candidate in enumerate(chosen):
+            cfg = candidate.config
+            measured[i].append(
+                run(
+                    {
+                        "balance": list(cfg.balance),
+                        "replicas": cfg.num_replicas,
+                        "m": cfg.num_micro_batches,
+                        "remat": cfg.remat,
+                        "schedule": cfg.schedule,
+                    }
+                )
+            )
+            print(f"  measured {cfg.describe()}: {measured[i][-1]['step_s'] * 1e3:.1f} ms", flush=True)
+    rows = []
+    for i, candidate in enumerate(chosen):
+        cfg, pred = candidate.config, candidate.prediction
+        step = statistics.median(m["step_s"] for m in measured[i])
+        peak = statistics.median(m["peak_bytes"] for m in measured[i])
+        rows.append(
+            {
+                "K": cfg.num_partitions,
+                "R": cfg.num_replicas,
+                "M": cfg.num_micro_batches,
+                "remat": cfg.remat,
+                "schedule": cfg.schedule,
+                "balance": "-".join(map(str, cfg.balance)),
+                "predicted_ms": round(pred.step_s * 1e3, 2),
+                "measured_ms": round(step * 1e3, 2),
+                "time_error": round(pred.step_s / step - 1, 3),
+                "predicted_mib": round(sum(pred.peak_bytes) / MIB, 2),
+                "measured_mib": round(peak / MIB, 2),
+                "memory_error": round(sum(pred.peak_bytes) / peak - 1, 3),
+                "fits": candidate.fits,
+            }
+        )
+    return rows
+
+
+def _shape(config: Any) -> tuple[Any, ...]:
+    return (config.num_partitions, config.num_replicas, config.num_micro_batches, config.remat, config.schedule)
+
+
+def markdown(rows: Sequence[dict[str, Any]], spec: dict[str, Any]) -> str:
+    """The comparison as a markdown table, with the share of rows within 20% (time) and 15% (memory)."""
+    head = "| K | R | M | remat | schedule | balance | predicted ms | measured ms | error "
+    lines = [head + "| predicted MiB | measured MiB | error |", "|" + "---|" * 12]
+    for r in rows:
+        lines.append(
+            f"| {r['K']} | {r['R']} | {r['M']} | {r['remat']} | {r['schedule']} | {r['balance']} | {r['predicted_ms']} "
+            f"| {r['measured_ms']} | {r['time_error']:+.0%} | {r['predicted_mib']} | {r['measured_mib']} "
+            f"| {r['memory_error']:+.0%} |"
+        )
+    time_ok = sum(abs(r["time_error"]) <= 0.2 for r in rows)
+    memory_ok = sum(abs(r["memory_error"]) <= 0.15 for r in rows)
+    model = ", ".join(f"{k}={v}" for k, v in spec.items())
+    lines.append(
+        f"\n{model}: time within 20% in {time_ok} of {len(rows)}; memory within 15% in {memory_ok} of {len(rows)}."
+    )
+    return "\n".join(lines)
+
+
+def draw(rows: Sequence[dict[str, Any]], path: str) -> None:
+    """Predicted against measured step time and peak memory, one point per configuration."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4.5))
+    for ax, (pred, meas, unit) in zip(
+        axes, [("predicted_ms", "measured_ms", "step, ms"), ("predicted_mib", "measured_mib", "peak, MiB")]
+    ):
+        xs, ys = [r[meas] for r in rows], [r[pred] for r in rows]
+        ax.scatter(xs, ys)
+        top = max(xs + ys) * 1.1
+        ax.plot([0, top], [0, top], "k--", linewidth=0.8)
+        ax.set_xlabel(f"measured {unit}")
+        ax.set_ylabel(f"predicted {unit}")
+    fig.tight_layout()
+    fig.savefig(path)
