@@ -10,7 +10,6 @@ schedule simulated as data (``planning.predict``, ``planning.search``).
 
 from __future__ import annotations
 
-import timeit
 from collections.abc import Sequence
 from typing import Any
 
@@ -18,10 +17,10 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from tfpipe import calibration as calibration_lib
 from tfpipe._args import positive_int
 from tfpipe.backward.remat import REMAT_MODES, check_mode
 from tfpipe.distributed import devices as devices_lib
-from tfpipe.model import PipelineModel
 from tfpipe.partition import functional
 from tfpipe.partition.sequence import layer_list
 from tfpipe.planning import plans, profile, search
@@ -29,9 +28,8 @@ from tfpipe.planning.plans import Plan
 from tfpipe.planning.predict import SLOTS, Calibration
 from tfpipe.step import schedule as schedule_lib
 
-__all__ = ["Plan", "calibrate", "plan"]
-
-_CALIBRATIONS: dict[tuple[str, ...], Calibration] = {}  # one per set of devices and optimizer, per process
+__all__ = ["Plan", "plan"]
+PROBE_MICRO_BATCHES = 8  # the whole-sequence probes' M: enough for their tasks to overlap as a pipeline's do
 
 
 def plan(
@@ -80,13 +78,52 @@ def plan(
     slots = optimizer_slots(optimizer)
     data = profile.sample_of(layers, sample, input_shape)
     sizes = search.micro_batch_sizes(batch_size, len(layer_seq), space)
-    measured = profile.measure(layer_seq, data, sizes, device_list[0], repeats=positive_int("repeats", repeats))
     if calibration is None:
-        calibration = calibrate(device_list, optimizer)
+        calibration = calibration_lib.calibrate(device_list, optimizer)
     elif not isinstance(calibration, Calibration):
         raise TypeError(f"calibration must be a tfpipe Calibration (plan.calibration), got {calibration!r}.")
+    # each layer alone at three sizes (the smallest, the middle, the largest), the rest interpolated
+    probed = sorted({sizes[0], sizes[len(sizes) // 2], sizes[-1]})
+    measured = profile.measure(layer_seq, data, probed, device_list[0], repeats=positive_int("repeats", repeats))
+    profile.fill(measured, sizes)
+    _scale_to_whole_steps(measured, layer_seq, data, batch_size, device_list[0], optimizer, calibration)
     candidates = search.run(measured, calibration, batch_size, space, budget, slots)
     return plans.from_candidates(candidates, device_list, batch_size, budget, measured, calibration, slots)
+
+
+def _scale_to_whole_steps(
+    measured: profile.Profile,
+    layers: list[keras.layers.Layer],
+    data: Any,
+    batch_size: int,
+    device: str,
+    optimizer: Any,
+    calibration: Calibration,
+) -> None:
+    """Scale the layers' times at each micro-batch size to a real step of all of them as one cell (see calibration).
+
+    Steps are measured at the smallest, the middle and the largest size; between them the ratio of step to layers
+    is interpolated in log(size).
+    """
+    every = sorted(measured.by_batch)
+    probed = sorted({every[0], every[len(every) // 2], every[-1]})  # the sizes profile.measure ran
+    sizes = [(b, min(max(batch_size // b, 1), PROBE_MICRO_BATCHES)) for b in probed]
+    steps = calibration_lib.whole_steps(layers, data, sizes, device, optimizer)
+    update_s = sum(measured.trainable_bytes) * calibration.update_s_per_byte
+    ratios = []
+    for b, m in sizes:
+        costs = measured.costs(b)
+        alone = sum(costs.forward_s) + sum(costs.backward_s)
+        per_micro_batch = (steps[b] - calibration.step_s - update_s) / m - 2 * calibration.task_s
+        ratios.append(per_micro_batch / alone if per_micro_batch > 0 and alone > 0 else 1.0)
+    for b in every:
+        ratio = float(np.interp(np.log2(b), np.log2(probed), ratios))
+        costs = measured.costs(b)
+        profile.rescale(measured, b, ratio * (sum(costs.forward_s) + sum(costs.backward_s)))
+    measured.time_source = (
+        f"each layer run alone, scaled to add up to a step of all the layers as one cell on {device} (measured at "
+        f"{probed} samples with M <= {PROBE_MICRO_BATCHES}, less its fixed, task and update costs)"
+    )
 
 
 def _devices(devices: Sequence[str] | None) -> list[str]:
@@ -123,133 +160,3 @@ def optimizer_slots(optimizer: Any) -> int:
     if name not in SLOTS:
         raise ValueError(f"Unknown optimizer {optimizer!r} for the planner; use one of {sorted(SLOTS)}.")
     return SLOTS[name]
-
-
-def calibrate(devices: Sequence[str], optimizer: Any = "adam", steps: int = 30) -> Calibration:
-    """Measure what a step costs on ``devices`` beyond its layers (cached per devices and optimizer in this process)."""
-    device_list = _devices(devices)
-    key = (
-        *device_list,
-        str(optimizer_slots(optimizer)),
-        str(optimizer if isinstance(optimizer, str) else type(optimizer)),
-    )
-    if key in _CALIBRATIONS:
-        return _CALIBRATIONS[key]
-    k = len(device_list)
-    interactive = keras.config.is_interactive_logging_enabled()
-    keras.config.disable_interactive_logging()  # the probes' "building the step" lines are not the user's
-    try:
-        timed = {m: _tiny_step_seconds(device_list, m, steps) for m in (1, 8)}
-    finally:
-        if interactive:
-            keras.config.enable_interactive_logging()
-    units = {m: max(end for _, _, end in schedule_lib.simulate(k, m, [1.0] * k, [1.0] * k)) for m in timed}
-    task_s = max((timed[8] - timed[1]) / (units[8] - units[1]), 0.0)
-    step_s = max(timed[1] - task_s * units[1], 0.0)
-    result = Calibration(
-        task_s=task_s,
-        step_s=step_s,
-        bandwidth=_bandwidth(device_list),
-        parallelism=_parallelism(device_list),
-        update_s_per_byte=_update_seconds_per_byte(device_list[0], optimizer),
-        source=f"measured on {k} device(s) with a tiny pipeline",
-    )
-    _CALIBRATIONS[key] = result
-    return result
-
-
-def _tiny_step_seconds(devices: list[str], m: int, steps: int) -> float:
-    """The median step of a pipeline of one Dense(4) per device at M=m: its tasks cost next to no compute."""
-    layers = [keras.layers.Dense(4) for _ in devices]
-    model = PipelineModel(
-        layers,
-        balance=[1] * len(devices),
-        devices=devices,
-        num_micro_batches=m,
-        remat="never",
-        name=f"tfpipe_probe_{m}",
-    )
-    model.compile(optimizer="sgd", loss="mse")
-    # TensorFlow's executor runs a kernel inline until its cost estimate settles, about 90 runs: warm up past it
-    warm = 100
-    x = np.ones((8 * m * (steps + warm), 4), "float32")
-    times: list[float] = []
-
-    class Timer(keras.callbacks.Callback):
-        def on_train_batch_begin(self, batch: int, logs: Any = None) -> None:
-            self.began = timeit.default_timer()
-
-        def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
-            if batch >= warm:
-                times.append(timeit.default_timer() - self.began)
-
-    model.fit(x, x, batch_size=8 * m, epochs=1, shuffle=False, verbose=0, callbacks=[Timer()])
-    return float(np.median(times))
-
-
-def _median(fn: Any, repeats: int = 7) -> float:
-    fn()
-    fn()
-    times = []
-    for _ in range(repeats):
-        began = timeit.default_timer()
-        fn()
-        tf.test.experimental.sync_devices()
-        times.append(timeit.default_timer() - began)
-    return float(np.median(times))
-
-
-def _bandwidth(devices: list[str]) -> float:
-    """Bytes per second from the first device to the second (a copy of 16 MiB); inf with one device."""
-    if len(devices) < 2 or devices[0] == devices[1]:
-        return float("inf")
-    with tf.device(devices[0]):
-        x = tf.random.uniform([4, 2**20])
-
-    @tf.function
-    def move(t: tf.Tensor) -> tf.Tensor:
-        with tf.device(devices[1]):
-            return tf.reduce_sum(t[:1, :1] * 0 + t)  # reads every byte on the second device
-
-    empty = _median(lambda: move(x[:1, :1]))
-    seconds = max(_median(lambda: move(x)) - empty, 1e-9)
-    return float(x.shape.num_elements() * 4 / seconds)
-
-
-def _parallelism(devices: list[str]) -> float:
-    """How many devices' worth of matrix products run at once on ``devices`` (1 to their number)."""
-    unique = list(dict.fromkeys(devices))
-    if len(unique) < 2:
-        return 1.0
-    weights = {}
-    for d in unique:
-        with tf.device(d):
-            weights[d] = tf.random.uniform([384, 384]) / 384.0
-
-    def chain(d: str) -> tf.Tensor:
-        with tf.device(d):
-            a = weights[d]
-            for _ in range(16):
-                a = tf.tanh(tf.matmul(a, weights[d]))
-            return tf.reduce_sum(a)
-
-    alone = _median(tf.function(lambda: chain(unique[0])))
-    together = _median(tf.function(lambda: [chain(d) for d in unique]))
-    return float(min(max(len(unique) * alone / max(together, 1e-9), 1.0), len(unique)))
-
-
-def _update_seconds_per_byte(device: str, optimizer: Any) -> float:
-    """The optimizer's update time per byte of weights: one update of 16 MiB less one of 64 KiB, on ``device``."""
-
-    def seconds(rows: int) -> float:
-        if isinstance(optimizer, str):
-            opt = keras.optimizers.get(optimizer)
-        else:
-            opt = optimizer.__class__.from_config(optimizer.get_config())
-        with tf.device(device):
-            variable = keras.Variable(np.zeros((rows, 1024), "float32"))
-            gradient = tf.ones((rows, 1024))
-            opt.build([variable])
-            return _median(tf.function(lambda: opt.apply([gradient], [variable])))
-
-    return max(seconds(4096) - seconds(16), 0.0) / ((4096 - 16) * 1024 * 4)

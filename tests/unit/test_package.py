@@ -21,7 +21,7 @@ LAYERS = [
     {"planning"},
     {"messages", "saving", "training", "settings", "recovery", "keras_api"},
     {"model"},
-    {"analysis", "planner", "__init__", "_aliases"},
+    {"analysis", "calibration", "planner", "__init__", "_aliases"},
 ]
 
 

@@ -132,8 +132,8 @@ class Plan:
         """Where each prediction comes from, one line each."""
         c = self.calibration
         return [
-            f"layer times: each layer's forward and backward measured on {self.profile.device} at each micro-batch "
-            f"size ({sorted(self.profile.by_batch)} samples)",
+            f"layer times: measured on {self.profile.device} at each micro-batch size "
+            f"({sorted(self.profile.by_batch)} samples): {self.profile.time_source}",
             f"layer memory: {self.profile.memory_source}; weights, gradients and {self.optimizer_slots} optimizer "
             "slot(s) per trainable weight counted from the variables",
             f"step costs ({c.source}): {c.task_s * 1e3:.2f} ms a task, {c.step_s * 1e3:.2f} ms a step, "

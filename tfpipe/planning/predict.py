@@ -144,7 +144,8 @@ def cell_peak(
     """
     costs = profile.costs(b)
     trainable = sum(profile.trainable_bytes[lo:hi])
-    static = sum(profile.weight_bytes[lo:hi]) + (1 + slots) * trainable
+    # one gradient per weight: with M > 1 its running sum and the micro-batch's being added to it
+    static = sum(profile.weight_bytes[lo:hi]) + (1 + slots + (m > 1)) * trainable
     cell_input = b * (profile.input_bytes if first else profile.output_bytes[lo - 1])
     activations = sum(costs.held_bytes[lo:hi])
     held = in_flight * cell_input + (activations if remat != "never" else in_flight * activations)

@@ -24,6 +24,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from tfpipe.graph import cpu_gradients
 from tfpipe.partition import specs
 from tfpipe.planning import cost as cost_lib
 from tfpipe.planning.cost import _bytes, _restoring, _walk  # the cost module's walk over layer copies
@@ -53,6 +54,7 @@ class Profile:
     output_bytes: list[float]  # per sample: each layer's output, what crosses a cell boundary after it
     by_batch: dict[int, LayerCosts]
     memory_source: str
+    time_source: str = "each layer's forward and backward run alone"
 
     def costs(self, batch: int) -> LayerCosts:
         """The measurements at micro-batch size ``batch`` (a ValueError if it was not profiled)."""
@@ -80,11 +82,13 @@ def _reads_memory(device: str) -> bool:
     return True
 
 
-def _median_seconds(fn: Any, repeats: int, warm_s: float = 0.05) -> float:
-    """Median seconds of ``fn()`` over ``repeats`` runs, after tracing and ``warm_s`` (at most 30 runs) of warm-up."""
+def _median_seconds(fn: Any, repeats: int, warm_s: float = 0.3) -> float:
+    """Median seconds of ``fn()`` over ``repeats`` runs, after tracing and 100 runs or ``warm_s`` of warm-up."""
     fn()
     began = timeit.default_timer()
-    for _ in range(30):  # TensorFlow settles its kernels' cost estimates over the first runs
+    # TensorFlow's executor hands a kernel to its thread pool until the kernel's cost estimate has settled,
+    # about 90 runs: a small layer measured before that pays a thread's wake-up per op
+    for _ in range(100):
         fn()
         if timeit.default_timer() - began > warm_s:
             break
@@ -112,21 +116,27 @@ def _loss_of(y: Any) -> tf.Tensor:
 
 
 class _Measured:
-    """One built layer copy's forward and forward-plus-backward, traced once for every batch size."""
+    """Built layer copies run in a chain, forward and forward-plus-backward, traced once for every batch size."""
 
-    def __init__(self, copy: Any):
-        self._copy = copy
-        self._forward = tf.function(lambda inputs: copy(inputs, training=True), reduce_retracing=True)
+    def __init__(self, copies: Sequence[Any], device: str):
+        self._copies, self._device = list(copies), device
+        self._forward = tf.function(self._chain, reduce_retracing=True)
         self._forward_backward = tf.function(self._gradients, reduce_retracing=True)
+
+    def _chain(self, inputs: Any) -> Any:
+        with cpu_gradients.scope(self._device):  # the gradients a cell on this device gets
+            for copy in self._copies:
+                inputs = copy(inputs, training=True)
+        return inputs
 
     def _gradients(self, inputs: Any) -> Any:
         with tf.GradientTape() as tape:
             tape.watch(_floats(inputs))
-            loss = _loss_of(self._copy(inputs, training=True))
+            loss = _loss_of(self._chain(inputs))
         return tape.gradient(loss, self._sources(inputs), unconnected_gradients=tf.UnconnectedGradients.ZERO)
 
     def _sources(self, inputs: Any) -> list[Any]:
-        return [v.value for v in self._copy.trainable_variables] + _floats(inputs)
+        return [v.value for copy in self._copies for v in copy.trainable_variables] + _floats(inputs)
 
     def at(self, x: Any, repeats: int, memory: str | None) -> tuple[float, float, float, float]:
         """(forward s, backward s, bytes held, backward working bytes) fed ``x``."""
@@ -170,7 +180,7 @@ def measure(
         x = tf.nest.map_structure(lambda t: tf.convert_to_tensor(_resized(t, sizes[-1])), sample)
         input_bytes = _bytes(x) / sizes[-1]
         for _, _, copy, x_in, y in _walk(list(layers), x, run=True):
-            measured = _Measured(copy)
+            measured = _Measured([copy], device)
             out = _bytes(y) / sizes[-1]
             for b in sizes:
                 f_s, b_s, held, working = measured.at(
@@ -187,6 +197,38 @@ def measure(
             trainable.append(sum(_bytes(v) for v in copy.trainable_variables))
             outputs.append(out)
     return Profile(device, weights, trainable, input_bytes, outputs, by_batch, MEASURED if memory else FROM_OUTPUTS)
+
+
+def fill(profile: Profile, sizes: Sequence[int]) -> None:
+    """Add every size in ``sizes`` not measured, interpolated between the measured ones (per layer).
+
+    Times are interpolated in log(size) and log(time); bytes linearly in the size (activations grow with the rows).
+    Outside the measured range the nearest measured size's values are scaled (times and bytes by the size ratio).
+    """
+    measured = sorted(profile.by_batch)
+    logs = np.log2(measured)
+    for b in sorted(set(sizes) - set(measured)):
+        entry = LayerCosts([], [], [], [])
+        for field in ("forward_s", "backward_s", "held_bytes", "working_bytes"):
+            columns = np.array([getattr(profile.by_batch[m], field) for m in measured])  # sizes x layers
+            if field.endswith("_s"):
+                values = np.exp2([np.interp(np.log2(b), logs, np.log2(np.maximum(col, 1e-12))) for col in columns.T])
+            else:
+                values = np.array([np.interp(b, measured, col) for col in columns.T])
+            nearest = min(max(b, measured[0]), measured[-1])
+            if b != nearest:  # outside: proportional to the rows
+                values = columns[measured.index(nearest)] * b / nearest
+            getattr(entry, field).extend(float(v) for v in values)
+        profile.by_batch[b] = entry
+
+
+def rescale(profile: Profile, batch: int, seconds: float) -> None:
+    """Scale the layers' forward and backward times at ``batch`` so that together they take ``seconds``."""
+    costs = profile.costs(batch)
+    total = sum(costs.forward_s) + sum(costs.backward_s)
+    if total > 0:
+        costs.forward_s[:] = [t * seconds / total for t in costs.forward_s]
+        costs.backward_s[:] = [t * seconds / total for t in costs.backward_s]
 
 
 def _resized(t: Any, batch: int) -> np.ndarray:

@@ -1,0 +1,206 @@
+"""What a step costs on a set of devices beyond its layers, and what the whole layer sequence costs as one cell.
+
+Both are measured with tfpipe's own step, on probes: ``calibrate`` runs a pipeline of one
+tiny layer per device (the cost of a task and of a step), copies a tensor between the first two
+devices (bandwidth), runs matrix products on every device at once (how many devices' worth of
+compute run side by side: logical devices on one CPU share its cores) and one optimizer update.
+``whole_steps`` trains copies of the user's layers as one cell at each micro-batch size: a
+layer timed alone misses what a step's graph does with many micro-batches (tasks overlapping,
+kernels settled), so the layers' measured times are scaled to add up to this.
+"""
+
+from __future__ import annotations
+
+import timeit
+from collections.abc import Sequence
+from typing import Any
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from tfpipe.model import PipelineModel
+from tfpipe.partition.sequence import copy_layer
+from tfpipe.planning.predict import Calibration
+from tfpipe.step import schedule as schedule_lib
+
+_CALIBRATIONS: dict[tuple[str, ...], Calibration] = {}  # one per set of devices and optimizer, per process
+WARM_STEPS = 100  # TensorFlow's executor runs a kernel inline only once its cost estimate settles, ~90 runs
+
+
+def calibrate(devices: Sequence[str], optimizer: Any = "adam", steps: int = 30) -> Calibration:
+    """Measure what a step costs on ``devices`` beyond its layers (cached per devices and optimizer in this process)."""
+    device_list = list(devices)
+    key = (*device_list, optimizer if isinstance(optimizer, str) else repr(optimizer.get_config()))
+    if key in _CALIBRATIONS:
+        return _CALIBRATIONS[key]
+    k = len(device_list)
+    tiny = [keras.layers.Dense(4) for _ in device_list]
+    x = np.ones((64, 4), "float32")
+    timed = {m: _step_seconds(tiny, [1] * k, device_list, m, x, x, "sgd", steps) for m in (1, 8)}
+    units = {m: max(end for _, _, end in schedule_lib.simulate(k, m, [1.0] * k, [1.0] * k)) for m in timed}
+    task_s = max((timed[8] - timed[1]) / (units[8] - units[1]), 0.0)
+    step_s = max(timed[1] - task_s * units[1], 0.0)
+    result = Calibration(
+        task_s=task_s,
+        step_s=step_s,
+        bandwidth=_bandwidth(device_list),
+        parallelism=_parallelism(device_list, task_s, step_s, steps),
+        update_s_per_byte=_update_seconds_per_byte(device_list[0], optimizer),
+        source=f"measured on {k} device(s) with a tiny pipeline",
+    )
+    _CALIBRATIONS[key] = result
+    return result
+
+
+def whole_steps(
+    layers: Sequence[keras.layers.Layer],
+    sample: Any,
+    sizes: Sequence[tuple[int, int]],
+    device: str,
+    optimizer: Any,
+    steps: int = 10,
+) -> dict[int, float]:
+    """For each (micro-batch size b, M): the median step of copies of ``layers`` as one cell on ``device``, by b.
+
+    Trained with a fresh ``optimizer`` on ``sample``'s rows, tiled to b x M; the loss is the outputs' mean, so
+    any model trains.
+    """
+    out = {}
+    for b, m in sizes:
+        copies = [copy_layer(layer, "to time it", "pass calibration=... or plan by hand") for layer in layers]
+        x = tf.nest.map_structure(lambda t, n=b * m: _tiled(t, n), sample)
+        y = np.zeros((b * m, 1), "float32")
+        out[b] = _step_seconds(copies, [len(copies)], [device], m, x, y, _fresh(optimizer), steps, _mean)
+    return out
+
+
+def _fresh(optimizer: Any) -> keras.optimizers.Optimizer:
+    """A new optimizer like ``optimizer`` (a name or an instance), its variables its own."""
+    if isinstance(optimizer, str):
+        return keras.optimizers.get(optimizer)
+    return optimizer.__class__.from_config(optimizer.get_config())
+
+
+def _mean(y_true: Any, y_pred: Any) -> Any:
+    return keras.ops.mean(keras.ops.cast(y_pred, "float32"))
+
+
+def _tiled(t: Any, rows: int) -> np.ndarray:
+    array = np.asarray(t)
+    return np.concatenate([array] * -(-rows // array.shape[0]))[:rows]
+
+
+def _step_seconds(
+    layers: list[Any],
+    balance: list[int],
+    devices: list[str],
+    m: int,
+    x: Any,
+    y: Any,
+    optimizer: Any,
+    steps: int,
+    loss: Any = "mse",
+) -> float:
+    """The median training step of a probe pipeline over one batch (x, y), after WARM_STEPS of warm-up."""
+    model = PipelineModel(
+        layers, balance=balance, devices=devices, num_micro_batches=m, remat="never", name=f"tfpipe_probe_{m}"
+    )
+    model.compile(optimizer=optimizer, loss=loss)
+    data = tf.data.Dataset.from_tensors((x, y)).repeat()
+    times: list[float] = []
+
+    class Timer(keras.callbacks.Callback):
+        def on_train_batch_begin(self, batch: int, logs: Any = None) -> None:
+            self.began = timeit.default_timer()
+
+        def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
+            times.append(timeit.default_timer() - self.began)
+
+    interactive = keras.config.is_interactive_logging_enabled()
+    keras.config.disable_interactive_logging()  # the probes' "building the step" lines are not the user's
+    try:
+        began = timeit.default_timer()
+        model.fit(data, steps_per_epoch=2, verbose=0)  # traces
+        traced = timeit.default_timer() - began
+        # warm up past WARM_STEPS, but for at most as long again as tracing took (a large model settles sooner)
+        warm = 2
+        while warm < WARM_STEPS and timeit.default_timer() - began < 2 * traced + 1.0:
+            model.fit(data, steps_per_epoch=10, verbose=0)
+            warm += 10
+        model.fit(data, steps_per_epoch=steps, verbose=0, callbacks=[Timer()])
+    finally:
+        if interactive:
+            keras.config.enable_interactive_logging()
+    return float(np.median(times))
+
+
+def _median(fn: Any, repeats: int = 7) -> float:
+    fn()
+    fn()
+    times = []
+    for _ in range(repeats):
+        began = timeit.default_timer()
+        fn()
+        tf.test.experimental.sync_devices()
+        times.append(timeit.default_timer() - began)
+    return float(np.median(times))
+
+
+def _bandwidth(devices: list[str]) -> float:
+    """Bytes per second from the first device to the second (a copy of 16 MiB); inf with one device."""
+    if len(devices) < 2 or devices[0] == devices[1]:
+        return float("inf")
+    with tf.device(devices[0]):
+        x = tf.random.uniform([4, 2**20])
+
+    @tf.function
+    def move(t: tf.Tensor) -> tf.Tensor:
+        with tf.device(devices[1]):
+            return tf.reduce_sum(t[:1, :1] * 0 + t)  # reads every byte on the second device
+
+    empty = _median(lambda: move(x[:1, :1]))
+    seconds = max(_median(lambda: move(x)) - empty, 1e-9)
+    return float(x.shape.num_elements() * 4 / seconds)
+
+
+def _parallelism(devices: list[str], task_s: float, step_s: float, steps: int) -> float:
+    """How many devices' worth of compute a pipeline over ``devices`` runs at once (1 to their number).
+
+    Two probes of 2K Dense(256) layers at M=8: all on the first device, then two per device. The first gives
+    the work; the second, against the schedule simulated with that work, how much of it ran side by side.
+    """
+    k = len(devices)
+    if len(set(devices)) < 2:
+        return 1.0
+    m = 8
+    x = np.random.default_rng(0).standard_normal((256, 256)).astype("float32")
+
+    def layers() -> list[keras.layers.Layer]:
+        return [keras.layers.Dense(256, activation="tanh") for _ in range(2 * k)]
+
+    one = _step_seconds(layers(), [2 * k], devices[:1], m, x, x, "sgd", steps)
+    split = _step_seconds(layers(), [2] * k, devices, m, x, x, "sgd", steps)
+    work = max(one - step_s - 2 * m * task_s, 1e-9)  # every task's compute, on one device
+    per_task = work / (3 * m * k)  # a forward's share; a backward takes two
+    timed = schedule_lib.simulate(k, m, [per_task + task_s] * k, [2 * per_task + task_s] * k)
+    span = max(end for _, _, end in timed)
+    busy = sum(end - start for _, start, end in timed)
+    took = split - step_s
+    if took <= span:
+        return float(k)
+    return float(min(max(busy / took, 1.0), k))
+
+
+def _update_seconds_per_byte(device: str, optimizer: Any) -> float:
+    """The optimizer's update time per byte of weights: one update of 16 MiB less one of 64 KiB, on ``device``."""
+
+    def seconds(rows: int) -> float:
+        opt = _fresh(optimizer)
+        with tf.device(device):
+            variable = keras.Variable(np.zeros((rows, 1024), "float32"))
+            gradient = tf.ones((rows, 1024))
+            opt.build([variable])
+            return _median(tf.function(lambda: opt.apply([gradient], [variable])))
+
+    return max(seconds(4096) - seconds(16), 0.0) / ((4096 - 16) * 1024 * 4)
