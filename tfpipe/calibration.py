@@ -19,6 +19,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from tfpipe import messages
 from tfpipe.model import PipelineModel
 from tfpipe.partition.sequence import copy_layer
 from tfpipe.planning.predict import Calibration
@@ -117,9 +118,7 @@ def _step_seconds(
         def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
             times.append(timeit.default_timer() - self.began)
 
-    interactive = keras.config.is_interactive_logging_enabled()
-    keras.config.disable_interactive_logging()  # the probes' "building the step" lines are not the user's
-    try:
+    with messages.quiet():  # the probes' "building the step" lines are not the user's
         began = timeit.default_timer()
         model.fit(data, steps_per_epoch=2, verbose=0)  # traces
         traced = timeit.default_timer() - began
@@ -129,9 +128,6 @@ def _step_seconds(
             model.fit(data, steps_per_epoch=10, verbose=0)
             warm += 10
         model.fit(data, steps_per_epoch=steps, verbose=0, callbacks=[Timer()])
-    finally:
-        if interactive:
-            keras.config.enable_interactive_logging()
     return float(np.median(times))
 
 

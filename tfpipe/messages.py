@@ -2,14 +2,31 @@
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import sys
+from collections.abc import Iterator
 
 import keras
 from absl import logging
 
+_QUIET: contextvars.ContextVar[bool] = contextvars.ContextVar("tfpipe_quiet", default=False)
+
+
+@contextlib.contextmanager
+def quiet() -> Iterator[None]:
+    """Say nothing inside: for models tfpipe builds for itself (the planner's probes), not the user's."""
+    token = _QUIET.set(True)
+    try:
+        yield
+    finally:
+        _QUIET.reset(token)
+
 
 def say(message: str) -> None:
     """Show one line: on stdout with Keras' interactive logging (the default), else through absl's log."""
+    if _QUIET.get():
+        return
     if keras.config.is_interactive_logging_enabled():
         sys.stdout.write(message + "\n")
         sys.stdout.flush()
