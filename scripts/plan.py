@@ -41,6 +41,12 @@ flags.DEFINE_string("memory_budget", None, "Peak bytes per device, e.g. 64MiB (d
 flags.DEFINE_enum("optimizer", "adam", ["adam", "sgd"], "Optimizer.")
 flags.DEFINE_integer("measure", 0, "Run the top N configurations of the plan and compare.", lower_bound=0)
 flags.DEFINE_bool("grid", False, "Run the fixed grid of configurations (plan_measure.GRID) and compare.")
+flags.DEFINE_list(
+    "budgets",
+    [],
+    "With --grid: budgets as fractions of GPipe-without-remat's measured peak (K=2, M=8), e.g. 0.4,0.6,1.0; for "
+    "each, the plan's choice is run and compared with the fastest measured grid configuration that fits.",
+)
 flags.DEFINE_integer("repeats", 1, "Measure each configuration this many times (interleaved).", lower_bound=1)
 flags.DEFINE_string("png", None, "Draw predicted against measured to this PNG (needs --measure or --grid).")
 flags.DEFINE_string("out", None, "Write the comparison to OUT.csv and OUT.md.")
@@ -84,10 +90,17 @@ def main(argv: list[str]) -> None:
     configs = plan_measure.GRID if FLAGS.grid else [c.config for c in plan.candidates if c.fits][: FLAGS.measure]
     if not configs:
         return
-    rows = plan_measure.compare(plan, configs, lambda config: run_child(spec, config), FLAGS.repeats)
-    print(plan_measure.markdown(rows, spec))
+    run = lambda config: run_child(spec, config)  # noqa: E731
+    rows = plan_measure.compare(plan, configs, run, FLAGS.repeats)
+    text = plan_measure.markdown(rows, spec)
+    if FLAGS.budgets:
+        budget_rows = plan_measure.budgets(plan, rows, [float(f) for f in FLAGS.budgets], run, FLAGS.repeats)
+        text += "\n\n" + plan_measure.budget_markdown(budget_rows)
+        if FLAGS.out:
+            write_table(FLAGS.out + "_budgets", budget_rows, None)
+    print(text)
     if FLAGS.out:
-        write_table(FLAGS.out, rows, plan_measure.markdown(rows, spec))
+        write_table(FLAGS.out, rows, text)
     if FLAGS.png:
         plan_measure.draw(rows, FLAGS.png)
 

@@ -14,6 +14,7 @@ GRID = [
     (1, 2, 2, "never", "gpipe"),
     (2, 1, 1, "never", "gpipe"),
     (2, 1, 4, "never", "gpipe"),
+    (2, 1, 8, "never", "gpipe"),
     (2, 1, 4, "except_last", "gpipe"),
     (2, 1, 8, "always", "gpipe"),
     (2, 1, 8, "never", "1f1b"),
@@ -170,6 +171,95 @@ def compare(
             }
         )
     return rows
+
+
+REFERENCE = (2, 1, 8, "never", "gpipe")  # GPipe without recomputation, whose measured peak the budgets scale
+
+
+def budgets(
+    plan: Any,
+    rows: Sequence[dict[str, Any]],
+    fractions: Sequence[float],
+    run: Callable[[dict[str, Any]], dict[str, float]],
+    repeats: int,
+) -> list[dict[str, Any]]:
+    """For each fraction of the reference's measured peak: the plan's choice under that budget, run and compared.
+
+    Logical CPU devices share one allocator, so a budget per device is checked against the measured total over
+    the devices the choice uses: total <= budget x devices used.
+    """
+    from tfpipe.planning import search
+
+    found = [r for r in rows if (r["K"], r["R"], r["M"], r["remat"], r["schedule"]) == REFERENCE]
+    if not found:
+        raise ValueError(f"--budgets scales the measured peak of {REFERENCE}: it must be in the grid.")
+    reference = found[0]
+    out = []
+    for fraction in fractions:
+        per_device = fraction * reference["measured_mib"] * MIB / REFERENCE[0]
+        space = search.Space(num_devices=max(c.config.num_partitions * c.config.num_replicas for c in plan.candidates))
+        found = search.run(plan.profile, plan.calibration, plan.batch_size, space, per_device, plan.optimizer_slots)
+        if not found or not found[0].fits:
+            out.append({"fraction": fraction, "budget_mib": round(per_device / MIB, 2), "chosen": "none fits"})
+            continue
+        chosen = found[0].config
+        if _shape(chosen) in _shapes(rows):
+            row = next(r for r in rows if (r["K"], r["R"], r["M"], r["remat"], r["schedule"]) == _shape(chosen))
+        else:
+            row = _measure_config(found[0], run, repeats)
+        used = chosen.num_partitions * chosen.num_replicas
+        fitting = [r for r in rows if r["measured_mib"] <= per_device / MIB * r["K"] * r["R"]]
+        best = min(fitting, key=lambda r: r["measured_ms"]) if fitting else None
+        out.append(
+            {
+                "fraction": fraction,
+                "budget_mib": round(per_device / MIB, 2),
+                "chosen": chosen.describe(),
+                "measured_ms": row["measured_ms"],
+                "measured_mib": row["measured_mib"],
+                "fits": row["measured_mib"] <= per_device / MIB * used,
+                "fastest_fitting_ms": best["measured_ms"] if best else None,
+                "against_fastest": round(row["measured_ms"] / best["measured_ms"] - 1, 3) if best else None,
+            }
+        )
+    return out
+
+
+def _measure_config(candidate: Any, run: Callable[[dict[str, Any]], dict[str, float]], repeats: int) -> dict:
+    """The median measured step (ms) and peak (MiB) of one candidate, cut as the search cut it."""
+    cfg = candidate.config
+    config = {
+        "balance": list(cfg.balance),
+        "replicas": cfg.num_replicas,
+        "m": cfg.num_micro_batches,
+        "remat": cfg.remat,
+        "schedule": cfg.schedule,
+    }
+    results = [run(config) for _ in range(repeats)]
+    return {
+        "measured_ms": round(statistics.median(r["step_s"] for r in results) * 1e3, 2),
+        "measured_mib": round(statistics.median(r["peak_bytes"] for r in results) / MIB, 2),
+    }
+
+
+def _shapes(rows: Sequence[dict[str, Any]]) -> set[tuple[Any, ...]]:
+    return {(r["K"], r["R"], r["M"], r["remat"], r["schedule"]) for r in rows}
+
+
+def budget_markdown(rows: Sequence[dict[str, Any]]) -> str:
+    """The budget runs as a markdown table."""
+    lines = [
+        "| budget (x GPipe's peak) | per device MiB | chosen | measured ms | measured MiB | fits "
+        "| fastest fitting ms | against it |",
+        "|" + "---|" * 8,
+    ]
+    for r in rows:
+        against = f"{r['against_fastest']:+.0%}" if r.get("against_fastest") is not None else "-"
+        lines.append(
+            f"| {r['fraction']} | {r['budget_mib']} | {r['chosen']} | {r.get('measured_ms', '-')} | "
+            f"{r.get('measured_mib', '-')} | {r.get('fits', '-')} | {r.get('fastest_fitting_ms', '-')} | {against} |"
+        )
+    return "\n".join(lines)
 
 
 def _shape(config: Any) -> tuple[Any, ...]:

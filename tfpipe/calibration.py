@@ -67,13 +67,24 @@ def whole_steps(
     Trained with a fresh ``optimizer`` on ``sample``'s rows, tiled to b x M; the loss is the outputs' mean, so
     any model trains.
     """
-    out = {}
-    for b, m in sizes:
-        copies = [copy_layer(layer, "to time it", "pass calibration=... or plan by hand") for layer in layers]
-        x = tf.nest.map_structure(lambda t, n=b * m: _tiled(t, n), sample)
-        y = np.zeros((b * m, 1), "float32")
-        out[b] = _step_seconds(copies, [len(copies)], [device], m, x, y, _fresh(optimizer), steps, _mean)
-    return out
+    return {b: split_step(layers, sample, b, m, [len(layers)], [device], optimizer, steps) for b, m in sizes}
+
+
+def split_step(
+    layers: Sequence[keras.layers.Layer],
+    sample: Any,
+    b: int,
+    m: int,
+    balance: list[int],
+    devices: list[str],
+    optimizer: Any,
+    steps: int = 10,
+) -> float:
+    """The median step of copies of ``layers`` cut by ``balance`` over ``devices``, M=m micro-batches of b rows."""
+    copies = [copy_layer(layer, "to time it", "pass calibration=... or plan by hand") for layer in layers]
+    x = tf.nest.map_structure(lambda t, n=b * m: _tiled(t, n), sample)
+    y = np.zeros((b * m, 1), "float32")
+    return _step_seconds(copies, balance, devices, m, x, y, _fresh(optimizer), steps, _mean)
 
 
 def _fresh(optimizer: Any) -> keras.optimizers.Optimizer:

@@ -10,6 +10,7 @@ schedule simulated as data (``planning.predict``, ``planning.search``).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
@@ -23,9 +24,10 @@ from tfpipe.backward.remat import REMAT_MODES, check_mode
 from tfpipe.distributed import devices as devices_lib
 from tfpipe.partition import functional
 from tfpipe.partition.sequence import layer_list
-from tfpipe.planning import plans, profile, search
+from tfpipe.planning import balance as balance_lib
+from tfpipe.planning import plans, predict, profile, search
 from tfpipe.planning.plans import Plan
-from tfpipe.planning.predict import SLOTS, Calibration
+from tfpipe.planning.predict import SLOTS, Calibration, Config
 from tfpipe.step import schedule as schedule_lib
 
 __all__ = ["Plan", "plan"]
@@ -87,6 +89,7 @@ def plan(
     measured = profile.measure(layer_seq, data, probed, device_list[0], repeats=positive_int("repeats", repeats))
     profile.fill(measured, sizes)
     _scale_to_whole_steps(measured, layer_seq, data, batch_size, device_list[0], optimizer, calibration)
+    calibration = _model_parallelism(measured, layer_seq, data, batch_size, device_list, optimizer, calibration)
     candidates = search.run(measured, calibration, batch_size, space, budget, slots)
     return plans.from_candidates(candidates, device_list, batch_size, budget, measured, calibration, slots)
 
@@ -123,6 +126,42 @@ def _scale_to_whole_steps(
     measured.time_source = (
         f"each layer run alone, scaled to add up to a step of all the layers as one cell on {device} (measured at "
         f"{probed} samples with M <= {PROBE_MICRO_BATCHES}, less its fixed, task and update costs)"
+    )
+
+
+def _model_parallelism(
+    measured: profile.Profile,
+    layers: list[keras.layers.Layer],
+    data: Any,
+    batch_size: int,
+    devices: list[str],
+    optimizer: Any,
+    calibration: Calibration,
+) -> Calibration:
+    """The calibration with the parallelism this model gets: its layers cut evenly over every device, at M=8.
+
+    Devices that share compute (logical devices on one CPU) run some models side by side and not others (a
+    product wide enough to use every core alone gains nothing from a second device), so it is measured on the
+    model itself: the step's work against its measured time.
+    """
+    k, m = len(devices), min(PROBE_MICRO_BATCHES, batch_size)
+    if len(set(devices)) < 2 or len(layers) < k:
+        return calibration
+    b = -(-batch_size // m)
+    if b not in measured.by_batch:
+        profile.fill(measured, [b])
+    costs = measured.costs(b)
+    cut = balance_lib.partition([f + x for f, x in zip(costs.forward_s, costs.backward_s)], k)
+    took = calibration_lib.split_step(layers, data, b, m, cut, devices, optimizer)
+    config = Config(tuple(cut), 1, m, "never", "gpipe")
+    free = predict.step_seconds(measured, dataclasses.replace(calibration, parallelism=float(k)), batch_size, config)
+    pipeline_s = took - free.update_s - free.fixed_s
+    parallelism = float(k) if pipeline_s <= free.pipeline_s else min(max(free.work_s / pipeline_s, 1.0), float(k))
+    return dataclasses.replace(
+        calibration,
+        parallelism=parallelism,
+        source=calibration.source
+        + f"; parallelism measured with this model's layers cut over the {k} devices at M={m}",
     )
 
 

@@ -71,6 +71,7 @@ class Prediction:
     update_s: float
     fixed_s: float
     peak_bytes: list[float]  # per device, replica by replica, cell by cell
+    work_s: float = 0.0  # every task's time added up: what the devices must run, side by side or not
 
 
 def bounds(balance: Sequence[int]) -> list[tuple[int, int]]:
@@ -120,7 +121,8 @@ def step_seconds(profile: Profile, calibration: Calibration, batch_size: int, co
     update_s = updating * calibration.update_s_per_byte
     if config.num_replicas > 1:  # weights out to the replicas, their gradient sums back
         update_s += 2 * sum(trainable) * (config.num_replicas - 1) / calibration.bandwidth
-    return Prediction(pipeline_s + update_s + calibration.step_s, pipeline_s, update_s, calibration.step_s, [])
+    fixed_s = calibration.step_s
+    return Prediction(pipeline_s + update_s + fixed_s, pipeline_s, update_s, fixed_s, [], work_s=work)
 
 
 def peak_bytes(profile: Profile, batch_size: int, config: Config, slots: int) -> list[float]:
@@ -144,8 +146,7 @@ def cell_peak(
     """
     costs = profile.costs(b)
     trainable = sum(profile.trainable_bytes[lo:hi])
-    # one gradient per weight: with M > 1 its running sum and the micro-batch's being added to it
-    static = sum(profile.weight_bytes[lo:hi]) + (1 + slots + (m > 1)) * trainable
+    static = sum(profile.weight_bytes[lo:hi]) + (1 + slots) * trainable
     cell_input = b * (profile.input_bytes if first else profile.output_bytes[lo - 1])
     activations = sum(costs.held_bytes[lo:hi])
     held = in_flight * cell_input + (activations if remat != "never" else in_flight * activations)

@@ -105,8 +105,7 @@ def test_two_gpipe_cells_follow_the_clock_cycles_by_hand():
 def test_peak_bytes_of_one_cell_with_remat_never_and_always_by_hand():
     prof = profile()
     b, m, slots = 2, 4, 2  # batch 8 in 4 micro-batches of 2
-    # weights; gradients (a running sum and the micro-batch's being added, as M > 1); Adam's two slots
-    static = (10 + 20 + 30) + (2 + slots) * (10 + 20 + 30)
+    static = (10 + 20 + 30) + (1 + slots) * (10 + 20 + 30)  # weights, gradients, Adam's two slots
     activations = (40 + 30 + 20) * b / 4  # one micro-batch's held bytes at size 2
     working = max(5, 7, 3) * b / 4  # the largest backward's working set
     batch = 2 * m * b * 8.0  # the first cell holds the batch
