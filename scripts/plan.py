@@ -93,14 +93,16 @@ def main(argv: list[str]) -> None:
     run = lambda config: run_child(spec, config)  # noqa: E731
     rows = plan_measure.compare(plan, configs, run, FLAGS.repeats)
     text = plan_measure.markdown(rows, spec)
+    print(text, flush=True)
+    if FLAGS.out:
+        write_table(FLAGS.out, rows, text)
     if FLAGS.budgets:
         budget_rows = plan_measure.budgets(plan, rows, [float(f) for f in FLAGS.budgets], run, FLAGS.repeats)
         text += "\n\n" + plan_measure.budget_markdown(budget_rows)
+        print(plan_measure.budget_markdown(budget_rows), flush=True)
         if FLAGS.out:
-            write_table(FLAGS.out + "_budgets", budget_rows, None)
-    print(text)
-    if FLAGS.out:
-        write_table(FLAGS.out, rows, text)
+            write_table(FLAGS.out, rows, text)
+            write_table(FLAGS.out + "_budgets", budget_rows, None, fields=plan_measure.BUDGET_FIELDS)
     if FLAGS.png:
         plan_measure.draw(rows, FLAGS.png)
 

@@ -173,6 +173,16 @@ def compare(
     return rows
 
 
+BUDGET_FIELDS = [
+    "fraction",
+    "budget_mib",
+    "chosen",
+    "measured_ms",
+    "measured_mib",
+    "fits",
+    "fastest_fitting_ms",
+    "against_fastest",
+]
 REFERENCE = (2, 1, 8, "never", "gpipe")  # GPipe without recomputation, whose measured peak the budgets scale
 
 
