@@ -439,6 +439,7 @@ def test_resume_after_a_fault_reaches_the_uninterrupted_weights(tmp_path, how):
     assert float(proc.stdout.split("ERROR")[1]) < 1e-5
 
 
+@pytest.mark.slow  # 30 s; the ping timeout's options are unit-tested (tests/unit/distributed/test_health.py)
 def test_a_stopped_host_ends_fit_through_grpcs_ping_timeout_when_joined_with_connect():
     # Servers started elsewhere cannot be killed: connect(timeout=) sets gRPC's keepalive and ping timeout
     # (TF_GRPC_DEFAULT_OPTIONS) so that TensorFlow's blocked call fails, and fit names the silent task.

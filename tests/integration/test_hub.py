@@ -153,6 +153,7 @@ TEXT = np.array(
 )
 
 
+@pytest.mark.slow  # 86 s: the suite's 20 minutes went to the planner's tests (pytest -m slow runs it)
 def test_the_preprocessor_turns_strings_into_tokens_in_fit_evaluate_and_predict_as_the_tasks_own():
     reference, own = _tokenized_task(), _tokenized_task()
     model = tfpipe.PipelineModel(own, num_partitions=2, num_micro_batches=2, devices=cpu_devices(2))
