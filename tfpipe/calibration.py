@@ -2,11 +2,12 @@
 
 Both are measured with tfpipe's own step, on probes: ``calibrate`` runs a pipeline of one
 tiny layer per device (the cost of a task and of a step), copies a tensor between the first two
-devices (bandwidth), runs matrix products on every device at once (how many devices' worth of
-compute run side by side: logical devices on one CPU share its cores) and one optimizer update.
-``whole_steps`` trains copies of the user's layers as one cell at each micro-batch size: a
-layer timed alone misses what a step's graph does with many micro-batches (tasks overlapping,
-kernels settled), so the layers' measured times are scaled to add up to this.
+devices (bandwidth), runs a small pipeline on one device and across all of them (how many
+devices' worth of compute run side by side: logical devices on one CPU share its cores) and one
+optimizer update. ``whole_steps`` trains copies of the user's layers as one cell at each
+micro-batch size: a layer timed alone misses what a step's graph does with many micro-batches
+(tasks overlapping, kernels settled), so the layers' measured times are scaled to add up to this;
+``split_step`` trains them cut over the devices (the planner measures this model's parallelism with it).
 """
 
 from __future__ import annotations

@@ -1,10 +1,10 @@
 """``tfpipe.plan``: measure the layers and the devices, predict every configuration, return the fastest that fits.
 
 What the plan rests on (``Plan.summary`` prints it): each layer's forward and backward
-time and held bytes, measured on copies on the first device at every micro-batch size
-the search needs (``planning.profile``); the cost of a task, of a step, of moving a
-tensor and of the optimizer's update, and how many devices' worth of compute run at
-once, measured once per set of devices with a tiny pipeline (``calibrate``); and the
+time and held bytes, measured on copies on the first device (``planning.profile``), the
+times scaled to real one-cell steps of all the layers; the cost of a task, of a step, of
+moving a tensor and of the optimizer's update, measured once per set of devices, and how
+many devices' worth of compute this model gets from them (``calibration``); and the
 schedule simulated as data (``planning.predict``, ``planning.search``).
 """
 
