@@ -2,12 +2,11 @@
 
 Both are measured with tfpipe's own step, on probes: ``calibrate`` runs a pipeline of one
 tiny layer per device (the cost of a task and of a step), copies a tensor between the first two
-devices (bandwidth), runs a small pipeline on one device and across all of them (how many
-devices' worth of compute run side by side: logical devices on one CPU share its cores) and one
-optimizer update. ``whole_steps`` trains copies of the user's layers as one cell at each
-micro-batch size: a layer timed alone misses what a step's graph does with many micro-batches
+devices (bandwidth) and times one optimizer update. ``whole_steps`` trains copies of the user's
+layers as one cell at each micro-batch size: a layer timed alone misses what a step's graph does with many micro-batches
 (tasks overlapping, kernels settled), so the layers' measured times are scaled to add up to this;
-``split_step`` trains them cut over the devices (the planner measures this model's parallelism with it).
+``split_step`` trains them cut over the devices: how many devices' worth of compute this model gets
+(logical devices on one CPU share its cores), which the planner measures with it.
 """
 
 from __future__ import annotations
@@ -47,7 +46,8 @@ def calibrate(devices: Sequence[str], optimizer: Any = "adam", steps: int = 30) 
         task_s=task_s,
         step_s=step_s,
         bandwidth=_bandwidth(device_list),
-        parallelism=_parallelism(device_list, task_s, step_s, steps),
+        # each device its own compute until measured otherwise: tfpipe.plan measures it on the model (planner)
+        parallelism=float(len(set(device_list))),
         update_s_per_byte=_update_seconds_per_byte(device_list[0], optimizer),
         source=f"measured on {k} device(s) with a tiny pipeline",
     )
@@ -170,34 +170,6 @@ def _bandwidth(devices: list[str]) -> float:
     empty = _median(lambda: move(x[:1, :1]))
     seconds = max(_median(lambda: move(x)) - empty, 1e-9)
     return float(x.shape.num_elements() * 4 / seconds)
-
-
-def _parallelism(devices: list[str], task_s: float, step_s: float, steps: int) -> float:
-    """How many devices' worth of compute a pipeline over ``devices`` runs at once (1 to their number).
-
-    Two probes of 2K Dense(256) layers at M=8: all on the first device, then two per device. The first gives
-    the work; the second, against the schedule simulated with that work, how much of it ran side by side.
-    """
-    k = len(devices)
-    if len(set(devices)) < 2:
-        return 1.0
-    m = 8
-    x = np.random.default_rng(0).standard_normal((256, 256)).astype("float32")
-
-    def layers() -> list[keras.layers.Layer]:
-        return [keras.layers.Dense(256, activation="tanh") for _ in range(2 * k)]
-
-    one = _step_seconds(layers(), [2 * k], devices[:1], m, x, x, "sgd", steps)
-    split = _step_seconds(layers(), [2] * k, devices, m, x, x, "sgd", steps)
-    work = max(one - step_s - 2 * m * task_s, 1e-9)  # every task's compute, on one device
-    per_task = work / (3 * m * k)  # a forward's share; a backward takes two
-    timed = schedule_lib.simulate(k, m, [per_task + task_s] * k, [2 * per_task + task_s] * k)
-    span = max(end for _, _, end in timed)
-    busy = sum(end - start for _, start, end in timed)
-    took = split - step_s
-    if took <= span:
-        return float(k)
-    return float(min(max(busy / took, 1.0), k))
 
 
 def _update_seconds_per_byte(device: str, optimizer: Any) -> float:

@@ -59,10 +59,10 @@ def test_the_summary_says_where_each_prediction_comes_from(planned):
 
 def test_no_configuration_fits_names_the_budget_that_would_and_that_budget_fits(planned):
     plan, x = planned
-    with pytest.raises(ValueError, match=r"No configuration fits memory_budget=1 KiB on every device: .* Pass "):
-        tfpipe.plan(_layers(), 32, DEVICES, "1KiB", sample=x, optimizer="sgd", num_micro_batches=[1, 2, 4])
-    smallest = min(max(c.prediction.peak_bytes) for c in plan.candidates)
     kwargs = dict(sample=x, optimizer="sgd", num_micro_batches=[1, 2, 4], calibration=plan.calibration)
+    with pytest.raises(ValueError, match=r"No configuration fits memory_budget=1 KiB on every device: .* Pass "):
+        tfpipe.plan(_layers(), 32, DEVICES, "1KiB", **kwargs)
+    smallest = min(max(c.prediction.peak_bytes) for c in plan.candidates)
     again = tfpipe.plan(_layers(), 32, DEVICES, smallest, **kwargs)
     assert max(again.peak_bytes) <= smallest
 
