@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import statistics
-import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -70,10 +69,10 @@ def make_plan(spec: dict[str, Any], budget: str | None) -> Any:
 
 def measure(config: dict[str, Any]) -> dict[str, float]:
     """In a child: one configuration's median step seconds and its peak bytes (all logical devices together)."""
-    import keras
     import tensorflow as tf
 
     import tfpipe
+    from tfpipe.calibration import step_times, warm_up
 
     devices = _devices(config["devices"])
     steps, batch = 20, config["batch_size"]
@@ -92,23 +91,9 @@ def measure(config: dict[str, Any]) -> dict[str, float]:
         schedule=config["schedule"],
     )
     model.compile(optimizer=config["optimizer"], loss=loss)
-    times: list[float] = []
-
-    class Timer(keras.callbacks.Callback):
-        def on_train_batch_begin(self, batch: int, logs: Any = None) -> None:
-            self.began = time.perf_counter()
-
-        def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
-            times.append(time.perf_counter() - self.began)
-
-    began = time.perf_counter()
-    model.fit(data, steps_per_epoch=5, epochs=1, verbose=0)  # traces the step
-    warm = 5
-    while time.perf_counter() - began < 4 and warm < 100:  # TensorFlow's kernels settle over ~90 runs
-        model.fit(data, steps_per_epoch=10, epochs=1, verbose=0)
-        warm += 10
+    warm_up(model, data, seconds=4.0)
     tf.config.experimental.reset_memory_stats("CPU:0")
-    model.fit(data, steps_per_epoch=steps, epochs=1, verbose=0, callbacks=[Timer()])
+    times = step_times(model, data, steps)
     peak = tf.config.experimental.get_memory_info("CPU:0")["peak"] - base
     return {"step_s": statistics.median(times[2:]), "peak_bytes": float(peak)}
 

@@ -23,6 +23,7 @@ from tfpipe import messages
 from tfpipe.model import PipelineModel
 from tfpipe.partition.sequence import copy_layer
 from tfpipe.planning.predict import Calibration
+from tfpipe.planning.profile import median_seconds
 from tfpipe.step import schedule as schedule_lib
 
 _CALIBRATIONS: dict[tuple[str, ...], Calibration] = {}  # one per set of devices and optimizer, per process
@@ -121,6 +122,27 @@ def _step_seconds(
     )
     model.compile(optimizer=optimizer, loss=loss)
     data = tf.data.Dataset.from_tensors((x, y)).repeat()
+    with messages.quiet():  # the probes' "building the step" lines are not the user's
+        warm_up(model, data)
+        return float(np.median(step_times(model, data, steps)))
+
+
+def warm_up(model: keras.Model, data: tf.data.Dataset, seconds: float | None = None) -> None:
+    """Trace ``model``'s step on ``data`` (a repeated dataset), then train up to WARM_STEPS steps or ``seconds``.
+
+    Default ``seconds``: twice the tracing time and one more (a large model settles sooner than it traces).
+    """
+    began = timeit.default_timer()
+    model.fit(data, steps_per_epoch=2, verbose=0)  # traces
+    limit = 2 * (timeit.default_timer() - began) + 1.0 if seconds is None else seconds
+    warm = 2
+    while warm < WARM_STEPS and timeit.default_timer() - began < limit:
+        model.fit(data, steps_per_epoch=10, verbose=0)
+        warm += 10
+
+
+def step_times(model: keras.Model, data: tf.data.Dataset, steps: int) -> list[float]:
+    """Seconds of each of ``steps`` training steps of ``model`` on ``data``, timed from Keras' batch callbacks."""
     times: list[float] = []
 
     class Timer(keras.callbacks.Callback):
@@ -130,29 +152,8 @@ def _step_seconds(
         def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
             times.append(timeit.default_timer() - self.began)
 
-    with messages.quiet():  # the probes' "building the step" lines are not the user's
-        began = timeit.default_timer()
-        model.fit(data, steps_per_epoch=2, verbose=0)  # traces
-        traced = timeit.default_timer() - began
-        # warm up past WARM_STEPS, but for at most as long again as tracing took (a large model settles sooner)
-        warm = 2
-        while warm < WARM_STEPS and timeit.default_timer() - began < 2 * traced + 1.0:
-            model.fit(data, steps_per_epoch=10, verbose=0)
-            warm += 10
-        model.fit(data, steps_per_epoch=steps, verbose=0, callbacks=[Timer()])
-    return float(np.median(times))
-
-
-def _median(fn: Any, repeats: int = 7) -> float:
-    fn()
-    fn()
-    times = []
-    for _ in range(repeats):
-        began = timeit.default_timer()
-        fn()
-        tf.test.experimental.sync_devices()
-        times.append(timeit.default_timer() - began)
-    return float(np.median(times))
+    model.fit(data, steps_per_epoch=steps, verbose=0, callbacks=[Timer()])
+    return times
 
 
 def _bandwidth(devices: list[str]) -> float:
@@ -167,8 +168,8 @@ def _bandwidth(devices: list[str]) -> float:
         with tf.device(devices[1]):
             return tf.reduce_sum(t[:1, :1] * 0 + t)  # reads every byte on the second device
 
-    empty = _median(lambda: move(x[:1, :1]))
-    seconds = max(_median(lambda: move(x)) - empty, 1e-9)
+    empty = median_seconds(lambda: move(x[:1, :1]), 7)
+    seconds = max(median_seconds(lambda: move(x), 7) - empty, 1e-9)
     return float(x.shape.num_elements() * 4 / seconds)
 
 
@@ -181,6 +182,6 @@ def _update_seconds_per_byte(device: str, optimizer: Any) -> float:
             variable = keras.Variable(np.zeros((rows, 1024), "float32"))
             gradient = tf.ones((rows, 1024))
             opt.build([variable])
-            return _median(tf.function(lambda: opt.apply([gradient], [variable])))
+            return median_seconds(tf.function(lambda: opt.apply([gradient], [variable])), 7)
 
     return max(seconds(4096) - seconds(16), 0.0) / ((4096 - 16) * 1024 * 4)

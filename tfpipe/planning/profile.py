@@ -82,7 +82,7 @@ def _reads_memory(device: str) -> bool:
     return True
 
 
-def _median_seconds(fn: Any, repeats: int, warm_s: float = 0.3) -> float:
+def median_seconds(fn: Any, repeats: int, warm_s: float = 0.3) -> float:
     """Median seconds of ``fn()`` over ``repeats`` runs, after tracing and 100 runs or ``warm_s`` of warm-up."""
     fn()
     began = timeit.default_timer()
@@ -142,9 +142,9 @@ class _Measured:
         """(forward s, backward s, bytes held, backward working bytes) fed ``x``."""
         # each measurement is one function call: take off what calling a function that does nothing costs, which
         # a cell's graph pays once per task, not once per layer
-        call_s = _median_seconds(lambda: _passed_through(x), repeats)
-        f_s = max(_median_seconds(lambda: self._forward(x), repeats) - call_s, 0.0)
-        fb_s = max(_median_seconds(lambda: self._forward_backward(x), repeats) - call_s, 0.0)
+        call_s = median_seconds(lambda: _passed_through(x), repeats)
+        f_s = max(median_seconds(lambda: self._forward(x), repeats) - call_s, 0.0)
+        fb_s = max(median_seconds(lambda: self._forward_backward(x), repeats) - call_s, 0.0)
         if memory is None:
             return f_s, max(fb_s - f_s, 0.0), 0.0, 0.0
         # Memory: the forward run under a tape keeps what the backward will read (a traced function's outputs
