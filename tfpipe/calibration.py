@@ -11,6 +11,8 @@ layers as one cell at each micro-batch size: a layer timed alone misses what a s
 
 from __future__ import annotations
 
+import dataclasses
+import gc
 import timeit
 from collections.abc import Sequence
 from typing import Any
@@ -23,7 +25,7 @@ from tfpipe import messages
 from tfpipe.model import PipelineModel
 from tfpipe.partition.sequence import copy_layer
 from tfpipe.planning.predict import Calibration
-from tfpipe.planning.profile import median_seconds
+from tfpipe.planning.profile import median_seconds, memory_name
 from tfpipe.step import schedule as schedule_lib
 
 _CALIBRATIONS: dict[tuple[str, ...], Calibration] = {}  # one per set of devices and optimizer, per process
@@ -39,7 +41,7 @@ def calibrate(devices: Sequence[str], optimizer: Any = "adam", steps: int = 30) 
     k = len(device_list)
     tiny = [keras.layers.Dense(4) for _ in device_list]
     x = np.ones((64, 4), "float32")
-    timed = {m: _step_seconds(tiny, [1] * k, device_list, m, x, x, "sgd", steps) for m in (1, 8)}
+    timed = {m: _probe(tiny, [1] * k, device_list, m, x, x, "sgd", steps).seconds for m in (1, 8)}
     units = {m: max(end for _, _, end in schedule_lib.simulate(k, m, [1.0] * k, [1.0] * k)) for m in timed}
     task_s = max((timed[8] - timed[1]) / (units[8] - units[1]), 0.0)
     step_s = max(timed[1] - task_s * units[1], 0.0)
@@ -56,6 +58,14 @@ def calibrate(devices: Sequence[str], optimizer: Any = "adam", steps: int = 30) 
     return result
 
 
+@dataclasses.dataclass(frozen=True)
+class Probe:
+    """One probe pipeline's median step and its peak bytes (None where the device's allocator counts none)."""
+
+    seconds: float
+    peak_bytes: float | None  # the step's peak above what the process held before the probe's model was made
+
+
 def whole_steps(
     layers: Sequence[keras.layers.Layer],
     sample: Any,
@@ -63,8 +73,8 @@ def whole_steps(
     device: str,
     optimizer: Any,
     steps: int = 10,
-) -> dict[int, float]:
-    """For each (micro-batch size b, M): the median step of copies of ``layers`` as one cell on ``device``, by b.
+) -> dict[int, Probe]:
+    """For each (micro-batch size b, M): copies of ``layers`` trained as one cell on ``device``, by b.
 
     Trained with a fresh ``optimizer`` on ``sample``'s rows, tiled to b x M; the loss is the outputs' mean, so
     any model trains.
@@ -81,12 +91,12 @@ def split_step(
     devices: list[str],
     optimizer: Any,
     steps: int = 10,
-) -> float:
-    """The median step of copies of ``layers`` cut by ``balance`` over ``devices``, M=m micro-batches of b rows."""
+) -> Probe:
+    """Copies of ``layers`` cut by ``balance`` over ``devices`` trained at M=m micro-batches of b rows."""
     copies = [copy_layer(layer, "to time it", "pass calibration=... or plan by hand") for layer in layers]
     x = tf.nest.map_structure(lambda t, n=b * m: _tiled(t, n), sample)
     y = np.zeros((b * m, 1), "float32")
-    return _step_seconds(copies, balance, devices, m, x, y, _fresh(optimizer), steps, _mean)
+    return _probe(copies, balance, devices, m, x, y, _fresh(optimizer), steps, _mean)
 
 
 def _fresh(optimizer: Any) -> keras.optimizers.Optimizer:
@@ -105,7 +115,7 @@ def _tiled(t: Any, rows: int) -> np.ndarray:
     return np.concatenate([array] * -(-rows // array.shape[0]))[:rows]
 
 
-def _step_seconds(
+def _probe(
     layers: list[Any],
     balance: list[int],
     devices: list[str],
@@ -115,16 +125,23 @@ def _step_seconds(
     optimizer: Any,
     steps: int,
     loss: Any = "mse",
-) -> float:
-    """The median training step of a probe pipeline over one batch (x, y), after WARM_STEPS of warm-up."""
+) -> Probe:
+    """A probe pipeline trained on one batch (x, y): its median step after WARM_STEPS of warm-up, and its peak."""
+    data = tf.data.Dataset.from_tensors((x, y)).repeat()
+    memory = memory_name(devices[0])
+    gc.collect()  # an earlier probe's model freed during this one's steps would hide bytes of this one's peak
+    base = tf.config.experimental.get_memory_info(memory)["current"] if memory else 0
     model = PipelineModel(
         layers, balance=balance, devices=devices, num_micro_batches=m, remat="never", name=f"tfpipe_probe_{m}"
     )
     model.compile(optimizer=optimizer, loss=loss)
-    data = tf.data.Dataset.from_tensors((x, y)).repeat()
     with messages.quiet():  # the probes' "building the step" lines are not the user's
         warm_up(model, data)
-        return float(np.median(step_times(model, data, steps)))
+        if memory:
+            tf.config.experimental.reset_memory_stats(memory)
+        seconds = float(np.median(step_times(model, data, steps)))
+    peak = float(tf.config.experimental.get_memory_info(memory)["peak"] - base) if memory else None
+    return Probe(seconds, peak)
 
 
 def warm_up(model: keras.Model, data: tf.data.Dataset, seconds: float | None = None) -> None:

@@ -103,21 +103,22 @@ def _scale_to_whole_steps(
     optimizer: Any,
     calibration: Calibration,
 ) -> None:
-    """Scale the layers' times at each micro-batch size to a real step of all of them as one cell (see calibration).
+    """Scale the layers' times and held bytes at each micro-batch size to real steps of all of them as one cell.
 
     Steps are measured at the smallest, the middle and the largest size; between them the ratio of step to layers
-    is interpolated in log(size).
+    is interpolated in log(size). Where the allocator counts bytes, what a micro-batch held in those steps gives
+    ``Profile.held_ratios``.
     """
     every = sorted(measured.by_batch)
     probed = sorted({every[0], every[len(every) // 2], every[-1]})  # the sizes profile.measure ran
     sizes = [(b, min(max(batch_size // b, 1), PROBE_MICRO_BATCHES)) for b in probed]
-    steps = calibration_lib.whole_steps(layers, data, sizes, device, optimizer)
+    steps = calibration_lib.whole_steps(layers, data, sizes, device, optimizer)  # M <= 8: cells inlined
     update_s = sum(measured.trainable_bytes) * calibration.update_s_per_byte
     ratios = []
     for b, m in sizes:
         costs = measured.costs(b)
         alone = sum(costs.forward_s) + sum(costs.backward_s)
-        per_micro_batch = (steps[b] - calibration.step_s - update_s) / m - 2 * calibration.task_s
+        per_micro_batch = (steps[b].seconds - calibration.step_s - update_s) / m - 2 * calibration.task_s
         ratios.append(per_micro_batch / alone if per_micro_batch > 0 and alone > 0 else 1.0)
     for b in every:
         ratio = float(np.interp(np.log2(b), np.log2(probed), ratios))
@@ -127,6 +128,33 @@ def _scale_to_whole_steps(
         f"each layer run alone, scaled to add up to a step of all the layers as one cell on {device} (measured at "
         f"{probed} samples with M <= {PROBE_MICRO_BATCHES}, less its fixed, task and update costs)"
     )
+    if measured.memory_source != profile.MEASURED:
+        return
+    # A step that does not inline its cells' calls (from unrolled.NOINLINE_TASKS tasks on) holds what each layer
+    # measured alone held, a call TensorFlow did not inline either: the ratio stays 1 there (measured: the
+    # Transformer of docs/benchmarks.md at K=2, M=16 held 481 MiB, its layers' bytes predict 494)
+    inlined = _held_ratios(measured, steps, sizes, optimizer_slots(optimizer))
+    measured.held_ratios = {True: inlined}
+    measured.memory_source += (
+        f"; where a step inlines its cells, a micro-batch's activations scaled to what steps of all the layers as "
+        f"one cell held (x{'/'.join(f'{r:.2f}' for r in inlined[1])} at {inlined[0]} samples)"
+    )
+
+
+def _held_ratios(
+    measured: profile.Profile, probes: dict[int, calibration_lib.Probe], sizes: list[tuple[int, int]], slots: int
+) -> tuple[list[int], list[float]]:
+    """Per probed (b, M): a one-cell step's activations (its peak less the rest predicted) over the layers' bytes."""
+    found: tuple[list[int], list[float]] = ([], [])
+    for b, m in sizes:
+        peak = probes[b].peak_bytes
+        activations = m * sum(measured.costs(b).held_bytes)
+        if peak is None or activations <= 0:
+            continue
+        rest = predict.cell_peak(measured, b, 0, len(measured.weight_bytes), True, m, "never", slots, m, 0.0)
+        found[0].append(b)
+        found[1].append(min(max((peak - rest) / activations, 0.05), 4.0))
+    return found
 
 
 def _model_parallelism(
@@ -152,7 +180,7 @@ def _model_parallelism(
         profile.fill(measured, [b])
     costs = measured.costs(b)
     cut = balance_lib.partition([f + x for f, x in zip(costs.forward_s, costs.backward_s)], k)
-    took = calibration_lib.split_step(layers, data, b, m, cut, devices, optimizer)
+    took = calibration_lib.split_step(layers, data, b, m, cut, devices, optimizer).seconds
     config = Config(tuple(cut), 1, m, "never", "gpipe")
     free = predict.step_seconds(measured, dataclasses.replace(calibration, parallelism=float(k)), batch_size, config)
     pipeline_s = took - free.update_s - free.fixed_s

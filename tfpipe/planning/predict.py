@@ -10,7 +10,11 @@ Memory, per device: the cell's weights, one gradient per trainable weight, the
 optimizer's slots (replica 0 only), the micro-batches in flight that the schedule holds
 (``schedule.in_flight``): without re-materialization each holds every layer's saved
 activations, with it only the cell's input, plus one micro-batch recomputed at a time;
-and the largest working set of a backward. The first cell also holds the batch.
+and the largest working set of a backward. The first cell also holds the batch. What a
+micro-batch's activations hold is the layers' measured bytes scaled to what real steps
+held (``Profile.held_ratio``): a step that calls its cells without inlining them (from
+``unrolled.NOINLINE_TASKS`` tasks on) keeps every intermediate of each call, one that
+inlines them keeps what the backward reads.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from collections.abc import Sequence
 from tfpipe.backward import remat as remat_lib
 from tfpipe.planning.profile import Profile
 from tfpipe.step import schedule as schedule_lib
+from tfpipe.step.unrolled import NOINLINE_TASKS
 
 # Optimizer slots per trainable weight (Keras' built-in optimizers)
 SLOTS = {"sgd": 0, "sgd_momentum": 1, "rmsprop": 1, "adagrad": 1, "adam": 2, "adamw": 2, "lamb": 2, "nadam": 2}
@@ -125,30 +130,46 @@ def step_seconds(profile: Profile, calibration: Calibration, batch_size: int, co
     return Prediction(pipeline_s + update_s + fixed_s, pipeline_s, update_s, fixed_s, [], work_s=work)
 
 
+def inlined(num_partitions: int, num_micro_batches: int) -> bool:
+    """Whether a step of K cells and M micro-batches inlines its cells' calls (the step's own rule)."""
+    return 2 * num_partitions * num_micro_batches < NOINLINE_TASKS
+
+
 def peak_bytes(profile: Profile, batch_size: int, config: Config, slots: int) -> list[float]:
     """The predicted peak bytes of each device: replica 0's cells, then each other replica's."""
     b = micro_batch_size(batch_size, config)
     k, m = config.num_partitions, config.num_micro_batches
     held_at_once = schedule_lib.in_flight(schedule_lib.steps(config.schedule, k, m), k)
+    ratio = profile.held_ratio(b, inlined(k, m))
     return [
-        cell_peak(profile, b, lo, hi, i == 0, held_at_once[i], config.remat, slots if replica == 0 else 0, m)
+        cell_peak(profile, b, lo, hi, i == 0, held_at_once[i], config.remat, slots if replica == 0 else 0, m, ratio)
         for replica in range(config.num_replicas)
         for i, (lo, hi) in enumerate(bounds(config.balance))
     ]
 
 
 def cell_peak(
-    profile: Profile, b: int, lo: int, hi: int, first: bool, in_flight: int, remat: str, slots: int, m: int
+    profile: Profile,
+    b: int,
+    lo: int,
+    hi: int,
+    first: bool,
+    in_flight: int,
+    remat: str,
+    slots: int,
+    m: int,
+    held_ratio: float = 1.0,
 ) -> float:
     """One cell's predicted peak: layers [lo, hi) at micro-batch size ``b``, ``in_flight`` micro-batches held.
 
     ``slots``: optimizer slots per trainable weight on this device (0 on replicas other than the first).
+    ``held_ratio``: what a micro-batch's activations hold in a step, against the layers' measured bytes.
     """
     costs = profile.costs(b)
     trainable = sum(profile.trainable_bytes[lo:hi])
     static = sum(profile.weight_bytes[lo:hi]) + (1 + slots) * trainable
     cell_input = b * (profile.input_bytes if first else profile.output_bytes[lo - 1])
-    activations = sum(costs.held_bytes[lo:hi])
+    activations = held_ratio * sum(costs.held_bytes[lo:hi])
     held = in_flight * cell_input + (activations if remat != "never" else in_flight * activations)
     batch = 2 * m * b * profile.input_bytes if first else 0.0
     return static + held + max(costs.working_bytes[lo:hi]) + batch

@@ -55,6 +55,9 @@ class Profile:
     by_batch: dict[int, LayerCosts]
     memory_source: str
     time_source: str = "each layer's forward and backward run alone"
+    # What a micro-batch's activations hold in a real step against the layers' measured held bytes, by whether the
+    # step inlines its cells' calls: (micro-batch sizes probed, ratios). Not probed: 1.0.
+    held_ratios: dict[bool, tuple[list[int], list[float]]] = dataclasses.field(default_factory=dict)
 
     def costs(self, batch: int) -> LayerCosts:
         """The measurements at micro-batch size ``batch`` (a ValueError if it was not profiled)."""
@@ -62,24 +65,31 @@ class Profile:
             raise ValueError(f"micro-batch size {batch} was not profiled; profiled: {sorted(self.by_batch)}.")
         return self.by_batch[batch]
 
+    def held_ratio(self, batch: int, inlined: bool) -> float:
+        """What a step's micro-batch of ``batch`` rows holds against the layers' measured bytes (interpolated)."""
+        sizes, ratios = self.held_ratios.get(inlined, ([], []))
+        if not sizes:
+            return 1.0
+        return float(np.interp(np.log2(batch), np.log2(sizes), ratios))
 
-def _memory_name(device: str) -> str:
+
+def memory_name(device: str) -> str | None:
+    """The name ``get_memory_info`` knows ``device`` by, or None where its allocator counts no bytes.
+
+    A CPU's allocator counts only with ``TF_CPU_ALLOCATOR_USE_BFC=true``; a device of another process (a
+    cluster's worker) is not this process's to read.
+    """
     spec = tf.DeviceSpec.from_string(device)
-    return f"{(spec.device_type or 'CPU').upper()}:{spec.device_index or 0}"
-
-
-def _reads_memory(device: str) -> bool:
-    """Whether ``device``'s allocator counts bytes (a CPU's does only with the BFC allocator)."""
-    if _memory_name(device).startswith("CPU") and os.environ.get("TF_CPU_ALLOCATOR_USE_BFC", "").lower() not in (
-        "1",
-        "true",
-    ):
-        return False
+    if spec.job not in (None, "localhost"):
+        return None
+    name = f"{(spec.device_type or 'CPU').upper()}:{spec.device_index or 0}"
+    if name.startswith("CPU") and os.environ.get("TF_CPU_ALLOCATOR_USE_BFC", "").lower() not in ("1", "true"):
+        return None
     try:
-        tf.config.experimental.get_memory_info(_memory_name(device))
+        tf.config.experimental.get_memory_info(name)
     except (ValueError, tf.errors.OpError):
-        return False
-    return True
+        return None
+    return name
 
 
 def median_seconds(fn: Any, repeats: int, warm_s: float = 0.3) -> float:
@@ -170,7 +180,7 @@ def measure(
 
     The layers are copied and run once at the largest size; each copy is measured on the first rows of its input.
     """
-    memory = _memory_name(device) if _reads_memory(device) else None
+    memory = memory_name(device)
     sizes = sorted(set(int(b) for b in batch_sizes))
     by_batch = {b: LayerCosts([], [], [], []) for b in sizes}
     weights: list[float] = []

@@ -135,6 +135,7 @@ def memory_balance(
         return None
     num_layers = len(times)
     held_at_once = schedule_lib.in_flight(schedule_lib.steps(schedule, k, m), k)
+    ratio = profile.held_ratio(b, predict.inlined(k, m))
     prefix = np.concatenate([[0.0], np.cumsum(times)])
     best = np.full((k + 1, num_layers + 1), np.inf)
     choice = np.zeros((k + 1, num_layers + 1), dtype=int)
@@ -147,7 +148,7 @@ def memory_balance(
                 value = max(best[c - 1, lo], prefix[hi] - prefix[lo])
                 if value >= best[c, hi]:
                     continue
-                if predict.cell_peak(profile, b, lo, hi, c == 1, held_at_once[c - 1], remat, slots, m) <= budget:
+                if predict.cell_peak(profile, b, lo, hi, c == 1, held_at_once[c - 1], remat, slots, m, ratio) <= budget:
                     best[c, hi], choice[c, hi] = value, lo
     if not np.isfinite(best[k, num_layers]):
         return None

@@ -118,6 +118,27 @@ def test_peak_bytes_of_one_cell_with_remat_never_and_always_by_hand():
     assert never[0] - always[0] == pytest.approx((m - 1) * activations)
 
 
+def test_held_ratios_scale_the_activations_by_whether_the_step_inlines_its_cells():
+    prof = profile()
+    # what steps held against the layers' bytes: measured at sizes 1 and 4 inlined, at 2 not inlined
+    prof.held_ratios = {True: ([1, 4], [0.4, 0.6]), False: ([2], [1.1])}
+    assert prof.held_ratio(2, True) == pytest.approx(0.5)  # halfway in log2(size)
+    assert (prof.held_ratio(8, True), prof.held_ratio(8, False)) == (pytest.approx(0.6), pytest.approx(1.1))
+    b, m, slots = 2, 4, 2
+    ones = profile()  # the same profile, no ratios: the layers' bytes as measured
+    activations = (40 + 30 + 20) * b / 4
+    inlined = predict.peak_bytes(prof, 8, Config((3,), 1, m, "never", "gpipe"), slots)
+    plain = predict.peak_bytes(ones, 8, Config((3,), 1, m, "never", "gpipe"), slots)
+    assert plain[0] - inlined[0] == pytest.approx(m * activations * (1 - 0.5))
+    # from NOINLINE_TASKS tasks (2 K M) on, the step calls its cells without inlining them: the other ratio
+    m = predict.NOINLINE_TASKS // 2
+    assert not predict.inlined(1, m) and predict.inlined(1, m - 1)
+    big = Config((3,), 1, m, "never", "gpipe")
+    b = predict.micro_batch_size(8 * m, big)
+    apart = predict.peak_bytes(prof, 8 * m, big, slots)[0] - predict.peak_bytes(ones, 8 * m, big, slots)[0]
+    assert apart == pytest.approx(m * (40 + 30 + 20) * b / 4 * (1.1 - 1))
+
+
 def test_peak_bytes_count_the_optimizer_slots_on_the_first_replica_only():
     prof = profile()
     two = predict.peak_bytes(prof, 8, Config((3,), 2, 1, "never", "gpipe"), 2)
