@@ -151,7 +151,7 @@ def _held_ratios(
         activations = m * sum(measured.costs(b).held_bytes)
         if peak is None or activations <= 0:
             continue
-        rest = predict.cell_peak(measured, b, 0, len(measured.weight_bytes), True, m, "never", slots, m, 0.0)
+        rest = predict.cell_peak(measured, b, 0, len(measured.weight_bytes), True, m, m, slots, m, 0.0)
         found[0].append(b)
         found[1].append(min(max((peak - rest) / activations, 0.05), 4.0))
     return found

@@ -8,9 +8,10 @@ then the optimizer's update and the step's fixed cost are added.
 
 Memory, per device: the cell's weights, one gradient per trainable weight, the
 optimizer's slots (replica 0 only), the micro-batches in flight that the schedule holds
-(``schedule.in_flight``): without re-materialization each holds every layer's saved
-activations, with it only the cell's input, plus one micro-batch recomputed at a time;
-and the largest working set of a backward. The first cell also holds the batch. What a
+(``schedule.in_flight``), each holding the cell's input, and of those every layer's saved
+activations for the micro-batches not recomputed and for one being recomputed
+(``activations_at_once``); and the largest working set of a backward. The first cell
+also holds the batch. What a
 micro-batch's activations hold is the layers' measured bytes scaled to what real steps
 held (``Profile.held_ratio``): a step that calls its cells without inlining them (from
 ``unrolled.NOINLINE_TASKS`` tasks on) keeps every intermediate of each call, one that
@@ -139,13 +140,39 @@ def peak_bytes(profile: Profile, batch_size: int, config: Config, slots: int) ->
     """The predicted peak bytes of each device: replica 0's cells, then each other replica's."""
     b = micro_batch_size(batch_size, config)
     k, m = config.num_partitions, config.num_micro_batches
-    held_at_once = schedule_lib.in_flight(schedule_lib.steps(config.schedule, k, m), k)
+    order = schedule_lib.steps(config.schedule, k, m)
+    held_at_once = schedule_lib.in_flight(order, k)
+    kept = activations_at_once(order, k, config.remat, m)
     ratio = profile.held_ratio(b, inlined(k, m))
     return [
-        cell_peak(profile, b, lo, hi, i == 0, held_at_once[i], config.remat, slots if replica == 0 else 0, m, ratio)
+        cell_peak(profile, b, lo, hi, i == 0, held_at_once[i], kept[i], slots if replica == 0 else 0, m, ratio)
         for replica in range(config.num_replicas)
         for i, (lo, hi) in enumerate(bounds(config.balance))
     ]
+
+
+def activations_at_once(order: Sequence[schedule_lib.Task], num_cells: int, remat: str, m: int) -> list[int]:
+    """Per cell, the most micro-batches whose every activation is held at once under ``remat``.
+
+    A micro-batch that is not recomputed holds them from its forward; a recomputed one from its B, where it is
+    recomputed; either until its cell's last backward task (W where the order has W tasks). So 1F1B with
+    ``"except_last"`` holds two: the last micro-batch's, kept, while an earlier one is recomputed.
+    """
+    split = {task.cell for task in order if task.kind == "W"}
+    held: list[set[int]] = [set() for _ in range(num_cells)]
+    peak = [0] * num_cells
+    for task in order:
+        cell, j = task.cell, task.micro_batch
+        if j == schedule_lib.ALL:  # W over every micro-batch at once: all are released
+            held[cell].clear()
+            continue
+        recomputed = remat_lib.recomputes(remat, j, m)
+        if (task.kind == "F" and not recomputed) or (task.kind == "B" and recomputed):
+            held[cell].add(j)
+        peak[cell] = max(peak[cell], len(held[cell]))
+        if task.kind == ("W" if cell in split else "B"):
+            held[cell].discard(j)
+    return peak
 
 
 def cell_peak(
@@ -155,21 +182,22 @@ def cell_peak(
     hi: int,
     first: bool,
     in_flight: int,
-    remat: str,
+    kept: int,
     slots: int,
     m: int,
     held_ratio: float = 1.0,
 ) -> float:
-    """One cell's predicted peak: layers [lo, hi) at micro-batch size ``b``, ``in_flight`` micro-batches held.
+    """One cell's predicted peak: layers [lo, hi) at micro-batch size ``b``.
 
-    ``slots``: optimizer slots per trainable weight on this device (0 on replicas other than the first).
-    ``held_ratio``: what a micro-batch's activations hold in a step, against the layers' measured bytes.
+    ``in_flight`` micro-batches hold the cell's input, ``kept`` hold every activation at once
+    (``activations_at_once``). ``slots``: optimizer slots per trainable weight on this device (0 on replicas
+    other than the first). ``held_ratio``: what a micro-batch's activations hold in a step, against the layers'
+    measured bytes.
     """
     costs = profile.costs(b)
     trainable = sum(profile.trainable_bytes[lo:hi])
     static = sum(profile.weight_bytes[lo:hi]) + (1 + slots) * trainable
     cell_input = b * (profile.input_bytes if first else profile.output_bytes[lo - 1])
-    activations = held_ratio * sum(costs.held_bytes[lo:hi])
-    held = in_flight * cell_input + (activations if remat != "never" else in_flight * activations)
+    held = in_flight * cell_input + kept * held_ratio * sum(costs.held_bytes[lo:hi])
     batch = 2 * m * b * profile.input_bytes if first else 0.0
     return static + held + max(costs.working_bytes[lo:hi]) + batch

@@ -134,7 +134,9 @@ def memory_balance(
     if budget is None:
         return None
     num_layers = len(times)
-    held_at_once = schedule_lib.in_flight(schedule_lib.steps(schedule, k, m), k)
+    order = schedule_lib.steps(schedule, k, m)
+    held_at_once = schedule_lib.in_flight(order, k)
+    kept = predict.activations_at_once(order, k, remat, m)
     ratio = profile.held_ratio(b, predict.inlined(k, m))
     prefix = np.concatenate([[0.0], np.cumsum(times)])
     best = np.full((k + 1, num_layers + 1), np.inf)
@@ -148,7 +150,10 @@ def memory_balance(
                 value = max(best[c - 1, lo], prefix[hi] - prefix[lo])
                 if value >= best[c, hi]:
                     continue
-                if predict.cell_peak(profile, b, lo, hi, c == 1, held_at_once[c - 1], remat, slots, m, ratio) <= budget:
+                if (
+                    predict.cell_peak(profile, b, lo, hi, c == 1, held_at_once[c - 1], kept[c - 1], slots, m, ratio)
+                    <= budget
+                ):
                     best[c, hi], choice[c, hi] = value, lo
     if not np.isfinite(best[k, num_layers]):
         return None

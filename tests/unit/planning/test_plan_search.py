@@ -11,6 +11,7 @@ from tfpipe.planning import balance as balance_lib
 from tfpipe.planning import plans, predict, search
 from tfpipe.planning.predict import Calibration, Config
 from tfpipe.planning.profile import LayerCosts, Profile
+from tfpipe.step import schedule as schedule_lib
 from tfpipe.step.schedule import SCHEDULES
 
 DEVICES = ["/CPU:0", "/CPU:1"]
@@ -116,6 +117,23 @@ def test_peak_bytes_of_one_cell_with_remat_never_and_always_by_hand():
     assert never == [pytest.approx(static + m * inputs + m * activations + working + batch)]
     assert always == [pytest.approx(static + m * inputs + activations + working + batch)]
     assert never[0] - always[0] == pytest.approx((m - 1) * activations)
+
+
+@pytest.mark.parametrize(
+    "schedule, remat, expected",
+    [
+        ("gpipe", "never", [4, 4]),  # every micro-batch's activations until the backward
+        ("gpipe", "always", [1, 1]),  # one recomputed at a time
+        ("gpipe", "except_last", [1, 1]),  # the last is kept, and its backward runs first, before any recompute
+        ("1f1b", "never", [2, 1]),  # K - i in flight
+        ("1f1b", "except_last", [2, 1]),  # cell 0: the last kept while an earlier one is recomputed
+        ("zero_bubble", "always", [1, 2]),  # recomputed at B, held until W, which the last cell defers past a B
+        ("gpipe_batched_w", "never", [4, 4]),
+    ],
+)
+def test_activations_held_at_once_follow_the_schedule_and_remat(schedule, remat, expected):
+    order = schedule_lib.steps(schedule, 2, 4)
+    assert predict.activations_at_once(order, 2, remat, 4) == expected
 
 
 def test_held_ratios_scale_the_activations_by_whether_the_step_inlines_its_cells():
