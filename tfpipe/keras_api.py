@@ -102,6 +102,7 @@ class KerasEntryPoints(keras.Model):
         if self.preprocess is not None:
             x, kwargs = hub.for_fit(self.preprocess, x, y, batch_size, kwargs)
             y = batch_size = None
+        self._plan_now(x, batch_size)  # plan="auto": planned on the first batch (tfpipe.auto_plan)
         split = kwargs.get("validation_split") or 0.0
         training_lib.check_batches(x, batch_size, split, self.num_micro_batches, self.num_replicas)
         keras_fit = super().fit
@@ -138,6 +139,7 @@ class KerasEntryPoints(keras.Model):
         """Keras ``train_on_batch``, with the variables created before the step is traced."""
         if self.preprocess is not None:
             x, y, sample_weight = hub.for_batch(self.preprocess, x, y, sample_weight)
+        self._plan_now(x, None)
         self._before_tracing(x, y, sample_weight)
         with faults.reporting():
             return super().train_on_batch(x, y, sample_weight, *args, **kwargs)

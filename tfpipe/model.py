@@ -14,7 +14,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tfpipe import _compat, messages, saving
+from tfpipe import _compat, auto_plan, messages, saving
 from tfpipe import settings as settings_lib
 from tfpipe import training as training_lib
 from tfpipe.distributed import devices as devices_lib
@@ -32,7 +32,7 @@ from tfpipe.step.unrolled import Pipeline
 
 
 @keras.saving.register_keras_serializable(package="tfpipe")
-class PipelineModel(settings_lib.SettingsProperties, KerasEntryPoints, saving.Saving, keras.Model):
+class PipelineModel(settings_lib.SettingsProperties, KerasEntryPoints, auto_plan.AutoPlan, saving.Saving, keras.Model):
     """A sequence of Keras layers cut into cells on devices and trained as a GPipe pipeline.
 
     Args:
@@ -79,7 +79,10 @@ class PipelineModel(settings_lib.SettingsProperties, KerasEntryPoints, saving.Sa
         warning, once per micro-batch); it holds each micro-batch's output gradients too
         until then. Non-GPipe schedules need ``unroll=True``.
       plan: a ``tfpipe.plan(...)`` result: its balance, devices (with replicas), M, remat and
-        schedule, in place of those arguments (docs/guide/planning.md).
+        schedule, in place of those arguments (docs/guide/planning.md). Or ``"auto"``: the
+        first ``fit`` plans on its first batch, over ``devices`` (default: the planner's)
+        under ``memory_budget``, before its first step; ``model.plan`` is the plan then.
+      memory_budget: with ``plan="auto"``, the peak bytes allowed per device (``tfpipe.plan``).
     """
 
     def __init__(
@@ -95,11 +98,18 @@ class PipelineModel(settings_lib.SettingsProperties, KerasEntryPoints, saving.Sa
         unroll: bool = True,
         schedule: str = "gpipe",
         plan: Any = None,
+        memory_budget: Any = None,
         **kwargs: Any,
     ):
         graph = functional.Graph(layers) if functional.is_functional(layers) else None
         layers_ = graph.layers if graph is not None else layer_list(layers)
         units = len(graph.nodes) if graph is not None else len(layers_)
+        chosen = dict(balance=balance, num_partitions=num_partitions, num_micro_batches=num_micro_batches)
+        chosen.update(remat=remat, schedule=schedule)
+        auto = auto_plan.check(plan, memory_budget, chosen, auto_plan.DEFAULTS, graph is not None)
+        plan_devices = list(devices) if auto and devices is not None else None
+        if auto:  # one placeholder cell until the first fit plans
+            balance, devices, plan = [units], None if devices is None else [devices_lib.check(devices[0])], None
         if plan is not None:
             given = dict(balance=balance, num_partitions=num_partitions, devices=devices)
             given.update(num_micro_batches=num_micro_batches, remat=remat, schedule=schedule)
@@ -130,6 +140,8 @@ class PipelineModel(settings_lib.SettingsProperties, KerasEntryPoints, saving.Sa
             self.build(graph.model.input)
         if isinstance(layers, keras.Model):  # the user's model keeps these layers, and so their devices
             saving.keep_off_xla(layers, self._devices)
+        if auto:
+            self._wait_for_plan(memory_budget, plan_devices)
 
     def _keep_settings(self, settings: settings_lib.Settings) -> None:
         """Keep the checked arguments (all but the balance, which ``_make_pipeline`` keeps once known)."""

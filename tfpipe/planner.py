@@ -18,6 +18,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from tfpipe import auto_plan
 from tfpipe import calibration as calibration_lib
 from tfpipe._args import positive_int
 from tfpipe.backward.remat import REMAT_MODES, check_mode
@@ -227,3 +228,6 @@ def optimizer_slots(optimizer: Any) -> int:
     if name not in SLOTS:
         raise ValueError(f"Unknown optimizer {optimizer!r} for the planner; use one of {sorted(SLOTS)}.")
     return SLOTS[name]
+
+
+auto_plan.PLANNER.append(plan)  # PipelineModel(plan="auto") plans with it at the first fit

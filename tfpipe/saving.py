@@ -160,6 +160,9 @@ class Saving(keras.Model):
             layers = [
                 keras.saving.deserialize_keras_object(c, custom_objects=custom_objects) for c in config.pop("layers")
             ]
+        if config.get("plan") == "auto":  # saved before its first fit planned it: planned by the next
+            saved = config.pop("devices")
+            return cls(layers, devices=None if saved is None else devices_lib.restore(saved, len(saved))[0], **config)
         num_cells = len(config["balance"]) if config.get("balance") else config["num_partitions"]
         devices, why = devices_lib.restore(config.pop("devices"), num_cells)
         if why:

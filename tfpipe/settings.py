@@ -163,7 +163,7 @@ def from_plan(plan: Any, units: int, given: dict[str, Any]) -> dict[str, Any]:
     the first three must be left out, the others left at their defaults or equal to the plan's.
     """
     if not isinstance(plan, Plan):
-        raise TypeError(f"plan must be what tfpipe.plan(...) returns, got {plan!r:.80}.")
+        raise TypeError(f'plan must be what tfpipe.plan(...) returns, or "auto", got {plan!r:.80}.')
     if plan.num_layers != units:
         raise ValueError(
             f"The plan was made for {plan.num_layers} layers but this model has {units}; plan this model's layers."

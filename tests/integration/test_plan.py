@@ -3,6 +3,7 @@
 import keras
 import numpy as np
 import pytest
+import tensorflow as tf
 
 import tfpipe
 from tests.util import cpu_devices
@@ -88,6 +89,58 @@ def test_arguments_are_checked_before_anything_is_measured():
         tfpipe.plan(_layers(), 32, DEVICES, input_shape=(None, 16), optimizer="lion")
     with pytest.raises(ValueError, match="Unknown schedule='pipedream'"):
         tfpipe.plan(_layers(), 32, DEVICES, input_shape=(None, 16), schedules=["pipedream"])
+
+
+def test_plan_auto_plans_at_the_first_fit_on_its_batch_and_trains_as_planned():
+    x = np.random.default_rng(0).standard_normal((64, 16)).astype("float32")
+    y = np.tanh(x[:, :4])
+    model = tfpipe.PipelineModel(_layers(), plan="auto", devices=DEVICES, memory_budget="1GiB")
+    assert model.plan is None and model.num_partitions == 1  # one placeholder cell until fit
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    data = tf.data.Dataset.from_tensor_slices((x, y)).batch(32)
+    history = model.fit(data, epochs=4, verbose=0)
+    plan = model.plan
+    assert isinstance(plan, tfpipe.Plan) and plan.batch_size == 32 and plan.memory_budget == 2**30
+    assert (model.balance, model.num_micro_batches, model.remat, model.schedule) == (
+        plan.balance,
+        plan.num_micro_batches,
+        plan.remat,
+        plan.schedule,
+    )
+    assert model.get_config()["devices"] == plan.pipeline_arguments()["devices"]
+    assert history.history["loss"][-1] < history.history["loss"][0]
+    before = [w.copy() for w in model.get_weights()]
+    model.fit(data, epochs=1, verbose=0)  # planned once: the next fit trains on
+    assert model.plan is plan and any(not np.array_equal(a, b) for a, b in zip(before, model.get_weights()))
+    assert "plan" not in model.get_config() and model.get_config()["balance"] == plan.balance
+
+
+def test_plan_auto_saved_before_its_first_fit_is_planned_by_the_loaded_models_fit():
+    model = tfpipe.PipelineModel(_layers(), plan="auto", devices=DEVICES, memory_budget="64MiB")
+    config = model.get_config()
+    assert (config["plan"], config["memory_budget"], config["devices"]) == ("auto", "64MiB", DEVICES)
+    assert not {"balance", "num_partitions", "num_micro_batches", "remat", "schedule"} & set(config)
+    loaded = tfpipe.PipelineModel.from_config(config)
+    assert loaded.plan is None and loaded.get_config()["plan"] == "auto"
+
+
+def test_plan_auto_refuses_what_it_would_choose_and_data_it_cannot_plan_on():
+    with pytest.raises(ValueError, match=r'plan="auto" chooses num_micro_batches, remat; leave them out'):
+        tfpipe.PipelineModel(_layers(), plan="auto", num_micro_batches=4, remat="never")
+    with pytest.raises(ValueError, match=r'memory_budget=\'1GiB\' is for plan="auto"'):
+        tfpipe.PipelineModel(_layers(), num_partitions=2, memory_budget="1GiB")
+    inputs = keras.Input((16,))
+    functional = keras.Model(inputs, keras.layers.Dense(4)(inputs))
+    with pytest.raises(ValueError, match="a Functional model's nodes are not planned yet"):
+        tfpipe.PipelineModel(functional, plan="auto")
+    model = tfpipe.PipelineModel(_layers(), plan="auto", devices=DEVICES)
+    model.compile(optimizer="sgd", loss="mse")
+
+    def batches():
+        yield np.zeros((8, 16), "float32"), np.zeros((8, 4), "float32")
+
+    with pytest.raises(ValueError, match=r'plan="auto" plans on the first training batch, .* \(generator\)'):
+        model.fit(batches(), verbose=0)
 
 
 @pytest.mark.xfail(strict=True, raises=ValueError, reason="tfpipe.plan cuts layer lists, not yet a Functional graph")

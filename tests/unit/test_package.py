@@ -19,7 +19,7 @@ LAYERS = [
     {"partition"},
     {"step"},
     {"planning"},
-    {"messages", "saving", "training", "settings", "recovery", "keras_api"},
+    {"messages", "saving", "training", "settings", "recovery", "keras_api", "auto_plan"},
     {"model"},
     {"analysis", "calibration", "planner", "__init__", "_aliases"},
 ]

@@ -233,7 +233,9 @@ def test_send_and_recv_move_a_tensor_between_the_devices_tensorflow_names():
             return y * 2.0
 
     # Run metadata is process-wide: a function another thread instantiates meanwhile adds its sends (seen once in CI).
-    sends = {s for s in _compat.inserted_sends(move, tf.constant(1.0)) if s[0].endswith("CPU:0") and s[1].endswith("CPU:1")}
+    sends = {
+        s for s in _compat.inserted_sends(move, tf.constant(1.0)) if s[0].endswith("CPU:0") and s[1].endswith("CPU:1")
+    }
     ((send_device, recv_device, incarnation),) = sends
     assert incarnation != 0
 

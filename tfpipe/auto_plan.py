@@ -1,0 +1,135 @@
+"""``PipelineModel(layers, plan="auto", memory_budget=...)``: planned by the first fit, on its own training batch.
+
+The planner needs the batch size and a batch to measure with, which a Keras user gives to
+``fit``, not to the constructor. So the model starts as one placeholder cell, and the first
+``fit`` (or ``train_on_batch``) runs ``tfpipe.plan`` on its first batch, then cuts the
+layers as the plan says before any step is traced. ``tfpipe.planner`` sits above the model
+and registers itself here (``PLANNER``), so the model needs no import of it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from tfpipe import messages
+from tfpipe import settings as settings_lib
+
+PLANNER: list[Callable[..., Any]] = []  # tfpipe.plan, registered by tfpipe.planner
+AUTO = "auto"
+KERAS_BATCH_SIZE = 32  # what Keras' fit uses for arrays when batch_size is not given
+
+
+# PipelineModel's defaults for the settings a plan chooses
+DEFAULTS = {
+    "balance": None,
+    "num_partitions": None,
+    "num_micro_batches": 1,
+    "remat": "except_last",
+    "schedule": "gpipe",
+}
+
+
+def check(plan: Any, memory_budget: Any, given: dict[str, Any], defaults: dict[str, Any], functional: bool) -> bool:
+    """Whether ``plan`` is "auto"; with it, the settings the plan chooses must be left at their defaults."""
+    if plan != AUTO:
+        if memory_budget is not None:
+            raise ValueError(
+                f'memory_budget={memory_budget!r} is for plan="auto"; with plan=<a tfpipe.plan(...)>, give the '
+                "budget to tfpipe.plan, or drop memory_budget."
+            )
+        return False
+    if functional:
+        raise ValueError(
+            'plan="auto" plans a list of layers or a keras.Sequential; a Functional model\'s nodes are not planned '
+            'yet. Pass balance=... for it, or num_partitions with cost="time" to cut it by measured time.'
+        )
+    clashes = [name for name, value in given.items() if value != defaults[name]]
+    if clashes:
+        raise ValueError(
+            f'plan="auto" chooses {", ".join(clashes)}; leave {"it" if len(clashes) == 1 else "them"} out (devices '
+            "may be given: the devices to plan over), or drop plan= and give every setting yourself."
+        )
+    return True
+
+
+def first_batch(x: Any, batch_size: int | None) -> tuple[Any, int]:
+    """The first training batch's inputs and its size, from what ``fit`` was given: arrays or a tf.data.Dataset."""
+    if isinstance(x, tf.data.Dataset):
+        element = next(iter(x.take(1)))
+        inputs = element[0] if isinstance(element, tuple) else element
+        leaf = tf.nest.flatten(inputs)[0]
+        return tf.nest.map_structure(np.asarray, inputs), int(leaf.shape[0])
+    leaves = tf.nest.flatten(x)
+    if x is None or not leaves or not all(isinstance(t, (np.ndarray, tf.Tensor)) for t in leaves):
+        raise ValueError(
+            'plan="auto" plans on the first training batch, from arrays or a tf.data.Dataset given to fit; this '
+            f"data is neither ({type(x).__name__}). Plan with tfpipe.plan(layers, batch_size, sample=...) and pass "
+            "plan=<the plan> instead."
+        )
+    size = min(batch_size or KERAS_BATCH_SIZE, int(leaves[0].shape[0]))
+    return tf.nest.map_structure(lambda t: np.asarray(t[:size]), x), size
+
+
+class AutoPlan(keras.Model):
+    """The part of ``PipelineModel`` that plans itself at the first fit when made with ``plan="auto"``."""
+
+    _auto_budget: Any = None
+    _auto_devices: list[str] | None = None
+    _auto_pending = False
+    plan: Any = None  # the tfpipe.Plan the model follows, once there is one
+
+    def _wait_for_plan(self, memory_budget: Any, devices: list[str] | None) -> None:
+        """Plan at the first fit, over ``devices`` (None: the planner's default) under ``memory_budget``."""
+        self._auto_budget, self._auto_devices, self._auto_pending = memory_budget, devices, True
+
+    def _plan_now(self, x: Any, batch_size: int | None) -> None:
+        """If still to plan: plan on fit's first batch and cut the layers as the plan says."""
+        if not self._auto_pending:
+            return
+        if not PLANNER:
+            raise RuntimeError('plan="auto" needs tfpipe.planner; import tfpipe (not only tfpipe.model).')
+        sample, size = first_batch(x, batch_size)
+        optimizer = self.optimizer if isinstance(self.optimizer, keras.optimizers.Optimizer) else "adam"
+        messages.say(f"tfpipe: planning {self.name!r} for batches of {size} (plan='auto'): measuring its layers.")
+        plan = PLANNER[0](
+            self.pipeline_layers, size, self._auto_devices, self._auto_budget, sample=sample, optimizer=optimizer
+        )
+        self._follow(plan)
+        messages.say(f"tfpipe: planned {self.name!r}: {plan.candidates[0].config.describe()}.")
+
+    def get_config(self) -> dict[str, Any]:
+        """As saved once planned; before, ``plan="auto"`` with the budget and devices, to be planned when loaded."""
+        config = super().get_config()
+        if self._auto_pending:
+            for name in DEFAULTS:
+                config.pop(name, None)
+            config.update(plan=AUTO, memory_budget=self._auto_budget, devices=self._auto_devices)
+        return config
+
+    def _follow(self, plan: Any) -> None:
+        """Take the plan's settings and cut; variables already made move to their new cells' devices."""
+        arguments = plan.pipeline_arguments()
+        units = len(self.pipeline_layers)
+        settings = settings_lib.check(
+            self.pipeline_layers,
+            None,
+            units,
+            arguments["balance"],
+            None,
+            self._cost,
+            arguments["devices"],
+            arguments["num_micro_batches"],
+            arguments["remat"],
+            self._unroll,
+            arguments["schedule"],
+        )
+        self._keep_settings(settings)
+        self._make_pipeline(settings.cell_sizes)
+        if self.built:
+            self._move_variables(seeds_only=False)
+        self.plan, self._auto_pending = plan, False
