@@ -18,6 +18,7 @@ import tensorflow as tf
 
 from tfpipe import messages
 from tfpipe import settings as settings_lib
+from tfpipe.planning.plans import parse_bytes
 
 PLANNER: list[Callable[..., Any]] = []  # tfpipe.plan, registered by tfpipe.planner
 AUTO = "auto"
@@ -34,7 +35,7 @@ DEFAULTS = {
 }
 
 
-def check(plan: Any, memory_budget: Any, given: dict[str, Any], defaults: dict[str, Any], functional: bool) -> bool:
+def check(plan: Any, memory_budget: Any, given: dict[str, Any], functional: bool) -> bool:
     """Whether ``plan`` is "auto"; with it, the settings the plan chooses must be left at their defaults."""
     if plan != AUTO:
         if memory_budget is not None:
@@ -48,7 +49,9 @@ def check(plan: Any, memory_budget: Any, given: dict[str, Any], defaults: dict[s
             'plan="auto" plans a list of layers or a keras.Sequential; a Functional model\'s nodes are not planned '
             'yet. Pass balance=... for it, or num_partitions with cost="time" to cut it by measured time.'
         )
-    clashes = [name for name, value in given.items() if value != defaults[name]]
+    if memory_budget is not None:
+        parse_bytes(memory_budget)  # a bad budget is an error now, not at the first fit
+    clashes = [name for name, value in given.items() if value != DEFAULTS[name]]
     if clashes:
         raise ValueError(
             f'plan="auto" chooses {", ".join(clashes)}; leave {"it" if len(clashes) == 1 else "them"} out (devices '

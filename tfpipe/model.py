@@ -106,7 +106,7 @@ class PipelineModel(settings_lib.SettingsProperties, KerasEntryPoints, auto_plan
         units = len(graph.nodes) if graph is not None else len(layers_)
         chosen = dict(balance=balance, num_partitions=num_partitions, num_micro_batches=num_micro_batches)
         chosen.update(remat=remat, schedule=schedule)
-        auto = auto_plan.check(plan, memory_budget, chosen, auto_plan.DEFAULTS, graph is not None)
+        auto = auto_plan.check(plan, memory_budget, chosen, graph is not None)
         plan_devices = list(devices) if auto and devices is not None else None
         if auto:  # one placeholder cell until the first fit plans
             balance, devices, plan = [units], None if devices is None else [devices_lib.check(devices[0])], None

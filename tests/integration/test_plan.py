@@ -127,6 +127,8 @@ def test_plan_auto_saved_before_its_first_fit_is_planned_by_the_loaded_models_fi
 def test_plan_auto_refuses_what_it_would_choose_and_data_it_cannot_plan_on():
     with pytest.raises(ValueError, match=r'plan="auto" chooses num_micro_batches, remat; leave them out'):
         tfpipe.PipelineModel(_layers(), plan="auto", num_micro_batches=4, remat="never")
+    with pytest.raises(ValueError, match="memory_budget must be a number of bytes > 0 or a string such as"):
+        tfpipe.PipelineModel(_layers(), plan="auto", memory_budget="plenty")
     with pytest.raises(ValueError, match=r'memory_budget=\'1GiB\' is for plan="auto"'):
         tfpipe.PipelineModel(_layers(), num_partitions=2, memory_budget="1GiB")
     inputs = keras.Input((16,))
