@@ -11,11 +11,10 @@ optimizer's slots (replica 0 only), the micro-batches in flight that the schedul
 (``schedule.in_flight``), each holding the cell's input, and of those every layer's saved
 activations for the micro-batches not recomputed and for one being recomputed
 (``activations_at_once``); and the largest working set of a backward. The first cell
-also holds the batch. What a
-micro-batch's activations hold is the layers' measured bytes scaled to what real steps
-held (``Profile.held_ratio``): a step that calls its cells without inlining them (from
-``unrolled.NOINLINE_TASKS`` tasks on) keeps every intermediate of each call, one that
-inlines them keeps what the backward reads.
+also holds the batch. What a micro-batch's activations hold is the layers' measured
+bytes scaled to what real steps held (``Profile.held_ratio``): a step that calls its
+cells without inlining them (from ``unrolled.NOINLINE_TASKS`` tasks on) keeps every
+intermediate of each call, one that inlines them keeps what the backward reads.
 """
 
 from __future__ import annotations
@@ -140,15 +139,22 @@ def peak_bytes(profile: Profile, batch_size: int, config: Config, slots: int) ->
     """The predicted peak bytes of each device: replica 0's cells, then each other replica's."""
     b = micro_batch_size(batch_size, config)
     k, m = config.num_partitions, config.num_micro_batches
-    order = schedule_lib.steps(config.schedule, k, m)
-    held_at_once = schedule_lib.in_flight(order, k)
-    kept = activations_at_once(order, k, config.remat, m)
-    ratio = profile.held_ratio(b, inlined(k, m))
+    held_at_once, kept, ratio = holding(profile, b, k, m, config.schedule, config.remat)
     return [
         cell_peak(profile, b, lo, hi, i == 0, held_at_once[i], kept[i], slots if replica == 0 else 0, m, ratio)
         for replica in range(config.num_replicas)
         for i, (lo, hi) in enumerate(bounds(config.balance))
     ]
+
+
+def holding(profile: Profile, b: int, k: int, m: int, schedule: str, remat: str) -> tuple[list[int], list[int], float]:
+    """What each of K cells holds at M micro-batches of b rows: ``cell_peak``'s in_flight, kept and held_ratio."""
+    order = schedule_lib.steps(schedule, k, m)
+    return (
+        schedule_lib.in_flight(order, k),
+        activations_at_once(order, k, remat, m),
+        profile.held_ratio(b, inlined(k, m)),
+    )
 
 
 def activations_at_once(order: Sequence[schedule_lib.Task], num_cells: int, remat: str, m: int) -> list[int]:

@@ -134,10 +134,7 @@ def memory_balance(
     if budget is None:
         return None
     num_layers = len(times)
-    order = schedule_lib.steps(schedule, k, m)
-    held_at_once = schedule_lib.in_flight(order, k)
-    kept = predict.activations_at_once(order, k, remat, m)
-    ratio = profile.held_ratio(b, predict.inlined(k, m))
+    held_at_once, kept, ratio = predict.holding(profile, b, k, m, schedule, remat)
     prefix = np.concatenate([[0.0], np.cumsum(times)])
     best = np.full((k + 1, num_layers + 1), np.inf)
     choice = np.zeros((k + 1, num_layers + 1), dtype=int)
