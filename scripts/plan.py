@@ -2,12 +2,15 @@
 
 Each measured configuration runs in a fresh child process (this script with ``--_child=JSON``) on
 the same devices, under TensorFlow's BFC CPU allocator so that its peak memory can be read; the
-parent plans (profile and calibration) before any child runs.
+parent plans (profile and calibration) before any child runs. With ``--cluster`` the devices are
+the workers of a LocalCluster (a fresh one per child): the peak is the workers' allocators', and their
+processes' resident peak is printed beside it.
 
     python scripts/plan.py                                        # the plan for an MLP on 2 logical CPUs
     python scripts/plan.py --model=transformer --memory_budget=64MiB
     python scripts/plan.py --measure=5 --png=/tmp/plan.png       # also run the top 5 and plot them
     python scripts/plan.py --grid --out=docs/results/plan_mlp     # a fixed grid of configurations, measured
+    python scripts/plan.py --cluster --grid                       # the same on two worker processes
 """
 
 from __future__ import annotations
@@ -37,6 +40,12 @@ flags.DEFINE_integer("seq_len", 64, "Transformer sequence length.", lower_bound=
 flags.DEFINE_integer("vocab", 256, "Transformer vocabulary.", lower_bound=2)
 flags.DEFINE_integer("batch_size", 256, "Mini-batch size.", lower_bound=1)
 flags.DEFINE_integer("devices", 2, "Logical CPU devices this process splits its CPU into.", lower_bound=1)
+flags.DEFINE_bool(
+    "cluster",
+    False,
+    "Plan and measure on a LocalCluster of --devices worker processes (one thread each) instead of logical "
+    "devices; a worker's peak is its allocator's (LocalCluster.memory_info), its process's resident peak beside it.",
+)
 flags.DEFINE_string("memory_budget", None, "Peak bytes per device, e.g. 64MiB (default: no limit).")
 flags.DEFINE_enum("optimizer", "adam", ["adam", "sgd"], "Optimizer.")
 flags.DEFINE_integer("measure", 0, "Run the top N configurations of the plan and compare.", lower_bound=0)
@@ -56,8 +65,8 @@ RESULT = "PLAN_RESULT "
 
 def model_spec() -> dict[str, Any]:
     """The model flags, as the child rebuilds the model from them."""
-    keys = ("model", "width", "depth", "blocks", "dim", "seq_len", "vocab", "batch_size", "devices", "optimizer")
-    return {k: getattr(FLAGS, k) for k in keys}
+    keys = ("model", "width", "depth", "blocks", "dim", "seq_len", "vocab", "batch_size", "devices", "cluster")
+    return {k: getattr(FLAGS, k) for k in (*keys, "optimizer")}
 
 
 def run_child(spec: dict[str, Any], config: dict[str, Any]) -> dict[str, Any]:

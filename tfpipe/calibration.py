@@ -27,6 +27,7 @@ from tfpipe.partition.sequence import copy_layer
 from tfpipe.planning.predict import Calibration
 from tfpipe.planning.profile import median_seconds, memory_name
 from tfpipe.step import schedule as schedule_lib
+from tfpipe.step.unrolled import NOINLINE_TASKS
 
 _CALIBRATIONS: dict[tuple[str, ...], Calibration] = {}  # one per set of devices and optimizer, per process
 WARM_STEPS = 100  # TensorFlow's executor runs a kernel inline only once its cost estimate settles, ~90 runs
@@ -41,10 +42,16 @@ def calibrate(devices: Sequence[str], optimizer: Any = "adam", steps: int = 30) 
     k = len(device_list)
     tiny = [keras.layers.Dense(4) for _ in device_list]
     x = np.ones((64, 4), "float32")
-    timed = {m: _probe(tiny, [1] * k, device_list, m, x, x, "sgd", steps).seconds for m in (1, 8)}
+    # The most micro-batches whose step still inlines its cells, and the fewest whose step does not
+    inline_m, noinline_m = min(8, (NOINLINE_TASKS - 1) // (2 * k)), -(-NOINLINE_TASKS // (2 * k))
+    if inline_m < 2:  # 32 devices or more: one micro-batch already calls its cells
+        inline_m, noinline_m = 8, None
+    ms = sorted({1, inline_m} | ({noinline_m} if noinline_m else set()))
+    timed = {m: _probe(tiny, [1] * k, device_list, m, x, x, "sgd", steps).seconds for m in ms}
     units = {m: max(end for _, _, end in schedule_lib.simulate(k, m, [1.0] * k, [1.0] * k)) for m in timed}
-    task_s = max((timed[8] - timed[1]) / (units[8] - units[1]), 0.0)
+    task_s = max((timed[inline_m] - timed[1]) / (units[inline_m] - units[1]), 0.0)
     step_s = max(timed[1] - task_s * units[1], 0.0)
+    noinline_s = max((timed[noinline_m] - step_s) / units[noinline_m], 0.0) if noinline_m else None
     result = Calibration(
         task_s=task_s,
         step_s=step_s,
@@ -53,6 +60,7 @@ def calibrate(devices: Sequence[str], optimizer: Any = "adam", steps: int = 30) 
         parallelism=float(len(set(device_list))),
         update_s_per_byte=_update_seconds_per_byte(device_list[0], optimizer),
         source=f"measured on {k} device(s) with a tiny pipeline",
+        noinline_task_s=noinline_s,
     )
     _CALIBRATIONS[key] = result
     return result
@@ -73,13 +81,14 @@ def whole_steps(
     device: str,
     optimizer: Any,
     steps: int = 10,
+    warm: bool = True,
 ) -> dict[int, Probe]:
     """For each (micro-batch size b, M): copies of ``layers`` trained as one cell on ``device``, by b.
 
     Trained with a fresh ``optimizer`` on ``sample``'s rows, tiled to b x M; the loss is the outputs' mean, so
-    any model trains.
+    any model trains. ``warm=False``: for the peak only, timed after tracing without warming up.
     """
-    return {b: split_step(layers, sample, b, m, [len(layers)], [device], optimizer, steps) for b, m in sizes}
+    return {b: split_step(layers, sample, b, m, [len(layers)], [device], optimizer, steps, warm) for b, m in sizes}
 
 
 def split_step(
@@ -91,12 +100,13 @@ def split_step(
     devices: list[str],
     optimizer: Any,
     steps: int = 10,
+    warm: bool = True,
 ) -> Probe:
     """Copies of ``layers`` cut by ``balance`` over ``devices`` trained at M=m micro-batches of b rows."""
     copies = [copy_layer(layer, "to time it", "pass calibration=... or plan by hand") for layer in layers]
     x = tf.nest.map_structure(lambda t, n=b * m: _tiled(t, n), sample)
     y = np.zeros((b * m, 1), "float32")
-    return _probe(copies, balance, devices, m, x, y, _fresh(optimizer), steps, _mean)
+    return _probe(copies, balance, devices, m, x, y, _fresh(optimizer), steps, _mean, warm)
 
 
 def _fresh(optimizer: Any) -> keras.optimizers.Optimizer:
@@ -125,8 +135,9 @@ def _probe(
     optimizer: Any,
     steps: int,
     loss: Any = "mse",
+    warm: bool = True,
 ) -> Probe:
-    """A probe pipeline trained on one batch (x, y): its median step after WARM_STEPS of warm-up, and its peak."""
+    """A probe pipeline trained on one batch (x, y): its median step and its peak, after warming up (``warm``)."""
     data = tf.data.Dataset.from_tensors((x, y)).repeat()
     memory = memory_name(devices[0])
     gc.collect()  # an earlier probe's model freed during this one's steps would hide bytes of this one's peak
@@ -136,7 +147,7 @@ def _probe(
     )
     model.compile(optimizer=optimizer, loss=loss)
     with messages.quiet():  # the probes' "building the step" lines are not the user's
-        warm_up(model, data)
+        warm_up(model, data, None if warm else 0.0)
         if memory:
             tf.config.experimental.reset_memory_stats(memory)
         seconds = float(np.median(step_times(model, data, steps)))

@@ -129,8 +129,10 @@ def _scale_to_whole_steps(
         f"each layer run alone, scaled to add up to a step of all the layers as one cell on {device} (measured at "
         f"{probed} samples with M <= {PROBE_MICRO_BATCHES}, less its fixed, task and update costs)"
     )
-    if measured.memory_source != profile.MEASURED:
+    if measured.memory_device is None:
         return
+    if measured.memory_device != device:  # bytes read on this process's stand-in: so are the steps' peaks
+        steps = calibration_lib.whole_steps(layers, data, sizes, measured.memory_device, optimizer, 2, warm=False)
     # A step that does not inline its cells' calls (from unrolled.NOINLINE_TASKS tasks on) holds what each layer
     # measured alone held, a call TensorFlow did not inline either: the ratio stays 1 there (measured: the
     # Transformer of docs/benchmarks.md at K=2, M=16 held 481 MiB, its layers' bytes predict 494)

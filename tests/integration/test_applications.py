@@ -38,6 +38,7 @@ def test_a_representative_application_splits_and_trains_exactly(name, k):
     _check(sweep.run_model(name, [k]), [k])
 
 
+@pytest.mark.slow  # the script around sweep.run_model, which the tests above run (50 s): pytest -m slow runs it
 def test_the_sweep_script_prints_a_row_and_writes_the_table(tmp_path):
     # VGG16 at 32x32: its fc2 holds 49.9% of the parameters, the nearest any model comes to the bound. A failed row
     # first (no error columns) is written too: the table has every row's columns.

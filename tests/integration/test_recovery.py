@@ -53,7 +53,8 @@ def train(cluster, backup=None, save_freq="epoch", kill_at=(), on_batch=None):
 """
 
 
-@pytest.mark.parametrize("how", ["SIGKILL", "SIGSTOP"])  # SIGSTOP: hung, the watchdog (timeout=5) kills it
+# SIGSTOP: hung, the watchdog (timeout=5) kills it; slow (55 s), as test_cluster's SIGSTOP case covers the detection
+@pytest.mark.parametrize("how", ["SIGKILL", pytest.param("SIGSTOP", marks=pytest.mark.slow)])
 def test_a_dead_or_hung_worker_is_replaced_and_the_same_fit_reaches_the_uninterrupted_weights(tmp_path, how):
     # SIGKILL: backups every 3 batches, the last inside epoch 3 (resumed after its first batch); SIGSTOP: at epoch ends.
     save_freq = 3 if how == "SIGKILL" else '"epoch"'

@@ -84,6 +84,7 @@ def test_batched_weight_gradients_need_remat_never_on_the_command_line():
     assert "--schedule=gpipe_batched_w holds every micro-batch's activations" in proc.stderr
 
 
+@pytest.mark.slow  # 67 s; replicas and XLA per cell are tested in test_replicas and test_jit_compile
 def test_replicas_train_from_the_command_line_with_each_cell_compiled_by_xla():
     proc = _run(*TINY_TRANSFORMER, "--epochs=2", "--replicas=2", "--micro_batches=2", "--jit_compile")
     assert proc.returncode == 0, proc.stderr[-2000:]

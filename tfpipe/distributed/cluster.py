@@ -29,29 +29,14 @@ from absl import logging as absl_logging
 
 from tfpipe import _compat
 from tfpipe._args import int_at_least, positive_int
-from tfpipe.distributed import exposure, health
+from tfpipe.distributed import exposure, health, worker
 from tfpipe.distributed.faults import RECOVER, WorkerError, unwatch, watch
+from tfpipe.distributed.worker import JOB
 
-JOB = "worker"
 BFC_ENV = "TF_CPU_ALLOCATOR_USE_BFC"  # workers use TensorFlow's BFC allocator unless this is set otherwise
 START_TIMEOUT = 60.0  # seconds for a worker process to start serving
 START_ATTEMPTS = 3  # a free port can be taken between choosing it and the worker binding it: retry
 DEFAULT_TIMEOUT = 180.0  # seconds a worker may not answer before the run ends (None: wait forever)
-
-# What each worker process runs: only TensorFlow, a server for its task, until it is stopped.
-_WORKER_CODE = (
-    """
-import json, sys
-import tensorflow as tf
-spec, task, threads = json.loads(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
-config = tf.compat.v1.ConfigProto(intra_op_parallelism_threads=threads, inter_op_parallelism_threads=threads)
-server = tf.distribute.Server(tf.train.ClusterSpec(spec), job_name=%r, task_index=task, config=config, start=True)
-print("READY", flush=True)
-server.join()
-"""
-    % JOB
-)
-
 
 _joined: Joined | None = None  # the cluster ``connect`` joined last
 _started: list[Any] = []  # the LocalClusters this process runs and the cluster it joined, the latest last
@@ -99,7 +84,7 @@ class LocalCluster:
     on from the last backup, up to N times (``tfpipe.recovery``). ``threads_per_worker`` sets each worker's intra- and
     inter-op thread pools, so a worker runs one thing at a time by default. Workers
     allocate with TensorFlow's BFC allocator (``TF_CPU_ALLOCATOR_USE_BFC=true``)
-    unless this process's environment sets that variable.
+    unless this process's environment sets that variable; ``memory_info`` reads its counts.
 
     Each worker listens on every network interface, without authentication: TensorFlow's
     server binds 0.0.0.0 and cannot be confined (``tfpipe.distributed.exposure``). ``start``
@@ -134,6 +119,15 @@ class LocalCluster:
     def pids(self) -> list[int]:
         """The process ids of the workers."""
         return [p.pid for p in self.processes]
+
+    def memory_info(self) -> list[dict[str, int]]:
+        """Each worker's allocator counts as ``get_memory_info`` gives them: {"current": bytes, "peak": bytes}."""
+        return [worker.ask(p, "memory") for p in self.processes]
+
+    def reset_memory_stats(self) -> None:
+        """Start each worker's peak count again from what it holds now."""
+        for process in self.processes:
+            worker.ask(process, "reset")
 
     def start(self) -> LocalCluster:
         """Start the workers, wait until each serves, connect this process to them and watch them."""
@@ -200,7 +194,8 @@ class LocalCluster:
             self._logs.append(tempfile.TemporaryFile(mode="w+"))
             self.processes.append(
                 subprocess.Popen(
-                    [sys.executable, "-c", _WORKER_CODE, spec, str(task), str(self.threads_per_worker)],
+                    [sys.executable, "-c", worker.CODE, spec, str(task), str(self.threads_per_worker)],
+                    stdin=subprocess.PIPE,
                     stdout=subprocess.PIPE,
                     stderr=self._logs[-1],
                     text=True,
@@ -244,8 +239,9 @@ class LocalCluster:
             except subprocess.TimeoutExpired:
                 process.kill()
                 process.wait(timeout=10)
-            if process.stdout:
-                process.stdout.close()
+            for pipe in (process.stdin, process.stdout):
+                if pipe:
+                    pipe.close()
         for log in self._logs:
             log.close()
 

@@ -136,7 +136,9 @@ class Plan:
             f"({sorted(self.profile.by_batch)} samples): {self.profile.time_source}",
             f"layer memory: {self.profile.memory_source}; weights, gradients and {self.optimizer_slots} optimizer "
             "slot(s) per trainable weight counted from the variables",
-            f"step costs ({c.source}): {c.task_s * 1e3:.2f} ms a task, {c.step_s * 1e3:.2f} ms a step, "
+            f"step costs ({c.source}): {c.task_s * 1e3:.2f} ms a task"
+            + (f" ({c.noinline_task_s * 1e3:.2f} where cells are not inlined)" if c.noinline_task_s is not None else "")
+            + f", {c.step_s * 1e3:.2f} ms a step, "
             f"{c.bandwidth / 2**30:.2f} GiB/s between devices, parallelism {c.parallelism:.2f} devices, "
             f"update {c.update_s_per_byte * 2**20 * 1e3:.3f} ms per MiB of weights",
             "schedule: simulated task by task (tfpipe.schedule.simulate); activations held per its in-flight count",

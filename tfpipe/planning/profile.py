@@ -5,9 +5,11 @@ layers are never built or run here): for every micro-batch size asked for, the m
 seconds of its forward and of its backward, the bytes its forward leaves for the
 backward (what a cell holds per micro-batch in flight without re-materialization), and
 the extra bytes its backward needs at its peak. Memory is read from the device's
-allocator (``get_memory_info``); where it reports nothing (a CPU without
-``TF_CPU_ALLOCATOR_USE_BFC=true``) the bytes held are taken from the layer's output
-sizes instead, and ``Profile.memory_source`` says so.
+allocator (``get_memory_info``). A device of another process (a cluster's worker) is
+not this process's to read: its bytes are read on this process's device of the same
+type (``stand_in``), as they depend on the kernels, not on the process. Where no
+allocator reports bytes (a CPU without ``TF_CPU_ALLOCATOR_USE_BFC=true``) the bytes held
+are taken from the layer's output sizes instead, and ``Profile.memory_source`` says so.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import math
 import os
 import random
 import timeit
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import keras
@@ -54,6 +56,7 @@ class Profile:
     output_bytes: list[float]  # per sample: each layer's output, what crosses a cell boundary after it
     by_batch: dict[int, LayerCosts]
     memory_source: str
+    memory_device: str | None = None  # where the bytes were read (``device`` or its stand-in); None: estimated
     time_source: str = "each layer's forward and backward run alone"
     # What a micro-batch's activations hold in a real step against the layers' measured held bytes, by whether the
     # step inlines its cells' calls: (micro-batch sizes probed, ratios). Not probed: 1.0.
@@ -90,6 +93,18 @@ def memory_name(device: str) -> str | None:
     except (ValueError, tf.errors.OpError):
         return None
     return name
+
+
+def stand_in(device: str) -> str | None:
+    """Where to read ``device``'s bytes: itself, else this process's device of its type, else None (nowhere).
+
+    A worker's layers hold what the same kernels hold in this process; its allocator is its own process's.
+    """
+    if memory_name(device) is not None:
+        return device
+    kind = (tf.DeviceSpec.from_string(device).device_type or "CPU").upper()
+    local = f"/job:localhost/replica:0/task:0/device:{kind}:0"
+    return local if memory_name(local) is not None else None
 
 
 def median_seconds(fn: Any, repeats: int, warm_s: float = 0.3) -> float:
@@ -148,17 +163,19 @@ class _Measured:
     def _sources(self, inputs: Any) -> list[Any]:
         return [v.value for copy in self._copies for v in copy.trainable_variables] + _floats(inputs)
 
-    def at(self, x: Any, repeats: int, memory: str | None) -> tuple[float, float, float, float]:
-        """(forward s, backward s, bytes held, backward working bytes) fed ``x``."""
+    def seconds(self, x: Any, repeats: int) -> tuple[float, float]:
+        """(forward s, backward s) fed ``x``."""
         # each measurement is one function call: take off what calling a function that does nothing costs, which
         # a cell's graph pays once per task, not once per layer
         call_s = median_seconds(lambda: _passed_through(x), repeats)
         f_s = max(median_seconds(lambda: self._forward(x), repeats) - call_s, 0.0)
         fb_s = max(median_seconds(lambda: self._forward_backward(x), repeats) - call_s, 0.0)
-        if memory is None:
-            return f_s, max(fb_s - f_s, 0.0), 0.0, 0.0
-        # Memory: the forward run under a tape keeps what the backward will read (a traced function's outputs
-        # and the intermediates its gradient needs); the tape's gradient then adds its working set.
+        return f_s, max(fb_s - f_s, 0.0)
+
+    def held(self, x: Any, memory: str) -> tuple[float, float]:
+        """(bytes held, backward working bytes) fed ``x``, read from the allocator ``memory``."""
+        # The forward run under a tape keeps what the backward will read (a traced function's outputs and the
+        # intermediates its gradient needs); the tape's gradient then adds its working set.
         tf.config.experimental.reset_memory_stats(memory)
         base = tf.config.experimental.get_memory_info(memory)["current"]
         with tf.GradientTape() as tape:
@@ -170,7 +187,7 @@ class _Measured:
         tf.test.experimental.sync_devices()
         peak = tf.config.experimental.get_memory_info(memory)["peak"] - base
         del grads, tape, loss
-        return f_s, max(fb_s - f_s, 0.0), float(max(held, 0)), float(max(peak - held, 0))
+        return float(max(held, 0)), float(max(peak - held, 0))
 
 
 def measure(
@@ -179,34 +196,53 @@ def measure(
     """Profile ``layers`` on ``device`` at each micro-batch size in ``batch_sizes``, on data shaped like ``sample``.
 
     The layers are copied and run once at the largest size; each copy is measured on the first rows of its input.
+    Bytes are read on ``stand_in(device)``, with copies of their own where that is another device.
     """
-    memory = memory_name(device)
+    read_on = stand_in(device)
+    memory = memory_name(read_on) if read_on else None
     sizes = sorted(set(int(b) for b in batch_sizes))
     by_batch = {b: LayerCosts([], [], [], []) for b in sizes}
     weights: list[float] = []
     trainable: list[float] = []
     outputs: list[float] = []
-    with tf.device(device), _restoring((random.getstate(), np.random.get_state())):
-        x = tf.nest.map_structure(lambda t: tf.convert_to_tensor(_resized(t, sizes[-1])), sample)
-        input_bytes = _bytes(x) / sizes[-1]
-        for _, _, copy, x_in, y in _walk(list(layers), x, run=True):
-            measured = _Measured([copy], device)
-            out = _bytes(y) / sizes[-1]
+    input_bytes = 0.0
+    for copy, x_in, y, measured in _each_layer(layers, sample, sizes[-1], device):
+        if not outputs:
+            input_bytes = _bytes(x_in) / sizes[-1]  # the first layer's input is the model's
+        out = _bytes(y) / sizes[-1]
+        for b in sizes:
+            f_s, b_s = measured.seconds(_rows(x_in, b), repeats)
+            # Without an allocator that counts, a layer is taken to hold its output and as much again inside (a
+            # Dense' pre-activation, a normalization's statistics): a rough rule, said so
+            held, working = measured.held(_rows(x_in, b), memory) if read_on == device else (0.0, 0.0)
+            costs = by_batch[b]
+            costs.forward_s.append(f_s)
+            costs.backward_s.append(b_s)
+            costs.held_bytes.append(held if read_on else 2.0 * out * b)
+            costs.working_bytes.append(working if read_on else 2.0 * out * b)
+        weights.append(sum(_bytes(v) for v in copy.weights))
+        trainable.append(sum(_bytes(v) for v in copy.trainable_variables))
+        outputs.append(out)
+    source = FROM_OUTPUTS
+    if read_on is not None:
+        source = MEASURED if read_on == device else f"{MEASURED} on {read_on}, this process's stand-in for {device}"
+    if read_on not in (None, device):
+        for i, (_, x_in, _, measured) in enumerate(_each_layer(layers, sample, sizes[-1], read_on)):
             for b in sizes:
-                f_s, b_s, held, working = measured.at(
-                    tf.nest.map_structure(lambda t, n=b: t[:n], x_in), repeats, memory
-                )
-                costs = by_batch[b]
-                costs.forward_s.append(f_s)
-                costs.backward_s.append(b_s)
-                # Without an allocator that counts, a layer is taken to hold its output and as much again
-                # inside (a Dense' pre-activation, a normalization's statistics): a rough rule, said so
-                costs.held_bytes.append(held if memory else 2.0 * out * b)
-                costs.working_bytes.append(working if memory else 2.0 * out * b)
-            weights.append(sum(_bytes(v) for v in copy.weights))
-            trainable.append(sum(_bytes(v) for v in copy.trainable_variables))
-            outputs.append(out)
-    return Profile(device, weights, trainable, input_bytes, outputs, by_batch, MEASURED if memory else FROM_OUTPUTS)
+                by_batch[b].held_bytes[i], by_batch[b].working_bytes[i] = measured.held(_rows(x_in, b), memory)
+    return Profile(device, weights, trainable, input_bytes, outputs, by_batch, source, read_on)
+
+
+def _each_layer(layers: Sequence[keras.layers.Layer], sample: Any, rows: int, device: str) -> Iterator[Any]:
+    """Per layer, on ``device``: (a built copy, its input at ``rows`` rows, its output, the copy to measure)."""
+    with tf.device(device), _restoring((random.getstate(), np.random.get_state())):
+        x = tf.nest.map_structure(lambda t: tf.convert_to_tensor(_resized(t, rows)), sample)
+        for _, _, copy, x_in, y in _walk(list(layers), x, run=True):
+            yield copy, x_in, y, _Measured([copy], device)
+
+
+def _rows(x: Any, n: int) -> Any:
+    return tf.nest.map_structure(lambda t: t[:n], x)
 
 
 def fill(profile: Profile, sizes: Sequence[int]) -> None:

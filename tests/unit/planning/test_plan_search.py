@@ -1,5 +1,6 @@
 """The planner's pieces without measuring anything: a hand-made profile and calibration, predicted by hand."""
 
+import dataclasses
 import re
 
 import keras
@@ -155,6 +156,28 @@ def test_held_ratios_scale_the_activations_by_whether_the_step_inlines_its_cells
     b = predict.micro_batch_size(8 * m, big)
     apart = predict.peak_bytes(prof, 8 * m, big, slots)[0] - predict.peak_bytes(ones, 8 * m, big, slots)[0]
     assert apart == pytest.approx(m * (40 + 30 + 20) * b / 4 * (1.1 - 1))
+
+
+def test_a_step_that_does_not_inline_its_cells_pays_its_own_task_cost_and_more_gradient_copies():
+    prof, slots = profile(), 2
+    m = predict.NOINLINE_TASKS // 2  # one cell: 2 x 1 x M tasks, the first M not inlined
+    called, inlined = Config((3,), 1, m, "never", "gpipe"), Config((3,), 1, m - 1, "never", "gpipe")
+    # measured apart: 0.3 s a task where cells are called, 0.1 where inlined; each of the 2 M tasks pays it
+    cal = dataclasses.replace(calibration(), noinline_task_s=0.3)
+    assert cal.task_seconds(True) == 0.1 and cal.task_seconds(False) == 0.3
+    for config in (called, inlined):
+        batch = 4 * config.num_micro_batches
+        extra = (
+            predict.step_seconds(prof, cal, batch, config).step_s
+            - predict.step_seconds(prof, calibration(), batch, config).step_s
+        )
+        assert extra == pytest.approx(0.2 * 2 * config.num_micro_batches if config is called else 0.0)
+    # not measured apart (no probe past the threshold): the inlined cost
+    assert calibration().task_seconds(False) == 0.1
+    # the running gradient sums in and out of each call: NOINLINE_GRADIENTS more copies of the trainable bytes
+    args = (prof, 4, 0, 3, True, 1, 1, slots, m)
+    gap = predict.cell_peak(*args, 1.0, False) - predict.cell_peak(*args, 1.0, True)
+    assert gap == pytest.approx(predict.NOINLINE_GRADIENTS * (10 + 20 + 30))
 
 
 def test_peak_bytes_count_the_optimizer_slots_on_the_first_replica_only():

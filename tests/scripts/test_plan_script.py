@@ -1,0 +1,35 @@
+"""scripts/plan.py on a LocalCluster: the plan reads the workers' bytes on this process's CPU, and the measured
+configurations' peaks are read from the workers' own allocators, their processes' resident peaks beside them."""
+
+import re
+
+from tests.util import run_script
+
+# | K | R | M | remat | schedule | balance | predicted ms | measured ms | error | predicted MiB | measured MiB | error
+# | process MiB |
+ROW = re.compile(r"^\| \d+ \| \d+ \| \d+ \|")
+
+
+def test_a_plan_on_workers_is_measured_on_the_workers():
+    proc = run_script(
+        "plan.py",
+        "--cluster",
+        "--devices=2",
+        "--depth=4",
+        "--width=256",
+        "--batch_size=128",
+        "--optimizer=sgd",
+        "--measure=1",
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = proc.stdout
+    # the workers' allocators are theirs: the bytes are read on this process's CPU, and the summary says so
+    assert "this process's stand-in for /job:worker/task:0/device:CPU:0" in out, out[-3000:]
+    rows = [[cell.strip() for cell in line.strip("|").split("|")] for line in out.splitlines() if ROW.match(line)]
+    assert len(rows) == 1, out[-3000:]
+    predicted_ms, measured_ms, predicted_mib, measured_mib, process_mib = (float(rows[0][i]) for i in (6, 7, 9, 10, 12))
+    assert predicted_ms > 0 and measured_ms > 0
+    # the workers' allocators, read over their pipes (4 layers of 256 x 256 weights, their gradients, the
+    # activations of 128 rows), near the prediction; their processes held that and their runtime's working memory
+    assert 0.7 * predicted_mib < measured_mib < 1.3 * predicted_mib, rows[0]
+    assert process_mib > measured_mib, rows[0]

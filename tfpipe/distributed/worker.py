@@ -1,0 +1,56 @@
+"""What a LocalCluster's worker process runs, and how the process that started it reads its allocator's counts.
+
+A worker serves its task with ``tf.distribute.Server`` until stopped. Its parent asks it, one
+line on its stdin ("memory" or "reset"), for ``get_memory_info`` of its CPU, which it answers
+with one JSON line on its stdout: the bytes its allocator holds and its peak, which no op and no
+remote call reads. A pipe, not a port: nothing else can ask.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import threading
+from typing import Any
+
+JOB = "worker"  # the job name of a LocalCluster's workers
+# Run with ``python -c CODE spec_json task threads``: only TensorFlow, a server for the task, and the answering thread.
+CODE = (
+    """
+import json, sys, threading
+import tensorflow as tf
+spec, task, threads = json.loads(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+config = tf.compat.v1.ConfigProto(intra_op_parallelism_threads=threads, inter_op_parallelism_threads=threads)
+server = tf.distribute.Server(tf.train.ClusterSpec(spec), job_name=%r, task_index=task, config=config, start=True)
+
+def answer():
+    for line in sys.stdin:
+        try:
+            if line.strip() == "reset":
+                tf.config.experimental.reset_memory_stats("CPU:0")
+            info = tf.config.experimental.get_memory_info("CPU:0")
+        except Exception as err:  # an allocator that counts nothing (TF_CPU_ALLOCATOR_USE_BFC not true)
+            info = {"error": str(err)}
+        print(json.dumps(info), flush=True)
+
+threading.Thread(target=answer, daemon=True).start()
+print("READY", flush=True)
+server.join()
+"""
+    % JOB
+)
+_asking = threading.Lock()  # one question and its answer at a time, whichever thread asks
+
+
+def ask(process: subprocess.Popen, what: str) -> dict[str, Any]:
+    """Ask a running worker ``what`` ("memory", or "reset" and then memory) and return its answer."""
+    with _asking:
+        process.stdin.write(what + "\n")
+        process.stdin.flush()
+        answer = json.loads(process.stdout.readline())
+    if "error" in answer:
+        raise ValueError(
+            f"The worker's allocator counts no bytes ({answer['error']}); LocalCluster's workers count them unless "
+            "this process's environment sets TF_CPU_ALLOCATOR_USE_BFC to something other than true."
+        )
+    return answer
