@@ -168,6 +168,13 @@ def started_and_stopped():
             print("BFC unset:", bfc(pids[0]))
             with tf.device(cluster.devices[0]):  # a remote tensor: this process's own server listens from now on
                 print("VALUE", float(tf.Variable(2.0) * 2.0))
+            before = cluster.memory_info()
+            with tf.device(cluster.devices[1]):
+                big = tf.Variable(tf.zeros([1024, 1024]))  # 4 MiB on worker 1's allocator
+                float(tf.reduce_sum(tf.ones([2048, 1024])))  # 8 MiB more at its peak, freed
+            held = cluster.memory_info()
+            cluster.reset_memory_stats()
+            print("MEMORY", [before, held, cluster.memory_info()])
             print("PORTS", sorted(int(a.rsplit(":", 1)[1]) for a in cluster.addresses))
             print("LISTENING", [exposure.listening(p) for p in pids])  # as ss -ltnp shows them
             print("OWN", exposure.listening(os.getpid()))
@@ -177,6 +184,10 @@ def started_and_stopped():
             with LocalCluster(2) as cluster:
                 pids = list(cluster.pids)
                 print("BFC false:", bfc(pids[0]))
+                try:
+                    cluster.memory_info()
+                except ValueError as err:
+                    print("NO COUNTS", err)
                 raise KeyError("boom")
         except KeyError:
             print("ERROR", len(pids), [p for p in pids if os.path.exists(f"/proc/{p}")])
@@ -219,6 +230,18 @@ def test_every_worker_socket_listens_on_loopback_only(started_and_stopped):
 
 def test_workers_use_the_bfc_allocator_unless_told_otherwise(started_and_stopped):
     assert "BFC unset: true" in started_and_stopped.stdout and "BFC false: false" in started_and_stopped.stdout
+
+
+def test_memory_info_reads_each_workers_allocator(started_and_stopped):
+    before, held, reset = eval(started_and_stopped.stdout.split("MEMORY")[1].splitlines()[0])
+    mib = 2**20
+    assert before[1]["current"] < mib and held[0] == before[0]  # worker 0 untouched
+    assert 4 * mib <= held[1]["current"] - before[1]["current"] < 5 * mib  # the variable
+    assert held[1]["peak"] - held[1]["current"] >= 8 * mib  # the freed temporary, in the peak only
+    assert abs(reset[1]["peak"] - held[1]["current"]) < 2**16  # the peak starts again from what it holds
+    # workers told not to use the BFC allocator count nothing: the error says why
+    assert "NO COUNTS The worker's allocator counts no bytes" in started_and_stopped.stdout
+    assert "TF_CPU_ALLOCATOR_USE_BFC" in started_and_stopped.stdout.split("NO COUNTS")[1].splitlines()[0]
 
 
 def test_workers_die_with_a_killed_client():

@@ -15,6 +15,7 @@ are taken from the layer's output sizes instead, and ``Profile.memory_source`` s
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 import os
 import random
@@ -227,9 +228,16 @@ def measure(
     if read_on is not None:
         source = MEASURED if read_on == device else f"{MEASURED} on {read_on}, this process's stand-in for {device}"
     if read_on not in (None, device):
-        for i, (_, x_in, _, measured) in enumerate(_each_layer(layers, sample, sizes[-1], read_on)):
-            for b in sizes:
-                by_batch[b].held_bytes[i], by_batch[b].working_bytes[i] = measured.held(_rows(x_in, b), memory)
+        # each copy traced once per size and called once: TensorFlow's warning about frequent tracing is not the
+        # user's to read
+        logger, level = tf.get_logger(), tf.get_logger().level
+        logger.setLevel(logging.ERROR)
+        try:
+            for i, (_, x_in, _, measured) in enumerate(_each_layer(layers, sample, sizes[-1], read_on)):
+                for b in sizes:
+                    by_batch[b].held_bytes[i], by_batch[b].working_bytes[i] = measured.held(_rows(x_in, b), memory)
+        finally:
+            logger.setLevel(level)
     return Profile(device, weights, trainable, input_bytes, outputs, by_batch, source, read_on)
 
 
