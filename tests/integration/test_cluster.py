@@ -179,6 +179,10 @@ def started_and_stopped():
             print("LISTENING", [exposure.listening(p) for p in pids])  # as ss -ltnp shows them
             print("OWN", exposure.listening(os.getpid()))
         print("NORMAL", len(pids), [p for p in pids if os.path.exists(f"/proc/{p}")])  # checked while we live
+        try:
+            cluster.memory_info()
+        except Exception as err:
+            print("STOPPED", type(err).__name__, err)
         os.environ["TF_CPU_ALLOCATOR_USE_BFC"] = "false"
         try:
             with LocalCluster(2) as cluster:
@@ -242,6 +246,9 @@ def test_memory_info_reads_each_workers_allocator(started_and_stopped):
     # workers told not to use the BFC allocator count nothing: the error says why
     assert "NO COUNTS The worker's allocator counts no bytes" in started_and_stopped.stdout
     assert "TF_CPU_ALLOCATOR_USE_BFC" in started_and_stopped.stdout.split("NO COUNTS")[1].splitlines()[0]
+    # a stopped cluster's workers cannot answer: a WorkerError, not a broken pipe
+    assert "STOPPED WorkerError The worker with pid " in started_and_stopped.stdout
+    assert "is not running" in started_and_stopped.stdout.split("STOPPED")[1].splitlines()[0]
 
 
 def test_workers_die_with_a_killed_client():

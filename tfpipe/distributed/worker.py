@@ -13,6 +13,8 @@ import subprocess
 import threading
 from typing import Any
 
+from tfpipe.distributed.faults import WorkerError
+
 JOB = "worker"  # the job name of a LocalCluster's workers
 # Run with ``python -c CODE spec_json task threads``: only TensorFlow, a server for the task, and the answering thread.
 CODE = (
@@ -45,9 +47,18 @@ _asking = threading.Lock()  # one question and its answer at a time, whichever t
 def ask(process: subprocess.Popen, what: str) -> dict[str, Any]:
     """Ask a running worker ``what`` ("memory", or "reset" and then memory) and return its answer."""
     with _asking:
-        process.stdin.write(what + "\n")
-        process.stdin.flush()
-        answer = json.loads(process.stdout.readline())
+        try:
+            process.stdin.write(what + "\n")
+            process.stdin.flush()
+            line = process.stdout.readline()
+        except (BrokenPipeError, ValueError):  # the worker is gone, or its cluster stopped and closed the pipe
+            line = ""
+    if not line:
+        raise WorkerError(
+            f"The worker with pid {process.pid} is not running (exit code {process.poll()}): it cannot say what its "
+            "allocator holds. Ask while its LocalCluster runs."
+        )
+    answer = json.loads(line)
     if "error" in answer:
         raise ValueError(
             f"The worker's allocator counts no bytes ({answer['error']}); LocalCluster's workers count them unless "
