@@ -87,10 +87,11 @@ class _LogicalPeak:
 
         tf.config.experimental.reset_memory_stats("CPU:0")
 
-    def read(self) -> float:
+    def read(self) -> tuple[float, None]:
+        """(the peak bytes, None: no process of their own)."""
         import tensorflow as tf
 
-        return float(tf.config.experimental.get_memory_info("CPU:0")["peak"] - self._base)
+        return float(tf.config.experimental.get_memory_info("CPU:0")["peak"] - self._base), None
 
 
 class _WorkerPeak:
@@ -124,13 +125,12 @@ class _WorkerPeak:
             with open(f"/proc/{pid}/clear_refs", "w") as f:
                 f.write("5")  # the high-water mark starts again from the resident size
 
-    def read(self) -> float:
+    def read(self) -> tuple[float, float]:
+        """(the allocators' peak bytes, the processes' resident peak bytes), summed over the workers; stops them."""
         peaks = [info["peak"] for info in self.cluster.memory_info()]
-        self.process_bytes = float(
-            sum(_status_bytes(pid, "VmHWM") - rss for pid, rss in zip(self.cluster.pids, self._rss))
-        )
+        process = sum(_status_bytes(pid, "VmHWM") - rss for pid, rss in zip(self.cluster.pids, self._rss))
         self.cluster.stop()
-        return float(sum(p - b for p, b in zip(peaks, self._base)))
+        return float(sum(p - b for p, b in zip(peaks, self._base))), float(process)
 
 
 def _status_bytes(pid: int, field: str) -> int:
@@ -170,8 +170,8 @@ def measure(config: dict[str, Any]) -> dict[str, float]:
     warm_up(model, data, seconds=4.0)
     peak.reset()
     times = step_times(model, data, steps)
-    result = {"step_s": statistics.median(times[2:]), "peak_bytes": peak.read()}
-    return {**result, "process_bytes": getattr(peak, "process_bytes", None)}
+    peak_bytes, process_bytes = peak.read()
+    return {"step_s": statistics.median(times[2:]), "peak_bytes": peak_bytes, "process_bytes": process_bytes}
 
 
 def _candidate(plan: Any, shape: Sequence[Any]) -> Any:
