@@ -239,7 +239,9 @@ def test_workers_use_the_bfc_allocator_unless_told_otherwise(started_and_stopped
 def test_memory_info_reads_each_workers_allocator(started_and_stopped):
     before, held, reset = eval(started_and_stopped.stdout.split("MEMORY")[1].splitlines()[0])
     mib = 2**20
-    assert before[1]["current"] < mib and held[0] == before[0]  # worker 0 untouched
+    assert before[1]["current"] < mib
+    # worker 0 untouched: its runtime may allocate a few hundred bytes of its own meanwhile
+    assert abs(held[0]["current"] - before[0]["current"]) < 2**16 and held[0]["peak"] - before[0]["peak"] < 2**16
     assert 4 * mib <= held[1]["current"] - before[1]["current"] < 5 * mib  # the variable
     assert held[1]["peak"] - held[1]["current"] >= 8 * mib  # the freed temporary, in the peak only
     assert abs(reset[1]["peak"] - held[1]["current"]) < 2**16  # the peak starts again from what it holds
