@@ -14,6 +14,7 @@ import numpy as np
 import tensorflow as tf
 
 from tfpipe import _compat
+from tfpipe.distributed import grouped
 from tfpipe.step import microbatch
 
 DEFAULT_REDUCTION = "sum_over_batch_size"  # what compile() gives a loss given as a string or function
@@ -197,6 +198,7 @@ def place_on_variable_devices(optimizer: keras.optimizers.Optimizer) -> None:
         _compat.wrap_optimizer_method(
             opt, "update_step", functools.partial(_updated_on_variable_device, opt=opt, read=read)
         )
+        _compat.wrap_optimizer_method(opt, "_distributed_tf_update_step", _grouped_by_device)
         _compat.set_gradient_all_reduce(opt, _by_device(_compat.gradient_all_reduce(opt)))
         _compat.mark_patched(opt, "placed")
 
@@ -223,6 +225,23 @@ def _updated_on_variable_device(
             return update(gradient, variable, read(learning_rate, device))
 
     return update_step
+
+
+def _grouped_by_device(update_all: Callable[..., Any]) -> Callable[..., Any]:
+    """Keras' loop over every variable's update, each remote device's variables as one call (``grouped.run_on``)."""
+
+    def update(distribution: Any, grads_and_vars: Any, learning_rate: Any) -> Any:
+        every = list(grads_and_vars)
+        groups: dict[str, list[Any]] = {}
+        for pair in every:
+            groups.setdefault(_device_of(pair[1]), []).append(pair)
+        if not any(grouped.elsewhere(device) for device in groups):
+            return update_all(distribution, every, learning_rate)
+        for device, pairs in groups.items():
+            grouped.run_on(device, functools.partial(update_all, distribution, pairs, learning_rate))
+        return None
+
+    return update
 
 
 def check_slices_finite(optimizer: keras.optimizers.Optimizer) -> None:

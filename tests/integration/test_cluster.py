@@ -93,12 +93,28 @@ def test_outputs_and_their_gradients_cross_processes_through_explicit_sends_the_
             waits = [op for op in ops if any(c in sends for c in op.control_inputs)]
             print("RESULT", sendrecv.known(*cluster.devices), len(sends), sum(op.type == "Recv" for op in ops),
                   ",".join(sorted({op.name.split("/")[0] for op in sends})), len(waits))
+            for depth in (4, 8):  # the stateful ops the step itself runs (outside calls), against the weights
+                model = tfpipe.PipelineModel(mlp_layers(depth=depth), num_partitions=2, devices=cluster.devices,
+                                             num_micro_batches=3)
+                model.compile(optimizer="adam", loss="mse")
+                model.train_on_batch(x, y)
+                graph = tf.function(lambda a, b: model.train_step((a, b))).get_concrete_function(*spec).graph
+                stateful = [op for op in graph.get_operations() if op.type.endswith("VariableOp")]
+                print("STATEFUL", depth, len(model.trainable_weights), len(stateful))
     """)
     assert proc.returncode == 0, proc.stderr[-3000:]
     known, sends, recvs, scopes, waits = proc.stdout.split("RESULT")[1].split()[:5]
     assert (known, sends, recvs) == ("True", "6", "6")
     assert scopes == "B_1_0,B_1_1,B_1_2,F_0_0,F_0_1,F_0_2"  # in cell 0's forward and cell 1's backward tasks
     assert int(waits) >= 4  # each device's next task waits for its sends
+    # The step waits for every stateful op it runs itself, and TensorFlow made each wait on a worker's op (weight
+    # reads, the optimizer's reads and assignments) a transfer to the client of its own, every step. Run in one
+    # call per device (tfpipe/distributed/grouped.py), the step runs none of the workers' itself: their number
+    # does not grow with the weights (the client's own remain: the step counter, the loss metric)
+    (_, shallow_weights, shallow), (_, deep_weights, deep) = [
+        tuple(map(int, line.split()[1:])) for line in proc.stdout.split("\n") if line.startswith("STATEFUL")
+    ]
+    assert deep_weights > shallow_weights and deep == shallow and shallow <= 8, (shallow, deep)
 
 
 def test_a_functional_model_sends_each_skip_straight_to_the_worker_that_reads_it():

@@ -62,8 +62,10 @@ def set_gradient_all_reduce(
     optimizer._all_reduce_sum_gradients = reduce  # noqa: SLF001
 
 
-# The optimizer methods tfpipe replaces on an instance (tfpipe/training.py), each pinned by a test.
-OPTIMIZER_HOOKS = ("add_variable_from_reference", "update_step", "check_finite")
+# The optimizer methods tfpipe replaces on an instance (tfpipe/training.py), each pinned by a test:
+# ``_distributed_tf_update_step(distribution, grads_and_vars, learning_rate)`` is the TensorFlow backend's
+# loop over every variable's ``update_step`` (private).
+OPTIMIZER_HOOKS = ("add_variable_from_reference", "update_step", "check_finite", "_distributed_tf_update_step")
 
 
 def wrap_optimizer_method(

@@ -14,7 +14,7 @@ import tensorflow as tf
 
 from tfpipe import _compat
 from tfpipe.backward import remat, traced_vjp
-from tfpipe.distributed import devices
+from tfpipe.distributed import devices, grouped
 from tfpipe.graph import cpu_gradients
 from tfpipe.partition import state
 from tfpipe.partition.cell_trace import CellTrace
@@ -164,11 +164,17 @@ class Cell:
         return x
 
     def read(self) -> tuple[list[tf.Tensor], list[tf.Tensor]]:
-        """Read the current trainable and non-trainable values once, on the cell's device."""
-        with devices.scope(self.device):
+        """Read the current trainable and non-trainable values once, on the cell's device (one call if remote)."""
+
+        def both() -> tuple[list[tf.Tensor], list[tf.Tensor]]:
             trainable = [tf.identity(v.value) for v in self.trainable_variables]
-            other = [tf.identity(v.value) for v in self.non_trainable_variables]
-        return trainable, other
+            return trainable, [tf.identity(v.value) for v in self.non_trainable_variables]
+
+        if grouped.elsewhere(self.device):
+            trainable, other = grouped.run_on(self.device, both)
+            return list(trainable), list(other)
+        with devices.scope(self.device):
+            return both()
 
     @property
     def has_regularizers(self) -> bool:
