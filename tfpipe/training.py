@@ -232,12 +232,11 @@ def _grouped_by_device(update_all: Callable[..., Any]) -> Callable[..., Any]:
 
     def update(distribution: Any, grads_and_vars: Any, learning_rate: Any) -> Any:
         every = list(grads_and_vars)
-        groups: dict[str, list[Any]] = {}
-        for pair in every:
-            groups.setdefault(_device_of(pair[1]), []).append(pair)
+        groups = _positions_by_device(every)
         if not any(grouped.elsewhere(device) for device in groups):
             return update_all(distribution, every, learning_rate)
-        for device, pairs in groups.items():
+        for device, positions in groups.items():
+            pairs = [every[i] for i in positions]
             grouped.run_on(device, functools.partial(update_all, distribution, pairs, learning_rate))
         return None
 
@@ -300,9 +299,7 @@ def _by_device(reduce: Callable[[list[tuple[Any, Any]]], list[tuple[Any, Any]]])
 
     def reduce_by_device(grads_and_vars: Any) -> list[tuple[Any, Any]]:
         pairs = list(grads_and_vars)
-        groups: dict[str, list[int]] = {}
-        for i, (_, variable) in enumerate(pairs):
-            groups.setdefault(_device_of(variable), []).append(i)
+        groups = _positions_by_device(pairs)
         reduced: list[Any] = [None] * len(pairs)
         for device, positions in groups.items():
             with tf.device(device):
@@ -311,6 +308,14 @@ def _by_device(reduce: Callable[[list[tuple[Any, Any]]], list[tuple[Any, Any]]])
         return reduced
 
     return reduce_by_device
+
+
+def _positions_by_device(grads_and_vars: Sequence[tuple[Any, Any]]) -> dict[str, list[int]]:
+    """The positions of the (gradient, variable) pairs, by their variable's device, in order."""
+    groups: dict[str, list[int]] = {}
+    for i, (_, variable) in enumerate(grads_and_vars):
+        groups.setdefault(_device_of(variable), []).append(i)
+    return groups
 
 
 def _device_of_tensor(tensor: tf.Tensor) -> str:

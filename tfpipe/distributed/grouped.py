@@ -16,6 +16,8 @@ from typing import Any
 
 import tensorflow as tf
 
+from tfpipe.distributed import devices
+
 
 def elsewhere(device: str) -> bool:
     """Whether ``run_on`` groups work for ``device``: one of another process (a job other than ``localhost``),
@@ -24,12 +26,12 @@ def elsewhere(device: str) -> bool:
 
 
 def run_on(device: str, work: Callable[[], Any]) -> Any:
-    """``work()`` under ``tf.device(device)``; traced for a device of another process, as one function call.
+    """``work()`` in the device's scope (``devices.scope``); traced for a device of another process, as one call.
 
     ``work`` takes no arguments (the tensors it uses are captured) and returns tensors or nothing;
     it must not create variables.
     """
-    with tf.device(device):
+    with devices.scope(device):
         if tf.executing_eagerly() or not elsewhere(device):
             return work()
         return tf.function(work, autograph=False)()

@@ -170,11 +170,7 @@ class Cell:
             trainable = [tf.identity(v.value) for v in self.trainable_variables]
             return trainable, [tf.identity(v.value) for v in self.non_trainable_variables]
 
-        if grouped.elsewhere(self.device):
-            trainable, other = grouped.run_on(self.device, both)
-            return list(trainable), list(other)
-        with devices.scope(self.device):
-            return both()
+        return grouped.run_on(self.device, both)
 
     @property
     def has_regularizers(self) -> bool:
