@@ -5,8 +5,8 @@ tiny layer per device (the cost of a task and of a step), copies a tensor betwee
 devices (bandwidth) and times one optimizer update. ``whole_steps`` trains copies of the user's
 layers as one cell at each micro-batch size: a layer timed alone misses what a step's graph does with many micro-batches
 (tasks overlapping, kernels settled), so the layers' measured times are scaled to add up to this;
-``split_step`` trains them cut over the devices: how many devices' worth of compute this model gets
-(logical devices on one CPU share its cores), which the planner measures with it.
+``split_step`` trains them cut over the devices and ``replicated_step`` as one replica on each: how many devices'
+worth of compute this model gets (logical devices on one CPU share its cores), which the planner measures with them.
 """
 
 from __future__ import annotations
@@ -109,6 +109,18 @@ def split_step(
     return _probe(copies, balance, devices, m, x, y, _fresh(optimizer), steps, _mean, warm)
 
 
+def replicated_step(
+    layers: Sequence[keras.layers.Layer], sample: Any, b: int, devices: list[str], optimizer: Any, steps: int = 10
+) -> Probe:
+    """Copies of ``layers`` as one cell replicated on every one of ``devices``, each replica b rows at M=1."""
+    copies = [copy_layer(layer, "to time it", "pass calibration=... or plan by hand") for layer in layers]
+    rows = b * len(devices)
+    x = tf.nest.map_structure(lambda t: _tiled(t, rows), sample)
+    y = np.zeros((rows, 1), "float32")
+    replicas = [[d] for d in devices]
+    return _probe(copies, [len(copies)], replicas, 1, x, y, _fresh(optimizer), steps, _mean)
+
+
 def _fresh(optimizer: Any) -> keras.optimizers.Optimizer:
     """A new optimizer like ``optimizer`` (a name or an instance), its variables its own."""
     if isinstance(optimizer, str):
@@ -128,7 +140,7 @@ def _tiled(t: Any, rows: int) -> np.ndarray:
 def _probe(
     layers: list[Any],
     balance: list[int],
-    devices: list[str],
+    devices: list[str] | list[list[str]],
     m: int,
     x: Any,
     y: Any,
@@ -137,9 +149,13 @@ def _probe(
     loss: Any = "mse",
     warm: bool = True,
 ) -> Probe:
-    """A probe pipeline trained on one batch (x, y): its median step and its peak, after warming up (``warm``)."""
+    """A probe pipeline trained on one batch (x, y): its median step and its peak, after warming up (``warm``).
+
+    ``devices``: one pipeline's, or a list of replicas' (the peak is the first replica's first device's).
+    """
     data = tf.data.Dataset.from_tensors((x, y)).repeat()
-    memory = memory_name(devices[0])
+    first = devices[0]
+    memory = memory_name(first[0] if isinstance(first, list) else first)
     gc.collect()  # an earlier probe's model freed during this one's steps would hide bytes of this one's peak
     base = tf.config.experimental.get_memory_info(memory)["current"] if memory else 0
     model = PipelineModel(

@@ -91,6 +91,8 @@ def plan(
     profile.fill(measured, sizes)
     _scale_to_whole_steps(measured, layer_seq, data, batch_size, device_list[0], optimizer, calibration)
     calibration = _model_parallelism(measured, layer_seq, data, batch_size, device_list, optimizer, calibration)
+    if space.replicas:
+        calibration = _replica_parallelism(measured, layer_seq, data, batch_size, device_list, optimizer, calibration)
     candidates = search.run(measured, calibration, batch_size, space, budget, slots)
     return plans.from_candidates(candidates, device_list, batch_size, budget, measured, calibration, slots)
 
@@ -184,16 +186,55 @@ def _model_parallelism(
     costs = measured.costs(b)
     cut = balance_lib.partition([f + x for f, x in zip(costs.forward_s, costs.backward_s)], k)
     took = calibration_lib.split_step(layers, data, b, m, cut, devices, optimizer).seconds
-    config = Config(tuple(cut), 1, m, "never", "gpipe")
-    free = predict.step_seconds(measured, dataclasses.replace(calibration, parallelism=float(k)), batch_size, config)
-    pipeline_s = took - free.update_s - free.fixed_s
-    parallelism = float(k) if pipeline_s <= free.pipeline_s else min(max(free.work_s / pipeline_s, 1.0), float(k))
+    parallelism = _parallelism(measured, calibration, batch_size, Config(tuple(cut), 1, m, "never", "gpipe"), took)
     return dataclasses.replace(
         calibration,
         parallelism=parallelism,
         source=calibration.source
         + f"; parallelism measured with this model's layers cut over the {k} devices at M={m}",
     )
+
+
+def _replica_parallelism(
+    measured: profile.Profile,
+    layers: list[keras.layers.Layer],
+    data: Any,
+    batch_size: int,
+    devices: list[str],
+    optimizer: Any,
+    calibration: Calibration,
+) -> Calibration:
+    """The calibration with the parallelism replicas get: one replica of all the layers on every device, at M=1.
+
+    Whole steps side by side contend for shared caches and memory more than a pipeline's micro-batch tasks (on
+    two one-thread workers of one 2-core CPU a Transformer's two replicas ran 1.3x, its K=2 pipeline 2x).
+    """
+    k = len(devices)
+    if len(set(devices)) < 2 or batch_size % k:
+        return calibration
+    b = batch_size // k
+    if b not in measured.by_batch:
+        profile.fill(measured, [b])
+    took = calibration_lib.replicated_step(layers, data, b, devices, optimizer).seconds
+    config = Config((len(layers),), k, 1, "never", "gpipe")
+    return dataclasses.replace(
+        calibration,
+        replica_parallelism=_parallelism(measured, calibration, batch_size, config, took),
+        source=calibration.source + f"; replicas' parallelism measured with {k} replicas of the model at M=1",
+    )
+
+
+def _parallelism(
+    measured: profile.Profile, calibration: Calibration, batch_size: int, config: Config, took: float
+) -> float:
+    """The devices' worth of compute that makes ``config``'s predicted step take ``took`` seconds (1 to its devices)."""
+    devices = float(config.num_partitions * config.num_replicas)
+    free = dataclasses.replace(calibration, parallelism=devices, replica_parallelism=devices)
+    predicted = predict.step_seconds(measured, free, batch_size, config)
+    pipeline_s = took - predicted.update_s - predicted.fixed_s
+    if pipeline_s <= predicted.pipeline_s:
+        return devices
+    return min(max(predicted.work_s / pipeline_s, 1.0), devices)
 
 
 def _devices(devices: Sequence[str] | None) -> list[str]:

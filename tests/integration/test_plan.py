@@ -56,6 +56,11 @@ def test_the_summary_says_where_each_prediction_comes_from(planned):
     # this process runs without the BFC allocator: the bytes held are estimated, and the summary says so
     assert "estimated from output sizes" in text and "TF_CPU_ALLOCATOR_USE_BFC=true" in text
     assert "a step of all the layers as one cell on /CPU:0" in text
+    # how many devices' worth of compute a pipeline and replicas get, each measured on the model
+    c = plan.calibration
+    assert 1.0 <= c.parallelism <= 2.0 and 1.0 <= c.replica_parallelism <= 2.0
+    assert f"parallelism {c.parallelism:.2f} devices ({c.replica_parallelism:.2f} for replicas)" in text
+    assert "replicas' parallelism measured with 2 replicas of the model at M=1" in text
 
 
 def test_no_configuration_fits_names_the_budget_that_would_and_that_budget_fits(planned):

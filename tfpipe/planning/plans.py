@@ -139,7 +139,9 @@ class Plan:
             f"step costs ({c.source}): {c.task_s * 1e3:.2f} ms a task"
             + (f" ({c.noinline_task_s * 1e3:.2f} where cells are not inlined)" if c.noinline_task_s is not None else "")
             + f", {c.step_s * 1e3:.2f} ms a step, "
-            f"{c.bandwidth / 2**30:.2f} GiB/s between devices, parallelism {c.parallelism:.2f} devices, "
+            f"{c.bandwidth / 2**30:.2f} GiB/s between devices, parallelism {c.parallelism:.2f} devices"
+            + (f" ({c.replica_parallelism:.2f} for replicas)" if c.replica_parallelism is not None else "")
+            + ", "
             f"update {c.update_s_per_byte * 2**20 * 1e3:.3f} ms per MiB of weights",
             "schedule: simulated task by task (tfpipe.schedule.simulate); activations held per its in-flight count",
         ]

@@ -46,6 +46,16 @@ class Calibration:
     update_s_per_byte: float  # the optimizer's update, per byte of trainable weights
     source: str = "measured"  # how these were found, for Plan.summary
     noinline_task_s: float | None = None  # a task where the step calls its cells without inlining them
+    # replicas' parallelism: whole one-cell steps side by side contend for a shared CPU's caches and memory more than
+    # a pipeline's micro-batch tasks do (measured: the same cores ran two replicas of a Transformer 1.3x, its pipeline
+    # 2x); None: ``parallelism``
+    replica_parallelism: float | None = None
+
+    def parallelism_of(self, num_replicas: int) -> float:
+        """How many devices' worth of compute a configuration of ``num_replicas`` replicas gets."""
+        if num_replicas > 1 and self.replica_parallelism is not None:
+            return self.replica_parallelism
+        return self.parallelism
 
     def task_seconds(self, inline: bool) -> float:
         """A task's cost in a step that inlines its cells' calls, or does not (``task_s`` where not measured)."""
@@ -129,7 +139,7 @@ def step_seconds(profile: Profile, calibration: Calibration, batch_size: int, co
     span = max(end for _, _, end in simulated)
     devices = k * config.num_replicas
     work = config.num_replicas * sum(end - start for _, start, end in simulated)
-    pipeline_s = max(span, work / min(calibration.parallelism, devices))
+    pipeline_s = max(span, work / min(calibration.parallelism_of(config.num_replicas), devices))
     trainable = [sum(profile.trainable_bytes[lo:hi]) for lo, hi in cells]
     # each device updates its own cells' weights; devices that share compute share the work
     updating = max(max(trainable), sum(trainable) / min(calibration.parallelism, k))

@@ -104,6 +104,33 @@ def test_two_gpipe_cells_follow_the_clock_cycles_by_hand():
     assert shared.update_s == pytest.approx(60 * 0.01)
 
 
+def test_replicas_share_the_devices_by_the_replicas_parallelism_and_pipelines_by_the_other():
+    prof = profile()
+    replicas = Config((3,), 2, 1, "never", "gpipe")  # batch 8: 4 rows a replica, its F and B one after another
+    one = (1 + 2 + 3) + (2 + 4 + 6) + 2 * 0.1
+    measured = dataclasses.replace(calibration(parallelism=2.0), replica_parallelism=1.25)
+    assert predict.step_seconds(prof, calibration(parallelism=2.0), 8, replicas).pipeline_s == pytest.approx(one)
+    assert predict.step_seconds(prof, measured, 8, replicas).pipeline_s == pytest.approx(2 * one / 1.25)
+    pipeline = Config((1, 2), 1, 2, "never", "gpipe")
+    assert predict.step_seconds(prof, measured, 8, pipeline).pipeline_s == pytest.approx(
+        predict.step_seconds(prof, calibration(parallelism=2.0), 8, pipeline).pipeline_s
+    )
+
+
+@pytest.mark.parametrize("shape", [Config((1, 2), 1, 4, "never", "gpipe"), Config((3,), 2, 1, "never", "gpipe")])
+@pytest.mark.parametrize("parallelism", [1.0, 1.1])
+def test_parallelism_found_from_a_measured_step_is_the_one_that_predicts_it(shape, parallelism):
+    prof = profile()
+    shared = dataclasses.replace(calibration(parallelism=parallelism), replica_parallelism=parallelism)
+    took = predict.step_seconds(prof, shared, 16, shape).step_s
+    # within 1%: the optimizer's update, which the devices also share, is taken as predicted for free devices
+    assert planner._parallelism(prof, calibration(), 16, shape, took) == pytest.approx(parallelism, rel=0.01)
+    # a step as fast as the devices side by side, or faster, is all of them
+    every = dataclasses.replace(calibration(parallelism=2.0), replica_parallelism=2.0)
+    free = predict.step_seconds(prof, every, 16, shape)
+    assert planner._parallelism(prof, calibration(), 16, shape, 0.9 * free.step_s) == 2.0
+
+
 def test_peak_bytes_of_one_cell_with_remat_never_and_always_by_hand():
     prof = profile()
     b, m, slots = 2, 4, 2  # batch 8 in 4 micro-batches of 2
