@@ -57,6 +57,7 @@ from tfpipe._compat.tensorflow import (
     placeholder,
     reconnect,
     recv,
+    run_independently,
     send,
     tensorflow_gradient,
     tpu_cores_per_replica,
@@ -115,6 +116,7 @@ __all__ = [
     "call_op",
     "send",
     "recv",
+    "run_independently",
     "wrap_function",
     "placeholder",
 ]

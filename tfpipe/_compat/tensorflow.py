@@ -209,6 +209,22 @@ def _types(dtypes: Sequence[tf.DType]) -> attr_value_pb2.AttrValue:
     return attr_value_pb2.AttrValue(list=attr_value_pb2.AttrValue.ListValue(type=[d.as_datatype_enum for d in dtypes]))
 
 
+def run_independently(op: tf.Operation) -> None:
+    """Exempt ``op`` from the program-order chain that tf.function's automatic control dependencies put every
+    stateful op without resource inputs in; it still runs before the function returns.
+
+    TensorFlow chains such ops (raw ``Send``/``Recv``, calls of functions with an ``Assert``) across
+    every device in the order they were made, so one device's op waits for another's made earlier:
+    with the batch size known only at run time, Keras' losses trace an ``Assert`` and a replica's
+    loss waited for the replica before it. The step orders each device's tasks itself
+    (tfpipe.step.chain). The hook is the graph's ``experimental_acd_manager``; outside a
+    tf.function there is none and nothing changes.
+    """
+    manager = getattr(op.graph, "experimental_acd_manager", None)
+    if manager is not None:
+        manager.run_independently(op)
+
+
 def call_op(
     graph: tf.Graph, function: Any, inputs: Sequence[tf.Tensor], dtypes: Sequence[tf.DType], stateful: bool
 ) -> tf.Operation:

@@ -75,7 +75,9 @@ def known(src: str, dst: str) -> bool:
 def send(tensor: tf.Tensor, name: str, src: str, dst: str) -> tf.Operation:
     """Send ``tensor`` from ``src`` (the current device scope) to ``dst`` under ``name``, unique in the step."""
     send_device, recv_device, incarnation = _ENDPOINTS[(src, dst)]
-    return _compat.send(tensor, name, send_device, incarnation, recv_device)
+    op = _compat.send(tensor, name, send_device, incarnation, recv_device)
+    _compat.run_independently(op)  # ordered by its task, not after every send and receive made before it
+    return op
 
 
 def recv(like: tf.Tensor, name: str, src: str, dst: str) -> tf.Tensor:
@@ -83,6 +85,7 @@ def recv(like: tf.Tensor, name: str, src: str, dst: str) -> tf.Tensor:
     send_device, recv_device, incarnation = _ENDPOINTS[(src, dst)]
     with tf.device(dst), tf.control_dependencies(None):  # waits for the data alone, not the producer's chain
         received = _compat.recv(like.dtype, name, send_device, incarnation, recv_device)
+    _compat.run_independently(received.op)
     received.set_shape(like.shape)
     return received
 

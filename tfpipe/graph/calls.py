@@ -38,8 +38,13 @@ def _facts(function: Any) -> tuple[bool, bool]:
 def call(function: Any, args: Sequence[Any]) -> list[tf.Tensor]:
     """``function(*args)`` for a ConcreteFunction with flat outputs: one call op made without the shape walk
     when ``function`` is not inlined, else the usual call."""
-    if tf.executing_eagerly() or not _facts(function)[0]:
+    if tf.executing_eagerly():
         return list(function(*args))
+    if not _facts(function)[0]:
+        results = list(function(*args))
+        if results and _facts(function)[1]:
+            _unchained(results[0].op)
+        return results
     graph = tf.compat.v1.get_default_graph()
     function.add_to_graph(graph)
     inputs = [tf.convert_to_tensor(a) for a in args] + list(function.captured_inputs)
@@ -48,4 +53,13 @@ def call(function: Any, args: Sequence[Any]) -> list[tf.Tensor]:
     op = _compat.call_op(graph, function, inputs, [t.dtype for t in outputs], stateful=_facts(function)[1])
     for out, like in zip(op.outputs, outputs):
         out.set_shape(like.shape)
+    if _facts(function)[1]:
+        _unchained(op)
     return list(op.outputs)
+
+
+def _unchained(op: tf.Operation) -> None:
+    """A stateful call that touches no variable (a loss whose shapes are checked at run time traces an ``Assert``)
+    is ordered by its task's chain alone, not after every such op of every device made before it."""
+    if not any(t.dtype == tf.resource for t in op.inputs):
+        _compat.run_independently(op)

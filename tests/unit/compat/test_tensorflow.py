@@ -279,3 +279,21 @@ def test_own_address_is_none_before_this_process_connects_to_a_cluster():
     # After connecting, LocalCluster's start names the port (tests/integration/test_cluster.py), and reconnect()
     # gives it a new one (tests/integration/test_recovery.py): both need a fresh process.
     assert _compat.own_address() is None
+
+
+def test_run_independently_takes_an_op_out_of_the_chain_of_stateful_ops_that_touch_no_variable():
+    def step(exempt):
+        first = tf.raw_ops.Timestamp()  # stateful, no inputs: tf.function chains such ops in the order made
+        second = tf.raw_ops.Timestamp()
+        if exempt:
+            _compat.run_independently(second.op)
+        return first + second
+
+    for exempt in (False, True):
+        graph = tf.function(lambda e=exempt: step(e)).get_concrete_function().graph
+        first, second = [op for op in graph.get_operations() if op.type == "Timestamp"]
+        assert (first in second.control_inputs) == (not exempt)
+    with tf.Graph().as_default():  # outside a tf.function there is no chain: nothing changes
+        op = tf.raw_ops.Timestamp().op
+        _compat.run_independently(op)
+        assert "_independent_side_effects" not in op.node_def.attr

@@ -1,6 +1,7 @@
 """tfpipe.graph.calls: a call op made without TensorFlow's shape walk runs the function as TensorFlow's call does."""
 
 import numpy as np
+import pytest
 import tensorflow as tf
 
 from tfpipe.graph import calls
@@ -78,3 +79,43 @@ def test_eagerly_it_is_a_plain_call():
     made = calls.call(function, [tf.ones([1, 2]), tf.zeros([2])])
     np.testing.assert_allclose(made[0].numpy(), [[3.0, 1.0]])
     np.testing.assert_allclose(made[1].numpy(), [2.0])
+
+
+def _checked(attributes):
+    """A function whose body checks its input's run-time size: an Assert, stateful, touching no variable."""
+
+    @tf.function(experimental_attributes=attributes)
+    def checked(x):
+        with tf.control_dependencies([tf.debugging.assert_positive(tf.shape(x)[0], message="empty batch")]):
+            return [x * 2.0]
+
+    return checked.get_concrete_function(tf.TensorSpec([None]))
+
+
+def _calls_in(step, *args):
+    graph = step.get_concrete_function(*args).graph
+    return [op for op in graph.get_operations() if op.type == "StatefulPartitionedCall"]
+
+
+@pytest.mark.parametrize("attributes", [_NOINLINE, None], ids=["noinline", "inlined"])
+def test_a_stateful_call_that_touches_no_variable_is_not_chained_after_the_calls_made_before_it(attributes):
+    function = _checked(attributes)
+
+    def step(x):
+        with tf.device("/CPU:0"):
+            first = calls.call(function, [x])
+        with tf.device("/CPU:0"):  # a second replica's call: it needs nothing of the first
+            second = calls.call(function, [x + 1.0])
+        return first[0] + second[0]
+
+    made = tf.function(step)
+    first, second = _calls_in(made, tf.TensorSpec([None]))
+    assert first not in second.control_inputs and second.get_attr("_independent_side_effects")
+    # TensorFlow's own calls are chained in the order made: what the step's replicas waited on
+    plain = tf.function(lambda x: function(x)[0] + function(x + 1.0)[0])
+    first, second = _calls_in(plain, tf.TensorSpec([None]))
+    assert first in second.control_inputs
+    # unchained, each still runs (its check with it) before the step returns
+    np.testing.assert_array_equal(made(tf.constant([1.0, 2.0])).numpy(), [6.0, 10.0])
+    with pytest.raises(tf.errors.InvalidArgumentError, match="empty batch"):
+        made(tf.zeros([0]))
