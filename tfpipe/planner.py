@@ -206,8 +206,8 @@ def _replica_parallelism(
 ) -> Calibration:
     """The calibration with the parallelism replicas get: one replica of all the layers on every device, at M=1.
 
-    Whole steps side by side contend for shared caches and memory more than a pipeline's micro-batch tasks (on
-    two one-thread workers of one 2-core CPU a Transformer's two replicas ran 1.3x, its K=2 pipeline 2x).
+    Whole steps side by side contend for a shared CPU's caches and memory more than a pipeline's micro-batch tasks
+    (the planning benchmark's Transformer on two one-thread workers: 1.78 devices, its K=2 pipeline 2.00).
     """
     k = len(devices)
     if len(set(devices)) < 2 or batch_size % k:

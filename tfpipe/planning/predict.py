@@ -47,8 +47,8 @@ class Calibration:
     source: str = "measured"  # how these were found, for Plan.summary
     noinline_task_s: float | None = None  # a task where the step calls its cells without inlining them
     # replicas' parallelism: whole one-cell steps side by side contend for a shared CPU's caches and memory more than
-    # a pipeline's micro-batch tasks do (measured: the same cores ran two replicas of a Transformer 1.3x, its pipeline
-    # 2x); None: ``parallelism``
+    # a pipeline's micro-batch tasks do (measured on two workers: a Transformer's replicas 1.78, its pipeline 2.00);
+    # None: ``parallelism``
     replica_parallelism: float | None = None
 
     def parallelism_of(self, num_replicas: int) -> float:
