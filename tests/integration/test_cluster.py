@@ -205,6 +205,7 @@ def started_and_stopped():
         except Exception as err:
             print("STOPPED", type(err).__name__, err)
         os.environ["TF_CPU_ALLOCATOR_USE_BFC"] = "false"
+        os.environ["TF_ENABLE_ONEDNN_OPTS"] = "0"  # with oneDNN (the default on AVX-512 CPUs) its allocator counts too
         try:
             with LocalCluster(2) as cluster:
                 pids = list(cluster.pids)
