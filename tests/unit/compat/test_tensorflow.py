@@ -276,8 +276,8 @@ def test_wrap_function_keeps_placeholders_made_inside_to_be_fed_when_imported():
 
 
 def test_own_address_is_none_before_this_process_connects_to_a_cluster():
-    # After connecting, LocalCluster's start names the port (tests/integration/test_cluster.py), and reconnect()
-    # gives it a new one (tests/integration/test_recovery.py): both need a fresh process.
+    # After connecting, LocalCluster's start names the port (tests/integration/test_cluster_lifecycle.py), and
+    # reconnect() gives it a new one (tests/integration/test_recovery.py): both need a fresh process.
     assert _compat.own_address() is None
 
 
