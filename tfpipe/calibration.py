@@ -27,7 +27,7 @@ from tfpipe.partition.sequence import copy_layer
 from tfpipe.planning.predict import Calibration
 from tfpipe.planning.profile import median_seconds, memory_name
 from tfpipe.step import schedule as schedule_lib
-from tfpipe.step.unrolled import NOINLINE_TASKS
+from tfpipe.step.unrolled import noinline_tasks
 
 _CALIBRATIONS: dict[tuple[str, ...], Calibration] = {}  # one per set of devices and optimizer, per process
 WARM_STEPS = 100  # TensorFlow's executor runs a kernel inline only once its cost estimate settles, ~90 runs
@@ -43,7 +43,8 @@ def calibrate(devices: Sequence[str], optimizer: Any = "adam", steps: int = 30) 
     tiny = [keras.layers.Dense(4) for _ in device_list]
     x = np.ones((64, 4), "float32")
     # The most micro-batches whose step still inlines its cells, and the fewest whose step does not
-    inline_m, noinline_m = min(8, (NOINLINE_TASKS - 1) // (2 * k)), -(-NOINLINE_TASKS // (2 * k))
+    threshold = noinline_tasks(device_list)
+    inline_m, noinline_m = min(8, (threshold - 1) // (2 * k)), -(-threshold // (2 * k))
     if inline_m < 2:  # 32 devices or more: one micro-batch already calls its cells
         inline_m, noinline_m = 8, None
     ms = sorted({1, inline_m} | ({noinline_m} if noinline_m else set()))
@@ -61,6 +62,7 @@ def calibrate(devices: Sequence[str], optimizer: Any = "adam", steps: int = 30) 
         update_s_per_byte=_update_seconds_per_byte(device_list[0], optimizer),
         source=f"measured on {k} device(s) with a tiny pipeline",
         noinline_task_s=noinline_s,
+        noinline_tasks=threshold,
     )
     _CALIBRATIONS[key] = result
     return result
@@ -101,12 +103,13 @@ def split_step(
     optimizer: Any,
     steps: int = 10,
     warm: bool = True,
+    remat: str = "never",
 ) -> Probe:
     """Copies of ``layers`` cut by ``balance`` over ``devices`` trained at M=m micro-batches of b rows."""
     copies = [copy_layer(layer, "to time it", "pass calibration=... or plan by hand") for layer in layers]
     x = tf.nest.map_structure(lambda t, n=b * m: _tiled(t, n), sample)
     y = np.zeros((b * m, 1), "float32")
-    return _probe(copies, balance, devices, m, x, y, _fresh(optimizer), steps, _mean, warm)
+    return _probe(copies, balance, devices, m, x, y, _fresh(optimizer), steps, _mean, warm, remat)
 
 
 def replicated_step(
@@ -148,6 +151,7 @@ def _probe(
     steps: int,
     loss: Any = "mse",
     warm: bool = True,
+    remat: str = "never",
 ) -> Probe:
     """A probe pipeline trained on one batch (x, y): its median step and its peak, after warming up (``warm``).
 
@@ -159,7 +163,7 @@ def _probe(
     gc.collect()  # an earlier probe's model freed during this one's steps would hide bytes of this one's peak
     base = tf.config.experimental.get_memory_info(memory)["current"] if memory else 0
     model = PipelineModel(
-        layers, balance=balance, devices=devices, num_micro_batches=m, remat="never", name=f"tfpipe_probe_{m}"
+        layers, balance=balance, devices=devices, num_micro_batches=m, remat=remat, name=f"tfpipe_probe_{m}"
     )
     model.compile(optimizer=optimizer, loss=loss)
     with messages.quiet():  # the probes' "building the step" lines are not the user's

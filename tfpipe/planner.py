@@ -127,15 +127,20 @@ def _scale_to_whole_steps(
         ratio = float(np.interp(np.log2(b), np.log2(probed), ratios))
         costs = measured.costs(b)
         profile.rescale(measured, b, ratio * (sum(costs.forward_s) + sum(costs.backward_s)))
+    measured.recompute_ratio = _recompute_ratio(
+        measured, layers, data, sizes[len(sizes) // 2], steps, device, optimizer
+    )
     measured.time_source = (
         f"each layer run alone, scaled to add up to a step of all the layers as one cell on {device} (measured at "
-        f"{probed} samples with M <= {PROBE_MICRO_BATCHES}, less its fixed, task and update costs)"
+        f"{probed} samples with M <= {PROBE_MICRO_BATCHES}, less its fixed, task and update costs); recomputing a "
+        f"micro-batch x{measured.recompute_ratio:.2f} its forward (a step recomputing every micro-batch against one "
+        "recomputing none)"
     )
     if measured.memory_device is None:
         return
     if measured.memory_device != device:  # bytes read on this process's stand-in: so are the steps' peaks
         steps = calibration_lib.whole_steps(layers, data, sizes, measured.memory_device, optimizer, 2, warm=False)
-    # A step that does not inline its cells' calls (from unrolled.NOINLINE_TASKS tasks on) holds what each layer
+    # A step that does not inline its cells' calls (from Calibration.noinline_tasks tasks on) holds what each layer
     # measured alone held, a call TensorFlow did not inline either: the ratio stays 1 there (measured: the
     # Transformer of docs/benchmarks.md at K=2, M=16 held 481 MiB, its layers' bytes predict 494)
     inlined = _held_ratios(measured, steps, sizes, optimizer_slots(optimizer))
@@ -144,6 +149,28 @@ def _scale_to_whole_steps(
         f"; where a step inlines its cells, a micro-batch's activations scaled to what steps of all the layers as "
         f"one cell held (x{'/'.join(f'{r:.2f}' for r in inlined[1])} at {inlined[0]} samples)"
     )
+
+
+def _recompute_ratio(
+    measured: profile.Profile,
+    layers: list[keras.layers.Layer],
+    data: Any,
+    size: tuple[int, int],
+    steps: dict[int, calibration_lib.Probe],
+    device: str,
+    optimizer: Any,
+) -> float:
+    """What recomputing a micro-batch costs against its forward: a one-cell step with remat="always" against "never".
+
+    A recomputation runs in the call of the backward that reads it, so it costs less than a forward task (measured
+    on one CPU: half a forward on 12 x Dense(512), at M=4 and 8, K=1 and 2).
+    """
+    b, m = size
+    always = calibration_lib.split_step(layers, data, b, m, [len(layers)], [device], optimizer, remat="always")
+    forwards = m * sum(measured.costs(b).forward_s)
+    if forwards <= 0:
+        return 1.0
+    return float(np.clip((always.seconds - steps[b].seconds) / forwards, 0.1, 1.5))
 
 
 def _held_ratios(

@@ -137,7 +137,11 @@ class Plan:
             f"layer memory: {self.profile.memory_source}; weights, gradients and {self.optimizer_slots} optimizer "
             "slot(s) per trainable weight counted from the variables",
             f"step costs ({c.source}): {c.task_s * 1e3:.2f} ms a task"
-            + (f" ({c.noinline_task_s * 1e3:.2f} where cells are not inlined)" if c.noinline_task_s is not None else "")
+            + (
+                f" ({c.noinline_task_s * 1e3:.2f} where cells are not inlined, from {c.noinline_tasks} tasks)"
+                if c.noinline_task_s is not None
+                else ""
+            )
             + f", {c.step_s * 1e3:.2f} ms a step, "
             f"{c.bandwidth / 2**30:.2f} GiB/s between devices, parallelism {c.parallelism:.2f} devices"
             + (f" ({c.replica_parallelism:.2f} for replicas)" if c.replica_parallelism is not None else "")

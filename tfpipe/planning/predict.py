@@ -13,7 +13,7 @@ activations for the micro-batches not recomputed and for one being recomputed
 (``activations_at_once``); and the largest working set of a backward. The first cell
 also holds the batch. What a micro-batch's activations hold is the layers' measured
 bytes scaled to what real steps held (``Profile.held_ratio``): a step that calls its
-cells without inlining them (from ``unrolled.NOINLINE_TASKS`` tasks on) keeps every
+cells without inlining them (from ``Calibration.noinline_tasks`` tasks on) keeps every
 intermediate of each call, one that inlines them keeps what the backward reads.
 """
 
@@ -50,6 +50,8 @@ class Calibration:
     # a pipeline's micro-batch tasks do (measured on two workers: a Transformer's replicas 1.78, its pipeline 2.00);
     # None: ``parallelism``
     replica_parallelism: float | None = None
+    # from how many tasks a step on these devices calls its cells without inlining them (``unrolled.noinline_tasks``)
+    noinline_tasks: int = NOINLINE_TASKS
 
     def parallelism_of(self, num_replicas: int) -> float:
         """How many devices' worth of compute a configuration of ``num_replicas`` replicas gets."""
@@ -131,11 +133,12 @@ def step_seconds(profile: Profile, calibration: Calibration, batch_size: int, co
         profile.output_bytes[hi - 1] * b / calibration.bandwidth if i < k - 1 else 0.0
         for i, (_, hi) in enumerate(cells)
     ]
-    task_s = calibration.task_seconds(inlined(k, m))
+    task_s = calibration.task_seconds(inlined(k, m, calibration.noinline_tasks))
     f_cost = [f + task_s + (moved[i - 1] if i else 0.0) for i, f in enumerate(fwd)]
     b_cost = [x + task_s + moved[i] for i, x in enumerate(bwd)]
     recomputed = [j for j in range(m) if remat_lib.recomputes(config.remat, j, m)]
-    simulated = schedule_lib.simulate(k, m, f_cost, b_cost, config.schedule, r_cost=fwd, recomputed=recomputed)
+    r_cost = [f * profile.recompute_ratio for f in fwd]
+    simulated = schedule_lib.simulate(k, m, f_cost, b_cost, config.schedule, r_cost=r_cost, recomputed=recomputed)
     span = max(end for _, _, end in simulated)
     devices = k * config.num_replicas
     work = config.num_replicas * sum(end - start for _, start, end in simulated)
@@ -150,17 +153,19 @@ def step_seconds(profile: Profile, calibration: Calibration, batch_size: int, co
     return Prediction(pipeline_s + update_s + fixed_s, pipeline_s, update_s, fixed_s, [], work_s=work)
 
 
-def inlined(num_partitions: int, num_micro_batches: int) -> bool:
+def inlined(num_partitions: int, num_micro_batches: int, noinline_tasks: int = NOINLINE_TASKS) -> bool:
     """Whether a step of K cells and M micro-batches inlines its cells' calls (the step's own rule)."""
-    return 2 * num_partitions * num_micro_batches < NOINLINE_TASKS
+    return 2 * num_partitions * num_micro_batches < noinline_tasks
 
 
-def peak_bytes(profile: Profile, batch_size: int, config: Config, slots: int) -> list[float]:
+def peak_bytes(
+    profile: Profile, batch_size: int, config: Config, slots: int, noinline_tasks: int = NOINLINE_TASKS
+) -> list[float]:
     """The predicted peak bytes of each device: replica 0's cells, then each other replica's."""
     b = micro_batch_size(batch_size, config)
     k, m = config.num_partitions, config.num_micro_batches
-    held_at_once, kept, ratio = holding(profile, b, k, m, config.schedule, config.remat)
-    inline = inlined(k, m)
+    held_at_once, kept, ratio = holding(profile, b, k, m, config.schedule, config.remat, noinline_tasks)
+    inline = inlined(k, m, noinline_tasks)
     return [
         cell_peak(profile, b, lo, hi, i == 0, held_at_once[i], kept[i], slots if replica == 0 else 0, m, ratio, inline)
         for replica in range(config.num_replicas)
@@ -168,13 +173,15 @@ def peak_bytes(profile: Profile, batch_size: int, config: Config, slots: int) ->
     ]
 
 
-def holding(profile: Profile, b: int, k: int, m: int, schedule: str, remat: str) -> tuple[list[int], list[int], float]:
+def holding(
+    profile: Profile, b: int, k: int, m: int, schedule: str, remat: str, noinline_tasks: int = NOINLINE_TASKS
+) -> tuple[list[int], list[int], float]:
     """What each of K cells holds at M micro-batches of b rows: ``cell_peak``'s in_flight, kept and held_ratio."""
     order = schedule_lib.steps(schedule, k, m)
     return (
         schedule_lib.in_flight(order, k),
         activations_at_once(order, k, remat, m),
-        profile.held_ratio(b, inlined(k, m)),
+        profile.held_ratio(b, inlined(k, m, noinline_tasks)),
     )
 
 

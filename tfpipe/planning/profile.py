@@ -62,6 +62,9 @@ class Profile:
     # What a micro-batch's activations hold in a real step against the layers' measured held bytes, by whether the
     # step inlines its cells' calls: (micro-batch sizes probed, ratios). Not probed: 1.0.
     held_ratios: dict[bool, tuple[list[int], list[float]]] = dataclasses.field(default_factory=dict)
+    # What recomputing a micro-batch costs in a step against its forward's time: the recomputation runs in the same
+    # call as the backward that reads it (measured on one CPU: about half a forward). Not probed: 1.0.
+    recompute_ratio: float = 1.0
 
     def costs(self, batch: int) -> LayerCosts:
         """The measurements at micro-batch size ``batch`` (a ValueError if it was not profiled)."""

@@ -89,7 +89,7 @@ def run(
             profile, calibration, batch_size, Config(tuple(balance), r, m, remat, schedule), budget, slots
         )
         if not candidate.fits and k > 1:
-            cut = memory_balance(profile, times, b, k, m, remat, schedule, slots, budget)
+            cut = memory_balance(profile, times, b, k, m, remat, schedule, slots, budget, calibration.noinline_tasks)
             if cut is not None:
                 candidate = _evaluate(
                     profile, calibration, batch_size, Config(tuple(cut), r, m, remat, schedule), budget, slots
@@ -112,7 +112,7 @@ def _evaluate(
     profile: Profile, calibration: Calibration, batch_size: int, config: Config, budget: float | None, slots: int
 ) -> Candidate:
     prediction = predict.step_seconds(profile, calibration, batch_size, config)
-    prediction.peak_bytes = predict.peak_bytes(profile, batch_size, config, slots)
+    prediction.peak_bytes = predict.peak_bytes(profile, batch_size, config, slots, calibration.noinline_tasks)
     return Candidate(config, prediction, budget is None or max(prediction.peak_bytes) <= budget)
 
 
@@ -126,6 +126,7 @@ def memory_balance(
     schedule: str,
     slots: int,
     budget: float | None,
+    noinline_tasks: int = predict.NOINLINE_TASKS,
 ) -> list[int] | None:
     """The cut into ``k`` cells with the least largest cell time among those whose every cell's peak fits ``budget``.
 
@@ -134,7 +135,8 @@ def memory_balance(
     if budget is None:
         return None
     num_layers = len(times)
-    held_at_once, kept, ratio = predict.holding(profile, b, k, m, schedule, remat)
+    held_at_once, kept, ratio = predict.holding(profile, b, k, m, schedule, remat, noinline_tasks)
+    inline = predict.inlined(k, m, noinline_tasks)
     prefix = np.concatenate([[0.0], np.cumsum(times)])
     best = np.full((k + 1, num_layers + 1), np.inf)
     choice = np.zeros((k + 1, num_layers + 1), dtype=int)
@@ -147,10 +149,10 @@ def memory_balance(
                 value = max(best[c - 1, lo], prefix[hi] - prefix[lo])
                 if value >= best[c, hi]:
                     continue
-                if (
-                    predict.cell_peak(profile, b, lo, hi, c == 1, held_at_once[c - 1], kept[c - 1], slots, m, ratio)
-                    <= budget
-                ):
+                peak = predict.cell_peak(
+                    profile, b, lo, hi, c == 1, held_at_once[c - 1], kept[c - 1], slots, m, ratio, inline
+                )
+                if peak <= budget:
                     best[c, hi], choice[c, hi] = value, lo
     if not np.isfinite(best[k, num_layers]):
         return None

@@ -32,6 +32,7 @@ from tfpipe.step.wiring import Wiring
 # Names importers took from here before the step was split by job.
 __all__ = [
     "NOINLINE_TASKS",
+    "NOINLINE_TASKS_ACROSS_PROCESSES",
     "TASK_START",
     "LossFn",
     "Pipeline",
@@ -50,6 +51,16 @@ __all__ = [
 # call, measured on single-thread workers: an MLP (8 x Dense(256), batch 1024) at K=1, M=8 ran
 # 0.74x as fast as inlined. Below the threshold the steady state wins; above it the first step.
 NOINLINE_TASKS = 64
+# Where cells are in other processes than the client's, a call that is not inlined costs more: at K=2, M=16 on two
+# one-thread workers, inlined steps took 0.69-0.85 of torch's where calls took 0.83-1.10 (docs/benchmarks.md#against-
+# torchdistributedpipelining), for a first step twice as long (a 4-block Transformer: 14-18 s against 7-8 s).
+NOINLINE_TASKS_ACROSS_PROCESSES = 128
+
+
+def noinline_tasks(cell_devices: Sequence[str]) -> int:
+    """From how many tasks a step stops inlining its cells: later where a cell is in a process not the client's."""
+    remote = any(sendrecv.crosses_processes(device, "/job:localhost") for device in cell_devices)
+    return NOINLINE_TASKS_ACROSS_PROCESSES if remote else NOINLINE_TASKS
 
 
 def check_unroll(unroll: Any, remat: str) -> bool:
@@ -112,7 +123,7 @@ class Pipeline(Executor):
         # than unrolled ones on CPUs (docs/benchmarks.md#the-first-step): the user chooses.
         check_unroll(unroll, self.remat)
         self._loops = None if unroll else looped.Looped(self.cells, num_micro_batches, routes)
-        large = 2 * len(self.cells) * num_micro_batches >= NOINLINE_TASKS
+        large = 2 * len(self.cells) * num_micro_batches >= noinline_tasks([cell.device for cell in self.cells])
         for cell in self.cells:
             cell.noinline = large or not unroll
 

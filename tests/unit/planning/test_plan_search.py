@@ -1,4 +1,4 @@
-"""The planner's pieces without measuring anything: a hand-made profile and calibration, predicted by hand."""
+"""The planner's time model and search by hand: a hand-made profile and calibration, predicted by hand."""
 
 import dataclasses
 import re
@@ -6,54 +6,12 @@ import re
 import keras
 import pytest
 
+from tests.unit.planning.handmade import DEVICES, calibration, memory_bound_profile, profile
 from tfpipe import planner
 from tfpipe.backward.remat import REMAT_MODES
-from tfpipe.planning import balance as balance_lib
 from tfpipe.planning import plans, predict, search
-from tfpipe.planning.predict import Calibration, Config
-from tfpipe.planning.profile import LayerCosts, Profile
-from tfpipe.step import schedule as schedule_lib
+from tfpipe.planning.predict import Config
 from tfpipe.step.schedule import SCHEDULES
-
-DEVICES = ["/CPU:0", "/CPU:1"]
-
-
-def calibration(parallelism=1.5, bandwidth=4000.0):
-    """A hand-made calibration: 0.1 s a task, 0.25 s a step, 0.01 s of update per byte of weights."""
-    return Calibration(
-        task_s=0.1,
-        step_s=0.25,
-        bandwidth=bandwidth,
-        parallelism=parallelism,
-        update_s_per_byte=0.01,
-        source="by hand",
-    )
-
-
-def profile(
-    forward=(1.0, 2.0, 3.0),
-    backward=(2.0, 4.0, 6.0),
-    weights=(10.0, 20.0, 30.0),
-    trainable=(10.0, 20.0, 30.0),
-    outputs=(100.0, 50.0, 10.0),
-    held=(40.0, 30.0, 20.0),
-    working=(5.0, 7.0, 3.0),
-    input_bytes=8.0,
-    sizes=(1, 2, 4, 8),
-):
-    """A hand-made profile whose per-layer seconds and held bytes scale with the micro-batch size (given at 4)."""
-    by_batch = {
-        b: LayerCosts(
-            [f * b / 4 for f in forward],
-            [x * b / 4 for x in backward],
-            [h * b / 4 for h in held],
-            [w * b / 4 for w in working],
-        )
-        for b in sizes
-    }
-    return Profile(
-        "/CPU:0", list(weights), list(trainable), input_bytes, list(outputs), by_batch, "held bytes given by hand"
-    )
 
 
 def test_one_cell_runs_every_task_one_after_another():
@@ -78,6 +36,10 @@ def test_one_cell_with_remat_always_recomputes_its_forward_in_each_backward():
     always = predict.step_seconds(prof, cal, 8, Config((3,), 1, 2, "always", "gpipe"))
     # each B first recomputes the cell's layers' forward: no second task cost, no second transfer
     assert always.step_s - never.step_s == pytest.approx(2 * (1 + 2 + 3))
+    # a recomputation measured at half a forward (Profile.recompute_ratio) costs half
+    prof.recompute_ratio = 0.5
+    halved = predict.step_seconds(prof, cal, 8, Config((3,), 1, 2, "always", "gpipe"))
+    assert halved.step_s - never.step_s == pytest.approx(0.5 * 2 * (1 + 2 + 3))
 
 
 def test_two_gpipe_cells_follow_the_clock_cycles_by_hand():
@@ -131,89 +93,6 @@ def test_parallelism_found_from_a_measured_step_is_the_one_that_predicts_it(shap
     assert planner._parallelism(prof, calibration(), 16, shape, 0.9 * free.step_s) == 2.0
 
 
-def test_peak_bytes_of_one_cell_with_remat_never_and_always_by_hand():
-    prof = profile()
-    b, m, slots = 2, 4, 2  # batch 8 in 4 micro-batches of 2
-    static = (10 + 20 + 30) + (1 + slots) * (10 + 20 + 30)  # weights, gradients, Adam's two slots
-    activations = (40 + 30 + 20) * b / 4  # one micro-batch's held bytes at size 2
-    working = max(5, 7, 3) * b / 4  # the largest backward's working set
-    batch = 2 * m * b * 8.0  # the first cell holds the batch
-    inputs = b * 8.0  # one micro-batch's input to the cell
-    never = predict.peak_bytes(prof, 8, Config((3,), 1, m, "never", "gpipe"), slots)
-    always = predict.peak_bytes(prof, 8, Config((3,), 1, m, "always", "gpipe"), slots)
-    # GPipe on one cell runs every forward before the first backward: all 4 micro-batches are in flight
-    assert never == [pytest.approx(static + m * inputs + m * activations + working + batch)]
-    assert always == [pytest.approx(static + m * inputs + activations + working + batch)]
-    assert never[0] - always[0] == pytest.approx((m - 1) * activations)
-
-
-@pytest.mark.parametrize(
-    "schedule, remat, expected",
-    [
-        ("gpipe", "never", [4, 4]),  # every micro-batch's activations until the backward
-        ("gpipe", "always", [1, 1]),  # one recomputed at a time
-        ("gpipe", "except_last", [1, 1]),  # the last is kept, and its backward runs first, before any recompute
-        ("1f1b", "never", [2, 1]),  # K - i in flight
-        ("1f1b", "except_last", [2, 1]),  # cell 0: the last kept while an earlier one is recomputed
-        ("zero_bubble", "always", [1, 2]),  # recomputed at B, held until W, which the last cell defers past a B
-        ("gpipe_batched_w", "never", [4, 4]),
-    ],
-)
-def test_activations_held_at_once_follow_the_schedule_and_remat(schedule, remat, expected):
-    order = schedule_lib.steps(schedule, 2, 4)
-    assert predict.activations_at_once(order, 2, remat, 4) == expected
-
-
-def test_held_ratios_scale_the_activations_by_whether_the_step_inlines_its_cells():
-    prof = profile()
-    # what steps held against the layers' bytes: measured at sizes 1 and 4 inlined, at 2 not inlined
-    prof.held_ratios = {True: ([1, 4], [0.4, 0.6]), False: ([2], [1.1])}
-    assert prof.held_ratio(2, True) == pytest.approx(0.5)  # halfway in log2(size)
-    assert (prof.held_ratio(8, True), prof.held_ratio(8, False)) == (pytest.approx(0.6), pytest.approx(1.1))
-    b, m, slots = 2, 4, 2
-    ones = profile()  # the same profile, no ratios: the layers' bytes as measured
-    activations = (40 + 30 + 20) * b / 4
-    inlined = predict.peak_bytes(prof, 8, Config((3,), 1, m, "never", "gpipe"), slots)
-    plain = predict.peak_bytes(ones, 8, Config((3,), 1, m, "never", "gpipe"), slots)
-    assert plain[0] - inlined[0] == pytest.approx(m * activations * (1 - 0.5))
-    # from NOINLINE_TASKS tasks (2 K M) on, the step calls its cells without inlining them: the other ratio
-    m = predict.NOINLINE_TASKS // 2
-    assert not predict.inlined(1, m) and predict.inlined(1, m - 1)
-    big = Config((3,), 1, m, "never", "gpipe")
-    b = predict.micro_batch_size(8 * m, big)
-    apart = predict.peak_bytes(prof, 8 * m, big, slots)[0] - predict.peak_bytes(ones, 8 * m, big, slots)[0]
-    assert apart == pytest.approx(m * (40 + 30 + 20) * b / 4 * (1.1 - 1))
-
-
-def test_a_step_that_does_not_inline_its_cells_pays_its_own_task_cost_and_more_gradient_copies():
-    prof, slots = profile(), 2
-    m = predict.NOINLINE_TASKS // 2  # one cell: 2 x 1 x M tasks, the first M not inlined
-    called, inlined = Config((3,), 1, m, "never", "gpipe"), Config((3,), 1, m - 1, "never", "gpipe")
-    # measured apart: 0.3 s a task where cells are called, 0.1 where inlined; each of the 2 M tasks pays it
-    cal = dataclasses.replace(calibration(), noinline_task_s=0.3)
-    assert cal.task_seconds(True) == 0.1 and cal.task_seconds(False) == 0.3
-    for config in (called, inlined):
-        batch = 4 * config.num_micro_batches
-        extra = (
-            predict.step_seconds(prof, cal, batch, config).step_s
-            - predict.step_seconds(prof, calibration(), batch, config).step_s
-        )
-        assert extra == pytest.approx(0.2 * 2 * config.num_micro_batches if config is called else 0.0)
-    # not measured apart (no probe past the threshold): the inlined cost
-    assert calibration().task_seconds(False) == 0.1
-    # the running gradient sums in and out of each call: NOINLINE_GRADIENTS more copies of the trainable bytes
-    args = (prof, 4, 0, 3, True, 1, 1, slots, m)
-    gap = predict.cell_peak(*args, 1.0, False) - predict.cell_peak(*args, 1.0, True)
-    assert gap == pytest.approx(predict.NOINLINE_GRADIENTS * (10 + 20 + 30))
-
-
-def test_peak_bytes_count_the_optimizer_slots_on_the_first_replica_only():
-    prof = profile()
-    two = predict.peak_bytes(prof, 8, Config((3,), 2, 1, "never", "gpipe"), 2)
-    assert len(two) == 2
-    assert two[0] - two[1] == pytest.approx(2 * (10 + 20 + 30))
-
-
 def space(**kwargs):
     """Two devices, M in (1, 2), GPipe and remat never unless told otherwise; no replicas."""
     return search.Space(
@@ -262,38 +141,6 @@ def test_search_skips_what_cannot_run():
     assert not any(c.schedule == "gpipe_batched_w" and c.remat != "never" for c in configs)
     assert not any(c.num_partitions == 1 and c.schedule != "gpipe" for c in configs)
     assert len(configs) == len(set(configs))
-
-
-def memory_bound_profile():
-    """Four layers of equal time; the last two hold 600 bytes of weights each, the first two none."""
-    return profile(
-        forward=(1.0, 1.0, 1.0, 1.0),
-        backward=(2.0, 2.0, 2.0, 2.0),
-        weights=(0.0, 0.0, 600.0, 600.0),
-        trainable=(0.0, 0.0, 0.0, 0.0),
-        outputs=(1.0, 1.0, 1.0, 1.0),
-        held=(1.0, 1.0, 1.0, 1.0),
-        working=(1.0, 1.0, 1.0, 1.0),
-        input_bytes=1.0,
-    )
-
-
-def test_memory_balance_moves_layers_off_the_device_that_overflows():
-    prof = memory_bound_profile()
-    b, k, m = 4, 2, 2  # batch 8, M=2
-    times = [f + x for f, x in zip(prof.costs(b).forward_s, prof.costs(b).backward_s)]
-    even = balance_lib.partition(times, k, boundary_bytes=prof.output_bytes)
-    assert even == [2, 2]
-    budget = 1000.0
-    even_peaks = predict.peak_bytes(prof, 8, Config(tuple(even), 1, m, "never", "gpipe"), 2)
-    assert max(even_peaks) > budget  # the time-even cut puts both heavy layers on the last device
-    cut = search.memory_balance(prof, times, b, k, m, "never", "gpipe", 2, budget)
-    assert cut is not None and cut != even and sum(cut) == 4
-    assert cut == [3, 1]  # the least largest time among the cuts that fit
-    assert all(peak <= budget for peak in predict.peak_bytes(prof, 8, Config(tuple(cut), 1, m, "never", "gpipe"), 2))
-    # no budget: nothing to fit; a budget no cut fits: None
-    assert search.memory_balance(prof, times, b, k, m, "never", "gpipe", 2, None) is None
-    assert search.memory_balance(prof, times, b, k, m, "never", "gpipe", 2, 500.0) is None
 
 
 def test_search_takes_the_memory_cut_when_the_time_even_cut_overflows():

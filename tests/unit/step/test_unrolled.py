@@ -8,7 +8,14 @@ import tensorflow as tf
 from tfpipe.analysis import tasks
 from tfpipe.backward import remat
 from tfpipe.step import schedule
-from tfpipe.step.unrolled import TASK_START, Pipeline, task_scope_name
+from tfpipe.step.unrolled import (
+    NOINLINE_TASKS,
+    NOINLINE_TASKS_ACROSS_PROCESSES,
+    TASK_START,
+    Pipeline,
+    noinline_tasks,
+    task_scope_name,
+)
 
 
 def _fn(x, w, b):
@@ -186,6 +193,16 @@ def test_pipeline_loss_and_gradients_of_fake_cells(remat):
     forwards = [t.cell for t in schedule.flatten(schedule.gpipe(k, m, backward=True)) if t.kind == "F"]
     assert log[: len(forwards)] == forwards  # forward tasks are built in schedule order
     assert len(log) == len(forwards) * (2 if remat == "always" else 1)  # remat runs each forward again
+
+
+def test_cells_stop_being_inlined_later_where_they_are_in_other_processes():
+    assert noinline_tasks(["/CPU:0", "/job:localhost/replica:0/task:0/device:CPU:1"]) == NOINLINE_TASKS == 64
+    assert noinline_tasks(["/CPU:0", "/job:worker/replica:0/task:1/device:CPU:0"]) == NOINLINE_TASKS_ACROSS_PROCESSES
+    assert NOINLINE_TASKS_ACROSS_PROCESSES == 128
+    for m, called in [(15, False), (16, True)]:  # 2 K M tasks: 60, 64
+        cells = [FakeCell(i, f"/CPU:{i}", []) for i in range(2)]
+        Pipeline(cells, m, "never")
+        assert [cell.noinline for cell in cells] == [called, called]
 
 
 def test_pipeline_chains_each_devices_tasks_in_schedule_order():

@@ -1,0 +1,116 @@
+"""The planner's memory model by hand: peaks per schedule and remat, held ratios, inlining, the memory cut."""
+
+import dataclasses
+
+import pytest
+
+from tests.unit.planning.handmade import calibration, memory_bound_profile, profile
+from tfpipe.planning import balance as balance_lib
+from tfpipe.planning import predict, search
+from tfpipe.planning.predict import Config
+from tfpipe.step import schedule as schedule_lib
+
+
+def test_peak_bytes_of_one_cell_with_remat_never_and_always_by_hand():
+    prof = profile()
+    b, m, slots = 2, 4, 2  # batch 8 in 4 micro-batches of 2
+    static = (10 + 20 + 30) + (1 + slots) * (10 + 20 + 30)  # weights, gradients, Adam's two slots
+    activations = (40 + 30 + 20) * b / 4  # one micro-batch's held bytes at size 2
+    working = max(5, 7, 3) * b / 4  # the largest backward's working set
+    batch = 2 * m * b * 8.0  # the first cell holds the batch
+    inputs = b * 8.0  # one micro-batch's input to the cell
+    never = predict.peak_bytes(prof, 8, Config((3,), 1, m, "never", "gpipe"), slots)
+    always = predict.peak_bytes(prof, 8, Config((3,), 1, m, "always", "gpipe"), slots)
+    # GPipe on one cell runs every forward before the first backward: all 4 micro-batches are in flight
+    assert never == [pytest.approx(static + m * inputs + m * activations + working + batch)]
+    assert always == [pytest.approx(static + m * inputs + activations + working + batch)]
+    assert never[0] - always[0] == pytest.approx((m - 1) * activations)
+
+
+@pytest.mark.parametrize(
+    "schedule, remat, expected",
+    [
+        ("gpipe", "never", [4, 4]),  # every micro-batch's activations until the backward
+        ("gpipe", "always", [1, 1]),  # one recomputed at a time
+        ("gpipe", "except_last", [1, 1]),  # the last is kept, and its backward runs first, before any recompute
+        ("1f1b", "never", [2, 1]),  # K - i in flight
+        ("1f1b", "except_last", [2, 1]),  # cell 0: the last kept while an earlier one is recomputed
+        ("zero_bubble", "always", [1, 2]),  # recomputed at B, held until W, which the last cell defers past a B
+        ("gpipe_batched_w", "never", [4, 4]),
+    ],
+)
+def test_activations_held_at_once_follow_the_schedule_and_remat(schedule, remat, expected):
+    order = schedule_lib.steps(schedule, 2, 4)
+    assert predict.activations_at_once(order, 2, remat, 4) == expected
+
+
+def test_held_ratios_scale_the_activations_by_whether_the_step_inlines_its_cells():
+    prof = profile()
+    # what steps held against the layers' bytes: measured at sizes 1 and 4 inlined, at 2 not inlined
+    prof.held_ratios = {True: ([1, 4], [0.4, 0.6]), False: ([2], [1.1])}
+    assert prof.held_ratio(2, True) == pytest.approx(0.5)  # halfway in log2(size)
+    assert (prof.held_ratio(8, True), prof.held_ratio(8, False)) == (pytest.approx(0.6), pytest.approx(1.1))
+    b, m, slots = 2, 4, 2
+    ones = profile()  # the same profile, no ratios: the layers' bytes as measured
+    activations = (40 + 30 + 20) * b / 4
+    inlined = predict.peak_bytes(prof, 8, Config((3,), 1, m, "never", "gpipe"), slots)
+    plain = predict.peak_bytes(ones, 8, Config((3,), 1, m, "never", "gpipe"), slots)
+    assert plain[0] - inlined[0] == pytest.approx(m * activations * (1 - 0.5))
+    # from NOINLINE_TASKS tasks (2 K M) on, the step calls its cells without inlining them: the other ratio
+    m = predict.NOINLINE_TASKS // 2
+    assert not predict.inlined(1, m) and predict.inlined(1, m - 1)
+    big = Config((3,), 1, m, "never", "gpipe")
+    b = predict.micro_batch_size(8 * m, big)
+    apart = predict.peak_bytes(prof, 8 * m, big, slots)[0] - predict.peak_bytes(ones, 8 * m, big, slots)[0]
+    assert apart == pytest.approx(m * (40 + 30 + 20) * b / 4 * (1.1 - 1))
+    # cells in other processes are inlined up to twice as many tasks: the inlined ratio again
+    later = 2 * predict.NOINLINE_TASKS
+    assert predict.inlined(1, m, later) and not predict.inlined(1, later // 2, later)
+    assert predict.peak_bytes(prof, 8 * m, big, slots, later)[0] < predict.peak_bytes(prof, 8 * m, big, slots)[0]
+
+
+def test_a_step_that_does_not_inline_its_cells_pays_its_own_task_cost_and_more_gradient_copies():
+    prof, slots = profile(), 2
+    m = predict.NOINLINE_TASKS // 2  # one cell: 2 x 1 x M tasks, the first M not inlined
+    called, inlined = Config((3,), 1, m, "never", "gpipe"), Config((3,), 1, m - 1, "never", "gpipe")
+    # measured apart: 0.3 s a task where cells are called, 0.1 where inlined; each of the 2 M tasks pays it
+    cal = dataclasses.replace(calibration(), noinline_task_s=0.3)
+    assert cal.task_seconds(True) == 0.1 and cal.task_seconds(False) == 0.3
+    for config in (called, inlined):
+        batch = 4 * config.num_micro_batches
+        extra = (
+            predict.step_seconds(prof, cal, batch, config).step_s
+            - predict.step_seconds(prof, calibration(), batch, config).step_s
+        )
+        assert extra == pytest.approx(0.2 * 2 * config.num_micro_batches if config is called else 0.0)
+    # not measured apart (no probe past the threshold): the inlined cost
+    assert calibration().task_seconds(False) == 0.1
+    # the running gradient sums in and out of each call: NOINLINE_GRADIENTS more copies of the trainable bytes
+    args = (prof, 4, 0, 3, True, 1, 1, slots, m)
+    gap = predict.cell_peak(*args, 1.0, False) - predict.cell_peak(*args, 1.0, True)
+    assert gap == pytest.approx(predict.NOINLINE_GRADIENTS * (10 + 20 + 30))
+
+
+def test_peak_bytes_count_the_optimizer_slots_on_the_first_replica_only():
+    prof = profile()
+    two = predict.peak_bytes(prof, 8, Config((3,), 2, 1, "never", "gpipe"), 2)
+    assert len(two) == 2
+    assert two[0] - two[1] == pytest.approx(2 * (10 + 20 + 30))
+
+
+def test_memory_balance_moves_layers_off_the_device_that_overflows():
+    prof = memory_bound_profile()
+    b, k, m = 4, 2, 2  # batch 8, M=2
+    times = [f + x for f, x in zip(prof.costs(b).forward_s, prof.costs(b).backward_s)]
+    even = balance_lib.partition(times, k, boundary_bytes=prof.output_bytes)
+    assert even == [2, 2]
+    budget = 1000.0
+    even_peaks = predict.peak_bytes(prof, 8, Config(tuple(even), 1, m, "never", "gpipe"), 2)
+    assert max(even_peaks) > budget  # the time-even cut puts both heavy layers on the last device
+    cut = search.memory_balance(prof, times, b, k, m, "never", "gpipe", 2, budget)
+    assert cut is not None and cut != even and sum(cut) == 4
+    assert cut == [3, 1]  # the least largest time among the cuts that fit
+    assert all(peak <= budget for peak in predict.peak_bytes(prof, 8, Config(tuple(cut), 1, m, "never", "gpipe"), 2))
+    # no budget: nothing to fit; a budget no cut fits: None
+    assert search.memory_balance(prof, times, b, k, m, "never", "gpipe", 2, None) is None
+    assert search.memory_balance(prof, times, b, k, m, "never", "gpipe", 2, 500.0) is None
