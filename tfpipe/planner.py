@@ -91,6 +91,12 @@ def plan(
     profile.fill(measured, sizes)
     _scale_to_whole_steps(measured, layer_seq, data, batch_size, device_list[0], optimizer, calibration)
     calibration = _model_parallelism(measured, layer_seq, data, batch_size, device_list, optimizer, calibration)
+    if set(space.remats) != {"never"}:  # what recomputing costs, where the search may recompute
+        measured.recompute_ratios = _recompute_ratios(
+            measured, layer_seq, data, batch_size, device_list, optimizer, calibration
+        )
+        fitted = ", ".join(f"x{r:.2f} at K={k}" for k, r in measured.recompute_ratios.items())
+        measured.time_source += f"; recomputing a micro-batch {fitted} its forward (fitted to steps recomputing all)"
     if space.replicas:
         calibration = _replica_parallelism(measured, layer_seq, data, batch_size, device_list, optimizer, calibration)
     candidates = search.run(measured, calibration, batch_size, space, budget, slots)
@@ -127,14 +133,9 @@ def _scale_to_whole_steps(
         ratio = float(np.interp(np.log2(b), np.log2(probed), ratios))
         costs = measured.costs(b)
         profile.rescale(measured, b, ratio * (sum(costs.forward_s) + sum(costs.backward_s)))
-    measured.recompute_ratio = _recompute_ratio(
-        measured, layers, data, sizes[len(sizes) // 2], steps, device, optimizer
-    )
     measured.time_source = (
         f"each layer run alone, scaled to add up to a step of all the layers as one cell on {device} (measured at "
-        f"{probed} samples with M <= {PROBE_MICRO_BATCHES}, less its fixed, task and update costs); recomputing a "
-        f"micro-batch x{measured.recompute_ratio:.2f} its forward (a step recomputing every micro-batch against one "
-        "recomputing none)"
+        f"{probed} samples with M <= {PROBE_MICRO_BATCHES}, less its fixed, task and update costs)"
     )
     if measured.memory_device is None:
         return
@@ -149,28 +150,6 @@ def _scale_to_whole_steps(
         f"; where a step inlines its cells, a micro-batch's activations scaled to what steps of all the layers as "
         f"one cell held (x{'/'.join(f'{r:.2f}' for r in inlined[1])} at {inlined[0]} samples)"
     )
-
-
-def _recompute_ratio(
-    measured: profile.Profile,
-    layers: list[keras.layers.Layer],
-    data: Any,
-    size: tuple[int, int],
-    steps: dict[int, calibration_lib.Probe],
-    device: str,
-    optimizer: Any,
-) -> float:
-    """What recomputing a micro-batch costs against its forward: a one-cell step with remat="always" against "never".
-
-    A recomputation runs in the call of the backward that reads it, so it costs less than a forward task (measured
-    on one CPU: half a forward on 12 x Dense(512), at M=4 and 8, K=1 and 2).
-    """
-    b, m = size
-    always = calibration_lib.split_step(layers, data, b, m, [len(layers)], [device], optimizer, remat="always")
-    forwards = m * sum(measured.costs(b).forward_s)
-    if forwards <= 0:
-        return 1.0
-    return float(np.clip((always.seconds - steps[b].seconds) / forwards, 0.1, 1.5))
 
 
 def _held_ratios(
@@ -204,22 +183,79 @@ def _model_parallelism(
     product wide enough to use every core alone gains nothing from a second device), so it is measured on the
     model itself: the step's work against its measured time.
     """
-    k, m = len(devices), min(PROBE_MICRO_BATCHES, batch_size)
-    if len(set(devices)) < 2 or len(layers) < k:
+    if len(set(devices)) < 2 or len(layers) < len(devices):
         return calibration
+    b, m, cut = _probe_cut(measured, len(layers), batch_size, len(devices))
+    took = calibration_lib.split_step(layers, data, b, m, cut, devices, optimizer).seconds
+    config = Config(tuple(cut), 1, m, "never", "gpipe")
+    calibration = dataclasses.replace(
+        calibration,
+        parallelism=_parallelism(measured, calibration, batch_size, config, took),
+        source=calibration.source
+        + f"; parallelism measured with this model's layers cut over the {len(devices)} devices at M={m}",
+    )
+    # Faster than its tasks can run even with every device busy: the cells' layers run faster cut than whole
+    speed = _fit(
+        lambda x: predict.step_seconds(measured, _at(calibration, x), batch_size, config).step_s, took, 3.0, 1.0
+    )
+    return _at(calibration, speed)
+
+
+def _at(calibration: Calibration, split_speed: float) -> Calibration:
+    return dataclasses.replace(calibration, split_speed=split_speed)
+
+
+def _fit(predicted: Any, took: float, low: float, high: float) -> float:
+    """The value in [low, high] (either order) at which ``predicted``, monotone in it, gives ``took`` (bisection)."""
+    if (predicted(low) - took) * (predicted(high) - took) > 0:  # out of reach: the nearer end
+        return low if abs(predicted(low) - took) < abs(predicted(high) - took) else high
+    for _ in range(20):
+        middle = (low + high) / 2
+        low, high = (middle, high) if (predicted(middle) - took) * (predicted(low) - took) > 0 else (low, middle)
+    return (low + high) / 2
+
+
+def _probe_cut(measured: profile.Profile, num_layers: int, batch_size: int, k: int) -> tuple[int, int, list[int]]:
+    """The probes' micro-batch size, M (up to 8) and cut of the layers into ``k`` cells of even time."""
+    m = min(PROBE_MICRO_BATCHES, batch_size)
     b = -(-batch_size // m)
     if b not in measured.by_batch:
         profile.fill(measured, [b])
     costs = measured.costs(b)
-    cut = balance_lib.partition([f + x for f, x in zip(costs.forward_s, costs.backward_s)], k)
-    took = calibration_lib.split_step(layers, data, b, m, cut, devices, optimizer).seconds
-    parallelism = _parallelism(measured, calibration, batch_size, Config(tuple(cut), 1, m, "never", "gpipe"), took)
-    return dataclasses.replace(
-        calibration,
-        parallelism=parallelism,
-        source=calibration.source
-        + f"; parallelism measured with this model's layers cut over the {k} devices at M={m}",
+    cut = (
+        balance_lib.partition([f + x for f, x in zip(costs.forward_s, costs.backward_s)], k) if k > 1 else [num_layers]
     )
+    return b, m, cut
+
+
+def _recompute_ratios(
+    measured: profile.Profile,
+    layers: list[keras.layers.Layer],
+    data: Any,
+    batch_size: int,
+    devices: list[str],
+    optimizer: Any,
+    calibration: Calibration,
+) -> dict[int, float]:
+    """What recomputing a micro-batch costs against its forward task, at one cell and at one per device: the ratio
+    that predicts a step recomputing every micro-batch (the probes' cut and M, as ``_model_parallelism``'s).
+
+    A recomputation runs in the call of the backward that reads it; on devices that share a CPU it can also fill
+    another device's wait: 12 x Dense(512) recomputed at 1.1 times its forward on one logical CPU, 0.2 over two.
+    """
+    ks = {1} | ({len(devices)} if len(set(devices)) > 1 and len(layers) >= len(devices) else set())
+    ratios = {}
+    for k in sorted(ks):
+        b, m, cut = _probe_cut(measured, len(layers), batch_size, k)
+        took = calibration_lib.split_step(layers, data, b, m, cut, devices[:k], optimizer, remat="always").seconds
+        config = Config(tuple(cut), 1, m, "always", "gpipe")
+
+        def predicted(ratio: float, k: int = k, config: Config = config) -> float:
+            profiled = dataclasses.replace(measured, recompute_ratios={k: ratio})
+            return predict.step_seconds(profiled, calibration, batch_size, config).step_s
+
+        ratios[k] = _fit(predicted, took, 0.1, 1.5)
+    return ratios
 
 
 def _replica_parallelism(

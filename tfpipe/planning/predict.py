@@ -52,6 +52,9 @@ class Calibration:
     replica_parallelism: float | None = None
     # from how many tasks a step on these devices calls its cells without inlining them (``unrolled.noinline_tasks``)
     noinline_tasks: int = NOINLINE_TASKS
+    # how much faster a cell's layers run where the model is cut over several devices than measured on one device
+    # (logical devices of one CPU: one device alone leaves some of its cores idle); fitted on the model (planner)
+    split_speed: float = 1.0
 
     def parallelism_of(self, num_replicas: int) -> float:
         """How many devices' worth of compute a configuration of ``num_replicas`` replicas gets."""
@@ -126,8 +129,9 @@ def step_seconds(profile: Profile, calibration: Calibration, batch_size: int, co
     costs = profile.costs(b)
     k, m = config.num_partitions, config.num_micro_batches
     cells = bounds(config.balance)
-    fwd = [sum(costs.forward_s[lo:hi]) for lo, hi in cells]
-    bwd = [sum(costs.backward_s[lo:hi]) for lo, hi in cells]
+    speed = calibration.split_speed if k > 1 else 1.0
+    fwd = [sum(costs.forward_s[lo:hi]) / speed for lo, hi in cells]
+    bwd = [sum(costs.backward_s[lo:hi]) / speed for lo, hi in cells]
     # a boundary tensor goes forward after cell i and its gradient comes back: charge the receivers
     moved = [
         profile.output_bytes[hi - 1] * b / calibration.bandwidth if i < k - 1 else 0.0
@@ -137,7 +141,7 @@ def step_seconds(profile: Profile, calibration: Calibration, batch_size: int, co
     f_cost = [f + task_s + (moved[i - 1] if i else 0.0) for i, f in enumerate(fwd)]
     b_cost = [x + task_s + moved[i] for i, x in enumerate(bwd)]
     recomputed = [j for j in range(m) if remat_lib.recomputes(config.remat, j, m)]
-    r_cost = [f * profile.recompute_ratio for f in fwd]
+    r_cost = [f * profile.recompute_ratio(k) for f in fwd]
     simulated = schedule_lib.simulate(k, m, f_cost, b_cost, config.schedule, r_cost=r_cost, recomputed=recomputed)
     span = max(end for _, _, end in simulated)
     devices = k * config.num_replicas

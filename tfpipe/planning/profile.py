@@ -62,15 +62,21 @@ class Profile:
     # What a micro-batch's activations hold in a real step against the layers' measured held bytes, by whether the
     # step inlines its cells' calls: (micro-batch sizes probed, ratios). Not probed: 1.0.
     held_ratios: dict[bool, tuple[list[int], list[float]]] = dataclasses.field(default_factory=dict)
-    # What recomputing a micro-batch costs in a step against its forward's time: the recomputation runs in the same
-    # call as the backward that reads it (measured on one CPU: about half a forward). Not probed: 1.0.
-    recompute_ratio: float = 1.0
+    # What recomputing a micro-batch costs in a step against its forward task, by the number of cells it was fitted
+    # at (planner._recompute_ratios): on devices that share a CPU it fills other devices' waits. Not probed: 1.0.
+    recompute_ratios: dict[int, float] = dataclasses.field(default_factory=dict)
 
     def costs(self, batch: int) -> LayerCosts:
         """The measurements at micro-batch size ``batch`` (a ValueError if it was not profiled)."""
         if batch not in self.by_batch:
             raise ValueError(f"micro-batch size {batch} was not profiled; profiled: {sorted(self.by_batch)}.")
         return self.by_batch[batch]
+
+    def recompute_ratio(self, num_partitions: int) -> float:
+        """What recomputing a micro-batch costs against its forward at K cells: fitted at the nearest K probed."""
+        if not self.recompute_ratios:
+            return 1.0
+        return self.recompute_ratios[min(self.recompute_ratios, key=lambda k: (abs(k - num_partitions), k))]
 
     def held_ratio(self, batch: int, inlined: bool) -> float:
         """What a step's micro-batch of ``batch`` rows holds against the layers' measured bytes (interpolated)."""

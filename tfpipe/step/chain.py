@@ -14,11 +14,17 @@ from typing import Any
 
 import tensorflow as tf
 
+from tfpipe import _compat
 from tfpipe.distributed import devices
 from tfpipe.graph.names import TASK_END, TASK_START
 from tfpipe.partition.cell import Cell
 from tfpipe.step import schedule
 from tfpipe.step.schedule import task_scope_name
+
+# Checks and prints touch no variable, so tf.function chains each after every other such op of every device, in the
+# order traced (a replica's loss waited on the replica's before it where Keras' losses check shapes at run time).
+# Each task's are ordered by the task's own chain instead. Collectives are not: every device must run them in order.
+_UNORDERED = frozenset({"Assert", "PrintV2"})
 
 
 class Chain:
@@ -34,12 +40,18 @@ class Chain:
         device = self._cells[task.cell].device
         produced: list[tf.Tensor] = []
         deps = [t for t in list(self._last.get(device, [])) + list(extra_deps) if t is not None]
+        graph = None if tf.executing_eagerly() else tf.compat.v1.get_default_graph()
+        made_before = len(graph.get_operations()) if graph is not None else 0
         with devices.scope(device), tf.name_scope(task_scope_name(task)), tf.control_dependencies(deps):
             # Marks where the task's ops begin in the graph; tape gradients are named
             # after their forward ops, so names alone cannot attribute them to a task.
             start = tf.no_op(name=TASK_START)
             yield produced
             self._last[device] = task_end(produced) or [start]  # a task that computes nothing passes it on
+        if graph is not None:
+            for op in graph.get_operations()[made_before:]:
+                if op.type in _UNORDERED:
+                    _compat.run_independently(op)
 
 
 def task_end(produced: Sequence[Any]) -> list[Any]:

@@ -36,10 +36,27 @@ def test_one_cell_with_remat_always_recomputes_its_forward_in_each_backward():
     always = predict.step_seconds(prof, cal, 8, Config((3,), 1, 2, "always", "gpipe"))
     # each B first recomputes the cell's layers' forward: no second task cost, no second transfer
     assert always.step_s - never.step_s == pytest.approx(2 * (1 + 2 + 3))
-    # a recomputation measured at half a forward (Profile.recompute_ratio) costs half
-    prof.recompute_ratio = 0.5
+    # a recomputation fitted at half a forward at K=1 (Profile.recompute_ratios) costs half; K=2's ratio is K=2's
+    prof.recompute_ratios = {1: 0.5, 2: 0.25}
     halved = predict.step_seconds(prof, cal, 8, Config((3,), 1, 2, "always", "gpipe"))
     assert halved.step_s - never.step_s == pytest.approx(0.5 * 2 * (1 + 2 + 3))
+    assert [prof.recompute_ratio(k) for k in (1, 2, 3, 4)] == [0.5, 0.25, 0.25, 0.25]
+    assert profile().recompute_ratio(2) == 1.0  # not probed: a forward
+
+
+def test_cells_cut_over_devices_run_at_the_fitted_split_speed_and_one_cell_as_measured():
+    prof, cal = profile(), calibration()
+    faster = dataclasses.replace(cal, split_speed=2.0)
+    one, two = Config((3,), 1, 1, "never", "gpipe"), Config((1, 2), 1, 1, "never", "gpipe")
+    assert predict.step_seconds(prof, faster, 4, one).step_s == predict.step_seconds(prof, cal, 4, one).step_s
+    # K=2, M=1: F0 F1 B1 B0 one after another, each layer's time halved
+    halved = predict.step_seconds(prof, cal, 4, two).step_s - predict.step_seconds(prof, faster, 4, two).step_s
+    assert halved == pytest.approx((1 + 2 + 3 + 2 + 4 + 6) / 2)
+    # the planner fits it (and the recomputation ratio) by bisection on the prediction
+    took = predict.step_seconds(prof, dataclasses.replace(cal, split_speed=1.7), 4, two).step_s
+    fitted = planner._fit(lambda x: predict.step_seconds(prof, planner._at(cal, x), 4, two).step_s, took, 3.0, 1.0)
+    assert fitted == pytest.approx(1.7, rel=1e-4)
+    assert planner._fit(lambda x: x, 5.0, 3.0, 1.0) == 3.0 and planner._fit(lambda x: x, 0.5, 3.0, 1.0) == 1.0
 
 
 def test_two_gpipe_cells_follow_the_clock_cycles_by_hand():

@@ -8,6 +8,7 @@ import tensorflow as tf
 from tfpipe.analysis import tasks
 from tfpipe.backward import remat
 from tfpipe.step import schedule
+from tfpipe.step.chain import Chain
 from tfpipe.step.unrolled import (
     NOINLINE_TASKS,
     NOINLINE_TASKS_ACROSS_PROCESSES,
@@ -230,3 +231,29 @@ def _ancestors(op):
                 seen.add(parent)
                 todo.append(parent)
     return seen
+
+
+def test_a_tasks_checks_are_ordered_by_its_chain_not_after_every_check_traced_before():
+    class OnDevice:
+        def __init__(self, device):
+            self.device = device
+
+    def check(x):  # what a loss traced without a function checks where the batch size is known at run time only
+        return tf.debugging.assert_positive(tf.size(x), message="empty batch")
+
+    chain = Chain([OnDevice("/CPU:0"), OnDevice("/CPU:1")])
+
+    @tf.function
+    def step(x):
+        for cell in (0, 1):  # two devices' tasks: one needs nothing of the other
+            with chain.task(schedule.Task("F", cell, 0)) as produced:
+                with tf.control_dependencies([check(x)]):
+                    produced.append(tf.identity(x * 2.0))
+        return produced[0]
+
+    graph = step.get_concrete_function(tf.TensorSpec([None])).graph
+    first, second = [op for op in graph.get_operations() if op.type == "Assert"]
+    assert first not in second.control_inputs
+    np.testing.assert_array_equal(step(tf.constant([1.0])).numpy(), [2.0])
+    with pytest.raises(tf.errors.InvalidArgumentError, match="empty batch"):  # each still runs before the step returns
+        step(tf.zeros([0]))
