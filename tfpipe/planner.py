@@ -241,7 +241,7 @@ def _recompute_ratios(
     that predicts a step recomputing every micro-batch (the probes' cut and M, as ``_model_parallelism``'s).
 
     A recomputation runs in the call of the backward that reads it; on devices that share a CPU it can also fill
-    another device's wait: 12 x Dense(512) recomputed at 1.1 times its forward on one logical CPU, 0.2 over two.
+    another device's wait (the fitted ratios: docs/benchmarks.md#planning).
     """
     ks = {1} | ({len(devices)} if len(set(devices)) > 1 and len(layers) >= len(devices) else set())
     ratios = {}
