@@ -255,3 +255,23 @@ def rekey_optimizer(optimizer: keras.optimizers.Optimizer, new_keys: dict[Any, A
         excluded = getattr(inner, "_exclude_from_weight_decay", None)
         if isinstance(excluded, set):
             inner._exclude_from_weight_decay = {new_keys.get(k, k) for k in excluded}  # noqa: SLF001
+
+
+@contextlib.contextmanager
+def name_scopes_restored() -> Iterator[None]:
+    """Keras' stack of name scopes as it was on entry, also after an error.
+
+    In a graph, Keras' ``name_scope`` pushes itself onto its global stack before TensorFlow's
+    ``name_scope`` checks the name; a name TensorFlow refuses at the root (a layer named
+    ``__adds_loss``) raises with the entry pushed, and every variable made later in the process
+    has that name in its path.
+    """
+    from keras.src.backend.common import global_state
+
+    before = list(global_state.get_global_attribute("name_scope_stack") or [])
+    try:
+        yield
+    finally:
+        stack = global_state.get_global_attribute("name_scope_stack")
+        if stack is not None and len(stack) > len(before):
+            del stack[len(before) :]

@@ -276,7 +276,8 @@ class Cell:
         traces = self._traces.setdefault(tf.compat.v1.get_default_graph(), {})
         if key not in traces:
             try:
-                traces[key] = self._trace(x, args, n_x, len(trainable), training)
+                with _compat.name_scopes_restored():  # a failed trace leaves no Keras name scope open
+                    traces[key] = self._trace(x, args, n_x, len(trainable), training)
             except Exception as error:  # noqa: BLE001 - any tracing failure: run the layers inline instead
                 warnings.warn(
                     f"Cell {self.index} ({self.describe()}) cannot be traced as a function, so its layers "
