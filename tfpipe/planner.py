@@ -183,7 +183,7 @@ def _model_parallelism(
     product wide enough to use every core alone gains nothing from a second device), so it is measured on the
     model itself: the step's work against its measured time.
     """
-    if len(set(devices)) < 2 or len(layers) < len(devices):
+    if not _splits(layers, devices):
         return calibration
     b, m, cut = _probe_cut(measured, len(layers), batch_size, len(devices))
     took = calibration_lib.split_step(layers, data, b, m, cut, devices, optimizer).seconds
@@ -201,17 +201,27 @@ def _model_parallelism(
     return _at(calibration, speed)
 
 
+def _splits(layers: Sequence[keras.layers.Layer], devices: Sequence[str]) -> bool:
+    """Whether the probes cut the model over ``devices``: two distinct devices or more, a layer for each."""
+    return len(set(devices)) > 1 and len(layers) >= len(devices)
+
+
 def _at(calibration: Calibration, split_speed: float) -> Calibration:
     return dataclasses.replace(calibration, split_speed=split_speed)
 
 
 def _fit(predicted: Any, took: float, low: float, high: float) -> float:
     """The value in [low, high] (either order) at which ``predicted``, monotone in it, gives ``took`` (bisection)."""
-    if (predicted(low) - took) * (predicted(high) - took) > 0:  # out of reach: the nearer end
-        return low if abs(predicted(low) - took) < abs(predicted(high) - took) else high
+    off_low, off_high = predicted(low) - took, predicted(high) - took  # each prediction simulates a schedule: once
+    if off_low * off_high > 0:  # out of reach: the nearer end
+        return low if abs(off_low) < abs(off_high) else high
     for _ in range(20):
         middle = (low + high) / 2
-        low, high = (middle, high) if (predicted(middle) - took) * (predicted(low) - took) > 0 else (low, middle)
+        off_middle = predicted(middle) - took
+        if off_middle * off_low > 0:
+            low, off_low = middle, off_middle
+        else:
+            high = middle
     return (low + high) / 2
 
 
@@ -243,7 +253,7 @@ def _recompute_ratios(
     A recomputation runs in the call of the backward that reads it; on devices that share a CPU it can also fill
     another device's wait (the fitted ratios: docs/benchmarks.md#planning).
     """
-    ks = {1} | ({len(devices)} if len(set(devices)) > 1 and len(layers) >= len(devices) else set())
+    ks = {1} | ({len(devices)} if _splits(layers, devices) else set())
     ratios = {}
     for k in sorted(ks):
         b, m, cut = _probe_cut(measured, len(layers), batch_size, k)
