@@ -39,7 +39,10 @@ flags.DEFINE_integer("dim", 128, "Transformer dimension (feed-forward 4 x dim)."
 flags.DEFINE_integer("seq_len", 64, "Transformer sequence length.", lower_bound=2)
 flags.DEFINE_integer("vocab", 256, "Transformer vocabulary.", lower_bound=2)
 flags.DEFINE_integer("batch_size", 256, "Mini-batch size.", lower_bound=1)
-flags.DEFINE_integer("devices", 2, "Logical CPU devices this process splits its CPU into.", lower_bound=1)
+flags.DEFINE_integer("devices", 2, "Logical devices this process splits its CPU (or first GPU) into.", lower_bound=1)
+flags.DEFINE_enum(
+    "device_type", "CPU", ["CPU", "GPU"], "Split the CPU, or the first GPU (8 GiB a device), into --devices."
+)
 flags.DEFINE_bool(
     "cluster",
     False,
@@ -65,7 +68,19 @@ RESULT = "PLAN_RESULT "
 
 def model_spec() -> dict[str, Any]:
     """The model flags, as the child rebuilds the model from them."""
-    keys = ("model", "width", "depth", "blocks", "dim", "seq_len", "vocab", "batch_size", "devices", "cluster")
+    keys = (
+        "model",
+        "width",
+        "depth",
+        "blocks",
+        "dim",
+        "seq_len",
+        "vocab",
+        "batch_size",
+        "devices",
+        "device_type",
+        "cluster",
+    )
     return {k: getattr(FLAGS, k) for k in (*keys, "optimizer")}
 
 

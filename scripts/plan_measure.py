@@ -6,6 +6,8 @@ import statistics
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from tfpipe.scripts import plan_devices
+
 # The grid of configurations --grid measures: (K, R, M, remat, schedule); those needing more devices are skipped
 GRID = [
     (1, 1, 1, "never", "gpipe"),
@@ -26,16 +28,6 @@ GRID = [
     (2, 2, 4, "never", "gpipe"),
 ]
 MIB = 2**20
-
-
-def _devices(n: int) -> list[str]:
-    """Split this process's CPU into ``n`` logical devices (before TensorFlow starts) and name them."""
-    import tensorflow as tf
-
-    cpu = tf.config.list_physical_devices("CPU")[0]
-    if n > 1:
-        tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * n)
-    return [f"/CPU:{i}" for i in range(n)]
 
 
 def model_and_data(spec: dict[str, Any], steps: int = 1) -> tuple[list[Any], Any, Any, Any]:
@@ -64,82 +56,10 @@ def make_plan(spec: dict[str, Any], budget: str | None) -> Any:
 
     layers, x, _, _ = model_and_data(spec)
     if not spec.get("cluster"):
-        devices = _devices(spec["devices"])
+        devices = plan_devices.logical_devices(spec["devices"], spec.get("device_type", "CPU"))
         return tfpipe.plan(layers, spec["batch_size"], devices, budget, sample=x, optimizer=spec["optimizer"])
     with tfpipe.cluster.LocalCluster(spec["devices"]) as cluster:
         return tfpipe.plan(layers, spec["batch_size"], cluster.devices, budget, sample=x, optimizer=spec["optimizer"])
-
-
-class _LogicalPeak:
-    """The peak bytes of this process's logical CPU devices (one BFC allocator for them all) above its start."""
-
-    def __init__(self, n: int):
-        self.devices = _devices(n)  # before TensorFlow makes any tensor
-        self._base = 0
-
-    def begin(self) -> None:
-        import tensorflow as tf
-
-        self._base = tf.config.experimental.get_memory_info("CPU:0")["current"]
-
-    def reset(self) -> None:
-        import tensorflow as tf
-
-        tf.config.experimental.reset_memory_stats("CPU:0")
-
-    def read(self) -> tuple[float, None]:
-        """(the peak bytes, None: no process of their own)."""
-        import tensorflow as tf
-
-        return float(tf.config.experimental.get_memory_info("CPU:0")["peak"] - self._base), None
-
-
-class _WorkerPeak:
-    """The peak bytes of a fresh LocalCluster's workers' allocators (summed), and of their processes.
-
-    The allocator's peak is what a budget bounds (as on a GPU); a worker's process holds more (its runtime, the
-    buffers tensors cross in, pages the allocator touched): its resident high-water mark (VmHWM, reset before the
-    measured steps with ``clear_refs``) above what it held idle, after an op had run on it.
-    """
-
-    def __init__(self, n: int):
-        import tensorflow as tf
-
-        import tfpipe
-
-        self.cluster = tfpipe.cluster.LocalCluster(n).start()
-        self.devices = self.cluster.devices
-        for device in self.devices:
-            with tf.device(device):
-                tf.reduce_sum(tf.ones([8])).numpy()
-        self._base: list[int] = []
-        self._rss: list[int] = []
-
-    def begin(self) -> None:
-        self._base = [info["current"] for info in self.cluster.memory_info()]
-        self._rss = [_status_bytes(pid, "VmRSS") for pid in self.cluster.pids]
-
-    def reset(self) -> None:
-        self.cluster.reset_memory_stats()
-        for pid in self.cluster.pids:
-            with open(f"/proc/{pid}/clear_refs", "w") as f:
-                f.write("5")  # the high-water mark starts again from the resident size
-
-    def read(self) -> tuple[float, float]:
-        """(the allocators' peak bytes, the processes' resident peak bytes), summed over the workers; stops them."""
-        peaks = [info["peak"] for info in self.cluster.memory_info()]
-        process = sum(_status_bytes(pid, "VmHWM") - rss for pid, rss in zip(self.cluster.pids, self._rss))
-        self.cluster.stop()
-        return float(sum(p - b for p, b in zip(peaks, self._base))), float(process)
-
-
-def _status_bytes(pid: int, field: str) -> int:
-    """A field of /proc/PID/status, in bytes (Linux)."""
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    raise ValueError(f"/proc/{pid}/status has no {field}.")
 
 
 def measure(config: dict[str, Any]) -> dict[str, float]:
@@ -149,7 +69,7 @@ def measure(config: dict[str, Any]) -> dict[str, float]:
     import tfpipe
     from tfpipe.calibration import step_times, warm_up
 
-    peak = (_WorkerPeak if config.get("cluster") else _LogicalPeak)(config["devices"])
+    peak = plan_devices.peak_reader(config)
     devices = peak.devices
     steps, batch = 20, config["batch_size"]
     layers, x, y, loss = model_and_data(config, steps=steps)

@@ -33,3 +33,10 @@ def test_a_plan_on_workers_is_measured_on_the_workers():
     # activations of 128 rows), near the prediction; their processes held that and their runtime's working memory
     assert 0.7 * predicted_mib < measured_mib < 1.3 * predicted_mib, rows[0]
     assert process_mib > measured_mib, rows[0]
+
+
+def test_planning_on_a_gpu_without_one_names_the_fix():
+    # the suite hides GPUs (tests/conftest.py): --device_type=GPU finds none and says what to give instead
+    proc = run_script("plan.py", "--device_type=GPU", "--depth=2", "--width=16", "--batch_size=8")
+    assert proc.returncode != 0
+    assert "device_type='GPU': this machine has no GPU; give 'CPU'." in proc.stderr, proc.stderr[-3000:]
