@@ -1,7 +1,7 @@
 """Plan a pipeline with tfpipe.plan, and with --measure run configurations to compare predicted with measured.
 
 Each measured configuration runs in a fresh child process (this script with ``--_child=JSON``) on
-the same devices, under TensorFlow's BFC CPU allocator so that its peak memory can be read; the
+the same devices, under TensorFlow's BFC CPU allocator (or the logical GPUs' own) so that its peak can be read; the
 parent plans (profile and calibration) before any child runs. With ``--cluster`` the devices are
 the workers of a LocalCluster (a fresh one per child): the peak is the workers' allocators', and their
 processes' resident peak is printed beside it.
@@ -11,6 +11,7 @@ processes' resident peak is printed beside it.
     python scripts/plan.py --measure=5 --png=/tmp/plan.png       # also run the top 5 and plot them
     python scripts/plan.py --grid --out=docs/results/plan_mlp     # a fixed grid of configurations, measured
     python scripts/plan.py --cluster --grid                       # the same on two worker processes
+    python scripts/plan.py --device_type=GPU --grid               # on two logical GPUs of the first GPU
 """
 
 from __future__ import annotations

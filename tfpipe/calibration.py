@@ -205,7 +205,7 @@ def step_times(model: keras.Model, data: tf.data.Dataset, steps: int) -> list[fl
 
 
 def _bandwidth(devices: list[str]) -> float:
-    """Bytes per second from the first device to the second (a copy of 16 MiB); inf with one device."""
+    """Bytes per second from the first device to the second (a copy of 16 MiB); inf with one, or unmeasurable."""
     if len(devices) < 2 or devices[0] == devices[1]:
         return float("inf")
     with tf.device(devices[0]):
@@ -220,8 +220,9 @@ def _bandwidth(devices: list[str]) -> float:
     # timed in the empty call only; between two workers the difference came out negative (15 PiB/s)
     one = x[:1, :1]
     empty = median_seconds(lambda: move(one), 7)
-    seconds = max(median_seconds(lambda: move(x), 7) - empty, 1e-9)
-    return float(x.shape.num_elements() * 4 / seconds)
+    seconds = median_seconds(lambda: move(x), 7) - empty
+    # within a call's noise (two logical GPUs of one card copy 16 MiB in microseconds): too fast to count
+    return float(x.shape.num_elements() * 4 / seconds) if seconds > 1e-6 else float("inf")
 
 
 def _update_seconds_per_byte(device: str, optimizer: Any) -> float:

@@ -80,6 +80,13 @@ def test_no_module_over_400_lines():
     assert not long, long
 
 
+def test_the_manual_stays_short_readme_250_lines_benchmarks_400():
+    # a manual, not a diary (issue 41): history goes to docs/notes/
+    limits = {"README.md": 250, "docs/benchmarks.md": 400}
+    long = {f: n for f, most in limits.items() if (n := len(open(os.path.join(REPO, f)).read().splitlines())) > most}
+    assert not long, long
+
+
 def test_every_old_module_path_imports_the_moved_module_with_a_warning():
     checks = "\n".join(
         f"with pytest.warns(DeprecationWarning, match='tfpipe.{old} moved to {new}'):\n"

@@ -143,13 +143,21 @@ class Plan:
                 else ""
             )
             + f", {c.step_s * 1e3:.2f} ms a step, "
-            f"{c.bandwidth / 2**30:.2f} GiB/s between devices, parallelism {c.parallelism:.2f} devices"
+            + _bandwidth(c.bandwidth)
+            + f", parallelism {c.parallelism:.2f} devices"
             + (f" ({c.replica_parallelism:.2f} for replicas)" if c.replica_parallelism is not None else "")
             + (f", cells' layers x{c.split_speed:.2f} as fast cut as whole" if c.split_speed != 1.0 else "")
             + ", "
             f"update {c.update_s_per_byte * 2**20 * 1e3:.3f} ms per MiB of weights",
             "schedule: simulated task by task (tfpipe.schedule.simulate); activations held per its in-flight count",
         ]
+
+
+def _bandwidth(bytes_per_second: float) -> str:
+    """The measured bandwidth between devices, or why there is none (one device, or faster than a call's noise)."""
+    if math.isinf(bytes_per_second):
+        return "transfers between devices too fast to time"
+    return f"{bytes_per_second / 2**30:.2f} GiB/s between devices"
 
 
 def _outcome(candidate: Candidate) -> tuple[str, str]:

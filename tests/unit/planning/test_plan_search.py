@@ -242,7 +242,7 @@ def test_summary_prints_the_choice_and_why_the_runners_up_lost():
     assert lines[0] == f"tfpipe plan for a batch of 8 over 3 layers, memory budget {plans.gib(budget)} per device:"
     assert f"  chosen: {found[0].config.describe()}" in lines
     assert f"predicted step: {found[0].prediction.step_s * 1e3:.1f} ms" in text
-    assert "step costs (by hand): 100.00 ms a task, 250.00 ms a step" in text
+    assert "step costs (by hand): 100.00 ms a task, 250.00 ms a step, 0.00 GiB/s between devices" in text
     assert "runners-up (3 other configurations tried):" in text
     runners = [line for line in lines if line.startswith("    K=")]
     assert len(runners) == 3
@@ -260,3 +260,12 @@ def test_runners_up_leave_out_configurations_predicted_like_one_already_shown():
     assert len(shown) == len(set(shown)) and plans._outcome(found[0]) not in shown
     every = {plans._outcome(c) for c in found}
     assert len(shown) == len(every) - 1 < len(found) - 1  # each distinct outcome once, and some were ties
+
+
+def test_summary_says_when_transfers_were_too_fast_to_time():
+    # two logical GPUs of one card copied 16 MiB within a call's noise: no bandwidth, not 15,625,000 GiB/s
+    prof, cal = profile(), calibration(bandwidth=float("inf"))
+    found = search.run(prof, cal, 8, space(), None, 2)
+    lines = []
+    plans.from_candidates(found, DEVICES, 8, None, prof, cal, 2).summary(print_fn=lines.append)
+    assert ", transfers between devices too fast to time, parallelism 1.50 devices" in "\n".join(lines)
