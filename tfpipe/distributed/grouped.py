@@ -3,8 +3,7 @@
 A ``tf.function`` makes its outputs wait for every stateful op it runs (automatic control
 dependencies: one control edge from each op to a no-op on the training process). An op on a
 worker process made its edge a transfer of its own: every step, one RecvTensor call to the
-worker per weight read and per optimizer read or assignment - 586 for a 4-block Transformer
-with Adam on two workers, half to most of the client's 90-180 ms of CPU a step
+worker per weight read and per optimizer read or assignment, half to most of the client's CPU a step
 (docs/benchmarks.md#cost-of-crossing-processes). Inside one function call on the worker those
 ops wait for each other there, and the step waits for the call: one edge per call.
 """

@@ -44,16 +44,12 @@ __all__ = [
     "tied_gradients",
 ]
 
-# From this many tasks per step (2 K M) on, cells are called as functions that TensorFlow does not
-# inline. Inlined, Grappler optimizes all K x M copies of every cell before the first run: an
-# 8-block Transformer's first step took 120 s at K=2, M=32 (54 s not inlined) and 118 s at K=8,
-# M=32 (60 s). But a call that is not inlined costs its own dispatch and loses fusions across the
-# call, measured on single-thread workers: an MLP (8 x Dense(256), batch 1024) at K=1, M=8 ran
-# 0.74x as fast as inlined. Below the threshold the steady state wins; above it the first step.
+# From this many tasks per step (2 K M) on, cells are called as functions that TensorFlow does not inline: inlined,
+# Grappler optimizes all K x M copies of every cell before the first run, but a call not inlined costs its own
+# dispatch and loses fusions across it. Below the threshold the steady state wins, above it the first step
+# (docs/notes/2026-11-benchmark-passes.md#figures-moved-out-of-docstrings-2026-11-26).
 NOINLINE_TASKS = 64
-# Where cells are in other processes than the client's, a call that is not inlined costs more: at K=2, M=16 on two
-# one-thread workers, inlined steps took 0.69-0.85 of torch's where calls took 0.83-1.10 (docs/benchmarks.md#against-
-# torchdistributedpipelining), for a first step twice as long (a 4-block Transformer: 14-18 s against 7-8 s).
+# Where a cell is in another process than the client's, a call not inlined costs more (the same note).
 NOINLINE_TASKS_ACROSS_PROCESSES = 128
 
 
