@@ -122,7 +122,9 @@ def main(argv: list[str]) -> None:
     if FLAGS.out:
         write_table(FLAGS.out, rows, text)
     if FLAGS.budgets:
-        budget_rows = plan_measure.budgets(plan, rows, [float(f) for f in FLAGS.budgets], run, FLAGS.repeats)
+        fractions = [float(f) for f in FLAGS.budgets]
+        verify = lambda found: plan_measure.verify_choice(spec, found)  # noqa: E731
+        budget_rows = plan_measure.budgets(plan, rows, fractions, run, FLAGS.repeats, verify)
         text += "\n\n" + plan_measure.budget_markdown(budget_rows)
         print(plan_measure.budget_markdown(budget_rows), flush=True)
         if FLAGS.out:

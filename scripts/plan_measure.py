@@ -176,8 +176,12 @@ def budgets(
     fractions: Sequence[float],
     run: Callable[[dict[str, Any]], dict[str, float]],
     repeats: int,
+    verify: Callable[[list[Any]], list[Any]] | None = None,
 ) -> list[dict[str, Any]]:
     """For each fraction of the reference's measured peak: the plan's choice under that budget, run and compared.
+
+    The choice is re-searched on the plan's measurements under the budget, and ordered by ``verify`` (the shortlist
+    timed on the devices, as ``tfpipe.plan`` does) where given.
 
     Logical CPU devices share one allocator, so a budget per device is checked against the measured total over
     the devices the choice uses: total <= budget x devices used.
@@ -196,6 +200,8 @@ def budgets(
         if not found or not found[0].fits:
             out.append({"fraction": fraction, "budget_mib": round(per_device / MIB, 2), "chosen": "none fits"})
             continue
+        if verify is not None:
+            found = verify(found)
         chosen = found[0].config
         if _shape(chosen) in _shapes(rows):
             row = next(r for r in rows if (r["K"], r["R"], r["M"], r["remat"], r["schedule"]) == _shape(chosen))
@@ -217,6 +223,21 @@ def budgets(
             }
         )
     return out
+
+
+def verify_choice(spec: dict[str, Any], found: list[Any], count: int = 3) -> list[Any]:
+    """``found`` ordered as ``tfpipe.plan`` orders it: its shortlist timed on the spec's devices (this process's
+    logical devices, or a fresh LocalCluster's workers)."""
+    import tfpipe
+    from tfpipe import planner
+
+    layers, x, _, _ = model_and_data(spec)
+    args = (layers, x, spec["batch_size"])
+    if not spec.get("cluster"):
+        devices = [f"/{spec.get('device_type', 'CPU')}:{i}" for i in range(spec["devices"])]
+        return planner.verified(found, *args, devices, spec["optimizer"], count)
+    with tfpipe.cluster.LocalCluster(spec["devices"]) as cluster:
+        return planner.verified(found, *args, cluster.devices, spec["optimizer"], count)
 
 
 def _measure_config(candidate: Any, run: Callable[[dict[str, Any]], dict[str, float]], repeats: int) -> dict:

@@ -6,7 +6,8 @@ devices (bandwidth) and times one optimizer update. ``whole_steps`` trains copie
 layers as one cell at each micro-batch size: a layer timed alone misses what a step's graph does with many micro-batches
 (tasks overlapping, kernels settled), so the layers' measured times are scaled to add up to this;
 ``split_step`` trains them cut over the devices and ``replicated_step`` as one replica on each: how many devices'
-worth of compute this model gets (logical devices on one CPU share its cores), which the planner measures with them.
+worth of compute this model gets (logical devices on one CPU share its cores), which the planner measures with them;
+``configured_step`` trains them as one configuration the planner shortlisted, to time it.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import tensorflow as tf
 from tfpipe import messages
 from tfpipe.model import PipelineModel
 from tfpipe.partition.sequence import copy_layer
-from tfpipe.planning.predict import Calibration
+from tfpipe.planning.predict import Calibration, Config
 from tfpipe.planning.profile import median_seconds, memory_name
 from tfpipe.step import schedule as schedule_lib
 from tfpipe.step.unrolled import noinline_tasks
@@ -112,6 +113,28 @@ def split_step(
     return _probe(copies, balance, devices, m, x, y, _fresh(optimizer), steps, _mean, warm, remat)
 
 
+def configured_step(
+    layers: Sequence[keras.layers.Layer],
+    sample: Any,
+    batch_size: int,
+    config: Config,
+    devices: Sequence[str],
+    optimizer: Any,
+    steps: int = 10,
+) -> Probe:
+    """Copies of ``layers`` trained as the planner's ``config`` (cut, replicas, M, remat, schedule) on ``devices``."""
+    copies = [copy_layer(layer, "to time it", "pass verify=0 to choose by prediction alone") for layer in layers]
+    k, r = config.num_partitions, config.num_replicas
+    rows = [list(devices[i * k : (i + 1) * k]) for i in range(r)]
+    x = tf.nest.map_structure(lambda t: _tiled(t, batch_size), sample)
+    y = np.zeros((batch_size, 1), "float32")
+    on = rows if r > 1 else rows[0]
+    m, remat = config.num_micro_batches, config.remat
+    return _probe(
+        copies, list(config.balance), on, m, x, y, _fresh(optimizer), steps, _mean, True, remat, config.schedule
+    )
+
+
 def replicated_step(
     layers: Sequence[keras.layers.Layer], sample: Any, b: int, devices: list[str], optimizer: Any, steps: int = 10
 ) -> Probe:
@@ -152,6 +175,7 @@ def _probe(
     loss: Any = "mse",
     warm: bool = True,
     remat: str = "never",
+    schedule: str = "gpipe",
 ) -> Probe:
     """A probe pipeline trained on one batch (x, y): its median step and its peak, after warming up (``warm``).
 
@@ -163,7 +187,13 @@ def _probe(
     gc.collect()  # an earlier probe's model freed during this one's steps would hide bytes of this one's peak
     base = tf.config.experimental.get_memory_info(memory)["current"] if memory else 0
     model = PipelineModel(
-        layers, balance=balance, devices=devices, num_micro_batches=m, remat=remat, name=f"tfpipe_probe_{m}"
+        layers,
+        balance=balance,
+        devices=devices,
+        num_micro_batches=m,
+        remat=remat,
+        schedule=schedule,
+        name=f"tfpipe_probe_{m}",
     )
     model.compile(optimizer=optimizer, loss=loss)
     with messages.quiet():  # the probes' "building the step" lines are not the user's

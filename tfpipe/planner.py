@@ -5,7 +5,9 @@ time and held bytes, measured on copies on the first device (``planning.profile`
 times scaled to real one-cell steps of all the layers; the cost of a task, of a step, of
 moving a tensor and of the optimizer's update, measured once per set of devices, and how
 many devices' worth of compute this model gets from them (``calibration``); and the
-schedule simulated as data (``planning.predict``, ``planning.search``).
+schedule simulated as data (``planning.predict``, ``planning.search``). The few configurations
+predicted near the fastest are then timed on the devices, and the fastest measured is chosen
+(``verify``; predictions are within 10-20%, so near-equal ones are for a measurement to order).
 """
 
 from __future__ import annotations
@@ -50,8 +52,9 @@ def plan(
     replicas: bool = True,
     calibration: Calibration | None = None,
     repeats: int = 3,
+    verify: int = 3,
 ) -> Plan:
-    """The configuration (K, balance, R, M, remat, schedule) predicted fastest whose peak fits ``memory_budget``.
+    """The configuration (K, balance, R, M, remat, schedule) fastest on ``devices`` whose peak fits ``memory_budget``.
 
     ``layers``: a list of Keras layers or a ``keras.Sequential``. ``devices``: the devices to
     use (default: this machine's GPUs, else its CPU devices). ``memory_budget``: bytes per
@@ -59,8 +62,9 @@ def plan(
     ``input_shape`` give the input when the layers do not know it. ``optimizer``: its name
     or instance, for its slots' memory and its update's time. ``num_micro_batches``,
     ``schedules``, ``remats`` and ``replicas`` narrow the search. ``calibration``: reuse one
-    (``plan.calibration``) instead of measuring. A ValueError names the smallest budget that
-    would fit when none does.
+    (``plan.calibration``) instead of measuring. ``verify``: time this many configurations predicted
+    near the fastest that fit (one per K, R and schedule) on the devices and choose the fastest measured; 0 chooses by
+    prediction alone. A ValueError names the smallest budget that would fit when none does.
     """
     if functional.is_functional(layers):
         raise ValueError(
@@ -100,7 +104,27 @@ def plan(
     if space.replicas:
         calibration = _replica_parallelism(measured, layer_seq, data, batch_size, device_list, optimizer, calibration)
     candidates = search.run(measured, calibration, batch_size, space, budget, slots)
+    candidates = verified(candidates, layer_seq, data, batch_size, device_list, optimizer, verify)
     return plans.from_candidates(candidates, device_list, batch_size, budget, measured, calibration, slots)
+
+
+def verified(
+    candidates: list[search.Candidate],
+    layers: Sequence[keras.layers.Layer],
+    sample: Any,
+    batch_size: int,
+    devices: Sequence[str],
+    optimizer: Any,
+    count: int,
+) -> list[search.Candidate]:
+    """``candidates`` with the ``count`` worth timing trained on ``devices`` (copies of ``layers``), fastest first."""
+    if isinstance(count, bool) or not isinstance(count, int) or count < 0:
+        raise ValueError(f"verify={count!r}: give how many configurations to time, or 0 to choose by prediction alone.")
+
+    def time_step(config: Config) -> float:
+        return calibration_lib.configured_step(layers, sample, batch_size, config, devices, optimizer).seconds
+
+    return search.by_measured(candidates, count, time_step)
 
 
 def _scale_to_whole_steps(

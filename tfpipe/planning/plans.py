@@ -8,6 +8,7 @@ import re
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from tfpipe.planning import search
 from tfpipe.planning.predict import Calibration
 from tfpipe.planning.profile import Profile
 from tfpipe.planning.search import Candidate
@@ -58,7 +59,7 @@ def gib(nbytes: float, up: bool = False) -> str:
 
 @dataclasses.dataclass
 class Plan:
-    """The configuration predicted fastest whose predicted peak memory fits the budget on every device.
+    """A configuration predicted to fit the budget on every device: the fastest of those timed, else of those predicted.
 
     Pass it to ``PipelineModel(layers, plan=plan)``; ``summary()`` prints it with the runners-up.
     """
@@ -75,10 +76,11 @@ class Plan:
     batch_size: int
     memory_budget: float | None
     num_layers: int
-    candidates: list[Candidate]  # every configuration tried, fastest fitting first
+    candidates: list[Candidate]  # every configuration tried, the chosen first: those timed, then as predicted
     profile: Profile
     calibration: Calibration
     optimizer_slots: int
+    measured_seconds: float | None = None  # its step timed on the devices, where tfpipe.plan timed a shortlist
 
     @property
     def device_peaks(self) -> dict[str, float]:
@@ -121,6 +123,13 @@ class Plan:
             f"  predicted step: {p.step_s * 1e3:.1f} ms (pipeline {p.pipeline_s * 1e3:.1f} + update "
             f"{p.update_s * 1e3:.1f} + fixed {p.fixed_s * 1e3:.1f})"
         )
+        timed = [c for c in self.candidates if c.measured_s is not None]
+        if timed:
+            say(
+                f"  measured step: {timed[0].measured_s * 1e3:.1f} ms, the fastest of {len(timed)} configurations "
+                f"timed on the devices (predicted within {search.SHORTLIST_BAND:.0%} of the fastest, one per K, R and "
+                "schedule)"
+            )
         say("  predicted peak memory: " + ", ".join(f"{d} {gib(v)}" for d, v in self.device_peaks.items()))
         for line in self.sources():
             say(f"  {line}")
@@ -160,9 +169,10 @@ def _bandwidth(bytes_per_second: float) -> str:
     return f"{bytes_per_second / 2**30:.2f} GiB/s between devices"
 
 
-def _outcome(candidate: Candidate) -> tuple[str, str]:
-    """A candidate's predicted step and largest peak as the summary shows them."""
-    return f"{candidate.prediction.step_s * 1e3:.1f}", gib(max(candidate.prediction.peak_bytes))
+def _outcome(candidate: Candidate) -> tuple[str, str, str]:
+    """A candidate's predicted step, largest peak and measured step as the summary shows them."""
+    measured = f"{candidate.measured_s * 1e3:.1f}" if candidate.measured_s is not None else ""
+    return f"{candidate.prediction.step_s * 1e3:.1f}", gib(max(candidate.prediction.peak_bytes)), measured
 
 
 def _why_lost(candidate: Candidate, chosen: Candidate, budget: float | None) -> str:
@@ -170,6 +180,10 @@ def _why_lost(candidate: Candidate, chosen: Candidate, budget: float | None) -> 
     peak = max(candidate.prediction.peak_bytes)
     if not candidate.fits:
         return f"does not fit: predicted peak {gib(peak)} > budget {gib(budget or 0)}"
+    if candidate.measured_s is not None and chosen.measured_s is not None:
+        slower = candidate.measured_s / chosen.measured_s - 1
+        took, predicted = candidate.measured_s * 1e3, candidate.prediction.step_s * 1e3
+        return f"{slower:+.0%} slower measured ({took:.1f} ms; predicted {predicted:.1f} ms), peak {gib(peak)}"
     slower = candidate.prediction.step_s / chosen.prediction.step_s - 1
     return f"{slower:+.0%} slower ({candidate.prediction.step_s * 1e3:.1f} ms), peak {gib(peak)}"
 
@@ -215,4 +229,5 @@ def from_candidates(
         profile=profile,
         calibration=calibration,
         optimizer_slots=slots,
+        measured_seconds=best.measured_s,
     )

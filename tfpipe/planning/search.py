@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -22,6 +22,9 @@ from tfpipe.planning.profile import Profile
 from tfpipe.step import schedule as schedule_lib
 
 MICRO_BATCHES = (1, 2, 4, 8, 16, 32)
+# Predictions are within 10-20% of measured steps (docs/benchmarks.md#planning): among candidates predicted within this
+# fraction of the fastest, which one runs fastest is for a measurement to say.
+SHORTLIST_BAND = 0.25
 
 
 @dataclasses.dataclass
@@ -32,6 +35,7 @@ class Candidate:
     prediction: Prediction
     fits: bool
     memory_cut: bool = False  # cut by memory_balance because the time-even cut did not fit
+    measured_s: float | None = None  # its step timed on the devices (``by_measured``), where it was shortlisted
 
 
 @dataclasses.dataclass(frozen=True)
@@ -162,3 +166,34 @@ def memory_balance(
         cut.append(hi - lo)
         hi = lo
     return cut[::-1]
+
+
+def shortlist(candidates: Sequence[Candidate], count: int) -> list[Candidate]:
+    """Up to ``count`` fitting candidates worth timing: the fastest predicted of each (K, R, schedule), in order,
+    predicted within SHORTLIST_BAND of the fastest (near-identical variants of one shape would tell nothing new)."""
+    fitting = [c for c in candidates if c.fits]
+    out: list[Candidate] = []
+    seen = set()
+    for candidate in fitting:
+        if len(out) == count or candidate.prediction.step_s > fitting[0].prediction.step_s * (1 + SHORTLIST_BAND):
+            break
+        shape = (candidate.config.num_partitions, candidate.config.num_replicas, candidate.config.schedule)
+        if shape not in seen:
+            seen.add(shape)
+            out.append(candidate)
+    return out
+
+
+def by_measured(candidates: Sequence[Candidate], count: int, time_step: Callable[[Config], float]) -> list[Candidate]:
+    """``candidates`` with their shortlist timed by ``time_step`` and put first, fastest measured first.
+
+    The rest follow in their predicted order. With fewer than two to time, nothing is timed.
+    """
+    listed = shortlist(candidates, count)
+    if len(listed) < 2:
+        return list(candidates)
+    timed = sorted(
+        (dataclasses.replace(c, measured_s=float(time_step(c.config))) for c in listed), key=lambda c: c.measured_s
+    )
+    chosen = {id(c) for c in listed}
+    return timed + [c for c in candidates if id(c) not in chosen]

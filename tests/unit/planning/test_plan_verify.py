@@ -1,0 +1,70 @@
+"""The planner's last step by hand: which candidates it times, and that the fastest measured is chosen."""
+
+import pytest
+
+from tests.unit.planning.handmade import DEVICES, calibration, profile
+from tfpipe import planner
+from tfpipe.planning import plans, search
+from tfpipe.planning.predict import Config, Prediction
+
+
+def candidate(k, r, m, schedule, predicted, fits=True, remat="never"):
+    """A candidate predicted to take ``predicted`` seconds, with a peak of 1 byte per device."""
+    balance = (3,) if k == 1 else (2, 1)
+    prediction = Prediction(step_s=predicted, pipeline_s=predicted, update_s=0.0, fixed_s=0.0, peak_bytes=[1.0] * k * r)
+    return search.Candidate(Config(balance, r, m, remat, schedule), prediction, fits)
+
+
+def test_the_shortlist_takes_one_per_shape_near_the_fastest_and_only_what_fits():
+    found = [
+        candidate(2, 1, 8, "gpipe", 1.00),
+        candidate(2, 1, 4, "gpipe", 1.01),  # the same shape as the first: tells nothing new
+        candidate(1, 2, 2, "gpipe", 1.05),
+        candidate(2, 1, 8, "zero_bubble", 1.10, fits=False),  # does not fit
+        candidate(2, 1, 8, "1f1b", 1.20),
+        candidate(1, 1, 1, "gpipe", 1.30),  # beyond the band (25% over the fastest)
+    ]
+    listed = search.shortlist(found, 5)
+    assert [c.config.schedule for c in listed] == ["gpipe", "gpipe", "1f1b"]
+    assert [c.config.num_replicas for c in listed] == [1, 2, 1]
+    assert search.shortlist(found, 2) == listed[:2]
+
+
+def test_the_fastest_measured_is_chosen_and_the_rest_keep_their_predicted_order():
+    found = [candidate(2, 1, 8, "gpipe", 1.00), candidate(1, 2, 2, "gpipe", 1.05), candidate(2, 1, 8, "1f1b", 1.10)]
+    found.append(candidate(1, 1, 1, "gpipe", 2.0))
+    measured = {"gpipe": 1.30, "1f1b": 1.12}  # GPipe K=2 ran slower than predicted, 1F1B as predicted
+    timed = []
+
+    def time_step(config):
+        timed.append(config)
+        return 1.20 if config.num_replicas == 2 else measured[config.schedule]
+
+    ordered = search.by_measured(found, 3, time_step)
+    assert len(timed) == 3
+    assert [(c.config.schedule, c.config.num_replicas) for c in ordered[:3]] == [
+        ("1f1b", 1),
+        ("gpipe", 2),
+        ("gpipe", 1),
+    ]
+    assert [c.measured_s for c in ordered] == [1.12, 1.20, 1.30, None]
+    plan = plans.from_candidates(ordered, DEVICES, 8, None, profile(), calibration(), 2)
+    assert plan.schedule == "1f1b" and plan.measured_seconds == 1.12 and plan.step_seconds == 1.10
+    lines = []
+    plan.summary(print_fn=lines.append)
+    text = "\n".join(lines)
+    assert "measured step: 1120.0 ms, the fastest of 3 configurations timed on the devices" in text
+    assert "+7% slower measured (1200.0 ms; predicted 1050.0 ms)" in text  # the replicas, measured against the chosen
+    assert "+82% slower (2000.0 ms)" in text  # not timed: against the chosen's prediction
+
+
+def test_with_one_worth_timing_nothing_is_timed():
+    found = [candidate(2, 1, 8, "gpipe", 1.0), candidate(1, 1, 1, "gpipe", 3.0)]
+    assert search.by_measured(found, 3, lambda config: pytest.fail("timed")) == found
+    assert search.by_measured(found, 0, lambda config: pytest.fail("timed")) == found
+
+
+@pytest.mark.parametrize("verify", [-1, 1.5, True, "3"])
+def test_verify_must_be_a_count(verify):
+    with pytest.raises(ValueError, match=f"verify={verify!r}: give how many configurations to time, or 0"):
+        planner.verified([], [], None, 8, DEVICES, "sgd", verify)
