@@ -122,7 +122,10 @@ def verified(
         raise ValueError(f"verify={count!r}: give how many configurations to time, or 0 to choose by prediction alone.")
 
     def time_step(config: Config) -> float:
-        return calibration_lib.configured_step(layers, sample, batch_size, config, devices, optimizer).seconds
+        try:
+            return calibration_lib.configured_step(layers, sample, batch_size, config, devices, optimizer).seconds
+        except tf.errors.ResourceExhaustedError:  # predicted to fit, but a device ran out of memory: last
+            return float("inf")
 
     return search.by_measured(candidates, count, time_step)
 

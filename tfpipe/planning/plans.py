@@ -180,11 +180,18 @@ def _why_lost(candidate: Candidate, chosen: Candidate, budget: float | None) -> 
     peak = max(candidate.prediction.peak_bytes)
     if not candidate.fits:
         return f"does not fit: predicted peak {gib(peak)} > budget {gib(budget or 0)}"
+    if candidate.measured_s == float("inf"):
+        return f"ran out of memory when timed on the devices (predicted peak {gib(peak)})"
     if candidate.measured_s is not None and chosen.measured_s is not None:
         slower = candidate.measured_s / chosen.measured_s - 1
         took, predicted = candidate.measured_s * 1e3, candidate.prediction.step_s * 1e3
         return f"{slower:+.0%} slower measured ({took:.1f} ms; predicted {predicted:.1f} ms), peak {gib(peak)}"
     slower = candidate.prediction.step_s / chosen.prediction.step_s - 1
+    if slower < 0:  # the shortlist timed every shape predicted faster than the chosen: this one's shape ran slower
+        return (
+            f"predicted {-slower:.0%} faster ({candidate.prediction.step_s * 1e3:.1f} ms), not timed: the timed "
+            f"configuration of its K, R and schedule ran slower; peak {gib(peak)}"
+        )
     return f"{slower:+.0%} slower ({candidate.prediction.step_s * 1e3:.1f} ms), peak {gib(peak)}"
 
 

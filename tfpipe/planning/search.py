@@ -187,7 +187,8 @@ def shortlist(candidates: Sequence[Candidate], count: int) -> list[Candidate]:
 def by_measured(candidates: Sequence[Candidate], count: int, time_step: Callable[[Config], float]) -> list[Candidate]:
     """``candidates`` with their shortlist timed by ``time_step`` and put first, fastest measured first.
 
-    The rest follow in their predicted order. With fewer than two to time, nothing is timed.
+    The rest follow in their predicted order. With fewer than two to time, nothing is timed; where none could be
+    timed (``time_step`` gave inf: out of memory), the predicted order stays.
     """
     listed = shortlist(candidates, count)
     if len(listed) < 2:
@@ -195,5 +196,7 @@ def by_measured(candidates: Sequence[Candidate], count: int, time_step: Callable
     timed = sorted(
         (dataclasses.replace(c, measured_s=float(time_step(c.config))) for c in listed), key=lambda c: c.measured_s
     )
+    if timed[0].measured_s == float("inf"):
+        return list(candidates)
     chosen = {id(c) for c in listed}
     return timed + [c for c in candidates if id(c) not in chosen]

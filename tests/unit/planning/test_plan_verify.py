@@ -32,7 +32,7 @@ def test_the_shortlist_takes_one_per_shape_near_the_fastest_and_only_what_fits()
 
 def test_the_fastest_measured_is_chosen_and_the_rest_keep_their_predicted_order():
     found = [candidate(2, 1, 8, "gpipe", 1.00), candidate(1, 2, 2, "gpipe", 1.05), candidate(2, 1, 8, "1f1b", 1.10)]
-    found.append(candidate(1, 1, 1, "gpipe", 2.0))
+    found += [candidate(1, 2, 4, "gpipe", 1.06), candidate(1, 1, 1, "gpipe", 2.0)]
     measured = {"gpipe": 1.30, "1f1b": 1.12}  # GPipe K=2 ran slower than predicted, 1F1B as predicted
     timed = []
 
@@ -47,7 +47,7 @@ def test_the_fastest_measured_is_chosen_and_the_rest_keep_their_predicted_order(
         ("gpipe", 2),
         ("gpipe", 1),
     ]
-    assert [c.measured_s for c in ordered] == [1.12, 1.20, 1.30, None]
+    assert [c.measured_s for c in ordered] == [1.12, 1.20, 1.30, None, None]
     plan = plans.from_candidates(ordered, DEVICES, 8, None, profile(), calibration(), 2)
     assert plan.schedule == "1f1b" and plan.measured_seconds == 1.12 and plan.step_seconds == 1.10
     lines = []
@@ -56,6 +56,19 @@ def test_the_fastest_measured_is_chosen_and_the_rest_keep_their_predicted_order(
     assert "measured step: 1120.0 ms, the fastest of 3 configurations timed on the devices" in text
     assert "+7% slower measured (1200.0 ms; predicted 1050.0 ms)" in text  # the replicas, measured against the chosen
     assert "+82% slower (2000.0 ms)" in text  # not timed: against the chosen's prediction
+    # predicted faster than the chosen but not timed: another configuration of its shape was, and lost
+    assert "predicted 4% faster (1060.0 ms), not timed: the timed configuration of its K, R and schedule ran" in text
+
+
+def test_a_configuration_that_runs_out_of_memory_when_timed_goes_last_and_says_so():
+    found = [candidate(2, 1, 8, "gpipe", 1.00), candidate(2, 1, 8, "1f1b", 1.05)]
+    ordered = search.by_measured(found, 3, lambda config: float("inf") if config.schedule == "gpipe" else 1.0)
+    assert [c.config.schedule for c in ordered] == ["1f1b", "gpipe"]
+    plan = plans.from_candidates(ordered, DEVICES, 8, None, profile(), calibration(), 2)
+    assert "ran out of memory when timed on the devices" in plans._why_lost(ordered[1], ordered[0], None)
+    assert plan.measured_seconds == 1.0
+    # none could be timed: the predicted order stays
+    assert search.by_measured(found, 3, lambda config: float("inf")) == found
 
 
 def test_with_one_worth_timing_nothing_is_timed():
