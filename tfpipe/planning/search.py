@@ -170,14 +170,17 @@ def memory_balance(
 
 def shortlist(candidates: Sequence[Candidate], count: int) -> list[Candidate]:
     """Up to ``count`` fitting candidates worth timing: the fastest predicted of each (K, R, schedule), in order,
-    predicted within SHORTLIST_BAND of the fastest (near-identical variants of one shape would tell nothing new)."""
+    predicted within SHORTLIST_BAND of the fastest (near-identical variants of one shape would tell nothing new; at
+    M=1 the schedules are one shape)."""
     fitting = [c for c in candidates if c.fits]
     out: list[Candidate] = []
     seen = set()
     for candidate in fitting:
         if len(out) == count or candidate.prediction.step_s > fitting[0].prediction.step_s * (1 + SHORTLIST_BAND):
             break
-        shape = (candidate.config.num_partitions, candidate.config.num_replicas, candidate.config.schedule)
+        config = candidate.config
+        # at M=1 every schedule runs each cell's forward then its backward: one shape, timed once
+        shape = (config.num_partitions, config.num_replicas, config.schedule if config.num_micro_batches > 1 else "")
         if shape not in seen:
             seen.add(shape)
             out.append(candidate)

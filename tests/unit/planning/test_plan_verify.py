@@ -30,6 +30,18 @@ def test_the_shortlist_takes_one_per_shape_near_the_fastest_and_only_what_fits()
     assert search.shortlist(found, 2) == listed[:2]
 
 
+def test_at_one_micro_batch_the_schedules_are_one_shape():
+    # M=1 runs F then B on each cell whatever the schedule: timing it under three names would time it thrice
+    found = [candidate(2, 1, 1, s, 1.0) for s in ("gpipe", "1f1b", "gpipe_batched_w", "zero_bubble")]
+    found += [candidate(2, 1, 2, "1f1b", 1.05), candidate(2, 1, 4, "gpipe", 1.06)]
+    listed = search.shortlist(found, 3)
+    assert [(c.config.num_micro_batches, c.config.schedule) for c in listed] == [
+        (1, "gpipe"),
+        (2, "1f1b"),
+        (4, "gpipe"),
+    ]
+
+
 def test_the_fastest_measured_is_chosen_and_the_rest_keep_their_predicted_order():
     found = [candidate(2, 1, 8, "gpipe", 1.00), candidate(1, 2, 2, "gpipe", 1.05), candidate(2, 1, 8, "1f1b", 1.10)]
     found += [candidate(1, 2, 4, "gpipe", 1.06), candidate(1, 1, 1, "gpipe", 2.0)]
