@@ -123,7 +123,7 @@ def main(argv: list[str]) -> None:
         write_table(FLAGS.out, rows, text)
     if FLAGS.budgets:
         fractions = [float(f) for f in FLAGS.budgets]
-        verify = lambda found: plan_measure.verify_choice(spec, found)  # noqa: E731
+        verify = lambda found, budget: plan_measure.verify_choice(spec, found, budget)  # noqa: E731
         budget_rows = plan_measure.budgets(plan, rows, fractions, run, FLAGS.repeats, verify)
         text += "\n\n" + plan_measure.budget_markdown(budget_rows)
         print(plan_measure.budget_markdown(budget_rows), flush=True)

@@ -176,7 +176,7 @@ def budgets(
     fractions: Sequence[float],
     run: Callable[[dict[str, Any]], dict[str, float]],
     repeats: int,
-    verify: Callable[[list[Any]], list[Any]] | None = None,
+    verify: Callable[[list[Any], float], list[Any]] | None = None,
 ) -> list[dict[str, Any]]:
     """For each fraction of the reference's measured peak: the plan's choice under that budget, run and compared.
 
@@ -201,7 +201,7 @@ def budgets(
             out.append({"fraction": fraction, "budget_mib": round(per_device / MIB, 2), "chosen": "none fits"})
             continue
         if verify is not None:
-            found = verify(found)
+            found = verify(found, per_device)
         chosen = found[0].config
         if _shape(chosen) in _shapes(rows):
             row = next(r for r in rows if (r["K"], r["R"], r["M"], r["remat"], r["schedule"]) == _shape(chosen))
@@ -225,7 +225,7 @@ def budgets(
     return out
 
 
-def verify_choice(spec: dict[str, Any], found: list[Any], count: int = 3) -> list[Any]:
+def verify_choice(spec: dict[str, Any], found: list[Any], budget: float | None = None, count: int = 3) -> list[Any]:
     """``found`` ordered as ``tfpipe.plan`` orders it: its shortlist timed on the spec's devices (this process's
     logical devices, or a fresh LocalCluster's workers)."""
     import tfpipe
@@ -235,9 +235,9 @@ def verify_choice(spec: dict[str, Any], found: list[Any], count: int = 3) -> lis
     args = (layers, x, spec["batch_size"])
     if not spec.get("cluster"):
         devices = [f"/{spec.get('device_type', 'CPU')}:{i}" for i in range(spec["devices"])]
-        return planner.verified(found, *args, devices, spec["optimizer"], count)
+        return planner.verified(found, *args, devices, spec["optimizer"], count, budget)
     with tfpipe.cluster.LocalCluster(spec["devices"]) as cluster:
-        return planner.verified(found, *args, cluster.devices, spec["optimizer"], count)
+        return planner.verified(found, *args, cluster.devices, spec["optimizer"], count, budget)
 
 
 def _measure_config(candidate: Any, run: Callable[[dict[str, Any]], dict[str, float]], repeats: int) -> dict:

@@ -13,9 +13,10 @@ worth of compute this model gets (logical devices on one CPU share its cores), w
 from __future__ import annotations
 
 import dataclasses
+import functools
 import gc
 import timeit
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import keras
@@ -23,6 +24,7 @@ import numpy as np
 import tensorflow as tf
 
 from tfpipe import messages
+from tfpipe.distributed import cluster as cluster_lib
 from tfpipe.model import PipelineModel
 from tfpipe.partition.sequence import copy_layer
 from tfpipe.planning.predict import Calibration, Config
@@ -75,6 +77,7 @@ class Probe:
 
     seconds: float
     peak_bytes: float | None  # the step's peak above what the process held before the probe's model was made
+    device_peaks: list[float] | None = None  # per device, where each has an allocator of its own (_own_allocators)
 
 
 def whole_steps(
@@ -130,9 +133,8 @@ def configured_step(
     y = np.zeros((batch_size, 1), "float32")
     on = rows if r > 1 else rows[0]
     m, remat = config.num_micro_batches, config.remat
-    return _probe(
-        copies, list(config.balance), on, m, x, y, _fresh(optimizer), steps, _mean, True, remat, config.schedule
-    )
+    probe_args = (copies, list(config.balance), on, m, x, y, _fresh(optimizer), steps, _mean, True, remat)
+    return _probe(*probe_args, config.schedule, per_device=True)
 
 
 def replicated_step(
@@ -176,16 +178,21 @@ def _probe(
     warm: bool = True,
     remat: str = "never",
     schedule: str = "gpipe",
+    per_device: bool = False,
 ) -> Probe:
     """A probe pipeline trained on one batch (x, y): its median step and its peak, after warming up (``warm``).
 
     ``devices``: one pipeline's, or a list of replicas' (the peak is the first replica's first device's).
+    ``per_device``: also each device's peak, where each has an allocator of its own.
     """
     data = tf.data.Dataset.from_tensors((x, y)).repeat()
     first = devices[0]
     memory = memory_name(first[0] if isinstance(first, list) else first)
     gc.collect()  # an earlier probe's model freed during this one's steps would hide bytes of this one's peak
     base = tf.config.experimental.get_memory_info(memory)["current"] if memory else 0
+    flat = [d for row in devices for d in row] if isinstance(first, list) else list(devices)
+    own = _own_allocators(flat) if per_device else None
+    bases = [read()["current"] for read, _ in own] if own else []
     model = PipelineModel(
         layers,
         balance=balance,
@@ -200,9 +207,34 @@ def _probe(
         warm_up(model, data, None if warm else 0.0)
         if memory:
             tf.config.experimental.reset_memory_stats(memory)
+        for _, reset in own or []:
+            reset()
         seconds = float(np.median(step_times(model, data, steps)))
     peak = float(tf.config.experimental.get_memory_info(memory)["peak"] - base) if memory else None
-    return Probe(seconds, peak)
+    device_peaks = [float(read()["peak"] - b) for (read, _), b in zip(own, bases)] if own else None
+    return Probe(seconds, peak, device_peaks)
+
+
+def _own_allocators(devices: Sequence[str]) -> list[tuple[Callable[[], dict], Callable[[], None]]] | None:
+    """Per device, how to read and reset its own allocator (a GPU of this process, a running LocalCluster's worker);
+    None where a device has none of its own (logical CPUs of one process share one) or cannot be read (``connect``)."""
+    out = []
+    for device in devices:
+        name = memory_name(device)
+        owner = cluster_lib.running_worker(device)
+        if name is not None and name.startswith("GPU"):
+            out.append(
+                (
+                    functools.partial(tf.config.experimental.get_memory_info, name),
+                    functools.partial(tf.config.experimental.reset_memory_stats, name),
+                )
+            )
+        elif owner is not None:
+            cluster, k = owner
+            out.append((lambda c=cluster, i=k: c.memory_info()[i], cluster.reset_memory_stats))
+        else:
+            return None
+    return out if len(set(devices)) == len(devices) else None
 
 
 def warm_up(model: keras.Model, data: tf.data.Dataset, seconds: float | None = None) -> None:

@@ -104,7 +104,7 @@ def plan(
     if space.replicas:
         calibration = _replica_parallelism(measured, layer_seq, data, batch_size, device_list, optimizer, calibration)
     candidates = search.run(measured, calibration, batch_size, space, budget, slots)
-    candidates = verified(candidates, layer_seq, data, batch_size, device_list, optimizer, verify)
+    candidates = verified(candidates, layer_seq, data, batch_size, device_list, optimizer, verify, budget)
     return plans.from_candidates(candidates, device_list, batch_size, budget, measured, calibration, slots)
 
 
@@ -116,18 +116,21 @@ def verified(
     devices: Sequence[str],
     optimizer: Any,
     count: int,
+    budget: float | None = None,
 ) -> list[search.Candidate]:
-    """``candidates`` with the ``count`` worth timing trained on ``devices`` (copies of ``layers``), fastest first."""
+    """``candidates`` with the ``count`` worth timing trained on ``devices`` (copies of ``layers``), fastest first;
+    where each device's allocator can be read (GPUs, a running LocalCluster's workers), one over ``budget`` last."""
     if isinstance(count, bool) or not isinstance(count, int) or count < 0:
         raise ValueError(f"verify={count!r}: give how many configurations to time, or 0 to choose by prediction alone.")
 
-    def time_step(config: Config) -> float:
+    def time_step(config: Config) -> tuple[float, float | None]:
         try:
-            return calibration_lib.configured_step(layers, sample, batch_size, config, devices, optimizer).seconds
+            probe = calibration_lib.configured_step(layers, sample, batch_size, config, devices, optimizer)
         except tf.errors.ResourceExhaustedError:  # predicted to fit, but a device ran out of memory: last
-            return float("inf")
+            return float("inf"), None
+        return probe.seconds, max(probe.device_peaks) if probe.device_peaks else None
 
-    return search.by_measured(candidates, count, time_step)
+    return search.by_measured(candidates, count, time_step, budget)
 
 
 def _scale_to_whole_steps(

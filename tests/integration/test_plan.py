@@ -1,12 +1,14 @@
 """tfpipe.plan as a user runs it: measure a model on two logical CPU devices, plan, build the planned model, train."""
 
+import json
+
 import keras
 import numpy as np
 import pytest
 import tensorflow as tf
 
 import tfpipe
-from tests.util import cpu_devices
+from tests.util import cpu_devices, run_fresh
 
 DEVICES = cpu_devices(2)
 
@@ -161,3 +163,32 @@ def test_a_functional_model_is_planned():
     hidden = keras.layers.Dense(32)(inputs)
     model = keras.Model(inputs, keras.layers.Dense(4)(keras.layers.Add()([hidden, keras.layers.Dense(32)(hidden)])))
     assert isinstance(tfpipe.plan(model, 32, DEVICES), tfpipe.Plan)
+
+
+def test_timing_a_configuration_reads_each_workers_allocator_and_no_shared_one():
+    # the planner's last step checks a budget against what each worker's own allocator held; logical CPUs of one
+    # process share one allocator, so there is no per-device peak to read there
+    proc = run_fresh(
+        """
+        import json, numpy as np, keras, tensorflow as tf
+        cpu = tf.config.list_physical_devices("CPU")[0]
+        tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
+        from tfpipe import calibration
+        from tfpipe.distributed.cluster import LocalCluster
+        from tfpipe.planning.predict import Config
+
+        layers = [keras.layers.Dense(256, activation="tanh") for _ in range(4)]
+        x = np.ones((64, 256), "float32")
+        config = Config((2, 2), 1, 2, "never", "1f1b")
+        logical = calibration.configured_step(layers, x, 64, config, ["/CPU:0", "/CPU:1"], "adam", steps=2)
+        with LocalCluster(2) as cluster:
+            probe = calibration.configured_step(layers, x, 64, config, cluster.devices, "adam", steps=2)
+        print(json.dumps({"peaks": probe.device_peaks, "logical": logical.device_peaks, "s": probe.seconds}))
+    """,
+        env={"TF_CPU_ALLOCATOR_USE_BFC": "true"},
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    weights = 2 * 256 * 256 * 4  # two Dense(256) a worker: their weights, gradients and two Adam slots at least
+    assert len(result["peaks"]) == 2 and all(p >= 4 * weights for p in result["peaks"]), result
+    assert result["logical"] is None and result["s"] > 0

@@ -301,6 +301,14 @@ def _worker_threads(threads: int) -> Iterator[None]:
         absl_logging.set_verbosity(verbosity)
 
 
+def running_worker(device: str) -> tuple[LocalCluster, int] | None:
+    """The running LocalCluster whose worker ``device`` names, and that worker's index; None if none runs it."""
+    for cluster in _started:
+        if isinstance(cluster, LocalCluster) and device in cluster.devices:
+            return cluster, cluster.devices.index(device)
+    return None
+
+
 def connect(
     cluster: Any = None,
     job: str = JOB,

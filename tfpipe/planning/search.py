@@ -36,6 +36,7 @@ class Candidate:
     fits: bool
     memory_cut: bool = False  # cut by memory_balance because the time-even cut did not fit
     measured_s: float | None = None  # its step timed on the devices (``by_measured``), where it was shortlisted
+    measured_peak: float | None = None  # its largest device peak when timed, where each device's allocator was read
 
 
 @dataclasses.dataclass(frozen=True)
@@ -187,19 +188,31 @@ def shortlist(candidates: Sequence[Candidate], count: int) -> list[Candidate]:
     return out
 
 
-def by_measured(candidates: Sequence[Candidate], count: int, time_step: Callable[[Config], float]) -> list[Candidate]:
-    """``candidates`` with their shortlist timed by ``time_step`` and put first, fastest measured first.
+def by_measured(
+    candidates: Sequence[Candidate],
+    count: int,
+    time_step: Callable[[Config], tuple[float, float | None]],
+    budget: float | None = None,
+) -> list[Candidate]:
+    """``candidates`` with their shortlist timed by ``time_step`` (seconds, largest device peak or None) and put first,
+    fastest measured first; one whose measured peak is over ``budget`` goes last among them.
 
-    The rest follow in their predicted order. With fewer than two to time, nothing is timed; where none could be
-    timed (``time_step`` gave inf: out of memory), the predicted order stays.
+    The rest follow in their predicted order. With fewer than two to time, nothing is timed; where none ran within
+    the budget (or at all: ``time_step`` gave inf, out of memory), the predicted order stays.
     """
     listed = shortlist(candidates, count)
     if len(listed) < 2:
         return list(candidates)
-    timed = sorted(
-        (dataclasses.replace(c, measured_s=float(time_step(c.config))) for c in listed), key=lambda c: c.measured_s
-    )
-    if timed[0].measured_s == float("inf"):
+
+    def timed_one(candidate: Candidate) -> Candidate:
+        seconds, peak = time_step(candidate.config)
+        return dataclasses.replace(candidate, measured_s=float(seconds), measured_peak=peak)
+
+    def over(candidate: Candidate) -> bool:
+        return budget is not None and candidate.measured_peak is not None and candidate.measured_peak > budget
+
+    timed = sorted((timed_one(c) for c in listed), key=lambda c: (over(c), c.measured_s))
+    if over(timed[0]) or timed[0].measured_s == float("inf"):
         return list(candidates)
     chosen = {id(c) for c in listed}
     return timed + [c for c in candidates if id(c) not in chosen]

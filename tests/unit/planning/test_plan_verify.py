@@ -50,7 +50,7 @@ def test_the_fastest_measured_is_chosen_and_the_rest_keep_their_predicted_order(
 
     def time_step(config):
         timed.append(config)
-        return 1.20 if config.num_replicas == 2 else measured[config.schedule]
+        return (1.20 if config.num_replicas == 2 else measured[config.schedule]), None
 
     ordered = search.by_measured(found, 3, time_step)
     assert len(timed) == 3
@@ -74,13 +74,28 @@ def test_the_fastest_measured_is_chosen_and_the_rest_keep_their_predicted_order(
 
 def test_a_configuration_that_runs_out_of_memory_when_timed_goes_last_and_says_so():
     found = [candidate(2, 1, 8, "gpipe", 1.00), candidate(2, 1, 8, "1f1b", 1.05)]
-    ordered = search.by_measured(found, 3, lambda config: float("inf") if config.schedule == "gpipe" else 1.0)
+    ordered = search.by_measured(found, 3, lambda config: (float("inf") if config.schedule == "gpipe" else 1.0, None))
     assert [c.config.schedule for c in ordered] == ["1f1b", "gpipe"]
     plan = plans.from_candidates(ordered, DEVICES, 8, None, profile(), calibration(), 2)
     assert "ran out of memory when timed on the devices" in plans._why_lost(ordered[1], ordered[0], None)
     assert plan.measured_seconds == 1.0
     # none could be timed: the predicted order stays
-    assert search.by_measured(found, 3, lambda config: float("inf")) == found
+    assert search.by_measured(found, 3, lambda config: (float("inf"), None)) == found
+
+
+def test_a_configuration_over_the_budget_when_timed_goes_last_and_says_so():
+    # workers' and GPUs' allocators are read when timing: the fastest ran over the budget the prediction said it fits
+    found = [candidate(2, 1, 2, "zero_bubble", 1.00), candidate(2, 1, 4, "1f1b", 1.05)]
+    peaks = {"zero_bubble": 105.0, "1f1b": 90.0}
+    ordered = search.by_measured(found, 3, lambda config: (1.0, peaks[config.schedule]), budget=100.0)
+    assert [(c.config.schedule, c.measured_peak) for c in ordered] == [("1f1b", 90.0), ("zero_bubble", 105.0)]
+    assert "its peak when timed, 105 B, is over the budget" in plans._why_lost(ordered[1], ordered[0], 100.0)
+    # without a budget, or where no allocator was read (peak None), only the time counts
+    assert (
+        search.by_measured(found, 3, lambda config: (1.0, peaks[config.schedule]))[0].config.schedule == "zero_bubble"
+    )
+    # every timed one over the budget: the predicted order stays
+    assert search.by_measured(found, 3, lambda config: (1.0, 200.0), budget=100.0) == found
 
 
 def test_with_one_worth_timing_nothing_is_timed():
