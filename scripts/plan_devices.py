@@ -22,6 +22,11 @@ def logical_devices(n: int, device_type: str = "CPU") -> list[str]:
         tf.config.set_logical_device_configuration(physical[0], [config] * n)
     elif n > 1:
         tf.config.set_logical_device_configuration(physical[0], [tf.config.LogicalDeviceConfiguration()] * n)
+    return names(n, device_type)
+
+
+def names(n: int, device_type: str = "CPU") -> list[str]:
+    """The names of the ``n`` logical devices ``logical_devices`` made (it can split a device only once)."""
     return [f"/{device_type}:{i}" for i in range(n)]
 
 

@@ -234,7 +234,7 @@ def verify_choice(spec: dict[str, Any], found: list[Any], budget: float | None =
     layers, x, _, _ = model_and_data(spec)
     args = (layers, x, spec["batch_size"])
     if not spec.get("cluster"):
-        devices = [f"/{spec.get('device_type', 'CPU')}:{i}" for i in range(spec["devices"])]
+        devices = plan_devices.names(spec["devices"], spec.get("device_type", "CPU"))
         return planner.verified(found, *args, devices, spec["optimizer"], count, budget)
     with tfpipe.cluster.LocalCluster(spec["devices"]) as cluster:
         return planner.verified(found, *args, cluster.devices, spec["optimizer"], count, budget)

@@ -13,10 +13,9 @@ worth of compute this model gets (logical devices on one CPU share its cores), w
 from __future__ import annotations
 
 import dataclasses
-import functools
 import gc
 import timeit
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import keras
@@ -192,7 +191,7 @@ def _probe(
     base = tf.config.experimental.get_memory_info(memory)["current"] if memory else 0
     flat = [d for row in devices for d in row] if isinstance(first, list) else list(devices)
     own = _own_allocators(flat) if per_device else None
-    bases = [read()["current"] for read, _ in own] if own else []
+    bases = [info["current"] for info in own.read()] if own else []
     model = PipelineModel(
         layers,
         balance=balance,
@@ -207,34 +206,50 @@ def _probe(
         warm_up(model, data, None if warm else 0.0)
         if memory:
             tf.config.experimental.reset_memory_stats(memory)
-        for _, reset in own or []:
-            reset()
+        if own:
+            own.reset()
         seconds = float(np.median(step_times(model, data, steps)))
     peak = float(tf.config.experimental.get_memory_info(memory)["peak"] - base) if memory else None
-    device_peaks = [float(read()["peak"] - b) for (read, _), b in zip(own, bases)] if own else None
+    device_peaks = [float(info["peak"] - b) for info, b in zip(own.read(), bases)] if own else None
     return Probe(seconds, peak, device_peaks)
 
 
-def _own_allocators(devices: Sequence[str]) -> list[tuple[Callable[[], dict], Callable[[], None]]] | None:
-    """Per device, how to read and reset its own allocator (a GPU of this process, a running LocalCluster's worker);
-    None where a device has none of its own (logical CPUs of one process share one) or cannot be read (``connect``)."""
-    out = []
+class _OwnAllocators:
+    """The allocators of devices that each have one of their own: a GPU of this process, a running LocalCluster's
+    worker (its counts over a pipe, one round trip per cluster for all its workers)."""
+
+    def __init__(self, sources: list[tuple[Any, Any]]):
+        self.sources = sources  # per device: (None, a GPU's memory name) or (its LocalCluster, the worker's index)
+
+    def read(self) -> list[dict[str, int]]:
+        """Each device's counts, as ``get_memory_info`` gives them."""
+        clusters = {id(c): c.memory_info() for c, _ in self.sources if c is not None}
+        return [tf.config.experimental.get_memory_info(i) if c is None else clusters[id(c)][i] for c, i in self.sources]
+
+    def reset(self) -> None:
+        """Start every device's peak count again, each cluster's workers at once."""
+        for cluster in {id(c): c for c, _ in self.sources if c is not None}.values():
+            cluster.reset_memory_stats()
+        for cluster, name in self.sources:
+            if cluster is None:
+                tf.config.experimental.reset_memory_stats(name)
+
+
+def _own_allocators(devices: Sequence[str]) -> _OwnAllocators | None:
+    """The devices' own allocators; None where a device has none of its own (logical CPUs of one process share one),
+    its allocator cannot be read (``connect``), or a device is named twice."""
+    if len(set(devices)) != len(devices):
+        return None
+    sources = []
     for device in devices:
         name = memory_name(device)
-        owner = cluster_lib.running_worker(device)
         if name is not None and name.startswith("GPU"):
-            out.append(
-                (
-                    functools.partial(tf.config.experimental.get_memory_info, name),
-                    functools.partial(tf.config.experimental.reset_memory_stats, name),
-                )
-            )
-        elif owner is not None:
-            cluster, k = owner
-            out.append((lambda c=cluster, i=k: c.memory_info()[i], cluster.reset_memory_stats))
+            sources.append((None, name))
+        elif (owner := cluster_lib.running_worker(device)) is not None:
+            sources.append(owner)
         else:
             return None
-    return out if len(set(devices)) == len(devices) else None
+    return _OwnAllocators(sources)
 
 
 def warm_up(model: keras.Model, data: tf.data.Dataset, seconds: float | None = None) -> None:
