@@ -235,6 +235,15 @@ class _OwnAllocators:
                 tf.config.experimental.reset_memory_stats(name)
 
 
+def peaks_readable(devices: Sequence[str]) -> bool:
+    """Whether a probe on ``devices`` reads their peaks: each its own allocator's, or (logical CPUs of this process,
+    counted with ``TF_CPU_ALLOCATOR_USE_BFC=true``) their one allocator's total."""
+    if _own_allocators(devices) is not None:
+        return True
+    names = [memory_name(device) for device in devices]
+    return all(name is not None and name.startswith("CPU") for name in names)
+
+
 def _own_allocators(devices: Sequence[str]) -> _OwnAllocators | None:
     """The devices' own allocators; None where a device has none of its own (logical CPUs of one process share one),
     its allocator cannot be read (``connect``), or a device is named twice."""

@@ -118,19 +118,29 @@ def verified(
     count: int,
     budget: float | None = None,
 ) -> list[search.Candidate]:
-    """``candidates`` with the ``count`` worth timing trained on ``devices`` (copies of ``layers``), fastest first;
-    where each device's allocator can be read (GPUs, a running LocalCluster's workers), one over ``budget`` last."""
+    """``candidates`` with the ``count`` worth timing trained on ``devices`` (copies of ``layers``), fastest first.
+
+    Where the devices' peaks can be read (GPUs, a running LocalCluster's workers, logical CPUs counted by one
+    allocator), one over ``budget`` goes last, and candidates predicted over it by at most ``search.MEMORY_SLACK``
+    are timed too: one that runs within it may be chosen.
+    """
     if isinstance(count, bool) or not isinstance(count, int) or count < 0:
         raise ValueError(f"verify={count!r}: give how many configurations to time, or 0 to choose by prediction alone.")
+    readable = calibration_lib.peaks_readable(devices)
 
     def time_step(config: Config) -> tuple[float, float | None]:
         try:
             probe = calibration_lib.configured_step(layers, sample, batch_size, config, devices, optimizer)
         except tf.errors.ResourceExhaustedError:  # predicted to fit, but a device ran out of memory: last
             return float("inf"), None
-        return probe.seconds, max(probe.device_peaks) if probe.device_peaks else None
+        if probe.device_peaks:
+            return probe.seconds, max(probe.device_peaks)
+        if readable and probe.peak_bytes is not None:  # one allocator for all: the total, per device used
+            return probe.seconds, probe.peak_bytes / (config.num_partitions * config.num_replicas)
+        return probe.seconds, None
 
-    return search.by_measured(candidates, count, time_step, budget)
+    slack = search.MEMORY_SLACK if readable else 0.0
+    return search.by_measured(candidates, count, time_step, budget, slack)
 
 
 def _scale_to_whole_steps(

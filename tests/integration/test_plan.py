@@ -165,7 +165,7 @@ def test_a_functional_model_is_planned():
     assert isinstance(tfpipe.plan(model, 32, DEVICES), tfpipe.Plan)
 
 
-def test_timing_a_configuration_reads_each_workers_allocator_and_no_shared_one():
+def test_timing_a_configuration_reads_each_workers_allocator_and_the_shared_ones_total():
     # the planner's last step checks a budget against what each worker's own allocator held; logical CPUs of one
     # process share one allocator, so there is no per-device peak to read there
     proc = run_fresh(
@@ -183,7 +183,10 @@ def test_timing_a_configuration_reads_each_workers_allocator_and_no_shared_one()
         logical = calibration.configured_step(layers, x, 64, config, ["/CPU:0", "/CPU:1"], "adam", steps=2)
         with LocalCluster(2) as cluster:
             probe = calibration.configured_step(layers, x, 64, config, cluster.devices, "adam", steps=2)
-        print(json.dumps({"peaks": probe.device_peaks, "logical": logical.device_peaks, "s": probe.seconds}))
+            readable = calibration.peaks_readable(cluster.devices)
+        result = {"peaks": probe.device_peaks, "logical": logical.device_peaks, "s": probe.seconds}
+        result.update(total=logical.peak_bytes, readable=[readable, calibration.peaks_readable(["/CPU:0", "/CPU:1"])])
+        print(json.dumps(result))
     """,
         env={"TF_CPU_ALLOCATOR_USE_BFC": "true"},
     )
@@ -192,3 +195,5 @@ def test_timing_a_configuration_reads_each_workers_allocator_and_no_shared_one()
     weights = 2 * 256 * 256 * 4  # two Dense(256) a worker: their weights, gradients and two Adam slots at least
     assert len(result["peaks"]) == 2 and all(p >= 4 * weights for p in result["peaks"]), result
     assert result["logical"] is None and result["s"] > 0
+    # the logical CPUs' one allocator gives their total (which the planner compares per device used)
+    assert result["total"] >= 8 * weights and result["readable"] == [True, True], result

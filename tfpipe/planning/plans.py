@@ -131,6 +131,13 @@ class Plan:
                 "schedule)"
             )
         say("  predicted peak memory: " + ", ".join(f"{d} {gib(v)}" for d, v in self.device_peaks.items()))
+        if self.candidates[0].measured_peak is not None:
+            over = self.memory_budget is not None and max(self.peak_bytes) > self.memory_budget
+            say(
+                f"  measured peak memory: {gib(self.candidates[0].measured_peak)} per device (the fullest one's; "
+                "devices sharing one allocator: its total per device)"
+                + (", within the budget the prediction went over" if over else "")
+            )
         for line in self.sources():
             say(f"  {line}")
         say(f"  runners-up ({len(self.candidates) - 1} other configurations tried):")
@@ -179,6 +186,8 @@ def _why_lost(candidate: Candidate, chosen: Candidate, budget: float | None) -> 
     """Why ``candidate`` was not chosen: it does not fit, or how much slower it is predicted."""
     peak = max(candidate.prediction.peak_bytes)
     if not candidate.fits:
+        if candidate.measured_peak is not None:  # predicted just over, timed, and over when run too
+            return f"does not fit: its peak when timed, {gib(candidate.measured_peak)}, is over the budget"
         return f"does not fit: predicted peak {gib(peak)} > budget {gib(budget or 0)}"
     if candidate.measured_s == float("inf"):
         return f"ran out of memory when timed on the devices (predicted peak {gib(peak)})"

@@ -25,11 +25,15 @@ MICRO_BATCHES = (1, 2, 4, 8, 16, 32)
 # Predictions are within 10-20% of measured steps (docs/benchmarks.md#planning): among candidates predicted within this
 # fraction of the fastest, which one runs fastest is for a measurement to say.
 SHORTLIST_BAND = 0.25
+# Peaks are predicted within 15% (docs/benchmarks.md#planning): where the timing reads the devices' peaks, a candidate
+# predicted over the budget by less than this may fit when run, so it is worth timing too.
+MEMORY_SLACK = 0.15
 
 
 @dataclasses.dataclass
 class Candidate:
-    """A configuration with its prediction, and whether every device's predicted peak fits the budget."""
+    """A configuration with its prediction, and whether it fits the budget: every device's predicted peak does, or,
+    where it was timed, its measured peak."""
 
     config: Config
     prediction: Prediction
@@ -169,11 +173,18 @@ def memory_balance(
     return cut[::-1]
 
 
-def shortlist(candidates: Sequence[Candidate], count: int) -> list[Candidate]:
-    """Up to ``count`` fitting candidates worth timing: the fastest predicted of each (K, R, schedule), in order,
+def shortlist(
+    candidates: Sequence[Candidate], count: int, budget: float | None = None, slack: float = 0.0
+) -> list[Candidate]:
+    """Up to ``count`` candidates worth timing: the fastest predicted of each (K, R, schedule), in order,
     predicted within SHORTLIST_BAND of the fastest (near-identical variants of one shape would tell nothing new; at
-    M=1 the schedules are one shape)."""
-    fitting = [c for c in candidates if c.fits]
+    M=1 the schedules are one shape). They fit, or are predicted over ``budget`` by at most ``slack`` of it."""
+
+    def may_fit(candidate: Candidate) -> bool:
+        return candidate.fits or (budget is not None and max(candidate.prediction.peak_bytes) <= budget * (1 + slack))
+
+    # stable: among equal times the search's order (fewer devices, less memory) stays
+    fitting = sorted((c for c in candidates if may_fit(c)), key=lambda c: round(c.prediction.step_s, 9))
     out: list[Candidate] = []
     seen = set()
     for candidate in fitting:
@@ -193,22 +204,28 @@ def by_measured(
     count: int,
     time_step: Callable[[Config], tuple[float, float | None]],
     budget: float | None = None,
+    slack: float = 0.0,
 ) -> list[Candidate]:
     """``candidates`` with their shortlist timed by ``time_step`` (seconds, largest device peak or None) and put first,
     fastest measured first; one whose measured peak is over ``budget`` goes last among them.
 
+    ``slack``: the shortlist also takes candidates predicted over the budget by at most this fraction of it (where
+    ``time_step`` reads the peaks); one whose measured peak is within the budget then fits, one unread does not.
     The rest follow in their predicted order. With fewer than two to time, nothing is timed; where none ran within
     the budget (or at all: ``time_step`` gave inf, out of memory), the predicted order stays.
     """
-    listed = shortlist(candidates, count)
+    listed = shortlist(candidates, count, budget, slack)
     if len(listed) < 2:
         return list(candidates)
 
     def timed_one(candidate: Candidate) -> Candidate:
         seconds, peak = time_step(candidate.config)
-        return dataclasses.replace(candidate, measured_s=float(seconds), measured_peak=peak)
+        fits = candidate.fits or (budget is not None and peak is not None and peak <= budget)
+        return dataclasses.replace(candidate, measured_s=float(seconds), measured_peak=peak, fits=fits)
 
     def over(candidate: Candidate) -> bool:
+        if not candidate.fits:
+            return True
         return budget is not None and candidate.measured_peak is not None and candidate.measured_peak > budget
 
     timed = sorted((timed_one(c) for c in listed), key=lambda c: (over(c), c.measured_s))

@@ -3,6 +3,7 @@
 import pytest
 
 from tests.unit.planning.handmade import DEVICES, calibration, profile
+from tfpipe import calibration as calibration_lib
 from tfpipe import planner
 from tfpipe.planning import plans, search
 from tfpipe.planning.predict import Config, Prediction
@@ -108,3 +109,43 @@ def test_with_one_worth_timing_nothing_is_timed():
 def test_verify_must_be_a_count(verify):
     with pytest.raises(ValueError, match=f"verify={verify!r}: give how many configurations to time, or 0"):
         planner.verified([], [], None, 8, DEVICES, "sgd", verify)
+
+
+def test_a_configuration_predicted_just_over_the_budget_is_timed_where_peaks_are_read_and_chosen_if_it_fits():
+    # memory is predicted within 15%: the fastest predicted 5% over the budget ran within it
+    fast = candidate(2, 1, 4, "gpipe_batched_w", 1.00, fits=False)
+    fast.prediction.peak_bytes = [105.0, 80.0]
+    found = [candidate(2, 1, 1, "zero_bubble", 1.10), candidate(1, 1, 1, "gpipe", 1.20), fast]
+    found.append(candidate(2, 1, 8, "gpipe", 0.90, fits=False))  # predicted far over (1 byte x 1000): not timed
+    found[-1].prediction.peak_bytes = [1000.0, 1000.0]
+    timed = []
+
+    def time_step(config):
+        timed.append(config.schedule)
+        return {"gpipe_batched_w": 0.95, "zero_bubble": 1.10, "gpipe": 1.2}[config.schedule], 90.0
+
+    ordered = search.by_measured(found, 3, time_step, budget=100.0, slack=search.MEMORY_SLACK)
+    assert timed == ["gpipe_batched_w", "zero_bubble", "gpipe"]
+    assert ordered[0].config.schedule == "gpipe_batched_w" and ordered[0].fits and ordered[0].measured_peak == 90.0
+    plan = plans.from_candidates(ordered, DEVICES, 8, 100.0, profile(), calibration(), 2)
+    lines = []
+    plan.summary(print_fn=lines.append)
+    measured = [line for line in lines if "measured peak memory" in line]
+    assert len(measured) == 1
+    assert measured[0].endswith("its total per device), within the budget the prediction went over")
+    # over the budget when run too: it does not fit, and the fitting one measured fastest is chosen
+    ordered = search.by_measured(
+        found, 3, lambda config: (0.95, 120.0 if config.schedule == "gpipe_batched_w" else 90.0), 100.0, 0.15
+    )
+    assert [c.config.schedule for c in ordered[:3]] == ["zero_bubble", "gpipe", "gpipe_batched_w"]
+    assert not ordered[2].fits
+    assert "does not fit: its peak when timed" in plans._why_lost(ordered[2], ordered[0], 100.0)
+    # where no peak is read (slack 0, or the peak unread), a configuration predicted over is not chosen
+    assert search.by_measured(found, 3, time_step, budget=100.0)[0].config.schedule != "gpipe_batched_w"
+    unread = search.by_measured(found, 3, lambda config: (0.5, None), 100.0, 0.15)
+    assert unread[0].fits and unread[0].config.schedule != "gpipe_batched_w"
+
+
+def test_without_the_bfc_allocator_no_peak_of_logical_cpus_is_read(monkeypatch):
+    monkeypatch.delenv("TF_CPU_ALLOCATOR_USE_BFC", raising=False)
+    assert not calibration_lib.peaks_readable(["/CPU:0", "/CPU:1"])
