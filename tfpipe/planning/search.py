@@ -121,7 +121,9 @@ def _evaluate(
     profile: Profile, calibration: Calibration, batch_size: int, config: Config, budget: float | None, slots: int
 ) -> Candidate:
     prediction = predict.step_seconds(profile, calibration, batch_size, config)
-    prediction.peak_bytes = predict.peak_bytes(profile, batch_size, config, slots, calibration.noinline_tasks)
+    prediction.peak_bytes = predict.peak_bytes(
+        profile, batch_size, config, slots, calibration.noinline_tasks, calibration.across_processes
+    )
     return Candidate(config, prediction, budget is None or max(prediction.peak_bytes) <= budget)
 
 

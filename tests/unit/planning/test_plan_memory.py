@@ -114,3 +114,14 @@ def test_memory_balance_moves_layers_off_the_device_that_overflows():
     # no budget: nothing to fit; a budget no cut fits: None
     assert search.memory_balance(prof, times, b, k, m, "never", "gpipe", 2, None) is None
     assert search.memory_balance(prof, times, b, k, m, "never", "gpipe", 2, 500.0) is None
+
+
+def test_across_processes_the_first_replica_holds_the_others_gradients_as_copies():
+    # measured on two workers (12 x Dense(512), two replicas): the first held one more copy of the weights
+    prof = profile()
+    config = Config((2, 1), 3, 1, "never", "gpipe")
+    local = predict.peak_bytes(prof, 12, config, 2)
+    remote = predict.peak_bytes(prof, 12, config, 2, across_processes=True)
+    assert [a - b for a, b in zip(remote, local)] == pytest.approx([2 * (10 + 20), 2 * 30, 0, 0, 0, 0])
+    one = Config((2, 1), 1, 1, "never", "gpipe")
+    assert predict.peak_bytes(prof, 4, one, 2, across_processes=True) == predict.peak_bytes(prof, 4, one, 2)
