@@ -34,6 +34,9 @@ from tfpipe.step.unrolled import noinline_tasks
 
 _CALIBRATIONS: dict[tuple[str, ...], Calibration] = {}  # one per set of devices and optimizer, per process
 WARM_STEPS = 100  # TensorFlow's executor runs a kernel inline only once its cost estimate settles, ~90 runs
+# Probes compared with one another are timed in this many rounds, in turn: a slow spell of a shared machine then slows
+# one round of each, not every step of one (one whole-step probe measured 20% slow put a plan's M=1 to M=4 off by 20%)
+ROUNDS = 3
 
 
 def calibrate(devices: Sequence[str], optimizer: Any = "adam", steps: int = 30) -> Calibration:
@@ -43,7 +46,6 @@ def calibrate(devices: Sequence[str], optimizer: Any = "adam", steps: int = 30) 
     if key in _CALIBRATIONS:
         return _CALIBRATIONS[key]
     k = len(device_list)
-    tiny = [keras.layers.Dense(4) for _ in device_list]
     x = np.ones((64, 4), "float32")
     # The most micro-batches whose step still inlines its cells, and the fewest whose step does not
     threshold = noinline_tasks(device_list)
@@ -51,7 +53,14 @@ def calibrate(devices: Sequence[str], optimizer: Any = "adam", steps: int = 30) 
     if inline_m < 2:  # 32 devices or more: one micro-batch already calls its cells
         inline_m, noinline_m = 8, None
     ms = sorted({1, inline_m} | ({noinline_m} if noinline_m else set()))
-    timed = {m: _probe(tiny, [1] * k, device_list, m, x, x, "sgd", steps).seconds for m in ms}
+    kept: dict[Any, list] = {m: [] for m in ms}  # each probe its own tiny layers, so that all stay alive to re-time
+    probes = {
+        m: _probe(
+            [keras.layers.Dense(4) for _ in device_list], [1] * k, device_list, m, x, x, "sgd", steps, kept=kept[m]
+        )
+        for m in ms
+    }
+    timed = {m: probe.seconds for m, probe in _in_rounds(probes, kept, steps).items()}
     units = {m: max(end for _, _, end in schedule_lib.simulate(k, m, [1.0] * k, [1.0] * k)) for m in timed}
     task_s = max((timed[inline_m] - timed[1]) / (units[inline_m] - units[1]), 0.0)
     step_s = max(timed[1] - task_s * units[1], 0.0)
@@ -93,9 +102,17 @@ def whole_steps(
     """For each (micro-batch size b, M): copies of ``layers`` trained as one cell on ``device``, by b.
 
     Trained with a fresh ``optimizer`` on ``sample``'s rows, tiled to b x M; the loss is the outputs' mean, so
-    any model trains. ``warm=False``: for the peak only, timed after tracing without warming up.
+    any model trains. ``warm=False``: for the peak only, timed after tracing without warming up; else timed in
+    ``ROUNDS`` rounds, the sizes in turn.
     """
-    return {b: split_step(layers, sample, b, m, [len(layers)], [device], optimizer, steps, warm) for b, m in sizes}
+    kept: dict[Any, list] = {b: [] for b, _ in sizes}
+    probes = {
+        b: split_step(
+            layers, sample, b, m, [len(layers)], [device], optimizer, steps, warm, kept=kept[b] if warm else None
+        )
+        for b, m in sizes
+    }
+    return _in_rounds(probes, kept, steps) if warm else probes
 
 
 def split_step(
@@ -109,12 +126,14 @@ def split_step(
     steps: int = 10,
     warm: bool = True,
     remat: str = "never",
+    kept: list | None = None,
 ) -> Probe:
-    """Copies of ``layers`` cut by ``balance`` over ``devices`` trained at M=m micro-batches of b rows."""
+    """Copies of ``layers`` cut by ``balance`` over ``devices`` trained at M=m micro-batches of b rows (``kept``:
+    as ``_probe``'s)."""
     copies = [copy_layer(layer, "to time it", "pass calibration=... or plan by hand") for layer in layers]
     x = tf.nest.map_structure(lambda t, n=b * m: _tiled(t, n), sample)
     y = np.zeros((b * m, 1), "float32")
-    return _probe(copies, balance, devices, m, x, y, _fresh(optimizer), steps, _mean, warm, remat)
+    return _probe(copies, balance, devices, m, x, y, _fresh(optimizer), steps, _mean, warm, remat, kept=kept)
 
 
 def configured_step(
@@ -180,11 +199,13 @@ def _probe(
     remat: str = "never",
     schedule: str = "gpipe",
     per_device: bool = False,
+    kept: list | None = None,
 ) -> Probe:
     """A probe pipeline trained on one batch (x, y): its median step and its peak, after warming up (``warm``).
 
     ``devices``: one pipeline's, or a list of replicas' (the peak is the first replica's first device's).
-    ``per_device``: also each device's peak, where each has an allocator of its own.
+    ``per_device``: also each device's peak, where each has an allocator of its own. ``kept``: a list that gets the
+    model, its data and its step times, to time it again (``_in_rounds``).
     """
     data = tf.data.Dataset.from_tensors((x, y)).repeat()
     first = devices[0]
@@ -210,10 +231,22 @@ def _probe(
             tf.config.experimental.reset_memory_stats(memory)
         if own:
             own.reset()
-        seconds = float(np.median(step_times(model, data, steps)))
+        times = step_times(model, data, steps)
+    if kept is not None:
+        kept.extend([model, data, times])
+    seconds = float(np.median(times))
     peak = float(tf.config.experimental.get_memory_info(memory)["peak"] - base) if memory else None
     device_peaks = [float(info["peak"] - b) for info, b in zip(own.read(), bases)] if own else None
     return Probe(seconds, peak, device_peaks)
+
+
+def _in_rounds(probes: dict[Any, Probe], kept: dict[Any, list], steps: int) -> dict[Any, Probe]:
+    """``probes`` timed ``ROUNDS - 1`` more times, in turn (their ``kept`` models), each the median of all its steps."""
+    with messages.quiet():
+        for _ in range(ROUNDS - 1):
+            for model, data, times in kept.values():
+                times.extend(step_times(model, data, steps))
+    return {key: dataclasses.replace(probe, seconds=float(np.median(kept[key][2]))) for key, probe in probes.items()}
 
 
 class _OwnAllocators:

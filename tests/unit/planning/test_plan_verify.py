@@ -149,3 +149,19 @@ def test_a_configuration_predicted_just_over_the_budget_is_timed_where_peaks_are
 def test_without_the_bfc_allocator_no_peak_of_logical_cpus_is_read(monkeypatch):
     monkeypatch.delenv("TF_CPU_ALLOCATOR_USE_BFC", raising=False)
     assert not calibration_lib.peaks_readable(["/CPU:0", "/CPU:1"])
+
+
+def test_probes_compared_with_one_another_are_timed_in_rounds_in_turn(monkeypatch):
+    # a slow spell (x3) during the first probe's first round: the median over rounds is the machine's usual speed
+    calls = []
+
+    def step_times(model, data, steps):
+        calls.append(model)
+        return [{"a": 1.0, "b": 2.0}[model]] * steps
+
+    monkeypatch.setattr(calibration_lib, "step_times", step_times)
+    probes = {8: calibration_lib.Probe(3.0, None), 32: calibration_lib.Probe(2.0, None)}
+    kept = {8: ["a", None, [3.0] * 4], 32: ["b", None, [2.0] * 4]}
+    timed = calibration_lib._in_rounds(probes, kept, 4)
+    assert calls == ["a", "b"] * (calibration_lib.ROUNDS - 1)
+    assert {b: p.seconds for b, p in timed.items()} == {8: 1.0, 32: 2.0}
