@@ -35,7 +35,7 @@ from tfpipe.step.unrolled import noinline_tasks
 _CALIBRATIONS: dict[tuple[str, ...], Calibration] = {}  # one per set of devices and optimizer, per process
 WARM_STEPS = 100  # TensorFlow's executor runs a kernel inline only once its cost estimate settles, ~90 runs
 # Probes compared with one another are timed in this many rounds, in turn: a slow spell of a shared machine then slows
-# one round of each, not every step of one (one whole-step probe measured 20% slow put a plan's M=1 to M=4 off by 20%)
+# one round of each, not every step of one (docs/guide/planning.md#where-the-predictions-come-from)
 ROUNDS = 3
 
 
