@@ -60,9 +60,10 @@ class Calibration:
     # (measured on two workers: 12 x Dense(512), two replicas, the first worker held one more copy of the weights)
     across_processes: bool = False
 
-    def parallelism_of(self, num_replicas: int) -> float:
-        """How many devices' worth of compute a configuration of ``num_replicas`` replicas gets."""
-        if num_replicas > 1 and self.replica_parallelism is not None:
+    def parallelism_of(self, num_replicas: int, num_partitions: int = 1) -> float:
+        """How many devices' worth of compute R replicas of K cells get: replicas of one cell run whole steps side by
+        side (``replica_parallelism``); replicas of a pipeline run micro-batch tasks, as the pipeline probe did."""
+        if num_replicas > 1 and num_partitions == 1 and self.replica_parallelism is not None:
             return self.replica_parallelism
         return self.parallelism
 
@@ -150,7 +151,7 @@ def step_seconds(profile: Profile, calibration: Calibration, batch_size: int, co
     span = max(end for _, _, end in simulated)
     devices = k * config.num_replicas
     work = config.num_replicas * sum(end - start for _, start, end in simulated)
-    pipeline_s = max(span, work / min(calibration.parallelism_of(config.num_replicas), devices))
+    pipeline_s = max(span, work / min(calibration.parallelism_of(config.num_replicas, k), devices))
     trainable = [sum(profile.trainable_bytes[lo:hi]) for lo, hi in cells]
     # each device updates its own cells' weights; devices that share compute share the work
     updating = max(max(trainable), sum(trainable) / min(calibration.parallelism, k))

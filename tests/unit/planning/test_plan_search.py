@@ -83,17 +83,20 @@ def test_two_gpipe_cells_follow_the_clock_cycles_by_hand():
     assert shared.update_s == pytest.approx(60 * 0.01)
 
 
-def test_replicas_share_the_devices_by_the_replicas_parallelism_and_pipelines_by_the_other():
+def test_replicas_of_one_cell_share_the_devices_by_the_replicas_parallelism_and_pipelines_by_the_other():
     prof = profile()
     replicas = Config((3,), 2, 1, "never", "gpipe")  # batch 8: 4 rows a replica, its F and B one after another
     one = (1 + 2 + 3) + (2 + 4 + 6) + 2 * 0.1
     measured = dataclasses.replace(calibration(parallelism=2.0), replica_parallelism=1.25)
     assert predict.step_seconds(prof, calibration(parallelism=2.0), 8, replicas).pipeline_s == pytest.approx(one)
     assert predict.step_seconds(prof, measured, 8, replicas).pipeline_s == pytest.approx(2 * one / 1.25)
-    pipeline = Config((1, 2), 1, 2, "never", "gpipe")
-    assert predict.step_seconds(prof, measured, 8, pipeline).pipeline_s == pytest.approx(
-        predict.step_seconds(prof, calibration(parallelism=2.0), 8, pipeline).pipeline_s
-    )
+    # a pipeline, and replicas of a pipeline (micro-batch tasks, as the pipeline probe ran): the pipeline's
+    for shape in (Config((1, 2), 1, 2, "never", "gpipe"), Config((1, 2), 2, 2, "never", "gpipe")):
+        slow = dataclasses.replace(calibration(parallelism=1.0), replica_parallelism=2.0)
+        assert predict.step_seconds(prof, slow, 16, shape).pipeline_s == pytest.approx(
+            predict.step_seconds(prof, calibration(parallelism=1.0), 16, shape).pipeline_s
+        )
+        assert slow.parallelism_of(shape.num_replicas, shape.num_partitions) == 1.0
 
 
 @pytest.mark.parametrize("shape", [Config((1, 2), 1, 4, "never", "gpipe"), Config((3,), 2, 1, "never", "gpipe")])
