@@ -24,7 +24,7 @@ import tensorflow as tf
 
 from tfpipe import messages
 from tfpipe.distributed import cluster as cluster_lib
-from tfpipe.distributed.sendrecv import crosses_processes
+from tfpipe.distributed.sendrecv import any_remote
 from tfpipe.model import PipelineModel
 from tfpipe.partition.sequence import copy_layer
 from tfpipe.planning.predict import Calibration, Config
@@ -75,7 +75,7 @@ def calibrate(devices: Sequence[str], optimizer: Any = "adam", steps: int = 30) 
         source=f"measured on {k} device(s) with a tiny pipeline",
         noinline_task_s=noinline_s,
         noinline_tasks=threshold,
-        across_processes=any(crosses_processes(device, "/job:localhost") for device in device_list),
+        across_processes=any_remote(device_list),
     )
     _CALIBRATIONS[key] = result
     return result

@@ -10,6 +10,7 @@ without holding a thread. Within one process the inserted transfers are kept.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import tensorflow as tf
@@ -33,6 +34,11 @@ def _place(device: str) -> tuple[Any, ...]:
 def crosses_processes(src: str, dst: str) -> bool:
     """Whether a tensor from device ``src`` to device ``dst`` leaves its process."""
     return _process(src) != _process(dst)
+
+
+def any_remote(devices: Sequence[str]) -> bool:
+    """Whether any of ``devices`` is in a process other than this client's."""
+    return any(crosses_processes(device, "/job:localhost") for device in devices)
 
 
 def discover(pairs: list[tuple[str, str]]) -> None:

@@ -191,7 +191,7 @@ def _why_lost(candidate: Candidate, chosen: Candidate, budget: float | None) -> 
         return f"does not fit: predicted peak {gib(peak)} > budget {gib(budget or 0)}"
     if candidate.measured_s == float("inf"):
         return f"ran out of memory when timed on the devices (predicted peak {gib(peak)})"
-    if budget is not None and candidate.measured_peak is not None and candidate.measured_peak > budget:
+    if candidate.ran_over(budget):
         return f"its peak when timed, {gib(candidate.measured_peak)}, is over the budget (predicted {gib(peak)})"
     if candidate.measured_s is not None and chosen.measured_s is not None:
         slower = candidate.measured_s / chosen.measured_s - 1

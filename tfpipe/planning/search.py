@@ -42,6 +42,10 @@ class Candidate:
     measured_s: float | None = None  # its step timed on the devices (``by_measured``), where it was shortlisted
     measured_peak: float | None = None  # its largest device peak when timed, where each device's allocator was read
 
+    def ran_over(self, budget: float | None) -> bool:
+        """Whether its peak when timed was over ``budget``."""
+        return budget is not None and self.measured_peak is not None and self.measured_peak > budget
+
 
 @dataclasses.dataclass(frozen=True)
 class Space:
@@ -226,9 +230,7 @@ def by_measured(
         return dataclasses.replace(candidate, measured_s=float(seconds), measured_peak=peak, fits=fits)
 
     def over(candidate: Candidate) -> bool:
-        if not candidate.fits:
-            return True
-        return budget is not None and candidate.measured_peak is not None and candidate.measured_peak > budget
+        return not candidate.fits or candidate.ran_over(budget)
 
     timed = sorted((timed_one(c) for c in listed), key=lambda c: (over(c), c.measured_s))
     if over(timed[0]) or timed[0].measured_s == float("inf"):

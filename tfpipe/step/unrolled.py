@@ -55,8 +55,7 @@ NOINLINE_TASKS_ACROSS_PROCESSES = 128
 
 def noinline_tasks(cell_devices: Sequence[str]) -> int:
     """From how many tasks a step stops inlining its cells: later where a cell is in a process not the client's."""
-    remote = any(sendrecv.crosses_processes(device, "/job:localhost") for device in cell_devices)
-    return NOINLINE_TASKS_ACROSS_PROCESSES if remote else NOINLINE_TASKS
+    return NOINLINE_TASKS_ACROSS_PROCESSES if sendrecv.any_remote(cell_devices) else NOINLINE_TASKS
 
 
 def check_unroll(unroll: Any, remat: str) -> bool:
