@@ -116,7 +116,8 @@ def main(argv: list[str]) -> None:
     if not configs:
         return
     run = lambda config: run_child(spec, config)  # noqa: E731
-    rows = plan_measure.compare(plan, configs, run, FLAGS.repeats)
+    shared = not FLAGS.cluster and FLAGS.device_type == "CPU"  # logical CPUs: one allocator
+    rows = plan_measure.compare(plan, configs, run, FLAGS.repeats, shared)
     text = plan_measure.markdown(rows, spec)
     print(text, flush=True)
     if FLAGS.out:

@@ -104,9 +104,19 @@ def _candidate(plan: Any, shape: Sequence[Any]) -> Any:
 
 
 def compare(
-    plan: Any, configs: Sequence[Any], run: Callable[[dict[str, Any]], dict[str, float]], repeats: int
+    plan: Any,
+    configs: Sequence[Any],
+    run: Callable[[dict[str, Any]], dict[str, float]],
+    repeats: int,
+    shared: bool = False,
 ) -> list[dict[str, Any]]:
-    """Measure each configuration ``repeats`` times (interleaved) and pair the medians with the plan's predictions."""
+    """Measure each configuration ``repeats`` times (interleaved) and pair the medians with the plan's predictions.
+
+    ``shared``: the devices share one allocator (logical CPUs), whose peak is their bytes' sum at one moment: it is
+    compared with that, predicted (``shared_peak_bytes``); else the devices' peaks add up.
+    """
+    from tfpipe.planning.shared_peak import shared_peak_bytes
+
     chosen = []
     for config in configs:
         shape = config if isinstance(config, tuple) else _shape(config)
@@ -135,6 +145,9 @@ def compare(
         step = statistics.median(m["step_s"] for m in measured[i])
         peak = statistics.median(m["peak_bytes"] for m in measured[i])
         process = [m["process_bytes"] for m in measured[i] if m.get("process_bytes") is not None]
+        predicted = sum(pred.peak_bytes)
+        if shared:
+            predicted = shared_peak_bytes(plan.profile, plan.calibration, plan.batch_size, cfg, plan.optimizer_slots)
         rows.append(
             {
                 "K": cfg.num_partitions,
@@ -146,9 +159,9 @@ def compare(
                 "predicted_ms": round(pred.step_s * 1e3, 2),
                 "measured_ms": round(step * 1e3, 2),
                 "time_error": round(pred.step_s / step - 1, 3),
-                "predicted_mib": round(sum(pred.peak_bytes) / MIB, 2),
+                "predicted_mib": round(predicted / MIB, 2),
                 "measured_mib": round(peak / MIB, 2),
-                "memory_error": round(sum(pred.peak_bytes) / peak - 1, 3),
+                "memory_error": round(predicted / peak - 1, 3),
                 "fits": candidate.fits,
                 # workers: their processes' resident peak, beside their allocators' (measured_mib)
                 "process_mib": round(statistics.median(process) / MIB, 2) if process else None,

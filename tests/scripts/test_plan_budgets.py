@@ -1,4 +1,4 @@
-"""scripts/plan_measure's budget comparison: the chosen and the fastest fitting configuration timed in pairs."""
+"""scripts/plan_measure: the budgets' comparison (the chosen and the fastest fitting in pairs), and the grid's peaks."""
 
 import pytest
 
@@ -31,3 +31,22 @@ def test_two_configurations_are_compared_within_pairs_run_in_turn():
     assert against == pytest.approx((0.010 / 0.0125 + 0.030 / 0.0333) / 2 - 1)
     assert chosen == {"measured_ms": 20.0, "measured_mib": 2.0}
     assert other == {"measured_ms": 22.9, "measured_mib": 4.0}
+
+
+def test_devices_of_one_allocator_are_compared_with_their_predicted_peak_together():
+    import types
+
+    from tests.unit.planning.handmade import calibration, profile
+    from tfpipe.planning import predict, search, shared_peak
+
+    prof, cal = profile(), calibration()
+    config = predict.Config((1, 1, 1), 1, 8, "never", "1f1b")
+    peaks = predict.peak_bytes(prof, 16, config, 2)
+    found = search.Candidate(config, predict.Prediction(1.0, 1.0, 0.0, 0.0, peaks), True)
+    plan = types.SimpleNamespace(candidates=[found], profile=prof, calibration=cal, batch_size=16, optimizer_slots=2)
+    measured = lambda _: {"step_s": 1.0, "peak_bytes": 1000.0}  # noqa: E731
+    shape = (3, 1, 8, "never", "1f1b")
+    apart = plan_measure.compare(plan, [shape], measured, 1)[0]["memory_error"]
+    together = plan_measure.compare(plan, [shape], measured, 1, shared=True)[0]["memory_error"]
+    assert apart == round(sum(peaks) / 1000.0 - 1, 3)
+    assert together == round(shared_peak.shared_peak_bytes(prof, cal, 16, config, 2) / 1000.0 - 1, 3) < apart

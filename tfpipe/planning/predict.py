@@ -2,7 +2,8 @@
 
 Time: each cell's forward and backward are the sums of its layers' measured times at the
 micro-batch size, plus the calibrated cost of a task and of moving the boundary tensor;
-the schedule is simulated as data (``schedule.simulate``); devices that share compute
+the schedule is simulated as data (``schedule.simulate``; one W over all micro-batches runs at the
+replica's whole batch, ``batched_w_costs``); devices that share compute
 (logical devices on one CPU) cannot together run more than the calibrated parallelism;
 then the optimizer's update and the step's fixed cost are added.
 
@@ -10,7 +11,8 @@ Memory, per device: the cell's weights, one gradient per trainable weight, the
 optimizer's slots (replica 0 only), the micro-batches in flight that the schedule holds
 (``schedule.in_flight``), each holding the cell's input, and of those every layer's saved
 activations for the micro-batches not recomputed and for one being recomputed
-(``activations_at_once``); and the largest working set of a backward. The first cell
+(``activations_at_once``; one recomputed within a backward call that frees as it goes counts as an inlined
+step's); and the largest working set of a backward. The first cell
 also holds the batch. What a micro-batch's activations hold is the layers' measured
 bytes scaled to what real steps held (``Profile.held_ratio``): a step that calls its
 cells without inlining them (from ``Calibration.noinline_tasks`` tasks on) keeps every
@@ -32,6 +34,9 @@ from tfpipe.step.unrolled import NOINLINE_TASKS
 # against M=8: 1.57x the weights at width 256, 1.70x at 512, growing with the weights, not the activations)
 NOINLINE_GRADIENTS = 1.6
 # Optimizer slots per trainable weight (Keras' built-in optimizers)
+# The share of a layer's backward that computes its weight gradients (W), where it has trainable weights: for a
+# Dense or a projection, dW and dX are products of the same size; layers without weights have no W
+WEIGHT_GRADIENT_SHARE = 0.5
 SLOTS = {"sgd": 0, "sgd_momentum": 1, "rmsprop": 1, "adagrad": 1, "adam": 2, "adamw": 2, "lamb": 2, "nadam": 2}
 
 
@@ -130,6 +135,26 @@ def split_size(batch_size: int, num_replicas: int, num_micro_batches: int) -> in
 
 def step_seconds(profile: Profile, calibration: Calibration, batch_size: int, config: Config) -> Prediction:
     """The predicted time of one training step of ``config`` (the same for every replica)."""
+    k, cells = config.num_partitions, bounds(config.balance)
+    simulated = timeline(profile, calibration, batch_size, config)
+    span = max(end for _, _, end in simulated)
+    devices = k * config.num_replicas
+    work = config.num_replicas * sum(end - start for _, start, end in simulated)
+    pipeline_s = max(span, work / min(calibration.parallelism_of(config.num_replicas, k), devices))
+    trainable = [sum(profile.trainable_bytes[lo:hi]) for lo, hi in cells]
+    # each device updates its own cells' weights; devices that share compute share the work
+    updating = max(max(trainable), sum(trainable) / min(calibration.parallelism, k))
+    update_s = updating * calibration.update_s_per_byte
+    if config.num_replicas > 1:  # weights out to the replicas, their gradient sums back
+        update_s += 2 * sum(trainable) * (config.num_replicas - 1) / calibration.bandwidth
+    fixed_s = calibration.step_s
+    return Prediction(pipeline_s + update_s + fixed_s, pipeline_s, update_s, fixed_s, [], work_s=work)
+
+
+def timeline(
+    profile: Profile, calibration: Calibration, batch_size: int, config: Config
+) -> list[tuple[schedule_lib.Task, float, float]]:
+    """(task, start, end) of every task of one replica's step of ``config``, simulated from the measured costs."""
     b = micro_batch_size(batch_size, config)
     costs = profile.costs(b)
     k, m = config.num_partitions, config.num_micro_batches
@@ -145,21 +170,44 @@ def step_seconds(profile: Profile, calibration: Calibration, batch_size: int, co
     task_s = calibration.task_seconds(inlined(k, m, calibration.noinline_tasks))
     f_cost = [f + task_s + (moved[i - 1] if i else 0.0) for i, f in enumerate(fwd)]
     b_cost = [x + task_s + moved[i] for i, x in enumerate(bwd)]
-    recomputed = [j for j in range(m) if remat_lib.recomputes(config.remat, j, m)]
+    w_cost = None
+    if schedule_lib.batches_weights(config.schedule):
+        b_cost, w_cost = batched_w_costs(profile, batch_size, config, b_cost, speed)
     r_cost = [f * profile.recompute_ratio(k) for f in fwd]
-    simulated = schedule_lib.simulate(k, m, f_cost, b_cost, config.schedule, r_cost=r_cost, recomputed=recomputed)
-    span = max(end for _, _, end in simulated)
-    devices = k * config.num_replicas
-    work = config.num_replicas * sum(end - start for _, start, end in simulated)
-    pipeline_s = max(span, work / min(calibration.parallelism_of(config.num_replicas, k), devices))
-    trainable = [sum(profile.trainable_bytes[lo:hi]) for lo, hi in cells]
-    # each device updates its own cells' weights; devices that share compute share the work
-    updating = max(max(trainable), sum(trainable) / min(calibration.parallelism, k))
-    update_s = updating * calibration.update_s_per_byte
-    if config.num_replicas > 1:  # weights out to the replicas, their gradient sums back
-        update_s += 2 * sum(trainable) * (config.num_replicas - 1) / calibration.bandwidth
-    fixed_s = calibration.step_s
-    return Prediction(pipeline_s + update_s + fixed_s, pipeline_s, update_s, fixed_s, [], work_s=work)
+    return schedule_lib.simulate(
+        k, m, f_cost, b_cost, config.schedule, w_cost=w_cost, r_cost=r_cost, recomputed=recomputed_micro_batches(config)
+    )
+
+
+def recomputed_micro_batches(config: Config) -> list[int]:
+    """The micro-batches whose forward ``config``'s remat recomputes in their backward."""
+    m = config.num_micro_batches
+    return [j for j in range(m) if remat_lib.recomputes(config.remat, j, m)]
+
+
+def batched_w_costs(
+    profile: Profile, batch_size: int, config: Config, b_cost: Sequence[float], speed: float = 1.0
+) -> tuple[list[float], list[float]]:
+    """Per cell, (b_cost, w_cost) for ``schedule.simulate`` where one W runs over all M micro-batches' rows.
+
+    That W is one product over a replica's whole batch, which runs at the batch's efficiency, not M micro-batches'
+    (``tfpipe.backward.batched_w``): each B task is the backward at the micro-batch size less its W, and the W task
+    (``simulate`` runs M times ``w_cost``) is the W at the replica's batch size. Where that size was not profiled,
+    M micro-batches' W.
+    """
+    b = micro_batch_size(batch_size, config)
+    rows = split_size(batch_size, config.num_replicas, 1)
+    small = profile.costs(b).backward_s
+    large = profile.by_batch.get(rows, profile.costs(b)).backward_s
+    scale = 1.0 if rows in profile.by_batch else config.num_micro_batches
+    m, out_b, out_w = config.num_micro_batches, [], []
+    for cost, (lo, hi) in zip(b_cost, bounds(config.balance)):
+        weighted = [i for i in range(lo, hi) if profile.trainable_bytes[i] > 0]
+        w_small = WEIGHT_GRADIENT_SHARE * sum(small[i] for i in weighted) / speed
+        w_all = WEIGHT_GRADIENT_SHARE * scale * sum(large[i] for i in weighted) / speed
+        out_b.append(cost - w_small + w_all / m)
+        out_w.append(w_all / m)
+    return out_b, out_w
 
 
 def inlined(num_partitions: int, num_micro_batches: int, noinline_tasks: int = NOINLINE_TASKS) -> bool:
@@ -197,37 +245,44 @@ def peak_bytes(
 
 def holding(
     profile: Profile, b: int, k: int, m: int, schedule: str, remat: str, noinline_tasks: int = NOINLINE_TASKS
-) -> tuple[list[int], list[int], float]:
+) -> tuple[list[int], list[float], float]:
     """What each of K cells holds at M micro-batches of b rows: ``cell_peak``'s in_flight, kept and held_ratio."""
     order = schedule_lib.steps(schedule, k, m)
-    return (
-        schedule_lib.in_flight(order, k),
-        activations_at_once(order, k, remat, m),
-        profile.held_ratio(b, inlined(k, m, noinline_tasks)),
-    )
+    inline = inlined(k, m, noinline_tasks)
+    ratio = profile.held_ratio(b, inline)
+    # a backward call that recomputes frees its intermediates as it goes, as an inlined step does
+    recomputing = 1.0 if inline or ratio <= 0 else profile.held_ratio(b, True) / ratio
+    return schedule_lib.in_flight(order, k), activations_at_once(order, k, remat, m, recomputing), ratio
 
 
-def activations_at_once(order: Sequence[schedule_lib.Task], num_cells: int, remat: str, m: int) -> list[int]:
-    """Per cell, the most micro-batches whose every activation is held at once under ``remat``.
+def activations_at_once(
+    order: Sequence[schedule_lib.Task], num_cells: int, remat: str, m: int, recomputing: float = 1.0
+) -> list[float]:
+    """Per cell, the most micro-batches' activations held at once under ``remat``, in micro-batches held from a forward.
 
     A micro-batch that is not recomputed holds them from its forward; a recomputed one from its B, where it is
     recomputed; either until its cell's last backward task (W where the order has W tasks). So 1F1B with
-    ``"except_last"`` holds two: the last micro-batch's, kept, while an earlier one is recomputed.
+    ``"except_last"`` holds two: the last micro-batch's, kept, while an earlier one is recomputed. ``recomputing``:
+    what one being recomputed within its B holds against one held from its forward (a step that does not inline its
+    cells keeps every intermediate of a forward call for the backward call, while the backward call that recomputes
+    frees them as it goes); where the order has W tasks the B hands them to W, as a forward call does.
     """
     split = {task.cell for task in order if task.kind == "W"}
-    held: list[set[int]] = [set() for _ in range(num_cells)]
-    peak = [0] * num_cells
+    held: list[dict[int, float]] = [{} for _ in range(num_cells)]
+    peak = [0.0] * num_cells
     for task in order:
         cell, j = task.cell, task.micro_batch
         if j == schedule_lib.ALL:  # W over every micro-batch at once: all are released
             held[cell].clear()
             continue
         recomputed = remat_lib.recomputes(remat, j, m)
-        if (task.kind == "F" and not recomputed) or (task.kind == "B" and recomputed):
-            held[cell].add(j)
-        peak[cell] = max(peak[cell], len(held[cell]))
+        if task.kind == "F" and not recomputed:
+            held[cell][j] = 1.0
+        elif task.kind == "B" and recomputed:
+            held[cell][j] = 1.0 if cell in split else recomputing
+        peak[cell] = max(peak[cell], sum(held[cell].values()))
         if task.kind == ("W" if cell in split else "B"):
-            held[cell].discard(j)
+            held[cell].pop(j, None)
     return peak
 
 
@@ -238,7 +293,7 @@ def cell_peak(
     hi: int,
     first: bool,
     in_flight: int,
-    kept: int,
+    kept: float,
     slots: int,
     m: int,
     held_ratio: float = 1.0,
@@ -251,11 +306,40 @@ def cell_peak(
     other than the first). ``held_ratio``: what a micro-batch's activations hold in a step, against the layers'
     measured bytes. ``inline``: whether the step inlines its cells' calls (``inlined``).
     """
+    parts = cell_bytes(profile, b, lo, hi, first, slots, m, held_ratio, inline)
+    return parts.static + in_flight * parts.cell_input + kept * parts.activations + parts.working
+
+
+@dataclasses.dataclass(frozen=True)
+class CellBytes:
+    """What one cell's device holds: all step long, per micro-batch in flight, per micro-batch's activations kept,
+    and during a backward."""
+
+    static: float  # weights, gradients, optimizer slots, and on the first cell the batch
+    cell_input: float
+    activations: float
+    working: float
+
+
+def cell_bytes(
+    profile: Profile,
+    b: int,
+    lo: int,
+    hi: int,
+    first: bool,
+    slots: int,
+    m: int,
+    held_ratio: float = 1.0,
+    inline: bool = True,
+) -> CellBytes:
+    """The parts of ``cell_peak`` for layers [lo, hi) at micro-batch size ``b`` (its arguments' meanings)."""
     costs = profile.costs(b)
     trainable = sum(profile.trainable_bytes[lo:hi])
     gradients = 1.0 if inline else 1.0 + NOINLINE_GRADIENTS
-    static = sum(profile.weight_bytes[lo:hi]) + (gradients + slots) * trainable
-    cell_input = b * (profile.input_bytes if first else profile.output_bytes[lo - 1])
-    held = in_flight * cell_input + kept * held_ratio * sum(costs.held_bytes[lo:hi])
     batch = 2 * m * b * profile.input_bytes if first else 0.0
-    return static + held + max(costs.working_bytes[lo:hi]) + batch
+    return CellBytes(
+        static=sum(profile.weight_bytes[lo:hi]) + (gradients + slots) * trainable + batch,
+        cell_input=b * (profile.input_bytes if first else profile.output_bytes[lo - 1]),
+        activations=held_ratio * sum(costs.held_bytes[lo:hi]),
+        working=max(costs.working_bytes[lo:hi]),
+    )

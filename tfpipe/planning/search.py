@@ -72,7 +72,10 @@ def shapes(batch_size: int, num_layers: int, space: Space) -> list[tuple[int, in
 
 def micro_batch_sizes(batch_size: int, num_layers: int, space: Space) -> list[int]:
     """The micro-batch sizes the profile must hold for ``shapes``."""
-    sizes = {predict.split_size(batch_size, r, m) for r, _, m in shapes(batch_size, num_layers, space)}
+    found = shapes(batch_size, num_layers, space)
+    sizes = {predict.split_size(batch_size, r, m) for r, _, m in found}
+    if any(schedule_lib.batches_weights(name) for name in space.schedules):  # its W runs on a replica's whole batch
+        sizes |= {predict.split_size(batch_size, r, 1) for r, _, _ in found}
     return sorted(sizes)
 
 

@@ -44,6 +44,31 @@ def test_activations_held_at_once_follow_the_schedule_and_remat(schedule, remat,
     assert predict.activations_at_once(order, 2, remat, 4) == expected
 
 
+@pytest.mark.parametrize(
+    "schedule, expected",
+    [
+        ("1f1b", [1.5, 1.0]),  # cell 0: the last kept from its forward, one recomputed in its backward call
+        ("gpipe", [1.0, 1.0]),  # the last kept, its backward first: no recomputation while it is held
+        ("zero_bubble", [2.0, 2.0]),  # the last kept, and one recomputed at B handed to its W: both held in full
+    ],
+)
+def test_a_micro_batch_recomputed_within_its_backward_call_holds_what_that_call_frees_as_it_goes(schedule, expected):
+    order = schedule_lib.steps(schedule, 2, 4)
+    assert predict.activations_at_once(order, 2, "except_last", 4, recomputing=0.5) == expected
+    # a step that does not inline its cells keeps a forward call's every intermediate (ratio 1.2 here), while the
+    # backward call that recomputes holds what an inlined step holds (0.6): except_last on 1F1B counts one of each
+    prof = profile()
+    prof.held_ratios = {True: ([1, 8], [0.6, 0.6]), False: ([1, 8], [1.2, 1.2])}
+    m = predict.NOINLINE_TASKS // 4  # two cells: 2 K M tasks, not inlined
+    config = Config((2, 1), 1, m, "except_last", "1f1b")
+    in_flight, kept, ratio = predict.holding(prof, 2, 2, m, "1f1b", "except_last")
+    assert (in_flight, kept, ratio) == ([2, 1], [1.5, 1.0], 1.2)
+    activations = (40 + 30) * 2 / 4  # cell 0's layers at micro-batch size 2
+    never = Config((2, 1), 1, m, "never", "1f1b")
+    held_two = predict.peak_bytes(prof, 2 * m, never, 2)[0] - predict.peak_bytes(prof, 2 * m, config, 2)[0]
+    assert held_two == pytest.approx((2 - 1.5) * 1.2 * activations)
+
+
 def test_held_ratios_scale_the_activations_by_whether_the_step_inlines_its_cells():
     prof = profile()
     # what steps held against the layers' bytes: measured at sizes 1 and 4 inlined, at 2 not inlined

@@ -1,0 +1,84 @@
+"""The planner's predictions followed through the simulated schedule: one W over all micro-batches, and the peak of
+devices that share one allocator."""
+
+import pytest
+
+from tests.unit.planning.handmade import calibration, profile
+from tfpipe.planning import predict, shared_peak
+from tfpipe.planning.predict import Config
+from tfpipe.step import schedule as schedule_lib
+
+
+def _w_task(prof, config, batch):
+    """The seconds of cell 0's W task over every micro-batch, simulated."""
+    found = predict.timeline(prof, calibration(), batch, config)
+    return next(end - start for task, start, end in found if task.kind == "W" and task.cell == 0)
+
+
+def test_one_w_over_all_micro_batches_runs_at_the_whole_batch_s_speed():
+    config = Config((2, 1), 1, 4, "never", "gpipe_batched_w")
+    # times proportional to the rows: one W over 8 rows takes 4 micro-batches' W, half of each weighted backward
+    linear = profile()
+    assert _w_task(linear, config, 8) == pytest.approx(4 * 0.5 * (2.0 + 4.0) * 2 / 4)
+    # the whole batch's backward measured at 1.5 x two rows' (not 4 x): W at the batch's speed
+    fast = profile()
+    fast.by_batch[8].backward_s[:] = [1.5 * x for x in fast.by_batch[2].backward_s]
+    assert _w_task(fast, config, 8) == pytest.approx(0.5 * 1.5 * (2.0 + 4.0) * 2 / 4)
+    cal = calibration()
+    assert predict.step_seconds(fast, cal, 8, config).step_s < predict.step_seconds(linear, cal, 8, config).step_s
+    # each B task is its backward less its W (plus the task's cost and its transfer)
+    first = schedule_lib.Task("B", 0, 0)
+    b0 = next(end - start for task, start, end in predict.timeline(fast, cal, 8, config) if task == first)
+    moved = 50.0 * 2 / cal.bandwidth
+    assert b0 == pytest.approx(0.5 * (2.0 + 4.0) * 2 / 4 + cal.task_s + moved)
+    # a layer without trainable weights has no W: its whole backward is B
+    none = profile(trainable=(0.0, 0.0, 30.0))
+    assert _w_task(none, config, 8) == pytest.approx(0.0)
+    # the replica's whole batch not profiled: M micro-batches' W
+    short = profile(sizes=(1, 2, 4))
+    assert _w_task(short, config, 8) == pytest.approx(4 * 0.5 * (2.0 + 4.0) * 2 / 4)
+
+
+def test_one_device_s_shared_peak_is_its_own_peak():
+    prof = profile()
+    for remat in ("never", "always"):
+        config = Config((3,), 1, 4, remat, "gpipe")
+        own = predict.peak_bytes(prof, 8, config, 2)[0]
+        assert shared_peak.shared_peak_bytes(prof, calibration(), 8, config, 2) == pytest.approx(own)
+
+
+def test_devices_sharing_one_allocator_peak_together_only_where_the_schedule_holds_together():
+    prof, slots = profile(), 2
+    config = Config((2, 1), 1, 1, "never", "gpipe")  # F0 F1 B1 B0: the backwards' working sets never overlap
+    cell = [predict.cell_bytes(prof, 2, lo, hi, lo == 0, slots, 1) for lo, hi in predict.bounds((2, 1))]
+    held = sum(c.static + c.cell_input + c.activations for c in cell)
+    # the most: all held while cell 1's backward runs; by cell 0's, cell 1 has let its micro-batch go
+    expected = max(held + cell[1].working, held - cell[1].cell_input - cell[1].activations + cell[0].working)
+    assert shared_peak.shared_peak_bytes(prof, calibration(), 2, config, slots) == pytest.approx(expected)
+    assert sum(predict.peak_bytes(prof, 2, config, slots)) == pytest.approx(held + sum(c.working for c in cell))
+    # 1F1B on four cells: cell i holds its most (K - i) at different moments; the sum of peaks overstates
+    deep = profile(
+        forward=(1.0,) * 4, backward=(2.0,) * 4, weights=(1.0,) * 4, trainable=(1.0,) * 4,
+        outputs=(10.0,) * 4, held=(40.0,) * 4, working=(5.0,) * 4,
+    )  # fmt: skip
+    ones = Config((1, 1, 1, 1), 1, 8, "never", "1f1b")
+    apart = sum(predict.peak_bytes(deep, 16, ones, slots))
+    together = shared_peak.shared_peak_bytes(deep, calibration(), 16, ones, slots)
+    assert together < apart
+    # GPipe holds every micro-batch on every cell at the end of its forwards: nearly the sum
+    gpipe = Config((1, 1, 1, 1), 1, 8, "never", "gpipe")
+    assert shared_peak.shared_peak_bytes(deep, calibration(), 16, gpipe, slots) == pytest.approx(
+        sum(predict.peak_bytes(deep, 16, gpipe, slots)) - 3 * 5.0 * 2 / 4
+    )
+
+
+@pytest.mark.parametrize("schedule", schedule_lib.SCHEDULES)
+@pytest.mark.parametrize("remat", ["never", "always", "except_last"])
+def test_the_shared_peak_is_at_most_the_sum_of_the_devices_peaks(schedule, remat):
+    if schedule == "gpipe_batched_w" and remat != "never":
+        pytest.skip("one W over all micro-batches keeps every micro-batch: it recomputes none")
+    prof = profile()
+    for replicas in (1, 2):
+        config = Config((2, 1), replicas, 4, remat, schedule)
+        together = shared_peak.shared_peak_bytes(prof, calibration(), 16, config, 2)
+        assert 0 < together <= sum(predict.peak_bytes(prof, 16, config, 2)) * (1 + 1e-9)

@@ -1,0 +1,61 @@
+"""The predicted peak of devices that share one allocator (logical devices of one CPU): their bytes added up in time.
+
+Each device's own peak (``predict.peak_bytes``) takes the most inputs in flight and the most activations kept at
+once together; where one allocator serves every device, what it counts at its peak is the sum over the devices at
+one moment, and the cells reach their own peaks at different moments (a 1F1B cell i holds its most micro-batches
+while cell i + 1 holds fewer). So the simulated schedule (``predict.timeline``) is followed task by task: a
+micro-batch holds its cell's input from its forward on, its activations from its forward (or, recomputed, from its
+backward) on, both until its cell's last backward task; a backward holds its working set while it runs.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+from tfpipe.planning import predict
+from tfpipe.planning.predict import Calibration, Config
+from tfpipe.planning.profile import Profile
+from tfpipe.step import schedule as schedule_lib
+
+
+def shared_peak_bytes(profile: Profile, calibration: Calibration, batch_size: int, config: Config, slots: int) -> float:
+    """The most bytes all of ``config``'s devices hold at one moment of a step, predicted."""
+    b = predict.micro_batch_size(batch_size, config)
+    k, m = config.num_partitions, config.num_micro_batches
+    inline = predict.inlined(k, m, calibration.noinline_tasks)
+    ratio = profile.held_ratio(b, inline)
+    simulated = predict.timeline(profile, calibration, batch_size, config)
+    split = schedule_lib.splits_backward(config.schedule)
+    # a backward call that recomputes frees its intermediates as it goes (``predict.activations_at_once``)
+    recomputing = 1.0 if inline or split or ratio <= 0 else profile.held_ratio(b, True) / ratio
+    again = set(predict.recomputed_micro_batches(config))
+    released = {
+        (task.cell, task.micro_batch): end for task, _, end in simulated if task.kind == ("W" if split else "B")
+    }
+    changes: dict[float, float] = defaultdict(float)
+    static = 0.0
+    for replica in range(config.num_replicas):
+        for i, (lo, hi) in enumerate(predict.bounds(config.balance)):
+            parts = predict.cell_bytes(profile, b, lo, hi, i == 0, slots if replica == 0 else 0, m, ratio, inline)
+            static += parts.static
+            for task, start, end in simulated:
+                if task.cell != i:
+                    continue
+                if task.kind in "BW":
+                    changes[start] += parts.working
+                    changes[end] -= parts.working
+                if task.kind == "W" or task.micro_batch == schedule_lib.ALL:
+                    continue
+                free = released.get((i, task.micro_batch), released.get((i, schedule_lib.ALL)))
+                if task.kind == "F":
+                    changes[start] += parts.cell_input
+                    changes[free] -= parts.cell_input
+                if (task.kind == "F") != (task.micro_batch in again):
+                    held = parts.activations * (recomputing if task.kind == "B" else 1.0)
+                    changes[start] += held
+                    changes[free] -= held
+    total = peak = static
+    for moment in sorted(changes):  # what starts and ends at one moment changes the bytes together
+        total += changes[moment]
+        peak = max(peak, total)
+    return peak
