@@ -73,10 +73,12 @@ class Profile:
         return self.by_batch[batch]
 
     def recompute_ratio(self, num_partitions: int) -> float:
-        """What recomputing a micro-batch costs against its forward at K cells: fitted at the nearest K probed."""
+        """What recomputing a micro-batch costs against its forward at K cells: fitted at the Ks probed, linear
+        between them (the more cells share the devices, the more of it fills their waits), the nearest outside."""
         if not self.recompute_ratios:
             return 1.0
-        return self.recompute_ratios[min(self.recompute_ratios, key=lambda k: (abs(k - num_partitions), k))]
+        ks = sorted(self.recompute_ratios)
+        return float(np.interp(num_partitions, ks, [self.recompute_ratios[k] for k in ks]))
 
     def held_ratio(self, batch: int, inlined: bool) -> float:
         """What a step's micro-batch of ``batch`` rows holds against the layers' measured bytes (interpolated)."""

@@ -41,6 +41,9 @@ def test_one_cell_with_remat_always_recomputes_its_forward_in_each_backward():
     halved = predict.step_seconds(prof, cal, 8, Config((3,), 1, 2, "always", "gpipe"))
     assert halved.step_s - never.step_s == pytest.approx(0.5 * 2 * (1 + 2 + 3))
     assert [prof.recompute_ratio(k) for k in (1, 2, 3, 4)] == [0.5, 0.25, 0.25, 0.25]
+    prof.recompute_ratios = {1: 0.7, 4: 0.1}  # probed at K=1 and K=devices: linear between them
+    assert [prof.recompute_ratio(k) for k in (1, 2, 3, 4, 5)] == pytest.approx([0.7, 0.5, 0.3, 0.1, 0.1])
+    prof.recompute_ratios = {1: 0.5, 2: 0.25}
     assert profile().recompute_ratio(2) == 1.0  # not probed: a forward
 
 
