@@ -33,10 +33,10 @@ from tfpipe.step.unrolled import NOINLINE_TASKS
 # gradients (their running sums go into each call and new ones come out; measured on 12 x Dense at K=2, M=16
 # against M=8: 1.57x the weights at width 256, 1.70x at 512, growing with the weights, not the activations)
 NOINLINE_GRADIENTS = 1.6
-# Optimizer slots per trainable weight (Keras' built-in optimizers)
 # The share of a layer's backward that computes its weight gradients (W), where it has trainable weights: for a
 # Dense or a projection, dW and dX are products of the same size; layers without weights have no W
 WEIGHT_GRADIENT_SHARE = 0.5
+# Optimizer slots per trainable weight (Keras' built-in optimizers)
 SLOTS = {"sgd": 0, "sgd_momentum": 1, "rmsprop": 1, "adagrad": 1, "adam": 2, "adamw": 2, "lamb": 2, "nadam": 2}
 
 
@@ -249,10 +249,15 @@ def holding(
     """What each of K cells holds at M micro-batches of b rows: ``cell_peak``'s in_flight, kept and held_ratio."""
     order = schedule_lib.steps(schedule, k, m)
     inline = inlined(k, m, noinline_tasks)
+    kept = activations_at_once(order, k, remat, m, recomputing_share(profile, b, inline))
+    return schedule_lib.in_flight(order, k), kept, profile.held_ratio(b, inline)
+
+
+def recomputing_share(profile: Profile, b: int, inline: bool) -> float:
+    """What a micro-batch recomputed within its backward call holds against one held from its forward call: a
+    backward call frees its intermediates as it goes, as an inlined step does (1 where the step inlines)."""
     ratio = profile.held_ratio(b, inline)
-    # a backward call that recomputes frees its intermediates as it goes, as an inlined step does
-    recomputing = 1.0 if inline or ratio <= 0 else profile.held_ratio(b, True) / ratio
-    return schedule_lib.in_flight(order, k), activations_at_once(order, k, remat, m, recomputing), ratio
+    return 1.0 if inline or ratio <= 0 else profile.held_ratio(b, True) / ratio
 
 
 def activations_at_once(

@@ -26,8 +26,8 @@ def shared_peak_bytes(profile: Profile, calibration: Calibration, batch_size: in
     ratio = profile.held_ratio(b, inline)
     simulated = predict.timeline(profile, calibration, batch_size, config)
     split = schedule_lib.splits_backward(config.schedule)
-    # a backward call that recomputes frees its intermediates as it goes (``predict.activations_at_once``)
-    recomputing = 1.0 if inline or split or ratio <= 0 else profile.held_ratio(b, True) / ratio
+    # one recomputed within a backward call (``predict.activations_at_once``); a split backward hands it to W whole
+    recomputing = 1.0 if split else predict.recomputing_share(profile, b, inline)
     again = set(predict.recomputed_micro_batches(config))
     released = {
         (task.cell, task.micro_batch): end for task, _, end in simulated if task.kind == ("W" if split else "B")
