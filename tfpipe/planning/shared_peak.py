@@ -32,28 +32,31 @@ def shared_peak_bytes(profile: Profile, calibration: Calibration, batch_size: in
     released = {
         (task.cell, task.micro_batch): end for task, _, end in simulated if task.kind == ("W" if split else "B")
     }
+    cells = predict.bounds(config.balance)
+    parts = [
+        predict.cell_bytes(profile, b, lo, hi, i == 0, slots, m, ratio, inline) for i, (lo, hi) in enumerate(cells)
+    ]
+    # every replica runs the same timeline and holds the same but its optimizer slots (the first replica's only)
+    r = config.num_replicas
+    static = sum(p.static for p in parts) + (r - 1) * sum(
+        predict.cell_bytes(profile, b, lo, hi, i == 0, 0, m, ratio, inline).static for i, (lo, hi) in enumerate(cells)
+    )
     changes: dict[float, float] = defaultdict(float)
-    static = 0.0
-    for replica in range(config.num_replicas):
-        for i, (lo, hi) in enumerate(predict.bounds(config.balance)):
-            parts = predict.cell_bytes(profile, b, lo, hi, i == 0, slots if replica == 0 else 0, m, ratio, inline)
-            static += parts.static
-            for task, start, end in simulated:
-                if task.cell != i:
-                    continue
-                if task.kind in "BW":
-                    changes[start] += parts.working
-                    changes[end] -= parts.working
-                if task.kind == "W" or task.micro_batch == schedule_lib.ALL:
-                    continue
-                free = released.get((i, task.micro_batch), released.get((i, schedule_lib.ALL)))
-                if task.kind == "F":
-                    changes[start] += parts.cell_input
-                    changes[free] -= parts.cell_input
-                if (task.kind == "F") != (task.micro_batch in again):
-                    held = parts.activations * (recomputing if task.kind == "B" else 1.0)
-                    changes[start] += held
-                    changes[free] -= held
+    for task, start, end in simulated:
+        cell, j = parts[task.cell], task.micro_batch
+        if task.kind in "BW":
+            changes[start] += r * cell.working
+            changes[end] -= r * cell.working
+        if task.kind == "W" or j == schedule_lib.ALL:
+            continue
+        free = released.get((task.cell, j), released.get((task.cell, schedule_lib.ALL)))
+        if task.kind == "F":
+            changes[start] += r * cell.cell_input
+            changes[free] -= r * cell.cell_input
+        if (task.kind == "F") != (j in again):
+            held = r * cell.activations * (recomputing if task.kind == "B" else 1.0)
+            changes[start] += held
+            changes[free] -= held
     total = peak = static
     for moment in sorted(changes):  # what starts and ends at one moment changes the bytes together
         total += changes[moment]
