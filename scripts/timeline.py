@@ -54,6 +54,7 @@ flags.DEFINE_enum(
     ["gpipe", "1f1b", "zero_bubble", "gpipe_batched_w"],
     "Task order (tfpipe.schedule); the ideal drawn follows it.",
 )
+flags.DEFINE_enum("optimizer", "sgd", ["sgd", "adam"], "Optimizer (SGD 1e-3, Adam 1e-4).")
 flags.DEFINE_integer("steps", 2, "Profiled steps.", lower_bound=1)
 flags.DEFINE_integer("warmup", 2, "Steps before profiling (the first one traces).", lower_bound=1)
 flags.DEFINE_string(
@@ -206,9 +207,8 @@ def profile_steps(devices: list[str], addresses: list[str] | None, logdir: str):
         remat=FLAGS.remat,
         schedule=FLAGS.schedule,
     )
-    model.compile(
-        optimizer=keras.optimizers.SGD(1e-3), loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-    )
+    optimizer = keras.optimizers.SGD(1e-3) if FLAGS.optimizer == "sgd" else keras.optimizers.Adam(1e-4)
+    model.compile(optimizer=optimizer, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     model.build((None,) + x.shape[1:])
     model.optimizer.build(model.trainable_variables)
     data = (tf.constant(x), tf.constant(y))

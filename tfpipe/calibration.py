@@ -76,6 +76,7 @@ def calibrate(devices: Sequence[str], optimizer: Any = "adam", steps: int = 30) 
         noinline_task_s=noinline_s,
         noinline_tasks=threshold,
         across_processes=any_remote(device_list),
+        copy_s_per_byte=_copy_seconds_per_byte(device_list[0]),
     )
     _CALIBRATIONS[key] = result
     return result
@@ -358,3 +359,15 @@ def _update_seconds_per_byte(device: str, optimizer: Any) -> float:
             return median_seconds(tf.function(lambda: opt.apply([gradient], [variable])), 7)
 
     return max(seconds(4096) - seconds(16), 0.0) / ((4096 - 16) * 1024 * 4)
+
+
+def _copy_seconds_per_byte(device: str) -> float:
+    """Concatenating tensors on ``device``, per byte: four pieces of 4 MiB joined, less four of 1 KiB."""
+
+    def seconds(rows: int) -> float:
+        with tf.device(device):
+            pieces = [tf.ones((rows, 256)) for _ in range(4)]
+            join = tf.function(lambda *p: tf.reduce_sum(tf.concat(p, 0)[:1]))  # reads one row: the copy is the cost
+            return median_seconds(lambda: join(*pieces), 7)
+
+    return max(seconds(4096) - seconds(1), 0.0) / (4 * 4095 * 256 * 4)

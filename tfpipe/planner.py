@@ -28,7 +28,7 @@ from tfpipe.distributed import devices as devices_lib
 from tfpipe.partition import functional
 from tfpipe.partition.sequence import layer_list
 from tfpipe.planning import balance as balance_lib
-from tfpipe.planning import plans, predict, profile, search
+from tfpipe.planning import joined, plans, predict, profile, search
 from tfpipe.planning.plans import Plan
 from tfpipe.planning.predict import SLOTS, Calibration, Config
 from tfpipe.step import schedule as schedule_lib
@@ -101,6 +101,9 @@ def plan(
         )
         fitted = ", ".join(f"x{r:.2f} at K={k}" for k, r in measured.recompute_ratios.items())
         measured.time_source += f"; recomputing a micro-batch {fitted} its forward (fitted to steps recomputing all)"
+    if any(schedule_lib.batches_weights(s) for s in space.schedules):  # what one W over all micro-batches joins
+        measured.joined_bytes = joined.bytes_per_sample(layer_seq, data, device_list[0])
+        measured.time_source += "; one W over all micro-batches also copies the rows it joins (traced per layer)"
     if space.replicas:
         calibration = _replica_parallelism(measured, layer_seq, data, batch_size, device_list, optimizer, calibration)
     candidates = search.run(measured, calibration, batch_size, space, budget, slots)

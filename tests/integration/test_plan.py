@@ -68,6 +68,10 @@ def test_the_summary_says_where_each_prediction_comes_from(planned):
     assert 1.0 <= c.parallelism <= 2.0 and 1.0 <= c.replica_parallelism <= 2.0
     assert f"parallelism {c.parallelism:.2f} devices ({c.replica_parallelism:.2f} for replicas)" in text
     assert "replicas' parallelism measured with 2 replicas of the model at M=1" in text
+    # one W over all micro-batches first joins their rows: what each layer joins, and the copy's speed
+    assert plan.profile.joined_bytes == [(16 + 64) * 4] + [(64 + 64) * 4] * 4 + [(64 + 4) * 4]
+    assert 1e-12 < c.copy_s_per_byte < 1e-8 and "a copy on a device" in text
+    assert "one W over all micro-batches also copies the rows it joins" in text
 
 
 def test_no_configuration_fits_names_the_budget_that_would_and_that_budget_fits(planned):

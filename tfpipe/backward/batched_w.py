@@ -69,6 +69,12 @@ class BatchedW:
         self._sliced += rows  # a sparse gradient's rows, made example by example: concatenated
         _check_traced_alike(smalls, self._examples, self._wanted)
 
+    def joined_bytes(self) -> int:
+        """The bytes ``run`` concatenates at the rows ``big`` was traced with (what each B hands W, joined)."""
+        graph = self._big.graph
+        tensors = [graph.get_tensor_by_name(name) for name in self._batched + self._sliced]
+        return sum(t.shape.num_elements() * t.dtype.size for t in tensors if t.shape.is_fully_defined())
+
     def inputs_part(self, small: SplitVJP) -> Any:
         """B of one micro-batch (``small``'s): its input gradients and the per-example part of W."""
         graph = small.graph

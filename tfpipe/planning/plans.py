@@ -164,7 +164,8 @@ class Plan:
             + (f" ({c.replica_parallelism:.2f} for replicas)" if c.replica_parallelism is not None else "")
             + (f", cells' layers x{c.split_speed:.2f} as fast cut as whole" if c.split_speed != 1.0 else "")
             + ", "
-            f"update {c.update_s_per_byte * 2**20 * 1e3:.3f} ms per MiB of weights",
+            f"update {c.update_s_per_byte * 2**20 * 1e3:.3f} ms per MiB of weights"
+            + (f", a copy on a device {c.copy_s_per_byte * 2**20 * 1e3:.3f} ms per MiB" if c.copy_s_per_byte else ""),
             "schedule: simulated task by task (tfpipe.schedule.simulate); activations held per its in-flight count",
         ]
 

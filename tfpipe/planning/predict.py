@@ -64,6 +64,8 @@ class Calibration:
     # the original: the first replica then holds every other replica's gradients at once before summing them
     # (measured on two workers: 12 x Dense(512), two replicas, the first worker held one more copy of the weights)
     across_processes: bool = False
+    # concatenating tensors on a device, per byte: one W over all micro-batches joins what each B left it first
+    copy_s_per_byte: float = 0.0
 
     def parallelism_of(self, num_replicas: int, num_partitions: int = 1) -> float:
         """How many devices' worth of compute R replicas of K cells get: replicas of one cell run whole steps side by
@@ -172,7 +174,7 @@ def timeline(
     b_cost = [x + task_s + moved[i] for i, x in enumerate(bwd)]
     w_cost = None
     if schedule_lib.batches_weights(config.schedule):
-        b_cost, w_cost = batched_w_costs(profile, batch_size, config, b_cost, speed)
+        b_cost, w_cost = batched_w_costs(profile, calibration, batch_size, config, b_cost, speed)
     r_cost = [f * profile.recompute_ratio(k) for f in fwd]
     return schedule_lib.simulate(
         k, m, f_cost, b_cost, config.schedule, w_cost=w_cost, r_cost=r_cost, recomputed=recomputed_micro_batches(config)
@@ -186,14 +188,19 @@ def recomputed_micro_batches(config: Config) -> list[int]:
 
 
 def batched_w_costs(
-    profile: Profile, batch_size: int, config: Config, b_cost: Sequence[float], speed: float = 1.0
+    profile: Profile,
+    calibration: Calibration,
+    batch_size: int,
+    config: Config,
+    b_cost: Sequence[float],
+    speed: float = 1.0,
 ) -> tuple[list[float], list[float]]:
     """Per cell, (b_cost, w_cost) for ``schedule.simulate`` where one W runs over all M micro-batches' rows.
 
     That W is one product over a replica's whole batch, which runs at the batch's efficiency, not M micro-batches'
     (``tfpipe.backward.batched_w``): each B task is the backward at the micro-batch size less its W, and the W task
-    (``simulate`` runs M times ``w_cost``) is the W at the replica's batch size. Where that size was not profiled,
-    M micro-batches' W.
+    (``simulate`` runs M times ``w_cost``) is the W at the replica's batch size, and the copy that joins the
+    micro-batches' rows for it first (``Profile.joined_bytes``). Where that size was not profiled, M micro-batches' W.
     """
     b = micro_batch_size(batch_size, config)
     rows = split_size(batch_size, config.num_replicas, 1)
@@ -205,6 +212,7 @@ def batched_w_costs(
         weighted = [i for i in range(lo, hi) if profile.trainable_bytes[i] > 0]
         w_small = WEIGHT_GRADIENT_SHARE * sum(small[i] for i in weighted) / speed
         w_all = WEIGHT_GRADIENT_SHARE * scale * sum(large[i] for i in weighted) / speed
+        w_all += sum(profile.joined_bytes[lo:hi]) * rows * calibration.copy_s_per_byte
         out_b.append(cost - w_small + w_all / m)
         out_w.append(w_all / m)
     return out_b, out_w

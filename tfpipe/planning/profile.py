@@ -65,6 +65,9 @@ class Profile:
     # What recomputing a micro-batch costs in a step against its forward task, by the number of cells it was fitted
     # at (planner._recompute_ratios): on devices that share a CPU it fills other devices' waits. Not probed: 1.0.
     recompute_ratios: dict[int, float] = dataclasses.field(default_factory=dict)
+    # per sample: what one W over all micro-batches concatenates of each layer (``tfpipe.planning.joined``); none
+    # where no batching schedule is searched
+    joined_bytes: list[float] = dataclasses.field(default_factory=list)
 
     def costs(self, batch: int) -> LayerCosts:
         """The measurements at micro-batch size ``batch`` (a ValueError if it was not profiled)."""

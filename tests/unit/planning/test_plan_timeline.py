@@ -39,6 +39,32 @@ def test_one_w_over_all_micro_batches_runs_at_the_whole_batch_s_speed():
     assert _w_task(short, config, 8) == pytest.approx(4 * 0.5 * (2.0 + 4.0) * 2 / 4)
 
 
+def test_one_w_over_all_micro_batches_first_copies_the_rows_it_joins():
+    import dataclasses
+
+    config = Config((2, 1), 1, 4, "never", "gpipe_batched_w")
+    prof = profile()
+    plain = _w_task(prof, config, 8)
+    prof.joined_bytes = [3.0, 5.0, 7.0]  # per sample; cell 0 holds the first two layers
+    assert _w_task(prof, config, 8) == pytest.approx(plain)  # no copy speed measured: no charge
+    cal = dataclasses.replace(calibration(), copy_s_per_byte=0.001)
+    found = predict.timeline(prof, cal, 8, config)
+    w0 = next(end - start for task, start, end in found if task.kind == "W" and task.cell == 0)
+    assert w0 == pytest.approx(plain + (3.0 + 5.0) * 8 * 0.001)  # the replica's 8 rows of both layers, once
+    w1 = next(end - start for task, start, end in found if task.kind == "W" and task.cell == 1)
+    assert w1 == pytest.approx(_w_task_of(profile(), config, 8, 1) + 7.0 * 8 * 0.001)
+    # a schedule that runs W per micro-batch joins nothing
+    gpipe = Config((2, 1), 1, 4, "never", "gpipe")
+    assert predict.step_seconds(prof, cal, 8, gpipe).step_s == pytest.approx(
+        predict.step_seconds(profile(), calibration(), 8, gpipe).step_s
+    )
+
+
+def _w_task_of(prof, config, batch, cell):
+    found = predict.timeline(prof, calibration(), batch, config)
+    return next(end - start for task, start, end in found if task.kind == "W" and task.cell == cell)
+
+
 def test_one_device_s_shared_peak_is_its_own_peak():
     prof = profile()
     for remat in ("never", "always"):
