@@ -290,13 +290,15 @@ def _recompute_ratios(
     optimizer: Any,
     calibration: Calibration,
 ) -> dict[int, float]:
-    """What recomputing a micro-batch costs against its forward task, at one cell and at one per device: the ratio
+    """What recomputing a micro-batch costs against its forward task, at one cell, two, and one per device: the ratio
     that predicts a step recomputing every micro-batch (the probes' cut and M, as ``_model_parallelism``'s).
 
     A recomputation runs in the call of the backward that reads it; on devices that share a CPU it can also fill
     another device's wait (the fitted ratios: docs/benchmarks.md#planning).
     """
-    ks = {1} | ({len(devices)} if _splits(layers, devices) else set())
+    # K=2 too on more devices: on four logical CPUs the Transformer's ratio was 0.73-1.08 at K=1 and 0.18-0.26 at
+    # K=4, and K=2's, taken between them, put its steps recomputing every micro-batch 14% high
+    ks = {1} | ({2, len(devices)} if _splits(layers, devices) else set())
     ratios = {}
     for k in sorted(ks):
         b, m, cut = _probe_cut(measured, len(layers), batch_size, k)

@@ -165,3 +165,26 @@ def test_probes_compared_with_one_another_are_timed_in_rounds_in_turn(monkeypatc
     timed = calibration_lib._in_rounds(probes, kept, 4)
     assert calls == ["a", "b"] * (calibration_lib.ROUNDS - 1)
     assert {b: p.seconds for b, p in timed.items()} == {8: 1.0, 32: 2.0}
+
+
+def test_recomputation_is_fitted_at_one_cell_two_and_one_per_device(monkeypatch):
+    # each probe step recomputing every micro-batch, timed by hand: the fitted ratio predicts it, per K probed
+    took = {1: 30.0, 2: 18.0, 4: 12.0}
+    probed = []
+
+    def split_step(layers, data, b, m, cut, devices, optimizer, remat):
+        probed.append((len(devices), remat))
+        return calibration_lib.Probe(took[len(devices)], None)
+
+    monkeypatch.setattr(calibration_lib, "split_step", split_step)
+    prof = profile(**{k: (v,) * 4 for k, v in dict(forward=1.0, backward=2.0, trainable=0.0, held=1.0).items()})
+    devices = [f"/CPU:{i}" for i in range(4)]
+    ratios = planner._recompute_ratios(prof, [None] * 4, None, 8, devices, "sgd", calibration(parallelism=4.0))
+    assert probed == [(1, "always"), (2, "always"), (4, "always")]
+    assert sorted(ratios) == [1, 2, 4]
+    for k, ratio in ratios.items():
+        b, m, cut = planner._probe_cut(prof, 4, 8, k)
+        config = Config(tuple(cut), 1, m, "always", "gpipe")
+        fitted = planner.dataclasses.replace(prof, recompute_ratios={k: ratio})
+        predicted = planner.predict.step_seconds(fitted, calibration(parallelism=4.0), 8, config).step_s
+        assert predicted == pytest.approx(took[k], rel=1e-3) and 0.1 < ratio < 1.5
