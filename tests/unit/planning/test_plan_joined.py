@@ -32,9 +32,8 @@ def test_layers_without_weights_or_whose_w_cannot_run_once_join_nothing():
 def test_the_step_joins_what_the_planner_counts():
     """The bytes are the step's own: a pipeline's W over all micro-batches concatenates them (BatchedW.run)."""
     keras.utils.set_random_seed(0)
-    layers = [keras.layers.Dense(16, activation="tanh") for _ in range(3)]
     x = np.random.default_rng(0).standard_normal((8, 12)).astype("float32")
-    counted = joined.bytes_per_sample(layers, x, "/CPU:0")
+    counted = joined.bytes_per_sample([keras.layers.Dense(16, activation="tanh") for _ in range(3)], x, "/CPU:0")
     seen = []
     run = batched_w.BatchedW.run
 

@@ -1,6 +1,8 @@
 """The planner's predictions followed through the simulated schedule: one W over all micro-batches, and the peak of
 devices that share one allocator."""
 
+import dataclasses
+
 import pytest
 
 from tests.unit.planning.handmade import calibration, profile
@@ -9,10 +11,10 @@ from tfpipe.planning.predict import Config
 from tfpipe.step import schedule as schedule_lib
 
 
-def _w_task(prof, config, batch):
-    """The seconds of cell 0's W task over every micro-batch, simulated."""
-    found = predict.timeline(prof, calibration(), batch, config)
-    return next(end - start for task, start, end in found if task.kind == "W" and task.cell == 0)
+def _w_task(prof, config, batch, cell=0, cal=None):
+    """The seconds of a cell's W task over every micro-batch, simulated."""
+    found = predict.timeline(prof, cal or calibration(), batch, config)
+    return next(end - start for task, start, end in found if task.kind == "W" and task.cell == cell)
 
 
 def test_one_w_over_all_micro_batches_runs_at_the_whole_batch_s_speed():
@@ -40,29 +42,20 @@ def test_one_w_over_all_micro_batches_runs_at_the_whole_batch_s_speed():
 
 
 def test_one_w_over_all_micro_batches_first_copies_the_rows_it_joins():
-    import dataclasses
-
     config = Config((2, 1), 1, 4, "never", "gpipe_batched_w")
     prof = profile()
     plain = _w_task(prof, config, 8)
     prof.joined_bytes = [3.0, 5.0, 7.0]  # per sample; cell 0 holds the first two layers
     assert _w_task(prof, config, 8) == pytest.approx(plain)  # no copy speed measured: no charge
     cal = dataclasses.replace(calibration(), copy_s_per_byte=0.001)
-    found = predict.timeline(prof, cal, 8, config)
-    w0 = next(end - start for task, start, end in found if task.kind == "W" and task.cell == 0)
-    assert w0 == pytest.approx(plain + (3.0 + 5.0) * 8 * 0.001)  # the replica's 8 rows of both layers, once
-    w1 = next(end - start for task, start, end in found if task.kind == "W" and task.cell == 1)
-    assert w1 == pytest.approx(_w_task_of(profile(), config, 8, 1) + 7.0 * 8 * 0.001)
+    # the replica's 8 rows of both layers, once
+    assert _w_task(prof, config, 8, 0, cal) == pytest.approx(plain + (3.0 + 5.0) * 8 * 0.001)
+    assert _w_task(prof, config, 8, 1, cal) == pytest.approx(_w_task(profile(), config, 8, 1) + 7.0 * 8 * 0.001)
     # a schedule that runs W per micro-batch joins nothing
     gpipe = Config((2, 1), 1, 4, "never", "gpipe")
     assert predict.step_seconds(prof, cal, 8, gpipe).step_s == pytest.approx(
         predict.step_seconds(profile(), calibration(), 8, gpipe).step_s
     )
-
-
-def _w_task_of(prof, config, batch, cell):
-    found = predict.timeline(prof, calibration(), batch, config)
-    return next(end - start for task, start, end in found if task.kind == "W" and task.cell == cell)
 
 
 def test_one_device_s_shared_peak_is_its_own_peak():
