@@ -4,7 +4,7 @@ What the plan rests on (``Plan.summary`` prints it): each layer's forward and ba
 time and held bytes, measured on copies on the first device (``planning.profile``), the
 times scaled to real one-cell steps of all the layers; the cost of a task, of a step, of
 moving a tensor and of the optimizer's update, measured once per set of devices, and how
-many devices' worth of compute this model gets from them (``calibration``); and the
+many devices' worth of compute this model gets from them (``calibration``, fitted in ``fitting``); and the
 schedule simulated as data (``planning.predict``, ``planning.search``). The few configurations
 predicted near the fastest are then timed on the devices, and the fastest measured is chosen
 (``verify``; predictions are within 10-20%, so near-equal ones are for a measurement to order).
@@ -12,29 +12,25 @@ predicted near the fastest are then timed on the devices, and the fastest measur
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
 import keras
-import numpy as np
 import tensorflow as tf
 
-from tfpipe import auto_plan
+from tfpipe import auto_plan, fitting
 from tfpipe import calibration as calibration_lib
 from tfpipe._args import positive_int
 from tfpipe.backward.remat import REMAT_MODES, check_mode
 from tfpipe.distributed import devices as devices_lib
 from tfpipe.partition import functional
 from tfpipe.partition.sequence import layer_list
-from tfpipe.planning import balance as balance_lib
-from tfpipe.planning import joined, plans, predict, profile, search
+from tfpipe.planning import joined, plans, profile, search
 from tfpipe.planning.plans import Plan
 from tfpipe.planning.predict import SLOTS, Calibration, Config
 from tfpipe.step import schedule as schedule_lib
 
 __all__ = ["Plan", "plan"]
-PROBE_MICRO_BATCHES = 8  # the whole-sequence probes' M: enough for their tasks to overlap as a pipeline's do
 
 
 def plan(
@@ -93,10 +89,10 @@ def plan(
     probed = sorted({sizes[0], sizes[len(sizes) // 2], sizes[-1]})
     measured = profile.measure(layer_seq, data, probed, device_list[0], repeats=positive_int("repeats", repeats))
     profile.fill(measured, sizes)
-    _scale_to_whole_steps(measured, layer_seq, data, batch_size, device_list[0], optimizer, calibration)
-    calibration = _model_parallelism(measured, layer_seq, data, batch_size, device_list, optimizer, calibration)
+    fitting.scale_to_whole_steps(measured, layer_seq, data, batch_size, device_list[0], optimizer, calibration, slots)
+    calibration = fitting.model_parallelism(measured, layer_seq, data, batch_size, device_list, optimizer, calibration)
     if set(space.remats) != {"never"}:  # what recomputing costs, where the search may recompute
-        measured.recompute_ratios = _recompute_ratios(
+        measured.recompute_ratios = fitting.recompute_ratios(
             measured, layer_seq, data, batch_size, device_list, optimizer, calibration
         )
         fitted = ", ".join(f"x{r:.2f} at K={k}" for k, r in measured.recompute_ratios.items())
@@ -105,7 +101,9 @@ def plan(
         measured.joined_bytes = joined.bytes_per_sample(layer_seq, data, device_list[0])
         measured.time_source += "; one W over all micro-batches also copies the rows it joins (traced per layer)"
     if space.replicas:
-        calibration = _replica_parallelism(measured, layer_seq, data, batch_size, device_list, optimizer, calibration)
+        calibration = fitting.replica_parallelism(
+            measured, layer_seq, data, batch_size, device_list, optimizer, calibration
+        )
     candidates = search.run(measured, calibration, batch_size, space, budget, slots)
     candidates = verified(candidates, layer_seq, data, batch_size, device_list, optimizer, verify, budget)
     return plans.from_candidates(candidates, device_list, batch_size, budget, measured, calibration, slots)
@@ -144,215 +142,6 @@ def verified(
 
     slack = search.MEMORY_SLACK if readable else 0.0
     return search.by_measured(candidates, count, time_step, budget, slack)
-
-
-def _scale_to_whole_steps(
-    measured: profile.Profile,
-    layers: list[keras.layers.Layer],
-    data: Any,
-    batch_size: int,
-    device: str,
-    optimizer: Any,
-    calibration: Calibration,
-) -> None:
-    """Scale the layers' times and held bytes at each micro-batch size to real steps of all of them as one cell.
-
-    Steps are measured at the smallest, the middle and the largest size; between them the ratio of step to layers
-    is interpolated in log(size). Where the allocator counts bytes, what a micro-batch held in those steps gives
-    ``Profile.held_ratios``.
-    """
-    every = sorted(measured.by_batch)
-    probed = sorted({every[0], every[len(every) // 2], every[-1]})  # the sizes profile.measure ran
-    sizes = [(b, min(max(batch_size // b, 1), PROBE_MICRO_BATCHES)) for b in probed]
-    steps = calibration_lib.whole_steps(layers, data, sizes, device, optimizer)  # M <= 8: cells inlined
-    update_s = sum(measured.trainable_bytes) * calibration.update_s_per_byte
-    ratios = []
-    for b, m in sizes:
-        costs = measured.costs(b)
-        alone = sum(costs.forward_s) + sum(costs.backward_s)
-        per_micro_batch = (steps[b].seconds - calibration.step_s - update_s) / m - 2 * calibration.task_s
-        ratios.append(per_micro_batch / alone if per_micro_batch > 0 and alone > 0 else 1.0)
-    for b in every:
-        ratio = float(np.interp(np.log2(b), np.log2(probed), ratios))
-        costs = measured.costs(b)
-        profile.rescale(measured, b, ratio * (sum(costs.forward_s) + sum(costs.backward_s)))
-    measured.time_source = (
-        f"each layer run alone, scaled to add up to a step of all the layers as one cell on {device} (measured at "
-        f"{probed} samples with M <= {PROBE_MICRO_BATCHES}, less its fixed, task and update costs)"
-    )
-    if measured.memory_device is None:
-        return
-    if measured.memory_device != device:  # bytes read on this process's stand-in: so are the steps' peaks
-        steps = calibration_lib.whole_steps(layers, data, sizes, measured.memory_device, optimizer, 2, warm=False)
-    # A step that does not inline its cells' calls (from Calibration.noinline_tasks tasks on) holds what each layer
-    # measured alone held, a call TensorFlow did not inline either: the ratio stays 1 there (measured: the
-    # Transformer of docs/benchmarks.md at K=2, M=16 held 481 MiB, its layers' bytes predict 494)
-    inlined = _held_ratios(measured, steps, sizes, optimizer_slots(optimizer))
-    measured.held_ratios = {True: inlined}
-    measured.memory_source += (
-        f"; where a step inlines its cells, a micro-batch's activations scaled to what steps of all the layers as "
-        f"one cell held (x{'/'.join(f'{r:.2f}' for r in inlined[1])} at {inlined[0]} samples)"
-    )
-
-
-def _held_ratios(
-    measured: profile.Profile, probes: dict[int, calibration_lib.Probe], sizes: list[tuple[int, int]], slots: int
-) -> tuple[list[int], list[float]]:
-    """Per probed (b, M): a one-cell step's activations (its peak less the rest predicted) over the layers' bytes."""
-    found: tuple[list[int], list[float]] = ([], [])
-    for b, m in sizes:
-        peak = probes[b].peak_bytes
-        activations = m * sum(measured.costs(b).held_bytes)
-        if peak is None or activations <= 0:
-            continue
-        rest = predict.cell_peak(measured, b, 0, len(measured.weight_bytes), True, m, m, slots, m, 0.0)
-        found[0].append(b)
-        found[1].append(min(max((peak - rest) / activations, 0.05), 4.0))
-    return found
-
-
-def _model_parallelism(
-    measured: profile.Profile,
-    layers: list[keras.layers.Layer],
-    data: Any,
-    batch_size: int,
-    devices: list[str],
-    optimizer: Any,
-    calibration: Calibration,
-) -> Calibration:
-    """The calibration with the parallelism this model gets: its layers cut evenly over every device, at M=8.
-
-    Devices that share compute (logical devices on one CPU) run some models side by side and not others (a
-    product wide enough to use every core alone gains nothing from a second device), so it is measured on the
-    model itself: the step's work against its measured time.
-    """
-    if not _splits(layers, devices):
-        return calibration
-    b, m, cut = _probe_cut(measured, len(layers), batch_size, len(devices))
-    took = calibration_lib.split_step(layers, data, b, m, cut, devices, optimizer).seconds
-    config = Config(tuple(cut), 1, m, "never", "gpipe")
-    calibration = dataclasses.replace(
-        calibration,
-        parallelism=_parallelism(measured, calibration, batch_size, config, took),
-        source=calibration.source
-        + f"; parallelism measured with this model's layers cut over the {len(devices)} devices at M={m}",
-    )
-    # Faster than its tasks can run even with every device busy: the cells' layers run faster cut than whole
-    speed = _fit(
-        lambda x: predict.step_seconds(measured, _at(calibration, x), batch_size, config).step_s, took, 3.0, 1.0
-    )
-    return _at(calibration, speed)
-
-
-def _splits(layers: Sequence[keras.layers.Layer], devices: Sequence[str]) -> bool:
-    """Whether the probes cut the model over ``devices``: two distinct devices or more, a layer for each."""
-    return len(set(devices)) > 1 and len(layers) >= len(devices)
-
-
-def _at(calibration: Calibration, split_speed: float) -> Calibration:
-    return dataclasses.replace(calibration, split_speed=split_speed)
-
-
-def _fit(predicted: Any, took: float, low: float, high: float) -> float:
-    """The value in [low, high] (either order) at which ``predicted``, monotone in it, gives ``took`` (bisection)."""
-    off_low, off_high = predicted(low) - took, predicted(high) - took  # each prediction simulates a schedule: once
-    if off_low * off_high > 0:  # out of reach: the nearer end
-        return low if abs(off_low) < abs(off_high) else high
-    for _ in range(20):
-        middle = (low + high) / 2
-        off_middle = predicted(middle) - took
-        if off_middle * off_low > 0:
-            low, off_low = middle, off_middle
-        else:
-            high = middle
-    return (low + high) / 2
-
-
-def _probe_cut(measured: profile.Profile, num_layers: int, batch_size: int, k: int) -> tuple[int, int, list[int]]:
-    """The probes' micro-batch size, M (up to 8) and cut of the layers into ``k`` cells of even time."""
-    m = min(PROBE_MICRO_BATCHES, batch_size)
-    b = -(-batch_size // m)
-    if b not in measured.by_batch:
-        profile.fill(measured, [b])
-    costs = measured.costs(b)
-    cut = (
-        balance_lib.partition([f + x for f, x in zip(costs.forward_s, costs.backward_s)], k) if k > 1 else [num_layers]
-    )
-    return b, m, cut
-
-
-def _recompute_ratios(
-    measured: profile.Profile,
-    layers: list[keras.layers.Layer],
-    data: Any,
-    batch_size: int,
-    devices: list[str],
-    optimizer: Any,
-    calibration: Calibration,
-) -> dict[int, float]:
-    """What recomputing a micro-batch costs against its forward task, at one cell, two, and one per device: the ratio
-    that predicts a step recomputing every micro-batch (the probes' cut and M, as ``_model_parallelism``'s).
-
-    A recomputation runs in the call of the backward that reads it; on devices that share a CPU it can also fill
-    another device's wait (the fitted ratios: docs/benchmarks.md#planning).
-    """
-    # K=2 too on more devices: on four logical CPUs the Transformer's ratio was 0.73-1.08 at K=1 and 0.18-0.26 at
-    # K=4, and K=2's, taken between them, put its steps recomputing every micro-batch 14% high
-    ks = {1} | ({2, len(devices)} if _splits(layers, devices) else set())
-    ratios = {}
-    for k in sorted(ks):
-        b, m, cut = _probe_cut(measured, len(layers), batch_size, k)
-        took = calibration_lib.split_step(layers, data, b, m, cut, devices[:k], optimizer, remat="always").seconds
-        config = Config(tuple(cut), 1, m, "always", "gpipe")
-
-        def predicted(ratio: float, k: int = k, config: Config = config) -> float:
-            profiled = dataclasses.replace(measured, recompute_ratios={k: ratio})
-            return predict.step_seconds(profiled, calibration, batch_size, config).step_s
-
-        ratios[k] = _fit(predicted, took, 0.1, 1.5)
-    return ratios
-
-
-def _replica_parallelism(
-    measured: profile.Profile,
-    layers: list[keras.layers.Layer],
-    data: Any,
-    batch_size: int,
-    devices: list[str],
-    optimizer: Any,
-    calibration: Calibration,
-) -> Calibration:
-    """The calibration with the parallelism replicas get: one replica of all the layers on every device, at M=1.
-
-    Whole steps side by side contend for a shared CPU's caches and memory more than a pipeline's micro-batch tasks
-    (the planning benchmark's Transformer on two one-thread workers: 1.78 devices, its K=2 pipeline 2.00).
-    """
-    k = len(devices)
-    if len(set(devices)) < 2 or batch_size % k:
-        return calibration
-    b = batch_size // k
-    if b not in measured.by_batch:
-        profile.fill(measured, [b])
-    took = calibration_lib.replicated_step(layers, data, b, devices, optimizer).seconds
-    config = Config((len(layers),), k, 1, "never", "gpipe")
-    return dataclasses.replace(
-        calibration,
-        replica_parallelism=_parallelism(measured, calibration, batch_size, config, took),
-        source=calibration.source + f"; replicas' parallelism measured with {k} replicas of the model at M=1",
-    )
-
-
-def _parallelism(
-    measured: profile.Profile, calibration: Calibration, batch_size: int, config: Config, took: float
-) -> float:
-    """The devices' worth of compute that makes ``config``'s predicted step take ``took`` seconds (1 to its devices)."""
-    devices = float(config.num_partitions * config.num_replicas)
-    free = dataclasses.replace(calibration, parallelism=devices, replica_parallelism=devices)
-    predicted = predict.step_seconds(measured, free, batch_size, config)
-    pipeline_s = took - predicted.update_s - predicted.fixed_s
-    if pipeline_s <= predicted.pipeline_s:
-        return devices
-    return min(max(predicted.work_s / pipeline_s, 1.0), devices)
 
 
 def _devices(devices: Sequence[str] | None) -> list[str]:

@@ -1,11 +1,13 @@
 """The planner's last step by hand: which candidates it times, and that the fastest measured is chosen."""
 
+import dataclasses
+
 import pytest
 
 from tests.unit.planning.handmade import DEVICES, calibration, profile
 from tfpipe import calibration as calibration_lib
-from tfpipe import planner
-from tfpipe.planning import plans, search
+from tfpipe import fitting, planner
+from tfpipe.planning import plans, predict, search
 from tfpipe.planning.predict import Config, Prediction
 
 
@@ -179,12 +181,12 @@ def test_recomputation_is_fitted_at_one_cell_two_and_one_per_device(monkeypatch)
     monkeypatch.setattr(calibration_lib, "split_step", split_step)
     prof = profile(**{k: (v,) * 4 for k, v in dict(forward=1.0, backward=2.0, trainable=0.0, held=1.0).items()})
     devices = [f"/CPU:{i}" for i in range(4)]
-    ratios = planner._recompute_ratios(prof, [None] * 4, None, 8, devices, "sgd", calibration(parallelism=4.0))
+    ratios = fitting.recompute_ratios(prof, [None] * 4, None, 8, devices, "sgd", calibration(parallelism=4.0))
     assert probed == [(1, "always"), (2, "always"), (4, "always")]
     assert sorted(ratios) == [1, 2, 4]
     for k, ratio in ratios.items():
-        b, m, cut = planner._probe_cut(prof, 4, 8, k)
+        b, m, cut = fitting.probe_cut(prof, 4, 8, k)
         config = Config(tuple(cut), 1, m, "always", "gpipe")
-        fitted = planner.dataclasses.replace(prof, recompute_ratios={k: ratio})
-        predicted = planner.predict.step_seconds(fitted, calibration(parallelism=4.0), 8, config).step_s
+        fitted = dataclasses.replace(prof, recompute_ratios={k: ratio})
+        predicted = predict.step_seconds(fitted, calibration(parallelism=4.0), 8, config).step_s
         assert predicted == pytest.approx(took[k], rel=1e-3) and 0.1 < ratio < 1.5
