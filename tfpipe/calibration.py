@@ -60,7 +60,7 @@ def calibrate(devices: Sequence[str], optimizer: Any = "adam", steps: int = 30) 
         )
         for m in ms
     }
-    timed = {m: probe.seconds for m, probe in _in_rounds(probes, kept, steps).items()}
+    timed = {m: probe.seconds for m, probe in in_rounds(probes, kept, steps).items()}
     units = {m: max(end for _, _, end in schedule_lib.simulate(k, m, [1.0] * k, [1.0] * k)) for m in timed}
     task_s = max((timed[inline_m] - timed[1]) / (units[inline_m] - units[1]), 0.0)
     step_s = max(timed[1] - task_s * units[1], 0.0)
@@ -113,7 +113,7 @@ def whole_steps(
         )
         for b, m in sizes
     }
-    return _in_rounds(probes, kept, steps) if warm else probes
+    return in_rounds(probes, kept, steps) if warm else probes
 
 
 def split_step(
@@ -159,15 +159,22 @@ def configured_step(
 
 
 def replicated_step(
-    layers: Sequence[keras.layers.Layer], sample: Any, b: int, devices: list[str], optimizer: Any, steps: int = 10
+    layers: Sequence[keras.layers.Layer],
+    sample: Any,
+    b: int,
+    devices: list[str],
+    optimizer: Any,
+    steps: int = 10,
+    kept: list | None = None,
 ) -> Probe:
-    """Copies of ``layers`` as one cell replicated on every one of ``devices``, each replica b rows at M=1."""
+    """Copies of ``layers`` as one cell replicated on every one of ``devices``, each replica b rows at M=1 (``kept``:
+    as ``_probe``'s)."""
     copies = [copy_layer(layer, "to time it", "pass calibration=... or plan by hand") for layer in layers]
     rows = b * len(devices)
     x = tf.nest.map_structure(lambda t: _tiled(t, rows), sample)
     y = np.zeros((rows, 1), "float32")
     replicas = [[d] for d in devices]
-    return _probe(copies, [len(copies)], replicas, 1, x, y, _fresh(optimizer), steps, _mean)
+    return _probe(copies, [len(copies)], replicas, 1, x, y, _fresh(optimizer), steps, _mean, kept=kept)
 
 
 def _fresh(optimizer: Any) -> keras.optimizers.Optimizer:
@@ -206,7 +213,7 @@ def _probe(
 
     ``devices``: one pipeline's, or a list of replicas' (the peak is the first replica's first device's).
     ``per_device``: also each device's peak, where each has an allocator of its own. ``kept``: a list that gets the
-    model, its data and its step times, to time it again (``_in_rounds``).
+    model, its data and its step times, to time it again (``in_rounds``).
     """
     data = tf.data.Dataset.from_tensors((x, y)).repeat()
     first = devices[0]
@@ -241,7 +248,7 @@ def _probe(
     return Probe(seconds, peak, device_peaks)
 
 
-def _in_rounds(probes: dict[Any, Probe], kept: dict[Any, list], steps: int) -> dict[Any, Probe]:
+def in_rounds(probes: dict[Any, Probe], kept: dict[Any, list], steps: int) -> dict[Any, Probe]:
     """``probes`` timed ``ROUNDS - 1`` more times, in turn (their ``kept`` models), each the median of all its steps."""
     with messages.quiet():
         for _ in range(ROUNDS - 1):

@@ -1,8 +1,10 @@
 """What the planner fits on the model's own probe steps: its layers' times scaled to whole steps, the parallelism and
-the cells' speed its devices give it, and what recomputing a micro-batch costs.
+the cells' speed its devices give it, what recomputing a micro-batch costs, and the replicas' parallelism.
 
 Each probe trains copies of the user's layers with tfpipe's own step (``tfpipe.calibration``); each fitted value is
-the one at which ``planning.predict`` gives the probe's measured time.
+the one at which ``planning.predict`` gives the probe's measured time. All the probes are timed in the same rounds, in
+turn (``calibration.in_rounds``): a fast or slow spell of a shared machine then falls on one round of each, not on
+every step of one, so that the values fitted from different probes agree with one another.
 """
 
 from __future__ import annotations
@@ -21,60 +23,137 @@ from tfpipe.planning.predict import Calibration, Config
 
 PROBE_MICRO_BATCHES = 8  # the whole-sequence probes' M: enough for their tasks to overlap as a pipeline's do
 SCALE_PROBES = 8  # the most micro-batch sizes whose one-cell steps scale the layers' times
+STEPS = 10  # steps a probe is timed for in each round (calibration.ROUNDS)
 
 
-def scale_to_whole_steps(
+@dataclasses.dataclass(frozen=True)
+class Shape:
+    """One probe step: copies of the layers cut by ``cut`` over the first ``len(cut)`` devices at M=m micro-batches of
+    b rows; or (``replicas`` > 1) all of them as one cell replicated on that many devices, each b rows at M=1."""
+
+    b: int
+    m: int
+    cut: tuple[int, ...]
+    remat: str = "never"
+    replicas: int = 1
+
+
+def fit_model(
     measured: profile.Profile,
     layers: list[keras.layers.Layer],
     data: Any,
     batch_size: int,
-    device: str,
+    devices: list[str],
     optimizer: Any,
     calibration: Calibration,
     slots: int,
-) -> None:
-    """Scale the layers' times and held bytes at each micro-batch size to real steps of all of them as one cell.
+    recompute: bool = True,
+    replicas: bool = True,
+) -> Calibration:
+    """Time every probe the planner fits on (in the same rounds), scale ``measured`` to them, fit its recomputation
+    ratios (``recompute``) and return ``calibration`` with the parallelism they measured (``replicas``: theirs too)."""
+    n = len(layers)
+    held = profile_sizes(measured)  # before the probes' own sizes join the profile
+    scale = scale_shapes(measured, batch_size, n)
+    cut = splits(layers, devices)
+    pipeline = probe_shape(measured, n, batch_size, len(devices)) if cut else None
+    # K=2 too on more devices: on four logical CPUs the Transformer's ratio was 0.73-1.08 at K=1 and 0.18-0.26 at
+    # K=4, and K=2's, taken between them, put its steps recomputing every micro-batch 14% high
+    ks = sorted({1} | ({2, len(devices)} if cut else set())) if recompute else []
+    never = {k: probe_shape(measured, n, batch_size, k) for k in ks}
+    always = {k: dataclasses.replace(shape, remat="always") for k, shape in never.items()}
+    replicated = replica_shape(measured, batch_size, n, devices) if replicas else None
+    shapes = [*scale.values(), *never.values(), *always.values(), pipeline, replicated]
+    took = time_probes([s for s in dict.fromkeys(shapes) if s is not None], layers, data, devices, optimizer)
+    scale_to_whole_steps(measured, {s: took[s] for s in scale.values()}, calibration, devices[0])
+    if measured.memory_device is not None:
+        steps = {s: took[s] for s in scale.values() if s.b in held}
+        if measured.memory_device != devices[0]:  # bytes read on this process's stand-in: so are the steps' peaks
+            sizes = [(s.b, s.m) for s in steps]
+            stand_in = calibration_lib.whole_steps(layers, data, sizes, measured.memory_device, optimizer, 2, False)
+            steps = {s: stand_in[s.b] for s in steps}
+        fit_held_ratios(measured, steps, slots)
+    if pipeline is not None:
+        calibration = model_parallelism(measured, calibration, batch_size, pipeline, took[pipeline].seconds)
+    if ks:
+        seconds = {k: (took[never[k]].seconds, took[always[k]].seconds) for k in ks}
+        measured.recompute_ratios = recompute_ratios(measured, calibration, batch_size, never, seconds)
+        fitted = ", ".join(f"x{r:.2f} at K={k}" for k, r in measured.recompute_ratios.items())
+        measured.time_source += f"; recomputing a micro-batch {fitted} its forward (fitted to steps recomputing all)"
+    if replicated is not None:
+        config = Config((n,), replicated.replicas, 1, "never", "gpipe")
+        calibration = dataclasses.replace(
+            calibration,
+            replica_parallelism=parallelism(measured, calibration, batch_size, config, took[replicated].seconds),
+            source=calibration.source
+            + f"; replicas' parallelism measured with {replicated.replicas} replicas of the model at M=1",
+        )
+    return calibration
 
-    Steps are measured at every size the search uses (up to ``SCALE_PROBES`` of them, spread in log(size)); between
-    them the ratio of step to layers is interpolated in log(size). Where the allocator counts bytes, what a micro-batch
-    held in the steps at the sizes the layers were measured at gives ``Profile.held_ratios`` (``slots``: the
-    optimizer's per weight).
-    """
+
+def time_probes(
+    shapes: Sequence[Shape], layers: list[keras.layers.Layer], data: Any, devices: list[str], optimizer: Any
+) -> dict[Shape, calibration_lib.Probe]:
+    """Each of ``shapes`` trained on ``devices`` (copies of ``layers``), all timed in the same rounds."""
+    kept: dict[Any, list] = {shape: [] for shape in shapes}
+    probes = {}
+    for shape in shapes:
+        if shape.replicas > 1:
+            on = devices[: shape.replicas]
+            probes[shape] = calibration_lib.replicated_step(layers, data, shape.b, on, optimizer, kept=kept[shape])
+        else:
+            probes[shape] = calibration_lib.split_step(
+                layers,
+                data,
+                shape.b,
+                shape.m,
+                list(shape.cut),
+                devices[: len(shape.cut)],
+                optimizer,
+                remat=shape.remat,
+                kept=kept[shape],
+            )
+    return calibration_lib.in_rounds(probes, kept, STEPS)
+
+
+def profile_sizes(measured: profile.Profile) -> list[int]:
+    """The sizes the planner ran the layers alone at: the smallest, the middle and the largest the search uses."""
     every = sorted(measured.by_batch)
-    probed = sorted({every[0], every[len(every) // 2], every[-1]})  # the sizes profile.measure ran
-    # a step's time per sample is not linear in log(size) between far sizes: on the MLP of docs/benchmarks.md, steps
-    # at 32 and 256 samples put 64's 17% above its own step (M=4 rows predicted +17-22%)
-    timed = spread(every, SCALE_PROBES)
-    sizes = {b: min(max(batch_size // b, 1), PROBE_MICRO_BATCHES) for b in timed}
-    steps = calibration_lib.whole_steps(layers, data, list(sizes.items()), device, optimizer)  # M <= 8: inlined
+    return sorted({every[0], every[len(every) // 2], every[-1]})
+
+
+def scale_shapes(measured: profile.Profile, batch_size: int, num_layers: int) -> dict[int, Shape]:
+    """Per micro-batch size the search uses (up to ``SCALE_PROBES``, spread in log(size)): its one-cell step, M <= 8.
+
+    A step's time per sample is not linear in log(size) between far sizes: on the MLP of docs/benchmarks.md, steps at
+    32 and 256 samples put 64's 17% above its own step (its M=4 rows were predicted +17-22%).
+    """
+    sizes = spread(sorted(measured.by_batch), SCALE_PROBES)
+    return {b: Shape(b, min(max(batch_size // b, 1), PROBE_MICRO_BATCHES), (num_layers,)) for b in sizes}
+
+
+def scale_to_whole_steps(
+    measured: profile.Profile, steps: dict[Shape, calibration_lib.Probe], calibration: Calibration, device: str
+) -> None:
+    """Scale the layers' times at each micro-batch size to ``steps`` of all of them as one cell on ``device``.
+
+    Between the sizes stepped, the ratio of step to layers is interpolated in log(size).
+    """
     update_s = sum(measured.trainable_bytes) * calibration.update_s_per_byte
-    ratios = []
-    for b, m in sizes.items():
-        costs = measured.costs(b)
+    timed, ratios = [], []
+    for shape in sorted(steps, key=lambda s: s.b):
+        costs = measured.costs(shape.b)
         alone = sum(costs.forward_s) + sum(costs.backward_s)
-        per_micro_batch = (steps[b].seconds - calibration.step_s - update_s) / m - 2 * calibration.task_s
+        per_micro_batch = (steps[shape].seconds - calibration.step_s - update_s) / shape.m - 2 * calibration.task_s
+        timed.append(shape.b)
         ratios.append(per_micro_batch / alone if per_micro_batch > 0 and alone > 0 else 1.0)
-    for b in every:
+    for b in sorted(measured.by_batch):
         ratio = float(np.interp(np.log2(b), np.log2(timed), ratios))
         costs = measured.costs(b)
         profile.rescale(measured, b, ratio * (sum(costs.forward_s) + sum(costs.backward_s)))
     measured.time_source = (
         f"each layer run alone, scaled to add up to a step of all the layers as one cell on {device} (measured at "
         f"{timed} samples with M <= {PROBE_MICRO_BATCHES}, less its fixed, task and update costs)"
-    )
-    if measured.memory_device is None:
-        return
-    held_sizes = [(b, sizes[b]) for b in probed]
-    if measured.memory_device != device:  # bytes read on this process's stand-in: so are the steps' peaks
-        steps = calibration_lib.whole_steps(layers, data, held_sizes, measured.memory_device, optimizer, 2, warm=False)
-    # A step that does not inline its cells' calls (from Calibration.noinline_tasks tasks on) holds what each layer
-    # measured alone held, a call TensorFlow did not inline either: the ratio stays 1 there (measured: the
-    # Transformer of docs/benchmarks.md at K=2, M=16 held 481 MiB, its layers' bytes predict 494)
-    inlined = held_ratios(measured, steps, held_sizes, slots)
-    measured.held_ratios = {True: inlined}
-    measured.memory_source += (
-        f"; where a step inlines its cells, a micro-batch's activations scaled to what steps of all the layers as "
-        f"one cell held (x{'/'.join(f'{r:.2f}' for r in inlined[1])} at {inlined[0]} samples)"
     )
 
 
@@ -87,47 +166,44 @@ def spread(sizes: Sequence[int], count: int) -> list[int]:
     return sorted({sizes[int(np.argmin(np.abs(logs - w)))] for w in wanted})
 
 
-def held_ratios(
-    measured: profile.Profile, probes: dict[int, calibration_lib.Probe], sizes: list[tuple[int, int]], slots: int
-) -> tuple[list[int], list[float]]:
-    """Per probed (b, M): a one-cell step's activations (its peak less the rest predicted) over the layers' bytes."""
+def fit_held_ratios(measured: profile.Profile, steps: dict[Shape, calibration_lib.Probe], slots: int) -> None:
+    """``Profile.held_ratios`` from one-cell ``steps``' peaks: per (b, M), the step's activations (its peak less the
+    rest predicted, ``slots`` optimizer slots per weight) over the layers' bytes."""
     found: tuple[list[int], list[float]] = ([], [])
-    for b, m in sizes:
-        peak = probes[b].peak_bytes
+    for shape in sorted(steps, key=lambda s: s.b):
+        b, m, peak = shape.b, shape.m, steps[shape].peak_bytes
         activations = m * sum(measured.costs(b).held_bytes)
         if peak is None or activations <= 0:
             continue
         rest = predict.cell_peak(measured, b, 0, len(measured.weight_bytes), True, m, m, slots, m, 0.0)
         found[0].append(b)
         found[1].append(min(max((peak - rest) / activations, 0.05), 4.0))
-    return found
+    # A step that does not inline its cells' calls (from Calibration.noinline_tasks tasks on) holds what each layer
+    # measured alone held, a call TensorFlow did not inline either: the ratio stays 1 there (measured: the
+    # Transformer of docs/benchmarks.md at K=2, M=16 held 481 MiB, its layers' bytes predict 494)
+    measured.held_ratios = {True: found}
+    measured.memory_source += (
+        f"; where a step inlines its cells, a micro-batch's activations scaled to what steps of all the layers as "
+        f"one cell held (x{'/'.join(f'{r:.2f}' for r in found[1])} at {found[0]} samples)"
+    )
 
 
 def model_parallelism(
-    measured: profile.Profile,
-    layers: list[keras.layers.Layer],
-    data: Any,
-    batch_size: int,
-    devices: list[str],
-    optimizer: Any,
-    calibration: Calibration,
+    measured: profile.Profile, calibration: Calibration, batch_size: int, shape: Shape, took: float
 ) -> Calibration:
-    """The calibration with the parallelism this model gets: its layers cut evenly over every device, at M=8.
+    """The calibration with the parallelism this model gets: its layers cut evenly over every device, at M=8
+    (``shape``), the step taking ``took`` seconds.
 
     Devices that share compute (logical devices on one CPU) run some models side by side and not others (a
     product wide enough to use every core alone gains nothing from a second device), so it is measured on the
     model itself: the step's work against its measured time.
     """
-    if not splits(layers, devices):
-        return calibration
-    b, m, cut = probe_cut(measured, len(layers), batch_size, len(devices))
-    took = calibration_lib.split_step(layers, data, b, m, cut, devices, optimizer).seconds
-    config = Config(tuple(cut), 1, m, "never", "gpipe")
+    config = Config(shape.cut, 1, shape.m, "never", "gpipe")
     calibration = dataclasses.replace(
         calibration,
         parallelism=parallelism(measured, calibration, batch_size, config, took),
         source=calibration.source
-        + f"; parallelism measured with this model's layers cut over the {len(devices)} devices at M={m}",
+        + f"; parallelism measured with this model's layers cut over the {len(shape.cut)} devices at M={shape.m}",
     )
     # Faster than its tasks can run even with every device busy: the cells' layers run faster cut than whole
     speed = fit(
@@ -161,7 +237,7 @@ def fit(predicted: Any, took: float, low: float, high: float) -> float:
     return (low + high) / 2
 
 
-def probe_cut(measured: profile.Profile, num_layers: int, batch_size: int, k: int) -> tuple[int, int, list[int]]:
+def probe_shape(measured: profile.Profile, num_layers: int, batch_size: int, k: int) -> Shape:
     """The probes' micro-batch size, M (up to 8) and cut of the layers into ``k`` cells of even time."""
     m = min(PROBE_MICRO_BATCHES, batch_size)
     b = -(-batch_size // m)
@@ -171,68 +247,50 @@ def probe_cut(measured: profile.Profile, num_layers: int, batch_size: int, k: in
     cut = (
         balance_lib.partition([f + x for f, x in zip(costs.forward_s, costs.backward_s)], k) if k > 1 else [num_layers]
     )
-    return b, m, cut
+    return Shape(b, m, tuple(cut))
 
 
 def recompute_ratios(
     measured: profile.Profile,
-    layers: list[keras.layers.Layer],
-    data: Any,
-    batch_size: int,
-    devices: list[str],
-    optimizer: Any,
     calibration: Calibration,
+    batch_size: int,
+    shapes: dict[int, Shape],
+    seconds: dict[int, tuple[float, float]],
 ) -> dict[int, float]:
-    """What recomputing a micro-batch costs against its forward task, at one cell, two, and one per device: the ratio
-    that predicts a step recomputing every micro-batch (the probes' cut and M, as ``_model_parallelism``'s).
+    """What recomputing a micro-batch costs against its forward task, per K probed (``shapes``): the ratio that predicts
+    what a step recomputing every micro-batch took beyond the same step recomputing none (``seconds``: per K, the two
+    steps' times, timed in the same rounds).
 
     A recomputation runs in the call of the backward that reads it; on devices that share a CPU it can also fill
-    another device's wait (the fitted ratios: docs/benchmarks.md#planning).
+    another device's wait (the fitted ratios: docs/benchmarks.md#planning). Fitted to a step recomputing all, timed
+    alone, a fast spell put the Transformer's ratio on two workers at the fit's bound (0.10) and its recomputing rows
+    23-34% low.
     """
-    # K=2 too on more devices: on four logical CPUs the Transformer's ratio was 0.73-1.08 at K=1 and 0.18-0.26 at
-    # K=4, and K=2's, taken between them, put its steps recomputing every micro-batch 14% high
-    ks = {1} | ({2, len(devices)} if splits(layers, devices) else set())
     ratios = {}
-    for k in sorted(ks):
-        b, m, cut = probe_cut(measured, len(layers), batch_size, k)
-        took = calibration_lib.split_step(layers, data, b, m, cut, devices[:k], optimizer, remat="always").seconds
-        config = Config(tuple(cut), 1, m, "always", "gpipe")
+    for k, shape in shapes.items():
+        never = predict.step_seconds(measured, calibration, batch_size, Config(shape.cut, 1, shape.m, "never", "gpipe"))
+        config = Config(shape.cut, 1, shape.m, "always", "gpipe")
 
         def predicted(ratio: float, k: int = k, config: Config = config) -> float:
             profiled = dataclasses.replace(measured, recompute_ratios={k: ratio})
             return predict.step_seconds(profiled, calibration, batch_size, config).step_s
 
-        ratios[k] = fit(predicted, took, 0.1, 1.5)
+        ratios[k] = fit(predicted, never.step_s + seconds[k][1] - seconds[k][0], 0.1, 1.5)
     return ratios
 
 
-def replica_parallelism(
-    measured: profile.Profile,
-    layers: list[keras.layers.Layer],
-    data: Any,
-    batch_size: int,
-    devices: list[str],
-    optimizer: Any,
-    calibration: Calibration,
-) -> Calibration:
-    """The calibration with the parallelism replicas get: one replica of all the layers on every device, at M=1.
+def replica_shape(measured: profile.Profile, batch_size: int, num_layers: int, devices: Sequence[str]) -> Shape | None:
+    """One replica of all the layers on every device at M=1; None where the devices or the batch do not allow it.
 
     Whole steps side by side contend for a shared CPU's caches and memory more than a pipeline's micro-batch tasks
     (the planning benchmark's Transformer on two one-thread workers: 1.78 devices, its K=2 pipeline 2.00).
     """
-    k = len(devices)
-    if len(set(devices)) < 2 or batch_size % k:
-        return calibration
-    b = batch_size // k
-    if b not in measured.by_batch:
-        profile.fill(measured, [b])
-    took = calibration_lib.replicated_step(layers, data, b, devices, optimizer).seconds
-    config = Config((len(layers),), k, 1, "never", "gpipe")
-    return dataclasses.replace(
-        calibration,
-        replica_parallelism=parallelism(measured, calibration, batch_size, config, took),
-        source=calibration.source + f"; replicas' parallelism measured with {k} replicas of the model at M=1",
-    )
+    r = len(devices)
+    if len(set(devices)) < 2 or batch_size % r:
+        return None
+    if batch_size // r not in measured.by_batch:
+        profile.fill(measured, [batch_size // r])
+    return Shape(batch_size // r, 1, (num_layers,), replicas=r)
 
 
 def parallelism(

@@ -89,21 +89,13 @@ def plan(
     probed = sorted({sizes[0], sizes[len(sizes) // 2], sizes[-1]})
     measured = profile.measure(layer_seq, data, probed, device_list[0], repeats=positive_int("repeats", repeats))
     profile.fill(measured, sizes)
-    fitting.scale_to_whole_steps(measured, layer_seq, data, batch_size, device_list[0], optimizer, calibration, slots)
-    calibration = fitting.model_parallelism(measured, layer_seq, data, batch_size, device_list, optimizer, calibration)
-    if set(space.remats) != {"never"}:  # what recomputing costs, where the search may recompute
-        measured.recompute_ratios = fitting.recompute_ratios(
-            measured, layer_seq, data, batch_size, device_list, optimizer, calibration
-        )
-        fitted = ", ".join(f"x{r:.2f} at K={k}" for k, r in measured.recompute_ratios.items())
-        measured.time_source += f"; recomputing a micro-batch {fitted} its forward (fitted to steps recomputing all)"
+    recompute = set(space.remats) != {"never"}  # what recomputing costs, where the search may recompute
+    calibration = fitting.fit_model(
+        measured, layer_seq, data, batch_size, device_list, optimizer, calibration, slots, recompute, space.replicas
+    )
     if any(schedule_lib.batches_weights(s) for s in space.schedules):  # what one W over all micro-batches joins
         measured.joined_bytes = joined.bytes_per_sample(layer_seq, data, device_list[0])
         measured.time_source += "; one W over all micro-batches also copies the rows it joins (traced per layer)"
-    if space.replicas:
-        calibration = fitting.replica_parallelism(
-            measured, layer_seq, data, batch_size, device_list, optimizer, calibration
-        )
     candidates = search.run(measured, calibration, batch_size, space, budget, slots)
     candidates = verified(candidates, layer_seq, data, batch_size, device_list, optimizer, verify, budget)
     return plans.from_candidates(candidates, device_list, batch_size, budget, measured, calibration, slots)
