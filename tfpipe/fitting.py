@@ -53,7 +53,7 @@ def fit_model(
     """Time every probe the planner fits on (in the same rounds), scale ``measured`` to them, fit its recomputation
     ratios (``recompute``) and return ``calibration`` with the parallelism they measured (``replicas``: theirs too)."""
     n = len(layers)
-    held = profile_sizes(measured)  # before the probes' own sizes join the profile
+    held = profile_sizes(sorted(measured.by_batch))  # before the probes' own sizes join the profile
     scale = scale_shapes(measured, batch_size, n)
     cut = splits(layers, devices)
     pipeline = probe_shape(measured, n, batch_size, len(devices)) if cut else None
@@ -116,10 +116,10 @@ def time_probes(
     return calibration_lib.in_rounds(probes, kept, STEPS)
 
 
-def profile_sizes(measured: profile.Profile) -> list[int]:
-    """The sizes the planner ran the layers alone at: the smallest, the middle and the largest the search uses."""
-    every = sorted(measured.by_batch)
-    return sorted({every[0], every[len(every) // 2], every[-1]})
+def profile_sizes(sizes: Sequence[int]) -> list[int]:
+    """The sizes the planner runs the layers alone at: the smallest, the middle and the largest of the sorted ``sizes``
+    the search uses (the rest interpolated)."""
+    return sorted({sizes[0], sizes[len(sizes) // 2], sizes[-1]})
 
 
 def scale_shapes(measured: profile.Profile, batch_size: int, num_layers: int) -> dict[int, Shape]:

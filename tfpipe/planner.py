@@ -86,8 +86,8 @@ def plan(
     elif not isinstance(calibration, Calibration):
         raise TypeError(f"calibration must be a tfpipe Calibration (plan.calibration), got {calibration!r}.")
     # each layer alone at three sizes (the smallest, the middle, the largest), the rest interpolated
-    probed = sorted({sizes[0], sizes[len(sizes) // 2], sizes[-1]})
-    measured = profile.measure(layer_seq, data, probed, device_list[0], repeats=positive_int("repeats", repeats))
+    alone = fitting.profile_sizes(sizes)
+    measured = profile.measure(layer_seq, data, alone, device_list[0], repeats=positive_int("repeats", repeats))
     profile.fill(measured, sizes)
     recompute = set(space.remats) != {"never"}  # what recomputing costs, where the search may recompute
     calibration = fitting.fit_model(
