@@ -79,7 +79,9 @@ def fit_model(
         seconds = {k: (took[never[k]].seconds, took[always[k]].seconds) for k in ks}
         measured.recompute_ratios = recompute_ratios(measured, calibration, batch_size, never, seconds)
         fitted = ", ".join(f"x{r:.2f} at K={k}" for k, r in measured.recompute_ratios.items())
-        measured.time_source += f"; recomputing a micro-batch {fitted} its forward (fitted to steps recomputing all)"
+        measured.time_source += (
+            f"; recomputing a micro-batch {fitted} its forward (fitted to what recomputing all adds to a step)"
+        )
     if replicated is not None:
         config = Config((n,), replicated.replicas, 1, "never", "gpipe")
         calibration = dataclasses.replace(
