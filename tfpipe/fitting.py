@@ -125,12 +125,14 @@ def profile_sizes(sizes: Sequence[int]) -> list[int]:
 
 
 def scale_shapes(measured: profile.Profile, batch_size: int, num_layers: int) -> dict[int, Shape]:
-    """Per micro-batch size the search uses (up to ``SCALE_PROBES``, spread in log(size)): its one-cell step, M <= 8.
+    """Per micro-batch size the search uses (up to ``SCALE_PROBES``, spread in log(size), and the layers' own three):
+    its one-cell step, M <= 8.
 
     A step's time per sample is not linear in log(size) between far sizes: on the MLP of docs/benchmarks.md, steps at
     32 and 256 samples put 64's 17% above its own step (its M=4 rows were predicted +17-22%).
     """
-    sizes = spread(sorted(measured.by_batch), SCALE_PROBES)
+    every = sorted(measured.by_batch)
+    sizes = sorted(set(spread(every, SCALE_PROBES)) | set(profile_sizes(every)))  # the latter's peaks give held bytes
     return {b: Shape(b, min(max(batch_size // b, 1), PROBE_MICRO_BATCHES), (num_layers,)) for b in sizes}
 
 

@@ -16,6 +16,11 @@ def test_spread_keeps_both_ends_and_spaces_the_rest_in_log_size():
     assert fitting.spread(sizes, 8) == sizes
     assert fitting.spread(sizes, 4) == [2, 8, 64, 256]
     assert fitting.spread([16], 3) == [16]
+    many = profile(sizes=tuple(2**i for i in range(11)))  # 1 to 1024: more sizes than SCALE_PROBES
+    stepped = list(fitting.scale_shapes(many, 1024, 3))
+    assert len(stepped) <= fitting.SCALE_PROBES + 1 and set(fitting.profile_sizes([2**i for i in range(11)])) <= set(
+        stepped
+    )
 
 
 def test_each_size_the_search_uses_is_scaled_to_its_own_step():
