@@ -21,7 +21,7 @@ LAYERS = [
     {"planning"},
     {"messages", "saving", "training", "settings", "recovery", "keras_api", "auto_plan"},
     {"model"},
-    {"analysis", "calibration", "planner", "__init__", "_aliases"},
+    {"analysis", "calibration", "fitting", "planner", "__init__", "_aliases"},
 ]
 
 
