@@ -2,11 +2,10 @@
 
 Both are measured with tfpipe's own step, on probes: ``calibrate`` runs a pipeline of one
 tiny layer per device (the cost of a task and of a step), copies a tensor between the first two
-devices (bandwidth) and times one optimizer update. ``whole_steps`` trains copies of the user's
-layers as one cell at each micro-batch size: a layer timed alone misses what a step's graph does with many micro-batches
-(tasks overlapping, kernels settled), so the layers' measured times are scaled to add up to this;
-``split_step`` trains them cut over the devices and ``replicated_step`` as one replica on each: how many devices'
-worth of compute this model gets (logical devices on one CPU share its cores), which the planner measures with them;
+devices (bandwidth) and times one optimizer update. ``split_step`` trains copies of the user's
+layers cut over devices (as one cell at each micro-batch size: a layer timed alone misses what a step's graph does with
+many micro-batches, tasks overlapping, kernels settled) and ``replicated_step`` as one replica on each device: what
+``tfpipe.fitting`` fits the planner's predictions to, timed together in rounds (``in_rounds``);
 ``configured_step`` trains them as one configuration the planner shortlisted, to time it.
 """
 
@@ -89,31 +88,6 @@ class Probe:
     seconds: float
     peak_bytes: float | None  # the step's peak above what the process held before the probe's model was made
     device_peaks: list[float] | None = None  # per device, where each has an allocator of its own (_own_allocators)
-
-
-def whole_steps(
-    layers: Sequence[keras.layers.Layer],
-    sample: Any,
-    sizes: Sequence[tuple[int, int]],
-    device: str,
-    optimizer: Any,
-    steps: int = 10,
-    warm: bool = True,
-) -> dict[int, Probe]:
-    """For each (micro-batch size b, M): copies of ``layers`` trained as one cell on ``device``, by b.
-
-    Trained with a fresh ``optimizer`` on ``sample``'s rows, tiled to b x M; the loss is the outputs' mean, so
-    any model trains. ``warm=False``: for the peak only, timed after tracing without warming up; else timed in
-    ``ROUNDS`` rounds, the sizes in turn.
-    """
-    kept: dict[Any, list] = {b: [] for b, _ in sizes}
-    probes = {
-        b: split_step(
-            layers, sample, b, m, [len(layers)], [device], optimizer, steps, warm, kept=kept[b] if warm else None
-        )
-        for b, m in sizes
-    }
-    return in_rounds(probes, kept, steps) if warm else probes
 
 
 def split_step(

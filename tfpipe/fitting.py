@@ -69,9 +69,11 @@ def fit_model(
     if measured.memory_device is not None:
         steps = {s: took[s] for s in scale.values() if s.b in held}
         if measured.memory_device != devices[0]:  # bytes read on this process's stand-in: so are the steps' peaks
-            sizes = [(s.b, s.m) for s in steps]
-            stand_in = calibration_lib.whole_steps(layers, data, sizes, measured.memory_device, optimizer, 2, False)
-            steps = {s: stand_in[s.b] for s in steps}
+            on = [measured.memory_device]  # for the peak only: two steps after tracing, without warming up
+            steps = {
+                s: calibration_lib.split_step(layers, data, s.b, s.m, list(s.cut), on, optimizer, 2, warm=False)
+                for s in steps
+            }
         fit_held_ratios(measured, steps, slots)
     if pipeline is not None:
         calibration = model_parallelism(measured, calibration, batch_size, pipeline, took[pipeline].seconds)
