@@ -52,6 +52,9 @@ flags.DEFINE_bool(
 )
 flags.DEFINE_string("memory_budget", None, "Peak bytes per device, e.g. 64MiB (default: no limit).")
 flags.DEFINE_enum("optimizer", "adam", ["adam", "sgd"], "Optimizer.")
+flags.DEFINE_list(
+    "micro_batches", [], "The M the plan may choose, e.g. 2,4 (default: every power of two up to --batch_size)."
+)
 flags.DEFINE_integer("measure", 0, "Run the top N configurations of the plan and compare.", lower_bound=0)
 flags.DEFINE_bool("grid", False, "Run the fixed grid of configurations (plan_measure.GRID) and compare.")
 flags.DEFINE_list(
@@ -85,6 +88,27 @@ def model_spec() -> dict[str, Any]:
     return {k: getattr(FLAGS, k) for k in (*keys, "optimizer")}
 
 
+def micro_batches() -> list[int] | None:
+    """--micro_batches as integers (None: the planner's default), each checked against --batch_size."""
+    if not FLAGS.micro_batches:
+        return None
+    if FLAGS.grid:
+        raise app.UsageError(
+            "--micro_batches narrows the plan's search, and --grid measures fixed M up to 16: drop one."
+        )
+    try:
+        counts = [int(m) for m in FLAGS.micro_batches]
+    except ValueError:
+        raise app.UsageError(
+            f"--micro_batches={','.join(FLAGS.micro_batches)}: give comma-separated integers, e.g. 2,4"
+        ) from None
+    if any(m < 1 or m > FLAGS.batch_size for m in counts):
+        raise app.UsageError(
+            f"--micro_batches={','.join(FLAGS.micro_batches)}: each must be 1 to --batch_size={FLAGS.batch_size}"
+        )
+    return counts
+
+
 def run_child(spec: dict[str, Any], config: dict[str, Any]) -> dict[str, Any]:
     """Measure one configuration in a fresh Python process running this script."""
     proc = subprocess.run(
@@ -107,7 +131,7 @@ def main(argv: list[str]) -> None:
         return
     if FLAGS.png and not (FLAGS.measure or FLAGS.grid):
         raise app.UsageError("--png draws measured configurations: give --measure=N or --grid too.")
-    spec = model_spec()
+    spec = dict(model_spec(), micro_batches=micro_batches())
     began = time.perf_counter()
     plan = plan_measure.make_plan(spec, FLAGS.memory_budget)
     print(f"planned in {time.perf_counter() - began:.1f} s")

@@ -55,11 +55,12 @@ def make_plan(spec: dict[str, Any], budget: str | None) -> Any:
     import tfpipe
 
     layers, x, _, _ = model_and_data(spec)
+    kwargs = dict(sample=x, optimizer=spec["optimizer"], num_micro_batches=spec.get("micro_batches"))
     if not spec.get("cluster"):
         devices = plan_devices.logical_devices(spec["devices"], spec.get("device_type", "CPU"))
-        return tfpipe.plan(layers, spec["batch_size"], devices, budget, sample=x, optimizer=spec["optimizer"])
+        return tfpipe.plan(layers, spec["batch_size"], devices, budget, **kwargs)
     with tfpipe.cluster.LocalCluster(spec["devices"]) as cluster:
-        return tfpipe.plan(layers, spec["batch_size"], cluster.devices, budget, sample=x, optimizer=spec["optimizer"])
+        return tfpipe.plan(layers, spec["batch_size"], cluster.devices, budget, **kwargs)
 
 
 def measure(config: dict[str, Any]) -> dict[str, float]:

@@ -12,6 +12,7 @@ predicted near the fastest are then timed on the devices, and the fastest measur
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Sequence
 from typing import Any
 
@@ -25,7 +26,8 @@ from tfpipe.backward.remat import REMAT_MODES, check_mode
 from tfpipe.distributed import devices as devices_lib
 from tfpipe.partition import functional
 from tfpipe.partition.sequence import layer_list
-from tfpipe.planning import joined, plans, profile, search
+from tfpipe.planning import joined, plans, search
+from tfpipe.planning import profile as profile_lib
 from tfpipe.planning.plans import Plan
 from tfpipe.planning.predict import SLOTS, Calibration, Config
 from tfpipe.step import schedule as schedule_lib
@@ -47,6 +49,7 @@ def plan(
     remats: Sequence[str] | None = None,
     replicas: bool = True,
     calibration: Calibration | None = None,
+    profile: profile_lib.Profile | None = None,
     repeats: int = 3,
     verify: int = 3,
 ) -> Plan:
@@ -58,7 +61,9 @@ def plan(
     ``input_shape`` give the input when the layers do not know it. ``optimizer``: its name
     or instance, for its slots' memory and its update's time. ``num_micro_batches``,
     ``schedules``, ``remats`` and ``replicas`` narrow the search. ``calibration``: reuse one
-    (``plan.calibration``) instead of measuring. ``verify``: time this many configurations predicted
+    (``plan.calibration``) instead of measuring the devices; with ``profile`` (``plan.profile``) too, the model's
+    measurements are reused as well, and nothing is measured before the search (e.g. to plan again under another
+    budget). ``verify``: time this many configurations predicted
     near the fastest that fit (one per K, R and schedule) on the devices and choose the fastest measured; 0 chooses by
     prediction alone. A ValueError names the smallest budget that would fit when none does.
     """
@@ -79,21 +84,29 @@ def plan(
         replicas=bool(replicas),
     )
     slots = optimizer_slots(optimizer)
-    data = profile.sample_of(layers, sample, input_shape)
+    data = profile_lib.sample_of(layers, sample, input_shape)
     sizes = search.micro_batch_sizes(batch_size, len(layer_seq), space)
+    if profile is not None and calibration is None:
+        raise ValueError(
+            "profile=plan.profile is reused with the calibration fitted to it: pass calibration=plan.calibration too."
+        )
     if calibration is None:
         calibration = calibration_lib.calibrate(device_list, optimizer)
     elif not isinstance(calibration, Calibration):
         raise TypeError(f"calibration must be a tfpipe Calibration (plan.calibration), got {calibration!r}.")
-    # each layer alone at three sizes (the smallest, the middle, the largest), the rest interpolated
-    alone = fitting.profile_sizes(sizes)
-    measured = profile.measure(layer_seq, data, alone, device_list[0], repeats=positive_int("repeats", repeats))
-    profile.fill(measured, sizes)
-    recompute = set(space.remats) != {"never"}  # what recomputing costs, where the search may recompute
-    calibration = fitting.fit_model(
-        measured, layer_seq, data, batch_size, device_list, optimizer, calibration, slots, recompute, space.replicas
-    )
-    if any(schedule_lib.batches_weights(s) for s in space.schedules):  # what one W over all micro-batches joins
+    if profile is not None:  # measured by an earlier plan of these layers, with this calibration fitted to it
+        measured = reused(profile, layer_seq)
+    else:  # each layer alone at three sizes (the smallest, the middle, the largest), the rest interpolated
+        alone = fitting.profile_sizes(sizes)
+        measured = profile_lib.measure(layer_seq, data, alone, device_list[0], repeats=positive_int("repeats", repeats))
+    profile_lib.fill(measured, sizes)
+    if profile is None:
+        recompute = set(space.remats) != {"never"}  # what recomputing costs, where the search may recompute
+        calibration = fitting.fit_model(
+            measured, layer_seq, data, batch_size, device_list, optimizer, calibration, slots, recompute, space.replicas
+        )
+    # what one W over all micro-batches joins
+    if not measured.joined_bytes and any(schedule_lib.batches_weights(s) for s in space.schedules):
         measured.joined_bytes = joined.bytes_per_sample(layer_seq, data, device_list[0])
         measured.time_source += "; one W over all micro-batches also copies the rows it joins (traced per layer)"
     candidates = search.run(measured, calibration, batch_size, space, budget, slots)
@@ -134,6 +147,18 @@ def verified(
 
     slack = search.MEMORY_SLACK if readable else 0.0
     return search.by_measured(candidates, count, time_step, budget, slack)
+
+
+def reused(profile: profile_lib.Profile, layers: Sequence[keras.layers.Layer]) -> profile_lib.Profile:
+    """A copy of ``profile`` (``plan.profile``) to plan ``layers`` with again, checked against them."""
+    if not isinstance(profile, profile_lib.Profile):
+        raise TypeError(f"profile must be a tfpipe plan's profile (plan.profile), got {type(profile).__name__}.")
+    if len(profile.weight_bytes) != len(layers):
+        raise ValueError(
+            f"profile=... was measured on {len(profile.weight_bytes)} layers but {len(layers)} are planned; pass the "
+            "profile of a plan of these layers, or leave profile out to measure them."
+        )
+    return copy.deepcopy(profile)  # the search fills sizes in: the earlier plan's profile stays as it was
 
 
 def _devices(devices: Sequence[str] | None) -> list[str]:

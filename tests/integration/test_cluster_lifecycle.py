@@ -162,6 +162,7 @@ def test_workers_die_with_a_killed_client():
     assert not _wait_gone(pids)
 
 
+@pytest.mark.heavy(seconds=40)
 def test_a_worker_that_cannot_start_is_a_clear_error_and_a_taken_port_is_retried():
     proc = run_fresh("""
         import socket

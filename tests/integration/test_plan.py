@@ -9,6 +9,7 @@ import tensorflow as tf
 
 import tfpipe
 from tests.util import cpu_devices, run_fresh
+from tfpipe.planning import search
 
 DEVICES = cpu_devices(2)
 
@@ -25,6 +26,7 @@ def planned():
     return tfpipe.plan(_layers(), 32, DEVICES, sample=x, optimizer="sgd", num_micro_batches=[1, 2, 4]), x
 
 
+@pytest.mark.heavy(seconds=50)
 def test_a_plan_names_a_configuration_that_pipeline_model_builds_and_trains(planned):
     plan, x = planned
     assert isinstance(plan, tfpipe.Plan)
@@ -32,13 +34,15 @@ def test_a_plan_names_a_configuration_that_pipeline_model_builds_and_trains(plan
     assert plan.num_micro_batches in (1, 2, 4) and plan.remat in ("always", "except_last", "never")
     assert plan.step_seconds > 0 and all(p > 0 for p in plan.peak_bytes)
     assert plan.candidates[0].prediction.step_s == plan.step_seconds
-    # every configuration tried is predicted (no budget: everything fits); those predicted near the fastest were
-    # timed on the devices, the chosen one the fastest of them
+    # every configuration tried is predicted (no budget: everything fits); those predicted near the fastest (the
+    # shortlist: one per shape) were timed on the devices, the chosen one the fastest of them. A shortlist of one is
+    # not timed: which it is depends on this machine's speeds (under the suite's load, replicas alone came near)
     timed = [c for c in plan.candidates if c.measured_s is not None]
-    assert len(timed) >= 2 and plan.candidates[: len(timed)] == timed
-    assert plan.measured_seconds == timed[0].measured_s == min(c.measured_s for c in timed)
-    fastest = min(c.prediction.step_s for c in plan.candidates)
-    assert all(c.prediction.step_s <= 1.25 * fastest for c in timed)
+    listed = search.shortlist(plan.candidates, 3)
+    assert {c.config for c in timed} == ({c.config for c in listed} if len(listed) >= 2 else set())
+    assert plan.candidates[: len(timed)] == timed
+    if timed:
+        assert plan.measured_seconds == timed[0].measured_s == min(c.measured_s for c in timed)
     model = tfpipe.PipelineModel(_layers(), plan=plan)
     assert model.balance is None or model.balance == plan.balance
     assert (model.num_partitions, model.num_micro_batches, model.remat, model.schedule) == (
@@ -76,12 +80,19 @@ def test_the_summary_says_where_each_prediction_comes_from(planned):
 
 def test_no_configuration_fits_names_the_budget_that_would_and_that_budget_fits(planned):
     plan, x = planned
+    # the plan's measurements reused: planned again under other budgets without measuring
     kwargs = dict(sample=x, optimizer="sgd", num_micro_batches=[1, 2, 4], calibration=plan.calibration)
+    kwargs["profile"] = plan.profile
     with pytest.raises(ValueError, match=r"No configuration fits memory_budget=1 KiB on every device: .* Pass "):
         tfpipe.plan(_layers(), 32, DEVICES, "1KiB", **kwargs)
     smallest = min(max(c.prediction.peak_bytes) for c in plan.candidates)
     again = tfpipe.plan(_layers(), 32, DEVICES, smallest, **kwargs)
     assert max(again.peak_bytes) <= smallest
+    # without a budget, the first plan's predictions again; its profile left as it was
+    same = tfpipe.plan(_layers(), 32, DEVICES, verify=0, **kwargs)
+    first = {c.config: c.prediction.step_s for c in plan.candidates}
+    assert {c.config: c.prediction.step_s for c in same.candidates} == pytest.approx(first, rel=1e-9)
+    assert same.profile is not plan.profile and same.calibration == plan.calibration
 
 
 def test_plan_with_settings_beside_it_is_an_error(planned):
@@ -107,16 +118,27 @@ def test_arguments_are_checked_before_anything_is_measured():
         tfpipe.plan(_layers(), 32, DEVICES, input_shape=(None, 16), schedules=["pipedream"])
 
 
+def test_a_reused_profile_is_checked_before_anything_is_measured(planned):
+    plan, x = planned
+    with pytest.raises(ValueError, match="pass calibration=plan.calibration too"):
+        tfpipe.plan(_layers(), 32, DEVICES, sample=x, profile=plan.profile)
+    with pytest.raises(TypeError, match=r"profile must be a tfpipe plan's profile \(plan.profile\), got dict"):
+        tfpipe.plan(_layers(), 32, DEVICES, sample=x, profile={}, calibration=plan.calibration)
+    with pytest.raises(ValueError, match="profile=... was measured on 6 layers but 3 are planned"):
+        tfpipe.plan(_layers()[:3], 32, DEVICES, sample=x, profile=plan.profile, calibration=plan.calibration)
+
+
+@pytest.mark.heavy(seconds=30)
 def test_plan_auto_plans_at_the_first_fit_on_its_batch_and_trains_as_planned():
     x = np.random.default_rng(0).standard_normal((64, 16)).astype("float32")
     y = np.tanh(x[:, :4])
     model = tfpipe.PipelineModel(_layers(), plan="auto", devices=DEVICES, memory_budget="1GiB")
     assert model.plan is None and model.num_partitions == 1  # one placeholder cell until fit
     model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
-    data = tf.data.Dataset.from_tensor_slices((x, y)).batch(32)
+    data = tf.data.Dataset.from_tensor_slices((x, y)).batch(8)  # a small batch: few micro-batch sizes to measure
     history = model.fit(data, epochs=4, verbose=0)
     plan = model.plan
-    assert isinstance(plan, tfpipe.Plan) and plan.batch_size == 32 and plan.memory_budget == 2**30
+    assert isinstance(plan, tfpipe.Plan) and plan.batch_size == 8 and plan.memory_budget == 2**30
     assert (model.balance, model.num_micro_batches, model.remat, model.schedule) == (
         plan.balance,
         plan.num_micro_batches,
@@ -169,6 +191,7 @@ def test_a_functional_model_is_planned():
     assert isinstance(tfpipe.plan(model, 32, DEVICES), tfpipe.Plan)
 
 
+@pytest.mark.heavy(seconds=15)
 def test_timing_a_configuration_reads_each_workers_allocator_and_the_shared_ones_total():
     # the planner's last step checks a budget against what each worker's own allocator held; logical CPUs of one
     # process share one allocator, so there is no per-device peak to read there

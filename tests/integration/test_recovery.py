@@ -54,6 +54,7 @@ def train(cluster, backup=None, save_freq="epoch", kill_at=(), on_batch=None):
 
 
 # SIGSTOP: hung, the watchdog (timeout=5) kills it; slow (55 s), as test_cluster's SIGSTOP case covers the detection
+@pytest.mark.heavy(seconds=60)
 @pytest.mark.parametrize("how", ["SIGKILL", pytest.param("SIGSTOP", marks=pytest.mark.slow)])
 def test_a_dead_or_hung_worker_is_replaced_and_the_same_fit_reaches_the_uninterrupted_weights(tmp_path, how):
     # SIGKILL: backups every 3 batches, the last inside epoch 3 (resumed after its first batch); SIGSTOP: at epoch ends.
@@ -105,6 +106,7 @@ with LocalCluster(2) as cluster:
 """
 
 
+@pytest.mark.heavy(seconds=55)
 @pytest.mark.skipif(sys.platform == "win32", reason="SIGTERM")
 def test_sigterm_writes_a_backup_stops_the_workers_and_the_same_command_resumes(tmp_path):
     backup = str(tmp_path / "backup")
@@ -133,6 +135,7 @@ def test_sigterm_writes_a_backup_stops_the_workers_and_the_same_command_resumes(
     assert not os.path.exists(backup)  # Keras deletes the backup after a finished fit
 
 
+@pytest.mark.heavy(seconds=45)
 def test_after_connect_fit_waits_for_a_restarted_worker_and_reaches_the_uninterrupted_weights(tmp_path):
     # The workers are plain TensorFlow servers this process starts itself, as a supervisor on each host would.
     proc = run_fresh(

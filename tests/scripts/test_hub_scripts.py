@@ -40,6 +40,7 @@ def _train(runs: list[list[str]], before: str = "", timeout: int = 600) -> tuple
     return json.loads(proc.stdout.split("REPORTS")[1]), proc.stdout
 
 
+@pytest.mark.heavy(seconds=35)
 def test_gpt2_and_gemma_learn_the_sort_task_in_two_cells():
     # (Llama trains across two worker processes in the benchmark test below; every causal LM: the slow sweep.)
     names = ["gpt2", "gemma"]

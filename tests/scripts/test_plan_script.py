@@ -3,6 +3,8 @@ configurations' peaks are read from the workers' own allocators, their processes
 
 import re
 
+import pytest
+
 from tests.util import run_script
 
 # | K | R | M | remat | schedule | balance | predicted ms | measured ms | error | predicted MiB | measured MiB | error
@@ -10,6 +12,7 @@ from tests.util import run_script
 ROW = re.compile(r"^\| \d+ \| \d+ \| \d+ \|")
 
 
+@pytest.mark.heavy(seconds=80)
 def test_a_plan_on_workers_is_measured_on_the_workers():
     proc = run_script(
         "plan.py",
@@ -19,6 +22,7 @@ def test_a_plan_on_workers_is_measured_on_the_workers():
         "--width=256",
         "--batch_size=128",
         "--optimizer=sgd",
+        "--micro_batches=2,4",  # a narrower search: fewer sizes to step
         "--measure=1",
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -26,7 +30,7 @@ def test_a_plan_on_workers_is_measured_on_the_workers():
     # the workers' allocators are theirs: the bytes are read on this process's CPU, and the summary says so
     assert "this process's stand-in for /job:worker/task:0/device:CPU:0" in out, out[-3000:]
     rows = [[cell.strip() for cell in line.strip("|").split("|")] for line in out.splitlines() if ROW.match(line)]
-    assert len(rows) == 1, out[-3000:]
+    assert len(rows) == 1 and rows[0][2] in ("2", "4"), out[-3000:]
     predicted_ms, measured_ms, predicted_mib, measured_mib, process_mib = (float(rows[0][i]) for i in (6, 7, 9, 10, 12))
     assert predicted_ms > 0 and measured_ms > 0
     # the workers' allocators, read over their pipes (4 layers of 256 x 256 weights, their gradients, the
@@ -40,3 +44,9 @@ def test_planning_on_a_gpu_without_one_names_the_fix():
     proc = run_script("plan.py", "--device_type=GPU", "--depth=2", "--width=16", "--batch_size=8")
     assert proc.returncode != 0
     assert "device_type='GPU': this machine has no GPU; give 'CPU'." in proc.stderr, proc.stderr[-3000:]
+
+
+def test_micro_batches_over_the_batch_name_the_fix():
+    proc = run_script("plan.py", "--micro_batches=2,16", "--depth=2", "--width=16", "--batch_size=8")
+    assert proc.returncode != 0
+    assert "--micro_batches=2,16: each must be 1 to --batch_size=8" in proc.stderr, proc.stderr[-3000:]

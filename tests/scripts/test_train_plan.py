@@ -16,6 +16,7 @@ CHOSEN = re.compile(
 )
 
 
+@pytest.mark.heavy(seconds=80)
 def test_the_plan_is_printed_and_trained():
     proc = _run("--plan", "--memory_budget=64MiB", "--epochs=1", "--steps=3", *SMALL_PLAN)
     assert proc.returncode == 0, proc.stderr[-2000:]
