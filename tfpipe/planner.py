@@ -63,9 +63,9 @@ def plan(
     ``schedules``, ``remats`` and ``replicas`` narrow the search. ``calibration``: reuse one
     (``plan.calibration``) instead of measuring the devices; with ``profile`` (``plan.profile``) too, the model's
     measurements are reused as well, and nothing is measured before the search (e.g. to plan again under another
-    budget). ``verify``: time this many configurations predicted
-    near the fastest that fit (one per K, R and schedule) on the devices and choose the fastest measured; 0 chooses by
-    prediction alone. A ValueError names the smallest budget that would fit when none does.
+    budget). ``verify``: time this many configurations predicted near the fastest that fit (one per K, R and
+    schedule) on the devices and choose the fastest measured; 0 chooses by prediction alone. A ValueError names the
+    smallest budget that would fit when none does.
     """
     if functional.is_functional(layers):
         raise ValueError(
