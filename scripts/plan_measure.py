@@ -336,7 +336,7 @@ def markdown(rows: Sequence[dict[str, Any]], spec: dict[str, Any]) -> str:
         )
     time_ok = sum(abs(r["time_error"]) <= 0.2 for r in rows)
     memory_ok = sum(abs(r["memory_error"]) <= 0.15 for r in rows)
-    model = ", ".join(f"{k}={v}" for k, v in spec.items())
+    model = ", ".join(f"{k}={v}" for k, v in spec.items() if v is not None)  # None: a default
     lines.append(
         f"\n{model}: time within 20% in {time_ok} of {len(rows)}; memory within 15% in {memory_ok} of {len(rows)}."
     )
