@@ -8,7 +8,8 @@ replica's whole batch, ``batched_w_costs``); devices that share compute
 then the optimizer's update and the step's fixed cost are added.
 
 Memory, per device: the cell's weights, one gradient per trainable weight, the
-optimizer's slots (replica 0 only), the micro-batches in flight that the schedule holds
+optimizer's slots (replica 0 only), across processes part of another copy of the gradients where a cell sums
+M > 1 micro-batches' (``RUNNING_SUM``), the micro-batches in flight that the schedule holds
 (``schedule.in_flight``), each holding the cell's input, and of those every layer's saved
 activations for the micro-batches not recomputed and for one being recomputed
 (``activations_at_once``; one recomputed within a backward call that frees as it goes counts as an inlined
@@ -33,6 +34,12 @@ from tfpipe.step.unrolled import NOINLINE_TASKS
 # gradients (their running sums go into each call and new ones come out; measured on 12 x Dense at K=2, M=16
 # against M=8: 1.57x the weights at width 256, 1.70x at 512, growing with the weights, not the activations)
 NOINLINE_GRADIENTS = 1.6
+# Where cells run in other processes and a step adds M > 1 micro-batches' weight gradients to running sums, a cell's
+# backward holds the sums it was given beside the new ones for part of its run: this share of one more copy of its
+# weights' gradients (measured on two workers, 12 x Dense(512) cut 6-6, against M=1 with the same activations:
+# 0.64 with SGD, 0.56-1.36 with Adam; fitted over both models' worker grids of docs/benchmarks.md). The grids on
+# logical devices of one process showed no such copy: there the held ratios fitted in one process account for them.
+RUNNING_SUM = 0.5
 # The share of a layer's backward that computes its weight gradients (W), where it has trainable weights: for a
 # Dense or a projection, dW and dX are products of the same size; layers without weights have no W
 WEIGHT_GRADIENT_SHARE = 0.5
@@ -223,6 +230,11 @@ def inlined(num_partitions: int, num_micro_batches: int, noinline_tasks: int = N
     return 2 * num_partitions * num_micro_batches < noinline_tasks
 
 
+def sums_gradients(num_micro_batches: int, schedule: str) -> bool:
+    """Whether a step adds its micro-batches' weight gradients to running sums: M > 1 and a W per micro-batch."""
+    return num_micro_batches > 1 and not schedule_lib.batches_weights(schedule)
+
+
 def peak_bytes(
     profile: Profile,
     batch_size: int,
@@ -239,12 +251,12 @@ def peak_bytes(
     k, m, r = config.num_partitions, config.num_micro_batches, config.num_replicas
     held_at_once, kept, ratio = holding(profile, b, k, m, config.schedule, config.remat, noinline_tasks)
     inline = inlined(k, m, noinline_tasks)
+    summed = across_processes and sums_gradients(m, config.schedule)
     out = []
     for replica in range(r):
         for i, (lo, hi) in enumerate(bounds(config.balance)):
-            peak = cell_peak(
-                profile, b, lo, hi, i == 0, held_at_once[i], kept[i], slots if replica == 0 else 0, m, ratio, inline
-            )
+            slots_here = slots if replica == 0 else 0
+            peak = cell_peak(profile, b, lo, hi, i == 0, held_at_once[i], kept[i], slots_here, m, ratio, inline, summed)
             if replica == 0 and across_processes:
                 peak += (r - 1) * sum(profile.trainable_bytes[lo:hi])
             out.append(peak)
@@ -311,15 +323,17 @@ def cell_peak(
     m: int,
     held_ratio: float = 1.0,
     inline: bool = True,
+    summed: bool = False,
 ) -> float:
     """One cell's predicted peak: layers [lo, hi) at micro-batch size ``b``.
 
     ``in_flight`` micro-batches hold the cell's input, ``kept`` hold every activation at once
     (``activations_at_once``). ``slots``: optimizer slots per trainable weight on this device (0 on replicas
     other than the first). ``held_ratio``: what a micro-batch's activations hold in a step, against the layers'
-    measured bytes. ``inline``: whether the step inlines its cells' calls (``inlined``).
+    measured bytes. ``inline``: whether the step inlines its cells' calls (``inlined``). ``summed``: whether the
+    cell adds micro-batches' weight gradients to running sums (``sums_gradients``).
     """
-    parts = cell_bytes(profile, b, lo, hi, first, slots, m, held_ratio, inline)
+    parts = cell_bytes(profile, b, lo, hi, first, slots, m, held_ratio, inline, summed)
     return parts.static + in_flight * parts.cell_input + kept * parts.activations + parts.working
 
 
@@ -344,11 +358,12 @@ def cell_bytes(
     m: int,
     held_ratio: float = 1.0,
     inline: bool = True,
+    summed: bool = False,
 ) -> CellBytes:
     """The parts of ``cell_peak`` for layers [lo, hi) at micro-batch size ``b`` (its arguments' meanings)."""
     costs = profile.costs(b)
     trainable = sum(profile.trainable_bytes[lo:hi])
-    gradients = 1.0 if inline else 1.0 + NOINLINE_GRADIENTS
+    gradients = (1.0 + (RUNNING_SUM if summed else 0.0)) if inline else 1.0 + NOINLINE_GRADIENTS
     batch = 2 * m * b * profile.input_bytes if first else 0.0
     return CellBytes(
         static=sum(profile.weight_bytes[lo:hi]) + (gradients + slots) * trainable + batch,

@@ -105,7 +105,19 @@ def run(
             profile, calibration, batch_size, Config(tuple(balance), r, m, remat, schedule), budget, slots
         )
         if not candidate.fits and k > 1:
-            cut = memory_balance(profile, times, b, k, m, remat, schedule, slots, budget, calibration.noinline_tasks)
+            cut = memory_balance(
+                profile,
+                times,
+                b,
+                k,
+                m,
+                remat,
+                schedule,
+                slots,
+                budget,
+                calibration.noinline_tasks,
+                calibration.across_processes,
+            )
             if cut is not None:
                 candidate = _evaluate(
                     profile, calibration, batch_size, Config(tuple(cut), r, m, remat, schedule), budget, slots
@@ -145,6 +157,7 @@ def memory_balance(
     slots: int,
     budget: float | None,
     noinline_tasks: int = predict.NOINLINE_TASKS,
+    across_processes: bool = False,
 ) -> list[int] | None:
     """The cut into ``k`` cells with the least largest cell time among those whose every cell's peak fits ``budget``.
 
@@ -154,6 +167,7 @@ def memory_balance(
         return None
     num_layers = len(times)
     held_at_once, kept, ratio = predict.holding(profile, b, k, m, schedule, remat, noinline_tasks)
+    summed = across_processes and predict.sums_gradients(m, schedule)
     inline = predict.inlined(k, m, noinline_tasks)
     prefix = np.concatenate([[0.0], np.cumsum(times)])
     best = np.full((k + 1, num_layers + 1), np.inf)
@@ -168,7 +182,7 @@ def memory_balance(
                 if value >= best[c, hi]:
                     continue
                 peak = predict.cell_peak(
-                    profile, b, lo, hi, c == 1, held_at_once[c - 1], kept[c - 1], slots, m, ratio, inline
+                    profile, b, lo, hi, c == 1, held_at_once[c - 1], kept[c - 1], slots, m, ratio, inline, summed
                 )
                 if peak <= budget:
                     best[c, hi], choice[c, hi] = value, lo

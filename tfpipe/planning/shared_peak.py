@@ -24,6 +24,7 @@ def shared_peak_bytes(profile: Profile, calibration: Calibration, batch_size: in
     k, m = config.num_partitions, config.num_micro_batches
     inline = predict.inlined(k, m, calibration.noinline_tasks)
     ratio = profile.held_ratio(b, inline)
+    summed = calibration.across_processes and predict.sums_gradients(m, config.schedule)
     simulated = predict.timeline(profile, calibration, batch_size, config)
     split = schedule_lib.splits_backward(config.schedule)
     # one recomputed within a backward call (``predict.activations_at_once``); a split backward hands it to W whole
@@ -34,12 +35,14 @@ def shared_peak_bytes(profile: Profile, calibration: Calibration, batch_size: in
     }
     cells = predict.bounds(config.balance)
     parts = [
-        predict.cell_bytes(profile, b, lo, hi, i == 0, slots, m, ratio, inline) for i, (lo, hi) in enumerate(cells)
+        predict.cell_bytes(profile, b, lo, hi, i == 0, slots, m, ratio, inline, summed)
+        for i, (lo, hi) in enumerate(cells)
     ]
     # every replica runs the same timeline and holds the same but its optimizer slots (the first replica's only)
     r = config.num_replicas
     static = sum(p.static for p in parts) + (r - 1) * sum(
-        predict.cell_bytes(profile, b, lo, hi, i == 0, 0, m, ratio, inline).static for i, (lo, hi) in enumerate(cells)
+        predict.cell_bytes(profile, b, lo, hi, i == 0, 0, m, ratio, inline, summed).static
+        for i, (lo, hi) in enumerate(cells)
     )
     changes: dict[float, float] = defaultdict(float)
     for task, start, end in simulated:
