@@ -187,8 +187,11 @@ def _why_lost(candidate: Candidate, chosen: Candidate, budget: float | None) -> 
     """Why ``candidate`` was not chosen: it does not fit, or how much slower it is predicted."""
     peak = max(candidate.prediction.peak_bytes)
     if not candidate.fits:
-        if candidate.measured_peak is not None:  # predicted just over, timed, and over when run too
-            return f"does not fit: its peak when timed, {gib(candidate.measured_peak)}, is over the budget"
+        if candidate.measured_peak is not None:  # predicted just over, timed, and not clearly within when run
+            return (
+                f"does not fit: predicted peak {gib(peak)} > budget {gib(budget or 0)}, and its peak when timed, "
+                f"{gib(candidate.measured_peak)}, is not {search.PEAK_SPREAD:.0%} below the budget"
+            )
         return f"does not fit: predicted peak {gib(peak)} > budget {gib(budget or 0)}"
     if candidate.measured_s == float("inf"):
         return f"ran out of memory when timed on the devices (predicted peak {gib(peak)})"
