@@ -128,7 +128,7 @@ def verified(
 
     Where the devices' peaks can be read (GPUs, a running LocalCluster's workers, logical CPUs counted by one
     allocator), one over ``budget`` goes last, and candidates predicted over it by at most ``search.MEMORY_SLACK``
-    are timed too: one that runs within it may be chosen.
+    are timed too: one that runs ``search.PEAK_SPREAD`` below it may be chosen.
     """
     if isinstance(count, bool) or not isinstance(count, int) or count < 0:
         raise ValueError(f"verify={count!r}: give how many configurations to time, or 0 to choose by prediction alone.")
