@@ -38,7 +38,7 @@ NOINLINE_GRADIENTS = 1.6
 # backward holds the sums it was given beside the new ones for part of its run: this share of one more copy of its
 # weights' gradients (measured on two workers, 12 x Dense(512) cut 6-6, against M=1 with the same activations:
 # 0.64 with SGD, 0.56-1.36 with Adam; fitted over both models' worker grids of docs/benchmarks.md). The grids on
-# logical devices of one process showed no such copy: there the held ratios fitted in one process account for them.
+# logical devices of one process showed no such copy (what one holds there, the held ratios fitted in it absorb).
 RUNNING_SUM = 0.5
 # The share of a layer's backward that computes its weight gradients (W), where it has trainable weights: for a
 # Dense or a projection, dW and dX are products of the same size; layers without weights have no W

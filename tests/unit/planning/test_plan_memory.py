@@ -164,7 +164,7 @@ def test_across_processes_the_first_replica_holds_the_others_gradients_as_copies
 )
 def test_across_processes_a_cell_summing_micro_batches_gradients_holds_part_of_another_copy(schedule, m, summed):
     # measured on two workers (12 x Dense(512) cut 6-6, M > 1): each cell held 0.56-1.36 more copies of its gradients
-    # than at M=1 with the same activations; in one process the running sums are added in place
+    # than at M=1 with the same activations; the grids on logical devices of one process showed no such copy
     prof = profile()
     config = Config((2, 1), 1, m, "never", schedule)
     local = predict.peak_bytes(prof, 8, config, 2)
