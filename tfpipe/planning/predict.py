@@ -230,9 +230,10 @@ def inlined(num_partitions: int, num_micro_batches: int, noinline_tasks: int = N
     return 2 * num_partitions * num_micro_batches < noinline_tasks
 
 
-def sums_gradients(num_micro_batches: int, schedule: str) -> bool:
-    """Whether a step adds its micro-batches' weight gradients to running sums: M > 1 and a W per micro-batch."""
-    return num_micro_batches > 1 and not schedule_lib.batches_weights(schedule)
+def holds_running_sums(num_micro_batches: int, schedule: str, across_processes: bool) -> bool:
+    """Whether a cell holds part of another copy of its gradients beside their running sums (``RUNNING_SUM``): its
+    cells are in other processes, M > 1, and a W per micro-batch adds to the sums."""
+    return across_processes and num_micro_batches > 1 and not schedule_lib.batches_weights(schedule)
 
 
 def peak_bytes(
@@ -251,7 +252,7 @@ def peak_bytes(
     k, m, r = config.num_partitions, config.num_micro_batches, config.num_replicas
     held_at_once, kept, ratio = holding(profile, b, k, m, config.schedule, config.remat, noinline_tasks)
     inline = inlined(k, m, noinline_tasks)
-    summed = across_processes and sums_gradients(m, config.schedule)
+    summed = holds_running_sums(m, config.schedule, across_processes)
     out = []
     for replica in range(r):
         for i, (lo, hi) in enumerate(bounds(config.balance)):
@@ -331,7 +332,7 @@ def cell_peak(
     (``activations_at_once``). ``slots``: optimizer slots per trainable weight on this device (0 on replicas
     other than the first). ``held_ratio``: what a micro-batch's activations hold in a step, against the layers'
     measured bytes. ``inline``: whether the step inlines its cells' calls (``inlined``). ``summed``: whether the
-    cell adds micro-batches' weight gradients to running sums (``sums_gradients``).
+    cell holds part of another copy of its gradients beside their running sums (``holds_running_sums``).
     """
     parts = cell_bytes(profile, b, lo, hi, first, slots, m, held_ratio, inline, summed)
     return parts.static + in_flight * parts.cell_input + kept * parts.activations + parts.working

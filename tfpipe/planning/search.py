@@ -171,7 +171,7 @@ def memory_balance(
         return None
     num_layers = len(times)
     held_at_once, kept, ratio = predict.holding(profile, b, k, m, schedule, remat, noinline_tasks)
-    summed = across_processes and predict.sums_gradients(m, schedule)
+    summed = predict.holds_running_sums(m, schedule, across_processes)
     inline = predict.inlined(k, m, noinline_tasks)
     prefix = np.concatenate([[0.0], np.cumsum(times)])
     best = np.full((k + 1, num_layers + 1), np.inf)

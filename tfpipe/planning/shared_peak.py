@@ -24,7 +24,7 @@ def shared_peak_bytes(profile: Profile, calibration: Calibration, batch_size: in
     k, m = config.num_partitions, config.num_micro_batches
     inline = predict.inlined(k, m, calibration.noinline_tasks)
     ratio = profile.held_ratio(b, inline)
-    summed = calibration.across_processes and predict.sums_gradients(m, config.schedule)
+    summed = predict.holds_running_sums(m, config.schedule, calibration.across_processes)
     simulated = predict.timeline(profile, calibration, batch_size, config)
     split = schedule_lib.splits_backward(config.schedule)
     # one recomputed within a backward call (``predict.activations_at_once``); a split backward hands it to W whole
