@@ -183,7 +183,7 @@ finally:
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = proc.stdout.split("RESULT")[1].split()
-    assert " ".join(result[:4]) == "[0, 1, 2, 3]" and float(result[4]) < 1e-6, proc.stdout[-2000:]
     logged = [line for line in proc.stderr.splitlines() if "reconnecting (restart 1 of 1)" in line]
+    assert " ".join(result[:4]) == "[0, 1, 2, 3]" and float(result[4]) < 1e-6, (proc.stdout[-2000:], logged)
     assert len(logged) == 1 and "worker task 1 at localhost:" in logged[0], proc.stderr[-3000:]
     assert "at epoch 3, batch 0." in logged[0]

@@ -62,10 +62,12 @@ from tfpipe._compat.tensorflow import (
     send,
     tensorflow_gradient,
     tpu_cores_per_replica,
+    wait_for_ops,
     wrap_function,
 )
 
 __all__ = [
+    "wait_for_ops",
     "BATCHES_DONE",
     "backup_point",
     "has_backup",

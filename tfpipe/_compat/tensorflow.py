@@ -311,6 +311,12 @@ def reconnect() -> None:
     _tf_context.set_server_def(server_def)
 
 
+def wait_for_ops() -> None:
+    """Block until every op this process has sent, to its own devices and to the workers, has run
+    (``context.async_wait``: TensorFlow exports no public way to wait for remote ops)."""
+    _tf_context.async_wait()
+
+
 def own_address() -> str | None:
     """The host:port this process's own task has in the cluster it is connected to (its server listens there once
     it exchanges tensors with the workers); None when not connected."""

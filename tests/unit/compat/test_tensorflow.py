@@ -281,6 +281,17 @@ def test_own_address_is_none_before_this_process_connects_to_a_cluster():
     assert _compat.own_address() is None
 
 
+def test_wait_for_ops_returns_once_async_ops_ran_and_raises_their_errors():
+    reached = []
+    with pytest.raises(tf.errors.InvalidArgumentError, match="not finite"):
+        with tf.experimental.async_scope():  # ops return before they run, as ops sent to a worker do
+            tf.debugging.check_numerics(tf.constant(float("inf")), "not finite")
+            _compat.wait_for_ops()
+            reached.append(True)
+    assert not reached
+    tf.experimental.async_clear_error()
+
+
 def test_run_independently_takes_an_op_out_of_the_chain_of_stateful_ops_that_touch_no_variable():
     def step(exempt):
         first = tf.raw_ops.Timestamp()  # stateful, no inputs: tf.function chains such ops in the order made
