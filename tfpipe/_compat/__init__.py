@@ -67,12 +67,12 @@ from tfpipe._compat.tensorflow import (
 )
 
 __all__ = [
-    "wait_for_ops",
     "BATCHES_DONE",
     "backup_point",
     "has_backup",
     "remake_variable",
     "reconnect",
+    "wait_for_ops",
     "own_address",
     "optimizer_key",
     "rekey_optimizer",
