@@ -15,6 +15,7 @@ are taken from the layer's output sizes instead, and ``Profile.memory_source`` s
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import math
 import os
@@ -220,8 +221,10 @@ def measure(
     weights: list[float] = []
     trainable: list[float] = []
     outputs: list[float] = []
+    kinds: list[str | None] = []
     input_bytes = 0.0
     for copy, x_in, y, measured in _each_layer(layers, sample, sizes[-1], device):
+        kinds.append(kind_of(copy, x_in))
         if not outputs:
             input_bytes = _bytes(x_in) / sizes[-1]  # the first layer's input is the model's
         out = _bytes(y) / sizes[-1]
@@ -252,7 +255,40 @@ def measure(
                     by_batch[b].held_bytes[i], by_batch[b].working_bytes[i] = measured.held(_rows(x_in, b), memory)
         finally:
             logger.setLevel(level)
+    for costs in by_batch.values():
+        tie_alike(costs, kinds)
     return Profile(device, weights, trainable, input_bytes, outputs, by_batch, source, read_on)
+
+
+def kind_of(layer: keras.layers.Layer, inputs: Any) -> str | None:
+    """What makes two layers do the same work: class, configuration but the name, inputs' shapes and dtypes; None
+    where the layer has no configuration to compare."""
+    try:
+        config = dict(layer.get_config())
+    except NotImplementedError:
+        return None
+    config.pop("name", None)
+    shapes = [(tuple(t.shape), t.dtype.name) for t in tf.nest.flatten(inputs)]
+    kind = [type(layer).__module__, type(layer).__qualname__, config, shapes]
+    return json.dumps(kind, sort_keys=True, default=repr)
+
+
+def tie_alike(costs: LayerCosts, kinds: Sequence[str | None]) -> None:
+    """Give layers of the same kind their mean forward and backward times.
+
+    Alike layers do the same work, but each is timed alone for well under a millisecond at small micro-batches:
+    on a worker, 12 Dense(512) at 16 rows measured 0 to 0.25 ms forward each, and the plan cut them 7-5. The mean
+    keeps the layers' total.
+    """
+    groups: dict[str, list[int]] = {}
+    for i, kind in enumerate(kinds):
+        if kind is not None:
+            groups.setdefault(kind, []).append(i)
+    for members in groups.values():
+        for times in (costs.forward_s, costs.backward_s):
+            mean = float(np.mean([times[i] for i in members]))
+            for i in members:
+                times[i] = mean
 
 
 def _each_layer(layers: Sequence[keras.layers.Layer], sample: Any, rows: int, device: str) -> Iterator[Any]:

@@ -1,0 +1,38 @@
+"""What the planner measures per layer: alike layers (same class, configuration and inputs) share their times."""
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from tfpipe.planning import profile as profile_lib
+
+
+def test_alike_layers_get_their_mean_times_and_the_total_is_kept():
+    costs = profile_lib.LayerCosts([1.0, 5.0, 3.0, 7.0, 2.0], [2.0, 1.0, 4.0, 9.0, 0.0], [1.0] * 5, [0.0] * 5)
+    profile_lib.tie_alike(costs, ["dense", "norm", "dense", None, "dense"])
+    assert costs.forward_s == [2.0, 5.0, 2.0, 7.0, 2.0]  # the three alike layers share 6.0; the others keep theirs
+    assert costs.backward_s == [2.0, 1.0, 2.0, 9.0, 2.0]
+    assert costs.held_bytes == [1.0] * 5  # bytes are read from the allocator, not timed: left as measured
+
+
+def test_a_layers_kind_is_its_class_configuration_and_inputs_not_its_name():
+    x8, x4 = tf.zeros((2, 8)), tf.zeros((2, 4))
+    first, second = keras.layers.Dense(8, name="first"), keras.layers.Dense(8, name="second")
+    assert profile_lib.kind_of(first, x8) == profile_lib.kind_of(second, x8)
+    assert profile_lib.kind_of(first, x8) != profile_lib.kind_of(first, x4)  # another input: other work
+    assert profile_lib.kind_of(first, x8) != profile_lib.kind_of(keras.layers.Dense(16), x8)
+    assert profile_lib.kind_of(first, x8) != profile_lib.kind_of(keras.layers.Dense(8, activation="tanh"), x8)
+
+    class Unconfigured(keras.layers.Layer):
+        def get_config(self):
+            raise NotImplementedError
+
+    assert profile_lib.kind_of(Unconfigured(), x8) is None  # compared with nothing: timed on its own
+
+
+def test_a_measured_profile_gives_alike_layers_one_time_and_others_their_own():
+    layers = [keras.layers.Dense(64, activation="tanh") for _ in range(4)] + [keras.layers.Dense(8)]
+    measured = profile_lib.measure(layers, np.zeros((16, 64), "float32"), [4, 16], "/CPU:0", repeats=3)
+    for costs in measured.by_batch.values():
+        assert len(set(costs.forward_s[:4])) == 1 and len(set(costs.backward_s[:4])) == 1
+        assert costs.forward_s[4] != costs.forward_s[0]  # Dense(8) is timed alone
