@@ -190,7 +190,7 @@ def forget_steps(model: keras.Model) -> None:
     Where that fell during the restore, the run went wrong: under load (three runs at once beside a busy core),
     3 of 72 recoveries after ``connect()`` either failed restoring the backup (``Tried to remove non-existent
     function``) or silently kept the restarted worker's last layer at its placeholder zeros. Collected before the
-    new connection and again before the restore, after every op made so far ran (``remake``): 72 of 72 right.
+    new connection, and again before the restore with every op made so far run (``remake``): 72 of 72 right.
     """
     model.train_function = model.test_function = model.predict_function = None
     gc.collect()
@@ -210,8 +210,8 @@ def remake(model: keras.Model, placed: list[Placed], seeds: dict[int, np.ndarray
         _compat.rekey_optimizer(
             model.optimizer, {p.key: _compat.optimizer_key(model.optimizer, p.variable) for p in placed}
         )
-    model._remake_pipeline()  # noqa: SLF001
-    forget_steps(model)  # the old variables' and pipeline's garbage, before Keras' callback restores the backup
+    model._remake_pipeline()  # noqa: SLF001  (drops the step functions too)
+    gc.collect()  # the old variables' and pipeline's garbage, before Keras' callback restores the backup (forget_steps)
     _compat.wait_for_ops()  # and every op made so far run, the placeholders' assignments among them
 
 
