@@ -2,12 +2,8 @@
 
 from __future__ import annotations
 
-import collections
-import ctypes
 import json
 import os
-import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -17,6 +13,8 @@ from typing import Any
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
 from absl import app, flags  # noqa: E402
+
+from tfpipe.scripts.soak_processes import fd_kinds, free_port, sample, start_servers, thread_pools  # noqa: E402
 
 FLAGS = flags.FLAGS
 flags.DEFINE_integer("steps", 2000, "Training steps per mode.", lower_bound=1)
@@ -35,54 +33,20 @@ flags.DEFINE_list("modes", ["local", "connect"], "local: LocalCluster(2); connec
 flags.DEFINE_string("out", None, "Write the samples to OUT.csv, the summary to OUT.md and the RSS plot to OUT.png.")
 flags.DEFINE_float("max_growth_mb", 50.0, "Target: resident memory grows less than this per process after warm-up.")
 flags.DEFINE_integer("seed", 0, "Seed for the weights and the data.")
+flags.DEFINE_float(
+    "idle_s",
+    60.0,
+    "After the fit, keep the cluster idle this long and sample every process once more (0: no idle sample): "
+    "shows whether a thread a pool started under load is retired once the load stops.",
+    lower_bound=0.0,
+)
 flags.DEFINE_string("_child", None, "Internal: train one mode in this process (JSON configuration).")
 
 MODES = ("local", "connect")
-FIELDS = ("mode", "step", "process", "pid", "rss_mb", "threads", "fds", "elapsed_s")
+FIELDS = ("mode", "step", "idle_s", "process", "pid", "rss_mb", "threads", "fds", "elapsed_s")
 MODEL_FLAGS = ("steps", "sample_every", "steps_per_epoch", "micro_batches", "width", "depth", "batch_size", "seed")
-START_TIMEOUT = 60.0  # seconds for a connect-mode server to accept connections
-# What a user runs on each worker host (docs/guide/clusters.md, "On several hosts"): a plain TensorFlow server.
-SERVER_CODE = (
-    "import sys, tensorflow as tf; "
-    "tf.distribute.Server(tf.train.ClusterSpec({'worker': sys.argv[1].split(',')}), job_name='worker', "
-    "task_index=int(sys.argv[2])).join()"
-)
-
-
-def sample(pid: int) -> tuple[float, int, int]:
-    """(resident MB, threads, open file descriptors) of ``pid``, from Linux's /proc."""
-    status = {}
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            key, _, value = line.partition(":")
-            status[key] = value.split()
-    return int(status["VmRSS"][0]) / 1024, int(status["Threads"][0]), len(os.listdir(f"/proc/{pid}/fd"))
-
-
-def fd_kinds(pid: int) -> dict[str, int]:
-    """Open descriptors of ``pid`` by what they point at: socket, pipe, anon_inode:[...], or a file's path."""
-    kinds: collections.Counter[str] = collections.Counter()
-    for fd in os.listdir(f"/proc/{pid}/fd"):
-        try:
-            target = os.readlink(f"/proc/{pid}/fd/{fd}")
-        except OSError:  # closed meanwhile (or the listing's own descriptor)
-            continue
-        kinds[target.split(":")[0] if target.startswith(("socket:", "pipe:")) else target] += 1
-    return dict(kinds)
-
-
-def thread_pools(pid: int) -> dict[str, int]:
-    """Threads of ``pid`` by Linux thread name, a trailing number dropped ('grpc_global_tim', 'tf_inter_op')."""
-    from tfpipe.scripts.report import pool_name
-
-    pools: collections.Counter[str] = collections.Counter()
-    for tid in os.listdir(f"/proc/{pid}/task"):
-        try:
-            with open(f"/proc/{pid}/task/{tid}/comm") as f:
-                pools[pool_name(f.read().strip())] += 1
-        except OSError:  # the thread ended
-            continue
-    return dict(pools)
+MODEL_FLAGS += ("idle_s",)
+IDLE = "idle"  # the label of the descriptor and thread counts taken after the idle wait
 
 
 class Sampler:
@@ -94,16 +58,17 @@ class Sampler:
         self.fds: dict[str, dict[str, dict[str, int]]] = {}  # step label -> process -> descriptor kind -> count
         self.threads: dict[str, dict[str, dict[str, int]]] = {}  # step label -> process -> thread name -> count
 
-    def take(self) -> None:
-        """One sample of every process at the current step."""
-        elapsed = time.monotonic() - self.start
+    def take(self, idle_s: float = 0.0) -> None:
+        """One sample of every process at the current step (``idle_s``: after that long idle since the last step)."""
+        elapsed = round(time.monotonic() - self.start, 3)
         for name, pid in self.pids.items():
             rss, threads, fds = sample(pid)
-            row = {"mode": self.mode, "step": self.step, "process": name, "pid": pid, "rss_mb": round(rss, 2)}
-            self.rows.append({**row, "threads": threads, "fds": fds, "elapsed_s": round(elapsed, 3)})
-        if self.step in (FLAGS.warmup_steps, FLAGS.steps):
-            self.fds[str(self.step)] = {name: fd_kinds(pid) for name, pid in self.pids.items()}
-            self.threads[str(self.step)] = {name: thread_pools(pid) for name, pid in self.pids.items()}
+            row = {"mode": self.mode, "step": self.step, "idle_s": idle_s, "process": name, "pid": pid}
+            self.rows.append({**row, "rss_mb": round(rss, 2), "threads": threads, "fds": fds, "elapsed_s": elapsed})
+        label = IDLE if idle_s else str(self.step)
+        if idle_s or self.step in (FLAGS.warmup_steps, FLAGS.steps):
+            self.fds[label] = {name: fd_kinds(pid) for name, pid in self.pids.items()}
+            self.threads[label] = {name: thread_pools(pid) for name, pid in self.pids.items()}
 
     def on_step(self) -> None:
         """After each training step."""
@@ -142,6 +107,9 @@ def soak(mode: str, devices: list[str], worker_pids: list[int]) -> dict[str, Any
         verbose=0,
         callbacks=[keras.callbacks.LambdaCallback(on_train_batch_end=lambda batch, logs: sampler.on_step())],
     )
+    if FLAGS.idle_s:
+        time.sleep(FLAGS.idle_s)  # the cluster kept: nothing sent but the watchdog's status calls
+        sampler.take(idle_s=FLAGS.idle_s)
     loss = history.history["loss"]
     print(f"{mode}: {sampler.step} steps on {devices}; loss {loss[0]:.4f} -> {loss[-1]:.4f}", flush=True)
     return {"rows": sampler.rows, "fds": sampler.fds, "threads": sampler.threads, "loss": [loss[0], loss[-1]]}
@@ -162,52 +130,6 @@ def child(config: dict[str, Any]) -> None:
         result = soak("connect", devices, config["pids"])
     with open(config["result"], "w") as f:
         json.dump(result, f)
-
-
-def _die_with_parent() -> None:
-    """In a server: get SIGKILL when this script dies, so that no server outlives it (Linux)."""
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
-
-
-def free_port() -> int:
-    """A loopback port that was free a moment ago."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start_servers(addresses: list[str], logs: list[Any]) -> list[subprocess.Popen]:
-    """Start one plain TensorFlow server per address, as a user does on each worker host; wait until each serves."""
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL=os.environ.get("TF_CPP_MIN_LOG_LEVEL", "3"))
-    servers = []
-    for task in range(len(addresses)):
-        logs.append(tempfile.TemporaryFile(mode="w+"))
-        servers.append(
-            subprocess.Popen(
-                [sys.executable, "-c", SERVER_CODE, ",".join(addresses), str(task)],
-                stdout=subprocess.DEVNULL,
-                stderr=logs[-1],
-                env=env,
-                preexec_fn=_die_with_parent,
-            )
-        )
-    for task, (address, server) in enumerate(zip(addresses, servers)):
-        host, port = address.rsplit(":", 1)
-        deadline = time.monotonic() + START_TIMEOUT
-        while True:
-            try:
-                socket.create_connection((host, int(port)), timeout=1).close()
-                break
-            except OSError:
-                if server.poll() is not None or time.monotonic() > deadline:
-                    logs[task].seek(0)
-                    tail = " | ".join(logs[task].read().strip().splitlines()[-3:]) or "no output"
-                    raise RuntimeError(f"Server task {task} at {address} did not start: {tail}") from None
-                time.sleep(0.2)
-    return servers
 
 
 def run_mode(mode: str) -> dict[str, Any]:
@@ -238,30 +160,42 @@ def run_mode(mode: str) -> dict[str, Any]:
                 log.close()
 
 
+def training(rows: list[dict[str, Any]], mode: str, process: str) -> list[dict[str, Any]]:
+    """The samples of ``process`` in ``mode`` taken while training (the idle sample left out), in step order."""
+    return [r for r in rows if r["mode"] == mode and r["process"] == process and not r.get("idle_s")]
+
+
 def summarize(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Per mode and process: the sample at warm-up and the last, the growth, and the verdict against the target."""
+    """Per mode and process: the samples at warm-up, at the last step and after idling; the growth and the verdict."""
     found = []
     for mode in dict.fromkeys(r["mode"] for r in rows):
         for process in dict.fromkeys(r["process"] for r in rows if r["mode"] == mode):
-            mine = [r for r in rows if r["mode"] == mode and r["process"] == process]
+            mine = training(rows, mode, process)
             first = next(r for r in mine if r["step"] == FLAGS.warmup_steps)
             last = mine[-1]
+            idle = next((r for r in rows if r["mode"] == mode and r["process"] == process and r.get("idle_s")), None)
             growth = {key: last[key] - first[key] for key in ("rss_mb", "threads", "fds")}
             ok = growth["rss_mb"] < FLAGS.max_growth_mb and growth["threads"] <= 0 and growth["fds"] <= 0
-            found.append({"mode": mode, "process": process, "first": first, "last": last, "growth": growth, "ok": ok})
+            found.append(
+                {"mode": mode, "process": process, "first": first, "last": last, "idle": idle}
+                | {"growth": growth, "ok": ok}
+            )
     return found
 
 
 def step_ms(rows: list[dict[str, Any]], mode: str) -> float:
     """Mean milliseconds per step from the warm-up sample to the last (sampling included)."""
-    mine = [r for r in rows if r["mode"] == mode and r["process"] == "client"]
+    mine = training(rows, mode, "client")
     first = next(r for r in mine if r["step"] == FLAGS.warmup_steps)
     return 1e3 * (mine[-1]["elapsed_s"] - first["elapsed_s"]) / max(mine[-1]["step"] - first["step"], 1)
 
 
-def changes(counts: dict[str, dict[str, dict[str, int]]]) -> dict[str, str]:
-    """Per process, the descriptor kinds or thread names whose count changed from warm-up to the end ('socket +2')."""
-    before, after = counts.get(str(FLAGS.warmup_steps), {}), counts.get(str(FLAGS.steps), {})
+def changes(counts: dict[str, dict[str, dict[str, int]]], end: str = "") -> dict[str, str]:
+    """Per process, the descriptor kinds or thread names whose count changed from warm-up to ``end`` ('socket +2').
+
+    ``end``: a label of ``counts``, the last step's by default (``IDLE``: after the idle wait).
+    """
+    before, after = counts.get(str(FLAGS.warmup_steps), {}), counts.get(end or str(FLAGS.steps), {})
     changes = {}
     for process in after:
         a, b = before.get(process, {}), after[process]
@@ -272,37 +206,44 @@ def changes(counts: dict[str, dict[str, dict[str, int]]]) -> dict[str, str]:
 
 
 def markdown(rows: list[dict[str, Any]], results: dict[str, dict[str, Any]]) -> str:
-    """The summary table, step times, losses and any descriptors that changed."""
-    w, end = FLAGS.warmup_steps, FLAGS.steps
+    """The summary table, step times, losses, and the descriptors and threads that changed."""
+    w, end, idle = FLAGS.warmup_steps, FLAGS.steps, f"{FLAGS.idle_s:g} s idle"
     spe = min(FLAGS.steps_per_epoch, FLAGS.steps)
     lines = [
         f"Soak: {end} steps of an MLP ({FLAGS.depth} x Dense({FLAGS.width}, tanh) + Dense(1), batch "
         f"{FLAGS.batch_size}, SGD, mse), K=2 on two worker processes, M={FLAGS.micro_batches}; one `fit` over a "
         f"repeated `tf.data` dataset, {end // spe} epochs of {spe} steps; every process sampled every "
-        f"{FLAGS.sample_every} steps (/proc: VmRSS, Threads, fd). `local`: `LocalCluster(num_workers=2)`; "
+        f"{FLAGS.sample_every} steps (/proc: VmRSS, Threads, fd)"
+        + (f", and once more after {idle}, the cluster kept" if FLAGS.idle_s else "")
+        + ". `local`: `LocalCluster(num_workers=2)`; "
         "`connect`: two plain `tf.distribute.Server` processes on loopback, joined with `connect()`. "
         f"Target: from step {w} to step {end}, RSS growth < {FLAGS.max_growth_mb:g} MB per process and no growth "
         "in threads or descriptors. (MB = 2^20 bytes.)",
         "",
-        f"| mode | process | RSS at {w} (MB) | RSS at {end} (MB) | growth (MB) | threads {w} -> {end} "
-        f"| fds {w} -> {end} | verdict |",
+        f"| mode | process | RSS at {w} (MB) | RSS at {end} (MB) | growth (MB) | threads {w} -> {end}"
+        + (f" (after {idle})" if FLAGS.idle_s else "")
+        + f" | fds {w} -> {end} | verdict |",
         "|---|---|---|---|---|---|---|---|",
     ]
     for s in summarize(rows):
-        a, b, g = s["first"], s["last"], s["growth"]
+        a, b, g, i = s["first"], s["last"], s["growth"], s["idle"]
         lines.append(
             f"| {s['mode']} | {s['process']} | {a['rss_mb']:.1f} | {b['rss_mb']:.1f} | {g['rss_mb']:+.1f} | "
-            f"{a['threads']} -> {b['threads']} | {a['fds']} -> {b['fds']} | {'PASS' if s['ok'] else 'FAIL'} |"
+            f"{a['threads']} -> {b['threads']}" + (f" ({i['threads']})" if i else "") + " | "
+            f"{a['fds']} -> {b['fds']} | {'PASS' if s['ok'] else 'FAIL'} |"
         )
     lines.append("")
     for mode, result in results.items():
         fds, threads = changes(result["fds"]), changes(result["threads"])
+        held = changes(result["threads"], IDLE) if IDLE in result["threads"] else None
         lines.append(
             f"- `{mode}`: {step_ms(rows, mode):.1f} ms per step after warm-up; loss {result['loss'][0]:.4f} -> "
             f"{result['loss'][1]:.4f}; from step {w} to {end}, descriptors that changed: "
             + ("; ".join(f"{p}: {c}" for p, c in fds.items()) if fds else "none")
             + "; threads that changed (by name): "
             + ("; ".join(f"{p}: {c}" for p, c in threads.items()) if threads else "none")
+            + ("" if held is None else f"; from step {w} to after {idle}: ")
+            + ("" if held is None else "; ".join(f"{p}: {c}" for p, c in held.items()) if held else "none")
         )
     return "\n".join(lines)
 
@@ -321,7 +262,7 @@ def plot(rows: list[dict[str, Any]], path: str) -> None:
     fig, axes = plt.subplots(2, len(modes), figsize=(6 * len(modes), 7), sharex=True, sharey="row", squeeze=False)
     for col, mode in enumerate(modes):
         for process in dict.fromkeys(r["process"] for r in rows if r["mode"] == mode):
-            mine = [r for r in rows if r["mode"] == mode and r["process"] == process]
+            mine = training(rows, mode, process)
             base = next(r["rss_mb"] for r in mine if r["step"] == FLAGS.warmup_steps)
             steps = [r["step"] for r in mine]
             axes[0][col].plot(steps, [r["rss_mb"] for r in mine], marker=".", label=process)
