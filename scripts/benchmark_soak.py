@@ -44,8 +44,17 @@ flags.DEFINE_string("_child", None, "Internal: train one mode in this process (J
 
 MODES = ("local", "connect")
 FIELDS = ("mode", "step", "idle_s", "process", "pid", "rss_mb", "threads", "fds", "elapsed_s")
-MODEL_FLAGS = ("steps", "sample_every", "steps_per_epoch", "micro_batches", "width", "depth", "batch_size", "seed")
-MODEL_FLAGS += ("idle_s",)
+MODEL_FLAGS = (
+    "steps",
+    "sample_every",
+    "steps_per_epoch",
+    "micro_batches",
+    "width",
+    "depth",
+    "batch_size",
+    "seed",
+    "idle_s",
+)
 IDLE = "idle"  # the label of the descriptor and thread counts taken after the idle wait
 
 
@@ -205,6 +214,11 @@ def changes(counts: dict[str, dict[str, dict[str, int]]], end: str = "") -> dict
     return changes
 
 
+def listed(found: dict[str, str]) -> str:
+    """What ``changes`` found, one process after another ('worker 1: event_engine +1'), or 'none'."""
+    return "; ".join(f"{process}: {change}" for process, change in found.items()) or "none"
+
+
 def markdown(rows: list[dict[str, Any]], results: dict[str, dict[str, Any]]) -> str:
     """The summary table, step times, losses, and the descriptors and threads that changed."""
     w, end, idle = FLAGS.warmup_steps, FLAGS.steps, f"{FLAGS.idle_s:g} s idle"
@@ -234,16 +248,14 @@ def markdown(rows: list[dict[str, Any]], results: dict[str, dict[str, Any]]) -> 
         )
     lines.append("")
     for mode, result in results.items():
-        fds, threads = changes(result["fds"]), changes(result["threads"])
-        held = changes(result["threads"], IDLE) if IDLE in result["threads"] else None
+        after_idle = f"; from step {w} to after {idle}: " + listed(changes(result["threads"], IDLE))
         lines.append(
             f"- `{mode}`: {step_ms(rows, mode):.1f} ms per step after warm-up; loss {result['loss'][0]:.4f} -> "
             f"{result['loss'][1]:.4f}; from step {w} to {end}, descriptors that changed: "
-            + ("; ".join(f"{p}: {c}" for p, c in fds.items()) if fds else "none")
+            + listed(changes(result["fds"]))
             + "; threads that changed (by name): "
-            + ("; ".join(f"{p}: {c}" for p, c in threads.items()) if threads else "none")
-            + ("" if held is None else f"; from step {w} to after {idle}: ")
-            + ("" if held is None else "; ".join(f"{p}: {c}" for p, c in held.items()) if held else "none")
+            + listed(changes(result["threads"]))
+            + (after_idle if IDLE in result["threads"] else "")
         )
     return "\n".join(lines)
 
