@@ -169,9 +169,9 @@ def run_mode(mode: str) -> dict[str, Any]:
                 log.close()
 
 
-def training(rows: list[dict[str, Any]], mode: str, process: str) -> list[dict[str, Any]]:
-    """The samples of ``process`` in ``mode`` taken while training (the idle sample left out), in step order."""
-    return [r for r in rows if r["mode"] == mode and r["process"] == process and not r.get("idle_s")]
+def samples(rows: list[dict[str, Any]], mode: str, process: str, idle: bool = False) -> list[dict[str, Any]]:
+    """The samples of ``process`` in ``mode`` taken while training, in step order; ``idle``: the one after idling."""
+    return [r for r in rows if r["mode"] == mode and r["process"] == process and bool(r.get("idle_s")) == idle]
 
 
 def summarize(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -179,22 +179,29 @@ def summarize(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     found = []
     for mode in dict.fromkeys(r["mode"] for r in rows):
         for process in dict.fromkeys(r["process"] for r in rows if r["mode"] == mode):
-            mine = training(rows, mode, process)
+            mine = samples(rows, mode, process)
             first = next(r for r in mine if r["step"] == FLAGS.warmup_steps)
             last = mine[-1]
-            idle = next((r for r in rows if r["mode"] == mode and r["process"] == process and r.get("idle_s")), None)
+            idle = next(iter(samples(rows, mode, process, idle=True)), None)
             growth = {key: last[key] - first[key] for key in ("rss_mb", "threads", "fds")}
             ok = growth["rss_mb"] < FLAGS.max_growth_mb and growth["threads"] <= 0 and growth["fds"] <= 0
             found.append(
-                {"mode": mode, "process": process, "first": first, "last": last, "idle": idle}
-                | {"growth": growth, "ok": ok}
+                {
+                    "mode": mode,
+                    "process": process,
+                    "first": first,
+                    "last": last,
+                    "idle": idle,
+                    "growth": growth,
+                    "ok": ok,
+                }
             )
     return found
 
 
 def step_ms(rows: list[dict[str, Any]], mode: str) -> float:
     """Mean milliseconds per step from the warm-up sample to the last (sampling included)."""
-    mine = training(rows, mode, "client")
+    mine = samples(rows, mode, "client")
     first = next(r for r in mine if r["step"] == FLAGS.warmup_steps)
     return 1e3 * (mine[-1]["elapsed_s"] - first["elapsed_s"]) / max(mine[-1]["step"] - first["step"], 1)
 
@@ -274,7 +281,7 @@ def plot(rows: list[dict[str, Any]], path: str) -> None:
     fig, axes = plt.subplots(2, len(modes), figsize=(6 * len(modes), 7), sharex=True, sharey="row", squeeze=False)
     for col, mode in enumerate(modes):
         for process in dict.fromkeys(r["process"] for r in rows if r["mode"] == mode):
-            mine = training(rows, mode, process)
+            mine = samples(rows, mode, process)
             base = next(r["rss_mb"] for r in mine if r["step"] == FLAGS.warmup_steps)
             steps = [r["step"] for r in mine]
             axes[0][col].plot(steps, [r["rss_mb"] for r in mine], marker=".", label=process)
