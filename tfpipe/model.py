@@ -19,7 +19,7 @@ from tfpipe import settings as settings_lib
 from tfpipe import training as training_lib
 from tfpipe.distributed import devices as devices_lib
 from tfpipe.keras_api import KerasEntryPoints
-from tfpipe.partition import functional, hub, specs
+from tfpipe.partition import deferred, functional, hub, specs
 from tfpipe.partition import state as state_lib
 from tfpipe.partition.cell import Cell, hang, tie
 from tfpipe.partition.sequence import layer_list
@@ -196,25 +196,33 @@ class PipelineModel(settings_lib.SettingsProperties, KerasEntryPoints, auto_plan
             hub.forget_traced(self._graph.model)
 
     def _move_variables(self, seeds_only: bool) -> None:
-        """Move variables made elsewhere to their cells' devices, as a layer list's weights are made there.
+        """Make or move variables to their cells' devices, as a layer list's weights are made there.
 
         A Functional model's weights were made where it was built (``seeds_only=False``); a random layer's
         seed state is made with the layer, on the default device, and a cell would read and write it
-        across devices every step. Not under a distribution strategy, which owns placement.
+        across devices every step. Weights built under ``tfpipe.deferred_weights()`` have no value yet: each
+        is made on its cell's device, then their blocks' recorded loads run. Under a distribution strategy,
+        which owns placement, nothing moves and deferred weights are made where the strategy puts them.
         """
-        if not _compat.is_default_strategy(tf.distribute.get_strategy()):
-            return
+        default = _compat.is_default_strategy(tf.distribute.get_strategy())
         placed: set[int] = set()  # a layer called in several cells (tied weights) stays with the first
+        blocks: list[deferred.Record] = []
         for cell in self._pipeline.cells:
+            device = cell.device if default and devices_lib.tpu_core(cell.device) is None else None
             for layer in cell.layers:
-                for variable in state_lib.seed_states([layer]) if seeds_only else layer.weights:
+                for variable in layer.variables:
                     if id(variable) in placed:
                         continue
                     placed.add(id(variable))
-                    if devices_lib.tpu_core(cell.device) is None and not devices_lib.matches(
-                        variable.value.device, cell.device
+                    if deferred.waiting(variable):
+                        blocks.append(deferred.place(variable, device))
+                    elif (
+                        device is not None
+                        and state_lib.is_seed_state(variable) == seeds_only
+                        and not devices_lib.matches(variable.value.device, device)
                     ):
-                        _compat.move_variable(variable, cell.device)
+                        _compat.move_variable(variable, device)
+        deferred.finish(blocks)
 
     def _split_by_cost(self, input_shape: Any) -> list[int]:
         """Estimate every layer's cost for inputs shaped ``input_shape``; return the optimal balance."""

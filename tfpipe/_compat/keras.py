@@ -10,6 +10,7 @@ from typing import Any
 import keras
 import tensorflow as tf
 from keras.src import backend as _keras_backend
+from keras.src.backend.tensorflow import core as _tf_backend
 
 
 def in_stateless_scope() -> bool:
@@ -187,6 +188,59 @@ def remake_variable(variable: keras.Variable, device: str, value: tf.Tensor) -> 
     """
     with tf.init_scope(), tf.device(device):
         variable._initialize(value)  # noqa: SLF001
+
+
+# The TensorFlow backend's Variable makes its tf.Variable from an initializer in ``_initialize_with_initializer``
+# (Keras' own deferred variables, made in a StatelessScope, go through it too when initialized); kept unpatched here.
+_MAKE_FROM_INITIALIZER = _tf_backend.Variable._initialize_with_initializer  # noqa: SLF001
+_LOAD_WEIGHTS = keras.Model.load_weights
+
+
+@contextlib.contextmanager
+def deferring_variables(
+    on_variable: Callable[[keras.Variable], None], on_load: Callable[[keras.Model, tuple, dict], None]
+) -> Iterator[None]:
+    """While open, a variable made from an initializer keeps the initializer and no value, and ``Model.load_weights``
+    is recorded instead of run; ``on_variable`` and ``on_load`` receive each.
+
+    Keras' own way to defer (a ``StatelessScope``) refuses a variable made from a value (an optimizer's step counter,
+    which a keras_hub task makes in ``compile``) and turns assignments into recorded updates; and it initializes
+    every deferred variable on the current device when the outermost scope closes. Here only variables made
+    from an initializer wait, kept out of Keras' list, until ``make_deferred`` gives each its device.
+    """
+
+    def defer(variable: keras.Variable, initializer: Any) -> None:
+        variable._value = None  # noqa: SLF001
+        variable._initializer = initializer  # noqa: SLF001
+        on_variable(variable)
+
+    def record(model: keras.Model, *args: Any, **kwargs: Any) -> None:
+        on_load(model, args, kwargs)
+
+    variable_class = _tf_backend.Variable
+    before = (variable_class._initialize_with_initializer, keras.Model.load_weights)  # noqa: SLF001
+    variable_class._initialize_with_initializer, keras.Model.load_weights = defer, record  # noqa: SLF001
+    try:
+        yield
+    finally:
+        variable_class._initialize_with_initializer, keras.Model.load_weights = before  # noqa: SLF001
+
+
+def is_deferred(variable: keras.Variable) -> bool:
+    """Whether ``variable`` has no value yet: made under ``deferring_variables`` (or Keras' StatelessScope)."""
+    return variable._value is None and variable._initializer is not None  # noqa: SLF001
+
+
+def make_deferred(variable: keras.Variable, device: str | None) -> None:
+    """Give a deferred variable its value from its initializer, computed and held on ``device`` (None: the current)."""
+    with tf.init_scope(), tf.device(device) if device is not None else contextlib.nullcontext():
+        _MAKE_FROM_INITIALIZER(variable, variable._initializer)  # noqa: SLF001
+    variable._initializer = None  # noqa: SLF001
+
+
+def load_weights(model: keras.Model, *args: Any, **kwargs: Any) -> None:
+    """``model.load_weights`` as Keras defines it, also while ``deferring_variables`` records the calls."""
+    _LOAD_WEIGHTS(model, *args, **kwargs)
 
 
 # BackupAndRestore keeps its files' paths and its epoch count privately; "tfpipe_batches_done" is tfpipe's own

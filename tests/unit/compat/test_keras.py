@@ -221,6 +221,26 @@ def test_move_variable_recreates_it_on_the_device_with_its_value():
     np.testing.assert_array_equal(layer(np.ones((1, 3), "float32")).numpy(), [[9.0, 9.0]])
 
 
+def test_deferring_variables_keeps_the_initializer_and_records_loads_until_made_on_a_device():
+    made, loads = [], []
+    with _compat.deferring_variables(made.append, lambda *call: loads.append(call)):
+        layer = keras.layers.Dense(2, kernel_initializer="ones")
+        layer.build((None, 3))
+        counter = keras.Variable(0, dtype="int64")  # made from a value, as an optimizer's step counter: not deferred
+        model = keras.Sequential([keras.Input((3,)), layer])
+        model.load_weights("somewhere.weights.h5", skip_mismatch=True)
+    assert [id(v) for v in made] == [id(layer.kernel), id(layer.bias)]
+    assert all(_compat.is_deferred(v) for v in made) and not _compat.is_deferred(counter)
+    assert loads == [(model, ("somewhere.weights.h5",), {"skip_mismatch": True})]
+    assert layer.kernel.value.shape == (3, 2)  # unmade, a variable reads as its initial value (Keras' placeholder)
+    _compat.make_deferred(layer.kernel, "/CPU:1")
+    assert layer.kernel.value.device.endswith("CPU:1") and not _compat.is_deferred(layer.kernel)
+    np.testing.assert_array_equal(layer.kernel.numpy(), np.ones((3, 2)))
+    fresh = keras.layers.Dense(2)  # outside the block Keras makes variables as usual again
+    fresh.build((None, 3))
+    assert not _compat.is_deferred(fresh.kernel)
+
+
 def test_remake_variable_gives_it_a_new_tensorflow_variable_that_its_optimizer_is_rekeyed_to():
     layer = keras.layers.Dense(2)
     layer.build((None, 3))
