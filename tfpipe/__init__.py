@@ -2,9 +2,9 @@
 
 The public API is what ``__all__`` names: ``PipelineModel``, ``plan`` and its ``Plan``, ``deferred_weights``
 (build a model too large for one device), and four public modules, ``tfpipe.balance``, ``tfpipe.cost``,
-``tfpipe.schedule`` and ``tfpipe.cluster``, which keep these short paths (tfpipe._aliases). Everything else (the subpackages ``partition``, ``planning``,
-``step``, ``backward``, ``graph``, ``distributed`` and ``analysis``) is internal and may change
-between releases.
+``tfpipe.schedule`` and ``tfpipe.cluster``, which keep these short paths (tfpipe._aliases). Everything else (the
+subpackages ``partition``, ``planning``, ``step``, ``backward``, ``graph``, ``distributed`` and ``analysis``) is
+internal and may change between releases.
 """
 
 from tfpipe import _aliases
