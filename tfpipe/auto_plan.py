@@ -36,9 +36,13 @@ DEFAULTS = {
 
 
 def check(plan: Any, memory_budget: Any, given: dict[str, Any], functional: bool) -> bool:
-    """Whether ``plan`` is "auto"; with it, the settings the plan chooses must be left at their defaults."""
+    """Whether ``plan`` is "auto"; with it, the settings the plan chooses must be left at their defaults.
+
+    Without a plan, ``memory_budget`` is each device's stated limit (``tfpipe.planning.budget``); with a
+    ``tfpipe.plan`` result it belongs to the planner.
+    """
     if plan != AUTO:
-        if memory_budget is not None:
+        if memory_budget is not None and plan is not None:
             raise ValueError(
                 f'memory_budget={memory_budget!r} is for plan="auto"; with plan=<a tfpipe.plan(...)>, give the '
                 "budget to tfpipe.plan, or drop memory_budget."

@@ -111,6 +111,7 @@ class KerasEntryPoints(keras.Model):
 
         def run(callbacks: list) -> Any:
             self._before_tracing(x, y, kwargs.get("sample_weight"))
+            self.check_memory_budget()
             call_args = (*args[:2], callbacks, *args[3:]) if positional else args
             call_kwargs = kwargs if positional else dict(kwargs, callbacks=callbacks)
             with faults.reporting(), training_lib.short_batch_errors():  # named workers, short messages
@@ -141,6 +142,7 @@ class KerasEntryPoints(keras.Model):
             x, y, sample_weight = hub.for_batch(self.preprocess, x, y, sample_weight)
         self._plan_now(x, None)
         self._before_tracing(x, y, sample_weight)
+        self.check_memory_budget()
         with faults.reporting():
             return super().train_on_batch(x, y, sample_weight, *args, **kwargs)
 

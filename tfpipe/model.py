@@ -24,8 +24,10 @@ from tfpipe.partition import state as state_lib
 from tfpipe.partition.cell import Cell, hang, tie
 from tfpipe.partition.sequence import layer_list
 from tfpipe.planning import balance as balance_lib
+from tfpipe.planning import budget as budget_lib
 from tfpipe.planning import cost as cost_lib
 from tfpipe.planning import summary as summary_lib
+from tfpipe.planning.predict import SLOTS
 from tfpipe.step import microbatch, replicated
 from tfpipe.step.replicated import Replicated
 from tfpipe.step.unrolled import Pipeline
@@ -82,7 +84,12 @@ class PipelineModel(settings_lib.SettingsProperties, KerasEntryPoints, auto_plan
         schedule, in place of those arguments (docs/guide/planning.md). Or ``"auto"``: the
         first ``fit`` plans on its first batch, over ``devices`` (default: the planner's)
         under ``memory_budget``, before its first step; ``model.plan`` is the plan then.
-      memory_budget: with ``plan="auto"``, the peak bytes allowed per device (``tfpipe.plan``).
+      memory_budget: the bytes each device may hold: one value for all (an int or a string such as "12GiB"), one
+        per cell, or a dict by device. With ``plan="auto"``, the planner keeps every device's predicted peak
+        within it. Otherwise it is checked before any weight is made and again before training: a cell whose
+        weights, gradients and optimizer slots alone exceed its device's budget is refused with a ValueError
+        naming the device, what the cell needs, and the smallest K or budget that holds it
+        (``tfpipe.planning.budget``).
     """
 
     def __init__(
@@ -134,7 +141,11 @@ class PipelineModel(settings_lib.SettingsProperties, KerasEntryPoints, auto_plan
         cell_sizes = settings.cell_sizes if settings.cell_sizes is not None else self._split_early(layers, units)
         if cell_sizes is not None:
             self._make_pipeline(cell_sizes)
+        self._memory_budget = None if auto else memory_budget
+        if memory_budget is not None and not auto:
+            budget_lib.budgets(memory_budget, self._devices)  # a bad budget is an error now
         if graph is not None:  # its layers are built: so is this model, for the graph's inputs
+            self.check_memory_budget(None)  # before a deferred model's weights are made
             self._move_variables(seeds_only=False)
             hub.forget_traced(graph.model)
             self.build(graph.model.input)
@@ -223,6 +234,32 @@ class PipelineModel(settings_lib.SettingsProperties, KerasEntryPoints, auto_plan
                     ):
                         _compat.move_variable(variable, device)
         deferred.finish(blocks)
+
+    def check_memory_budget(self, optimizer: Any = "model") -> None:
+        """Refuse a cut whose cells' state (weights, gradients, ``optimizer``'s slots) exceeds ``memory_budget``.
+
+        ``optimizer``: the compiled one by default; None counts no slots. Does nothing without a budget, or
+        before the model is built (a layer list's weights are made at its first fit, which checks then).
+        """
+        if self._memory_budget is None or self._pipeline is None:
+            return
+        cells = self._pipeline.cells
+        if any(not layer.built for cell in cells for layer in cell.layers):
+            return
+        optimizer = self.optimizer if optimizer == "model" else optimizer
+        name = budget_lib.optimizer_name(optimizer) if optimizer is not None else "no optimizer"
+        slots = SLOTS.get(name, 0)
+        states = [
+            budget_lib.cell_state(cell.device, cell.weights, cell.trainable_variables, cell.borrowed, slots)
+            for cell in cells
+        ]
+        units = (
+            [getattr(node.operation, "weights", []) for node in self._graph.nodes]
+            if self._graph is not None
+            else [layer.weights for layer in self.pipeline_layers]
+        )
+        limits = budget_lib.budgets(self._memory_budget, self._devices)
+        budget_lib.check(states, limits, budget_lib.unit_states(units, slots), name)
 
     def _split_by_cost(self, input_shape: Any) -> list[int]:
         """Estimate every layer's cost for inputs shaped ``input_shape``; return the optimal balance."""

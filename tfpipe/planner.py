@@ -26,6 +26,7 @@ from tfpipe.backward.remat import REMAT_MODES, check_mode
 from tfpipe.distributed import devices as devices_lib
 from tfpipe.partition import functional
 from tfpipe.partition.sequence import layer_list
+from tfpipe.planning import budget as budget_lib
 from tfpipe.planning import joined, plans, search
 from tfpipe.planning import profile as profile_lib
 from tfpipe.planning.plans import Plan
@@ -184,14 +185,7 @@ def _choices(name: str, given: Any, default: Sequence[Any], kind: type, check: A
 
 def optimizer_slots(optimizer: Any) -> int:
     """Slots per trainable weight that ``optimizer`` (a name or a Keras optimizer) keeps: Adam 2, momentum 1, SGD 0."""
-    if isinstance(optimizer, str):
-        name = optimizer.lower()
-    elif isinstance(optimizer, keras.optimizers.Optimizer):
-        name = type(optimizer).__name__.lower()
-        if name == "sgd" and float(getattr(optimizer, "momentum", 0.0) or 0.0) > 0:
-            name = "sgd_momentum"
-    else:
-        raise TypeError(f"optimizer must be a name such as 'adam' or a keras.optimizers.Optimizer, got {optimizer!r}.")
+    name = budget_lib.optimizer_name(optimizer)
     if name not in SLOTS:
         raise ValueError(f"Unknown optimizer {optimizer!r} for the planner; use one of {sorted(SLOTS)}.")
     return SLOTS[name]

@@ -148,6 +148,8 @@ class Saving(keras.Model):
             config["balance"] = self.balance
         else:
             config["num_partitions"] = self._num_cells
+        if isinstance(getattr(self, "_memory_budget", None), (int, float, str)):  # per device: its devices may change
+            config["memory_budget"] = self._memory_budget
         return config
 
     @classmethod

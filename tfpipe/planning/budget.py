@@ -1,0 +1,128 @@
+"""Per-device memory as a stated constraint: each cell's state against its device's budget, before training.
+
+What a cell's device holds in every training step, whatever the schedule: the weights its layers read (a tied
+weight on every device that reads it), one gradient per trainable weight it computes, and the optimizer's slots
+of the weights it owns. That much is known exactly from the shapes; the activations come on top and depend on
+M, ``remat`` and the schedule (``tfpipe.plan`` predicts them from measurements). So a configuration whose state
+alone exceeds a device's budget cannot train there: ``check`` refuses it before anything is traced, naming the
+device, its budget, what the cell needs, and the smallest K (cut by state) or budget that would hold the state.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import keras
+import tensorflow as tf
+
+from tfpipe.planning import balance as balance_lib
+from tfpipe.planning.plans import gib, parse_bytes
+
+
+@dataclasses.dataclass(frozen=True)
+class CellState:
+    """The bytes one cell's device holds all step long: its weights, their gradients, the optimizer's slots."""
+
+    device: str
+    weights: float
+    gradients: float
+    slots: float
+
+    @property
+    def total(self) -> float:
+        """All of it."""
+        return self.weights + self.gradients + self.slots
+
+
+def budgets(memory_budget: Any, devices: Sequence[str]) -> list[float]:
+    """One budget in bytes per device: one value for all, a sequence of one per cell, or a dict by device string."""
+    if isinstance(memory_budget, Mapping):
+        unknown = [d for d in memory_budget if d not in devices]
+        missing = [d for d in devices if d not in memory_budget]
+        if unknown or missing:
+            raise ValueError(
+                f"memory_budget names devices {unknown or 'as given'} and leaves out {missing or 'none'}; give one "
+                f"budget for each of the cells' devices {list(devices)}, or one value for all."
+            )
+        return [parse_bytes(memory_budget[d], f"memory_budget[{d!r}]") for d in devices]
+    if isinstance(memory_budget, (list, tuple)):
+        if len(memory_budget) != len(devices):
+            raise ValueError(
+                f"memory_budget has {len(memory_budget)} entries for {len(devices)} cells' devices {list(devices)}; "
+                "give one per cell, or one value for all."
+            )
+        return [parse_bytes(b, f"memory_budget[{i}]") for i, b in enumerate(memory_budget)]
+    return [parse_bytes(memory_budget)] * len(devices)
+
+
+def variable_bytes(variable: keras.Variable) -> float:
+    """The bytes of one variable's value (from its shape and dtype: a deferred variable has no value yet)."""
+    return float(math.prod(variable.shape) * tf.as_dtype(keras.backend.standardize_dtype(variable.dtype)).size)
+
+
+def optimizer_name(optimizer: Any) -> str:
+    """The key of ``predict.SLOTS`` for ``optimizer`` (a name or a Keras optimizer): SGD with momentum apart."""
+    if isinstance(optimizer, str):
+        return optimizer.lower()
+    if isinstance(optimizer, keras.optimizers.Optimizer):
+        name = type(optimizer).__name__.lower()
+        momentum = float(getattr(optimizer, "momentum", 0.0) or 0.0)
+        return "sgd_momentum" if name == "sgd" and momentum > 0 else name
+    raise TypeError(f"optimizer must be a name such as 'adam' or a keras.optimizers.Optimizer, got {optimizer!r}.")
+
+
+def cell_state(
+    device: str, weights: Sequence[keras.Variable], trainable: Sequence[keras.Variable], borrowed: set[int], slots: int
+) -> CellState:
+    """What a cell on ``device`` holds: ``weights`` it reads, gradients of its ``trainable`` weights, and ``slots``
+    per trainable weight it owns (not in ``borrowed``: a tied weight's slots live with its owner)."""
+    trained = sum(variable_bytes(v) for v in trainable)
+    owned = sum(variable_bytes(v) for v in trainable if id(v) not in borrowed)
+    return CellState(device, sum(variable_bytes(v) for v in weights), trained, slots * owned)
+
+
+def unit_states(units: Sequence[Sequence[keras.Variable]], slots: int) -> list[float]:
+    """Per unit (a layer, or a Functional model's node), the state it adds where it is the first to hold a weight."""
+    seen: set[int] = set()
+    out = []
+    for variables in units:
+        fresh = [v for v in variables if id(v) not in seen]
+        seen.update(id(v) for v in fresh)
+        out.append(sum(variable_bytes(v) * (1 + (1 + slots) * v.trainable) for v in fresh))
+    return out
+
+
+def smallest_cut(unit_bytes: Sequence[float], budget: float) -> tuple[int, list[int]] | None:
+    """The fewest cells whose best cut by state keeps every cell's state within ``budget``, and that cut; None if
+    even one unit per cell does not."""
+    for k in range(1, len(unit_bytes) + 1):
+        cut = balance_lib.partition(unit_bytes, k)
+        starts = [sum(cut[:i]) for i in range(k + 1)]
+        if max(sum(unit_bytes[a:b]) for a, b in zip(starts, starts[1:])) <= budget:
+            return k, cut
+    return None
+
+
+def check(states: Sequence[CellState], limits: Sequence[float], unit_bytes: Sequence[float], optimizer: str) -> None:
+    """Raise a ValueError for the first cell whose state exceeds its device's budget (``budget``'s docstring)."""
+    for i, (state, limit) in enumerate(zip(states, limits)):
+        if state.total <= limit:
+            continue
+        worst = max(s.total for s in states)
+        found = smallest_cut(unit_bytes, min(limits))
+        fewest = (
+            f"K={found[0]} cells cut by state (balance={found[1]}) would hold it within {gib(min(limits))} each"
+            if found
+            else f"no cut holds it within {gib(min(limits))}: one unit alone needs {gib(max(unit_bytes), up=True)}"
+        )
+        parts = [f"weights {gib(state.weights)}", f"their gradients {gib(state.gradients)}"]
+        parts += [f"{optimizer}'s slots {gib(state.slots)}"] if state.slots else []
+        fewer = ", or an optimizer with fewer slots" if state.slots else ""
+        raise ValueError(
+            f"Cell {i} on {state.device} needs at least {gib(state.total, up=True)} for its state "
+            f"({', '.join(parts)}), over that device's memory_budget of {gib(limit)}; activations come on top. "
+            f"{fewest}; or give each device a budget of at least {gib(worst, up=True)}{fewer}."
+        )
