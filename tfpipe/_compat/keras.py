@@ -201,7 +201,8 @@ def deferring_variables(
     on_variable: Callable[[keras.Variable], None], on_load: Callable[[keras.Model, tuple, dict], None]
 ) -> Iterator[None]:
     """While open, a variable made from an initializer keeps the initializer and no value, and ``Model.load_weights``
-    is recorded instead of run; ``on_variable`` and ``on_load`` receive each.
+    is recorded instead of run; ``on_variable`` and ``on_load`` receive each. Assigning such a variable meanwhile
+    is a ValueError that says when it can be.
 
     Keras' own way to defer (a ``StatelessScope``) refuses a variable made from a value (an optimizer's step counter,
     which a keras_hub task makes in ``compile``) and turns assignments into recorded updates; and it initializes
@@ -217,13 +218,27 @@ def deferring_variables(
     def record(model: keras.Model, *args: Any, **kwargs: Any) -> None:
         on_load(model, args, kwargs)
 
+    def assign(variable: keras.Variable, value: Any) -> None:
+        if variable._value is None:  # noqa: SLF001
+            raise ValueError(
+                f"Variable {variable.path!r} was made under tfpipe.deferred_weights() and has no value to assign "
+                "until PipelineModel makes it on its cell's device: assign after that (Model.load_weights in the "
+                "block waits by itself; a keras_hub preset converted from another format must first be saved as a "
+                "Keras preset with save_to_preset)."
+            )
+        assigned(variable, value)
+
     variable_class = _tf_backend.Variable
-    before = (variable_class._initialize_with_initializer, keras.Model.load_weights)  # noqa: SLF001
-    variable_class._initialize_with_initializer, keras.Model.load_weights = defer, record  # noqa: SLF001
+    names = ("_initialize_with_initializer", "_direct_assign")
+    made, assigned = (getattr(variable_class, name) for name in names)
+    loads = keras.Model.load_weights
+    variable_class._initialize_with_initializer, variable_class._direct_assign = defer, assign  # noqa: SLF001
+    keras.Model.load_weights = record
     try:
         yield
     finally:
-        variable_class._initialize_with_initializer, keras.Model.load_weights = before  # noqa: SLF001
+        variable_class._initialize_with_initializer, variable_class._direct_assign = made, assigned  # noqa: SLF001
+        keras.Model.load_weights = loads
 
 
 def is_deferred(variable: keras.Variable) -> bool:

@@ -233,6 +233,10 @@ def test_deferring_variables_keeps_the_initializer_and_records_loads_until_made_
     assert all(_compat.is_deferred(v) for v in made) and not _compat.is_deferred(counter)
     assert loads == [(model, ("somewhere.weights.h5",), {"skip_mismatch": True})]
     assert layer.kernel.value.shape == (3, 2)  # unmade, a variable reads as its initial value (Keras' placeholder)
+    with _compat.deferring_variables(made.append, loads.append):
+        with pytest.raises(ValueError, match="has no value to assign until PipelineModel makes it"):
+            layer.bias.assign(np.ones(2, "float32"))  # as a converting preset loader does
+        counter.assign(3)  # a variable made from a value assigns as usual
     _compat.make_deferred(layer.kernel, "/CPU:1")
     assert layer.kernel.value.device.endswith("CPU:1") and not _compat.is_deferred(layer.kernel)
     np.testing.assert_array_equal(layer.kernel.numpy(), np.ones((3, 2)))
