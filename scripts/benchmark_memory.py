@@ -21,7 +21,6 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
 from typing import Any
 
 os.environ.setdefault("TF_CPU_ALLOCATOR_USE_BFC", "true")  # before TensorFlow starts: it reads this once
@@ -30,7 +29,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 from absl import app, flags  # noqa: E402
 
 from tfpipe.scripts import memory_report  # noqa: E402
-from tfpipe.scripts.memory_report import GIB, MIB  # noqa: E402
+from tfpipe.scripts.memory_report import GIB, MIB, largest_under_budget  # noqa: E402
 from tfpipe.scripts.report import write_table  # noqa: E402
 
 FLAGS = flags.FLAGS
@@ -214,38 +213,6 @@ class Probes:
             flush=True,
         )
         return result
-
-
-def largest_under_budget(
-    probe: Callable[[int], dict[str, Any]], budget: float, cap: int
-) -> tuple[int, bool, list[dict[str, Any]]]:
-    """The largest L in [0, cap] whose probe peaks at most ``budget`` (doubling, then bisection).
-
-    Also returns whether the cap was reached and every probe made. Assumes the peak
-    grows with L, as it does: every block adds its weights and activations.
-    """
-    made: list[dict[str, Any]] = []
-
-    def fits(blocks: int) -> bool:
-        made.append(probe(blocks))
-        return made[-1]["peak"] <= budget
-
-    ok, bad, blocks = 0, None, 1
-    while bad is None:
-        if fits(blocks):
-            ok = blocks
-            if blocks == cap:
-                return cap, True, made
-            blocks = min(2 * blocks, cap)
-        else:
-            bad = blocks
-    while bad - ok > 1:
-        mid = (ok + bad) // 2
-        if fits(mid):
-            ok = mid
-        else:
-            bad = mid
-    return ok, False, made
 
 
 def _validate_flags() -> list[int]:

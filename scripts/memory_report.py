@@ -3,6 +3,7 @@ tables (scripts/benchmark_memory.py)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from absl import flags
@@ -156,3 +157,35 @@ def report(
         "reaches the budget (an extrapolation, not a measurement)."
     )
     return "\n".join(lines)
+
+
+def largest_under_budget(
+    probe: Callable[[int], dict[str, Any]], budget: float, cap: int
+) -> tuple[int, bool, list[dict[str, Any]]]:
+    """The largest L in [0, cap] whose probe peaks at most ``budget`` (doubling, then bisection).
+
+    Also returns whether the cap was reached and every probe made. Assumes the peak
+    grows with L, as it does: every block adds its weights and activations.
+    """
+    made: list[dict[str, Any]] = []
+
+    def fits(blocks: int) -> bool:
+        made.append(probe(blocks))
+        return made[-1]["peak"] <= budget
+
+    ok, bad, blocks = 0, None, 1
+    while bad is None:
+        if fits(blocks):
+            ok = blocks
+            if blocks == cap:
+                return cap, True, made
+            blocks = min(2 * blocks, cap)
+        else:
+            bad = blocks
+    while bad - ok > 1:
+        mid = (ok + bad) // 2
+        if fits(mid):
+            ok = mid
+        else:
+            bad = mid
+    return ok, False, made

@@ -1,0 +1,197 @@
+"""Capacity, GPipe's Table 1 on this machine: the deepest model that trains under a per-device memory budget, against K.
+
+For each row (plain Keras on one device, then tfpipe at K = 1, 2, 4, 8 cells on as many ``LocalCluster`` workers),
+the depth grows (doubling, then bisection) until a device's allocator peak over two Adam steps passes the budget;
+width, batch and sequence stay fixed and are printed with the table. Every probe is a fresh process (this script
+with ``--_child=JSON``) under TensorFlow's BFC CPU allocator: plain Keras is read from its own process's allocator,
+tfpipe from each worker's (``LocalCluster.memory_info``), beside the training process's own peak. A keras_hub task
+(``--model=llama``) is built under ``tfpipe.deferred_weights()``, so its weights are made on the workers; the
+Transformer is a layer list, whose cells are built on their devices.
+
+    python scripts/benchmark_capacity.py                                  # small defaults, a few minutes
+    python scripts/benchmark_capacity.py --model=llama --out=docs/results/capacity_llama
+    python scripts/benchmark_capacity.py --seq_len=512 --batch_size=32 --budget_mib=1024   # GPipe's scale (hours)
+
+Each row runs one fixed configuration (``--micro_batches``, ``remat="always"``, 1F1B above K=1, cut by FLOPs);
+the planner does not choose it yet (issue 62).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from typing import Any
+
+os.environ.setdefault("TF_CPU_ALLOCATOR_USE_BFC", "true")  # before TensorFlow starts, here and in the workers
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+
+from absl import app, flags  # noqa: E402
+
+from tfpipe.scripts.memory_report import MIB, largest_under_budget, mib  # noqa: E402
+from tfpipe.scripts.report import write_table  # noqa: E402
+
+FLAGS = flags.FLAGS
+flags.DEFINE_enum("model", "transformer", ["transformer", "llama"], "models/transformer.py, or a keras_hub Llama.")
+flags.DEFINE_list("rows", ["plain", "1", "2", "4"], "plain (Keras on one device) and the values of K to measure.")
+flags.DEFINE_integer("dim", 64, "Model width (feed-forward 4*dim; Llama's intermediate 2*dim).", lower_bound=8)
+flags.DEFINE_integer("heads", 4, "Attention heads of the Transformer.", lower_bound=1)
+flags.DEFINE_integer("seq_len", 128, "Tokens per sequence.", lower_bound=2)
+flags.DEFINE_integer("batch_size", 16, "Sequences per batch N.", lower_bound=1)
+flags.DEFINE_integer("vocab", 256, "Vocabulary size.", lower_bound=2)
+flags.DEFINE_integer("micro_batches", 4, "M of the tfpipe rows.", lower_bound=1)
+flags.DEFINE_float("budget_mib", 64.0, "Each device's allocator budget, MiB.", lower_bound=1.0)
+flags.DEFINE_integer("max_blocks", 64, "The deepest model probed.", lower_bound=1)
+flags.DEFINE_string("out", None, "Write every probe to OUT.csv and the table to OUT.md.")
+flags.DEFINE_string("_child", None, "Internal: measure one configuration (JSON) and print the result.")
+
+TIMEOUT_S = 1800
+
+
+def child(config: dict[str, Any]) -> dict[str, Any]:
+    """Train ``config``'s model two Adam steps; its parameters and the peaks of every device and of this process."""
+    import keras
+    import numpy as np
+    import tensorflow as tf
+
+    import tfpipe
+
+    keras.utils.set_random_seed(0)
+    blocks, k, n = config["blocks"], config["k"], config["batch_size"]
+
+    def build() -> tuple[Any, Any, Any]:
+        """The model (layers or a task), its inputs for two batches, and its targets."""
+        if config["model"] == "llama":
+            from tfpipe.models import hub
+
+            task = hub.task("llama", vocabulary_size=config["vocab"], num_layers=blocks, hidden_dim=config["dim"])
+            x = hub.inputs(task, 2 * n, config["seq_len"], config["vocab"])
+            return task, x, x["token_ids"]
+        from tfpipe.models import transformer
+
+        layers = transformer.transformer_lm(
+            config["vocab"], config["seq_len"], blocks, config["dim"], 4 * config["dim"], config["heads"]
+        )
+        x = np.random.default_rng(0).integers(0, config["vocab"], (2 * n, config["seq_len"]))
+        return layers, x, x
+
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    if k == 0:  # plain Keras, in this process
+        model, x, y = build()
+        model = keras.Sequential(model) if isinstance(model, list) else model
+        model.compile(optimizer="adam", loss=loss)
+        model.fit(x, y, batch_size=n, epochs=1, verbose=0, shuffle=False)
+        peak = tf.config.experimental.get_memory_info("CPU:0")["peak"]
+        return {"params": model.count_params(), "peak": peak, "peaks": [peak], "client_peak": peak}
+    with tfpipe.cluster.LocalCluster(num_workers=k, threads_per_worker=1) as cluster:
+        with tfpipe.deferred_weights():
+            made, x, y = build()
+        model = tfpipe.PipelineModel(
+            made,
+            num_partitions=k,
+            devices=cluster.devices,
+            num_micro_batches=config["micro_batches"],
+            remat="always",
+            schedule="1f1b" if k > 1 else "gpipe",
+        )
+        model.compile(optimizer="adam", loss=loss)
+        model.fit(x, y, batch_size=n, epochs=1, verbose=0, shuffle=False)
+        peaks = [info["peak"] for info in cluster.memory_info()]
+        client = tf.config.experimental.get_memory_info("CPU:0")["peak"]
+        return {"params": model.count_params(), "peak": max(peaks), "peaks": peaks, "client_peak": client}
+
+
+def probe(row: str, blocks: int) -> dict[str, Any]:
+    """Measure one row at one depth in a fresh process; a failed run counts as over the budget."""
+    config = {
+        "model": FLAGS.model,
+        "k": 0 if row == "plain" else int(row),
+        "blocks": blocks,
+        "dim": FLAGS.dim,
+        "heads": FLAGS.heads,
+        "seq_len": FLAGS.seq_len,
+        "batch_size": FLAGS.batch_size,
+        "vocab": FLAGS.vocab,
+        "micro_batches": FLAGS.micro_batches,
+    }
+    done = subprocess.run(
+        [sys.executable, os.path.abspath(__file__), f"--_child={json.dumps(config)}"],
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT_S,
+    )
+    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+    if done.returncode or not lines:
+        print(f"  {row} L={blocks}: failed ({done.stderr.strip().splitlines()[-1:]}), counted over the budget")
+        return {"row": row, "blocks": blocks, "params": 0, "peak": float("inf"), "peaks": [], "client_peak": 0}
+    result = dict(json.loads(lines[-1]), row=row, blocks=blocks)
+    print(
+        f"  {row} L={blocks}: {result['params'] / 1e6:.2f}M parameters, device peak {mib(result['peak'])} MiB "
+        f"(budget {FLAGS.budget_mib:g}), client {mib(result['client_peak'])} MiB",
+        flush=True,
+    )
+    return result
+
+
+def _check_rows() -> list[str]:
+    rows = [r.strip() for r in FLAGS.rows]
+    bad = [r for r in rows if r != "plain" and not (r.isdigit() and int(r) >= 1)]
+    if bad or not rows:
+        raise app.UsageError(f"--rows={','.join(FLAGS.rows)}: each must be 'plain' or a K >= 1, e.g. plain,1,2,4,8.")
+    return rows
+
+
+def table(found: list[dict[str, Any]]) -> str:
+    """The capacity table: each row's deepest model under the budget, and its parameters against tfpipe K=1's."""
+    base = next((f["params"] for f in found if f["row"] == "1" and f["params"]), None)
+    lines = [
+        f"{FLAGS.model}: width {FLAGS.dim}, {FLAGS.batch_size} sequences of {FLAGS.seq_len} tokens, vocabulary "
+        f"{FLAGS.vocab}, Adam, budget {FLAGS.budget_mib:g} MiB per device (allocator peak); tfpipe at "
+        f"M={FLAGS.micro_batches}, remat='always', 1F1B above K=1",
+        "",
+        "| row | blocks | parameters | x tfpipe K=1 | device peak (MiB) | client peak (MiB) |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
+    for f in found:
+        ratio = f"{f['params'] / base:.2f}" if base and f["params"] else "-"
+        capped = " (cap)" if f["capped"] else ""
+        name = "plain Keras" if f["row"] == "plain" else f"tfpipe K={f['row']}"
+        lines.append(
+            f"| {name} | {f['blocks']}{capped} | {f['params'] / 1e6:.2f}M | {ratio} | {mib(f['peak'])} | "
+            f"{mib(f['client_peak'])} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str]) -> None:
+    del argv
+    if FLAGS._child is not None:
+        print(json.dumps(child(json.loads(FLAGS._child))))
+        return
+    rows, budget = _check_rows(), FLAGS.budget_mib * MIB
+    found, probes = [], []
+    for row in rows:
+        print(f"{row}: the deepest model under {FLAGS.budget_mib:g} MiB per device (doubling, then bisection)")
+        blocks, capped, made = largest_under_budget(lambda b, r=row: probe(r, b), budget, FLAGS.max_blocks)
+        probes += made
+        best = next((m for m in made if m["blocks"] == blocks), None)
+        found.append(
+            {
+                "row": row,
+                "blocks": blocks,
+                "capped": capped,
+                "params": best["params"] if best else 0,
+                "peak": best["peak"] if best else 0,
+                "client_peak": best["client_peak"] if best else 0,
+            }
+        )
+    text = table(found)
+    print(text)
+    if FLAGS.out:
+        fields = ["row", "blocks", "params", "peak", "peaks", "client_peak"]
+        write_table(FLAGS.out, [{f: p[f] for f in fields} for p in probes], text, fields)
+
+
+if __name__ == "__main__":
+    app.run(main)

@@ -1,0 +1,42 @@
+"""benchmark_capacity.py in its smallest mode: plain Keras and tfpipe K=2 (deferred keras_hub weights) at one block."""
+
+import csv
+
+import pytest
+
+from tests.util import run_script
+
+
+@pytest.mark.heavy(seconds=40)
+def test_capacity_benchmark_writes_its_table(tmp_path):
+    pytest.importorskip("keras_hub")
+    out = str(tmp_path / "capacity")
+    proc = run_script(
+        "benchmark_capacity.py",
+        "--model=llama",
+        "--rows=plain,2",
+        "--dim=16",
+        "--seq_len=16",
+        "--batch_size=4",
+        "--vocab=32",
+        "--micro_batches=2",
+        "--budget_mib=256",
+        "--max_blocks=1",
+        f"--out={out}",
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    with open(out + ".csv") as f:
+        rows = {r["row"]: r for r in csv.DictReader(f)}
+    assert sorted(rows) == ["2", "plain"] and all(r["blocks"] == "1" for r in rows.values())
+    assert rows["2"]["params"] == rows["plain"]["params"] and int(rows["2"]["params"]) > 0
+    assert len(eval(rows["2"]["peaks"])) == 2 and all(p > 0 for p in eval(rows["2"]["peaks"]))
+    # the weights live on the workers: the training process holds less than plain Keras' whole step
+    assert 0 < float(rows["2"]["client_peak"]) < float(rows["plain"]["peak"])
+    text = open(out + ".md").read()
+    assert "| plain Keras | 1 (cap) |" in text and "| tfpipe K=2 | 1 (cap) |" in text
+    assert "budget 256 MiB per device" in text
+
+
+def test_capacity_benchmark_refuses_a_bad_row():
+    proc = run_script("benchmark_capacity.py", "--rows=plain,two")
+    assert proc.returncode != 0 and "--rows=plain,two: each must be 'plain' or a K >= 1" in proc.stderr
