@@ -14,7 +14,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 from collections.abc import Iterable, Iterator
-from typing import Any
 
 import keras
 
@@ -84,8 +83,3 @@ def finish(records: Iterable[Record], device: str | None = None) -> None:
         for model, args, kwargs in loads:
             _compat.load_weights(model, *args, **kwargs)
 
-
-def describe(model: Any) -> str:
-    """How many of ``model``'s weights still wait for a device, for error messages."""
-    count = sum(waiting(v) for v in getattr(model, "weights", []))
-    return f"{count} weights of {getattr(model, 'name', model)!r} made under tfpipe.deferred_weights()"
