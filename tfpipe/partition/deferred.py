@@ -82,4 +82,3 @@ def finish(records: Iterable[Record], device: str | None = None) -> None:
         loads, record.loads = record.loads, []
         for model, args, kwargs in loads:
             _compat.load_weights(model, *args, **kwargs)
-
