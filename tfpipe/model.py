@@ -27,7 +27,6 @@ from tfpipe.planning import balance as balance_lib
 from tfpipe.planning import budget as budget_lib
 from tfpipe.planning import cost as cost_lib
 from tfpipe.planning import summary as summary_lib
-from tfpipe.planning.predict import SLOTS
 from tfpipe.step import microbatch, replicated
 from tfpipe.step.replicated import Replicated
 from tfpipe.step.unrolled import Pipeline
@@ -247,8 +246,7 @@ class PipelineModel(settings_lib.SettingsProperties, KerasEntryPoints, auto_plan
         if any(not layer.built for cell in cells for layer in cell.layers):
             return
         optimizer = self.optimizer if optimizer == "model" else optimizer
-        name = budget_lib.optimizer_name(optimizer) if optimizer is not None else "no optimizer"
-        slots = SLOTS.get(name, 0)
+        name, slots = budget_lib.slots_of(optimizer)
         states = [
             budget_lib.cell_state(cell.device, cell.weights, cell.trainable_variables, cell.borrowed, slots)
             for cell in cells

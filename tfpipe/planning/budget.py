@@ -20,6 +20,7 @@ import tensorflow as tf
 
 from tfpipe.planning import balance as balance_lib
 from tfpipe.planning.plans import gib, parse_bytes
+from tfpipe.planning.predict import SLOTS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,6 +75,15 @@ def optimizer_name(optimizer: Any) -> str:
     raise TypeError(f"optimizer must be a name such as 'adam' or a keras.optimizers.Optimizer, got {optimizer!r}.")
 
 
+def slots_of(optimizer: Any) -> tuple[str, int]:
+    """The optimizer's name and slots per trainable weight (``predict.SLOTS``; an unknown one counts none, so that a
+    refusal never rests on a guess); None (not compiled yet): "no optimizer", 0."""
+    if optimizer is None:
+        return "no optimizer", 0
+    name = optimizer_name(optimizer)
+    return name, SLOTS.get(name, 0)
+
+
 def cell_state(
     device: str, weights: Sequence[keras.Variable], trainable: Sequence[keras.Variable], borrowed: set[int], slots: int
 ) -> CellState:
@@ -97,13 +107,20 @@ def unit_states(units: Sequence[Sequence[keras.Variable]], slots: int) -> list[f
 
 def smallest_cut(unit_bytes: Sequence[float], budget: float) -> tuple[int, list[int]] | None:
     """The fewest cells whose best cut by state keeps every cell's state within ``budget``, and that cut; None if
-    even one unit per cell does not."""
-    for k in range(1, len(unit_bytes) + 1):
+    even one unit per cell does not. Bisected: the best cut's largest cell never grows with more cells."""
+
+    def cut_within(k: int) -> list[int] | None:
         cut = balance_lib.partition(unit_bytes, k)
         starts = [sum(cut[:i]) for i in range(k + 1)]
-        if max(sum(unit_bytes[a:b]) for a, b in zip(starts, starts[1:])) <= budget:
-            return k, cut
-    return None
+        return cut if max(sum(unit_bytes[a:b]) for a, b in zip(starts, starts[1:])) <= budget else None
+
+    if max(unit_bytes) > budget:
+        return None
+    low, high = 1, len(unit_bytes)  # within at ``high``: one unit per cell
+    while low < high:
+        middle = (low + high) // 2
+        low, high = (low, middle) if cut_within(middle) is not None else (middle + 1, high)
+    return low, balance_lib.partition(unit_bytes, low)
 
 
 def check(states: Sequence[CellState], limits: Sequence[float], unit_bytes: Sequence[float], optimizer: str) -> None:
