@@ -8,6 +8,7 @@ processes' resident peak is printed beside it.
 
     python scripts/plan.py                                        # the plan for an MLP on 2 logical CPUs
     python scripts/plan.py --model=transformer --memory_budget=64MiB
+    python scripts/plan.py --model=hub --arch=llama --grid      # a keras_hub task, planned by its nodes
     python scripts/plan.py --measure=5 --png=/tmp/plan.png       # also run the top 5 and plot them
     python scripts/plan.py --grid --out=docs/results/plan_mlp     # a fixed grid of configurations, measured
     python scripts/plan.py --cluster --grid                       # the same on two worker processes
@@ -32,7 +33,14 @@ from tfpipe.scripts import plan_measure  # noqa: E402
 from tfpipe.scripts.report import write_table  # noqa: E402
 
 FLAGS = flags.FLAGS
-flags.DEFINE_enum("model", "mlp", ["mlp", "transformer"], "Model: Dense(width, tanh) x depth, or a Transformer LM.")
+flags.DEFINE_enum(
+    "model",
+    "mlp",
+    ["mlp", "transformer", "hub"],
+    "Model: Dense(width, tanh) x depth, a Transformer LM, or a keras_hub task (--arch; the hub extra) of --blocks, "
+    "--dim, --seq_len and --vocab, planned as a Functional model.",
+)
+flags.DEFINE_string("arch", "llama", "--model=hub's architecture (tfpipe.models.hub.names()).")
 flags.DEFINE_integer("width", 512, "MLP width.", lower_bound=1)
 flags.DEFINE_integer("depth", 12, "MLP layers.", lower_bound=1)
 flags.DEFINE_integer("blocks", 4, "Transformer blocks.", lower_bound=1)
@@ -74,6 +82,7 @@ def model_spec() -> dict[str, Any]:
     """The model flags, as the child rebuilds the model from them."""
     keys = (
         "model",
+        "arch",
         "width",
         "depth",
         "blocks",

@@ -30,8 +30,9 @@ GRID = [
 MIB = 2**20
 
 
-def model_and_data(spec: dict[str, Any], steps: int = 1) -> tuple[list[Any], Any, Any, Any]:
-    """The layers, ``steps`` batches of (x, y), and the loss, from the model flags in ``spec`` (seeded)."""
+def model_and_data(spec: dict[str, Any], steps: int = 1) -> tuple[Any, Any, Any, Any]:
+    """The layers (or a keras_hub task), ``steps`` batches of (x, y), and the loss, from the model flags in ``spec``
+    (seeded)."""
     import keras
     import numpy as np
 
@@ -42,22 +43,38 @@ def model_and_data(spec: dict[str, Any], steps: int = 1) -> tuple[list[Any], Any
         layers = [keras.layers.Dense(spec["width"], activation="tanh") for _ in range(spec["depth"])]
         x = rng.standard_normal((n, spec["width"])).astype("float32")
         return layers, x, np.tanh(x[:, ::-1]), "mse"
+    lm_loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    if spec["model"] == "hub":  # a keras_hub task (the hub extra), planned as a Functional model by its nodes
+        from tfpipe.models import hub
+
+        task = hub.task(
+            spec["arch"],
+            vocabulary_size=spec["vocab"],
+            num_layers=spec["blocks"],
+            hidden_dim=spec["dim"],
+            sequence_length=spec["seq_len"],
+        )
+        batch = hub.inputs(task, n, spec["seq_len"], spec["vocab"])
+        return task, batch, np.roll(batch["token_ids"], -1, axis=1), lm_loss
     from tfpipe.models.transformer import transformer_lm
 
     dim = spec["dim"]
     layers = transformer_lm(spec["vocab"], spec["seq_len"], spec["blocks"], dim, 4 * dim, 4)
     x = rng.integers(0, spec["vocab"], size=(n, spec["seq_len"])).astype("int32")
-    return layers, x, np.roll(x, -1, axis=1), keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    return layers, x, np.roll(x, -1, axis=1), lm_loss
 
 
 def make_plan(spec: dict[str, Any], budget: str | None) -> Any:
     """The plan for the model of ``spec`` on its devices: logical ones, or the workers of a LocalCluster."""
     import tfpipe
 
+    # the devices first: TensorFlow splits a device only before it starts, which building a keras_hub task does
+    devices = (
+        None if spec.get("cluster") else plan_devices.logical_devices(spec["devices"], spec.get("device_type", "CPU"))
+    )
     layers, x, _, _ = model_and_data(spec)
     kwargs = dict(sample=x, optimizer=spec["optimizer"], num_micro_batches=spec.get("micro_batches"))
-    if not spec.get("cluster"):
-        devices = plan_devices.logical_devices(spec["devices"], spec.get("device_type", "CPU"))
+    if devices is not None:
         return tfpipe.plan(layers, spec["batch_size"], devices, budget, **kwargs)
     with tfpipe.cluster.LocalCluster(spec["devices"]) as cluster:
         return tfpipe.plan(layers, spec["batch_size"], cluster.devices, budget, **kwargs)
@@ -75,7 +92,8 @@ def measure(config: dict[str, Any]) -> dict[str, float]:
     steps, batch = 20, config["batch_size"]
     layers, x, y, loss = model_and_data(config, steps=steps)
     # the data lives in the allocator before the model does: the peak counted is the model's own
-    data = tf.data.Dataset.from_tensor_slices((tf.constant(x), tf.constant(y))).batch(batch).repeat()
+    x = tf.nest.map_structure(tf.constant, x)
+    data = tf.data.Dataset.from_tensor_slices((x, tf.constant(y))).batch(batch).repeat()
     peak.begin()
     k, r = len(config["balance"]), config["replicas"]
     rows = [devices[i * k : (i + 1) * k] for i in range(r)]

@@ -99,7 +99,7 @@ def check_flags() -> None:
         raise UsageError(f"--image_size={FLAGS.image_size} must be divisible by 2**--unet_depth={2**FLAGS.unet_depth}")
     if FLAGS.model == "unet" and FLAGS.dataset != "synthetic":
         raise UsageError("--model=unet trains on the generated segmentation task; use --dataset=synthetic")
-    check_plan_flags(kind)
+    check_plan_flags()
     if FLAGS.memory_budget is not None:
         from tfpipe.planning.plans import parse_bytes
 

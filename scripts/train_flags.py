@@ -175,16 +175,14 @@ def ints(name: str) -> list[int] | None:
         raise UsageError(f"--{name}={','.join(values)}: give comma-separated integers, e.g. 2,3") from None
 
 
-# Models built as Functional graphs (scripts/train_task.py): tfpipe.plan takes layer lists and Sequentials only.
-FUNCTIONAL = ("unet", "keras:NAME", "hub:NAME")
 # Pipeline flags that --plan chooses itself: given beside it, they would be silently ignored.
 PLANNED = ("balance", "partitions", "replicas", "cost")
 # Pipeline flags that, given beside --plan, fix that choice of the plan's.
 PLAN_FIXES = {"micro_batches": "num_micro_batches", "remat": "remats", "schedule": "schedules"}
 
 
-def check_plan_flags(kind: str) -> None:
-    """--plan and its flags: alone or with what it chooses, and on a model it can plan (``kind``: --model's kind)."""
+def check_plan_flags() -> None:
+    """--plan and its flags: alone or with what it chooses (every model plans: layer lists and Functional ones)."""
     if not FLAGS.plan:
         for name in ("memory_budget", "plan_micro_batches"):
             if FLAGS[name].present:
@@ -199,13 +197,6 @@ def check_plan_flags(kind: str) -> None:
     if FLAGS.plan_micro_batches is not None and FLAGS["micro_batches"].present:
         raise UsageError(
             f"{flag_as_given('plan_micro_batches')}: --micro_batches={FLAGS.micro_batches} already fixes M; drop one"
-        )
-    functional = kind in FUNCTIONAL or (kind == "transformer" and FLAGS.tie_embeddings)
-    if functional:
-        what = "--tie_embeddings builds the transformer as" if kind == "transformer" else f"--model={FLAGS.model} is"
-        raise UsageError(
-            f"--plan: {what} a Functional model, and tfpipe.plan takes layer lists (--model=transformer, amoebanet, "
-            "resnet); give --partitions or --balance instead"
         )
     counts = ints("plan_micro_batches") or []
     if any(m < 1 for m in counts) or FLAGS.plan_micro_batches == []:

@@ -35,7 +35,7 @@ DEFAULTS = {
 }
 
 
-def check(plan: Any, memory_budget: Any, given: dict[str, Any], functional: bool) -> bool:
+def check(plan: Any, memory_budget: Any, given: dict[str, Any]) -> bool:
     """Whether ``plan`` is "auto"; with it, the settings the plan chooses must be left at their defaults.
 
     Without a plan, ``memory_budget`` is each device's stated limit (``tfpipe.planning.budget``); with a
@@ -48,11 +48,6 @@ def check(plan: Any, memory_budget: Any, given: dict[str, Any], functional: bool
                 "budget to tfpipe.plan, or drop memory_budget."
             )
         return False
-    if functional:
-        raise ValueError(
-            'plan="auto" plans a list of layers or a keras.Sequential; a Functional model\'s nodes are not planned '
-            'yet. Pass balance=... for it, or num_partitions with cost="time" to cut it by measured time.'
-        )
     if memory_budget is not None:
         parse_bytes(memory_budget)  # a bad budget is an error now, not at the first fit
     clashes = [name for name, value in given.items() if value != DEFAULTS[name]]
@@ -85,6 +80,7 @@ def first_batch(x: Any, batch_size: int | None) -> tuple[Any, int]:
 class AutoPlan(keras.Model):
     """The part of ``PipelineModel`` that plans itself at the first fit when made with ``plan="auto"``."""
 
+    _graph: Any = None  # PipelineModel's: a Functional model's nodes, or None for a layer sequence
     _auto_budget: Any = None
     _auto_devices: list[str] | None = None
     _auto_pending = False
@@ -103,9 +99,8 @@ class AutoPlan(keras.Model):
         sample, size = first_batch(x, batch_size)
         optimizer = self.optimizer if isinstance(self.optimizer, keras.optimizers.Optimizer) else "adam"
         messages.say(f"tfpipe: planning {self.name!r} for batches of {size} (plan='auto'): measuring its layers.")
-        plan = PLANNER[0](
-            self.pipeline_layers, size, self._auto_devices, self._auto_budget, sample=sample, optimizer=optimizer
-        )
+        planned = self._graph.model if self._graph is not None else self.pipeline_layers
+        plan = PLANNER[0](planned, size, self._auto_devices, self._auto_budget, sample=sample, optimizer=optimizer)
         self._follow(plan)
         messages.say(f"tfpipe: planned {self.name!r}: {plan.candidates[0].config.describe()}.")
 
@@ -121,10 +116,11 @@ class AutoPlan(keras.Model):
     def _follow(self, plan: Any) -> None:
         """Take the plan's settings and cut; variables already made move to their new cells' devices."""
         arguments = plan.pipeline_arguments()
-        units = len(self.pipeline_layers)
+        graph = self._graph
+        units = len(graph.nodes) if graph is not None else len(self.pipeline_layers)
         settings = settings_lib.check(
-            self.pipeline_layers,
-            None,
+            graph.model if graph is not None else self.pipeline_layers,
+            graph,
             units,
             arguments["balance"],
             None,
@@ -137,6 +133,6 @@ class AutoPlan(keras.Model):
         )
         self._keep_settings(settings)
         self._make_pipeline(settings.cell_sizes)
-        if self.built:
-            self._move_variables(seeds_only=False)
         self.plan, self._auto_pending = plan, False
+        if self.built:  # a deferred model's weights are made now, on the planned cells' devices
+            self._move_variables(seeds_only=False)

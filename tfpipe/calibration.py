@@ -25,7 +25,7 @@ from tfpipe import messages
 from tfpipe.distributed import cluster as cluster_lib
 from tfpipe.distributed.sendrecv import any_remote
 from tfpipe.model import PipelineModel
-from tfpipe.partition.sequence import copy_layer
+from tfpipe.planning import units as units_lib
 from tfpipe.planning.predict import Calibration, Config
 from tfpipe.planning.profile import median_seconds, memory_name
 from tfpipe.step import schedule as schedule_lib
@@ -91,7 +91,7 @@ class Probe:
 
 
 def split_step(
-    layers: Sequence[keras.layers.Layer],
+    layers: Any,  # the planner's units (planning.units)
     sample: Any,
     b: int,
     m: int,
@@ -105,14 +105,14 @@ def split_step(
 ) -> Probe:
     """Copies of ``layers`` cut by ``balance`` over ``devices`` trained at M=m micro-batches of b rows (``kept``:
     as ``_probe``'s)."""
-    copies = [copy_layer(layer, "to time it", "pass calibration=... or plan by hand") for layer in layers]
+    copies = units_lib.fresh(layers, "to time it", "pass calibration=... or plan by hand")
     x = tf.nest.map_structure(lambda t, n=b * m: _tiled(t, n), sample)
-    y = np.zeros((b * m, 1), "float32")
+    y = _targets(copies, b * m)
     return _probe(copies, balance, devices, m, x, y, _fresh(optimizer), steps, _mean, warm, remat, kept=kept)
 
 
 def configured_step(
-    layers: Sequence[keras.layers.Layer],
+    layers: Any,  # the planner's units (planning.units)
     sample: Any,
     batch_size: int,
     config: Config,
@@ -121,11 +121,11 @@ def configured_step(
     steps: int = 10,
 ) -> Probe:
     """Copies of ``layers`` trained as the planner's ``config`` (cut, replicas, M, remat, schedule) on ``devices``."""
-    copies = [copy_layer(layer, "to time it", "pass verify=0 to choose by prediction alone") for layer in layers]
+    copies = units_lib.fresh(layers, "to time it", "pass verify=0 to choose by prediction alone")
     k, r = config.num_partitions, config.num_replicas
     rows = [list(devices[i * k : (i + 1) * k]) for i in range(r)]
     x = tf.nest.map_structure(lambda t: _tiled(t, batch_size), sample)
-    y = np.zeros((batch_size, 1), "float32")
+    y = _targets(copies, batch_size)
     on = rows if r > 1 else rows[0]
     m, remat = config.num_micro_batches, config.remat
     probe_args = (copies, list(config.balance), on, m, x, y, _fresh(optimizer), steps, _mean, True, remat)
@@ -133,7 +133,7 @@ def configured_step(
 
 
 def replicated_step(
-    layers: Sequence[keras.layers.Layer],
+    layers: Any,  # the planner's units (planning.units)
     sample: Any,
     b: int,
     devices: list[str],
@@ -143,12 +143,12 @@ def replicated_step(
 ) -> Probe:
     """Copies of ``layers`` as one cell replicated on every one of ``devices``, each replica b rows at M=1 (``kept``:
     as ``_probe``'s)."""
-    copies = [copy_layer(layer, "to time it", "pass calibration=... or plan by hand") for layer in layers]
+    copies = units_lib.fresh(layers, "to time it", "pass calibration=... or plan by hand")
     rows = b * len(devices)
     x = tf.nest.map_structure(lambda t: _tiled(t, rows), sample)
-    y = np.zeros((rows, 1), "float32")
+    y = _targets(copies, rows)
     replicas = [[d] for d in devices]
-    return _probe(copies, [len(copies)], replicas, 1, x, y, _fresh(optimizer), steps, _mean, kept=kept)
+    return _probe(copies, [len(units_lib.of(layers))], replicas, 1, x, y, _fresh(optimizer), steps, _mean, kept=kept)
 
 
 def _fresh(optimizer: Any) -> keras.optimizers.Optimizer:
@@ -156,6 +156,12 @@ def _fresh(optimizer: Any) -> keras.optimizers.Optimizer:
     if isinstance(optimizer, str):
         return keras.optimizers.get(optimizer)
     return optimizer.__class__.from_config(optimizer.get_config())
+
+
+def _targets(model: Any, rows: int) -> Any:
+    """Targets the probes' loss ignores: one per output of a Functional model, else one."""
+    outputs = model.output if isinstance(model, keras.Model) else None
+    return tf.nest.map_structure(lambda _: np.zeros((rows, 1), "float32"), outputs if outputs is not None else 0)
 
 
 def _mean(y_true: Any, y_pred: Any) -> Any:
@@ -189,6 +195,8 @@ def _probe(
     ``per_device``: also each device's peak, where each has an allocator of its own. ``kept``: a list that gets the
     model, its data and its step times, to time it again (``in_rounds``).
     """
+    # a list of several inputs as a tuple: tf.data takes a list for one tensor
+    x = tuple(x) if isinstance(x, list) else x
     data = tf.data.Dataset.from_tensors((x, y)).repeat()
     first = devices[0]
     memory = memory_name(first[0] if isinstance(first, list) else first)

@@ -13,7 +13,6 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
-import keras
 import numpy as np
 
 from tfpipe import calibration as calibration_lib
@@ -40,7 +39,7 @@ class Shape:
 
 def fit_model(
     measured: profile.Profile,
-    layers: list[keras.layers.Layer],
+    layers: Any,  # the planner's units (planning.units)
     data: Any,
     batch_size: int,
     devices: list[str],
@@ -96,7 +95,7 @@ def fit_model(
 
 
 def time_probes(
-    shapes: Sequence[Shape], layers: list[keras.layers.Layer], data: Any, devices: list[str], optimizer: Any
+    shapes: Sequence[Shape], layers: Any, data: Any, devices: list[str], optimizer: Any
 ) -> dict[Shape, calibration_lib.Probe]:
     """Each of ``shapes`` trained on ``devices`` (copies of ``layers``), all timed in the same rounds."""
     kept: dict[Any, list] = {shape: [] for shape in shapes}
@@ -218,7 +217,7 @@ def model_parallelism(
     return at_speed(calibration, speed)
 
 
-def splits(layers: Sequence[keras.layers.Layer], devices: Sequence[str]) -> bool:
+def splits(layers: Any, devices: Sequence[str]) -> bool:
     """Whether the probes cut the model over ``devices``: two distinct devices or more, a layer for each."""
     return len(set(devices)) > 1 and len(layers) >= len(devices)
 

@@ -112,7 +112,7 @@ class PipelineModel(settings_lib.SettingsProperties, KerasEntryPoints, auto_plan
         units = len(graph.nodes) if graph is not None else len(layers_)
         chosen = dict(balance=balance, num_partitions=num_partitions, num_micro_batches=num_micro_batches)
         chosen.update(remat=remat, schedule=schedule)
-        auto = auto_plan.check(plan, memory_budget, chosen, graph is not None)
+        auto = auto_plan.check(plan, memory_budget, chosen)
         plan_devices = list(devices) if auto and devices is not None else None
         if auto:  # one placeholder cell until the first fit plans
             balance, devices, plan = [units], None if devices is None else [devices_lib.check(devices[0])], None
@@ -143,6 +143,8 @@ class PipelineModel(settings_lib.SettingsProperties, KerasEntryPoints, auto_plan
         self._memory_budget = None if auto else memory_budget
         if memory_budget is not None and not auto:
             budget_lib.budgets(memory_budget, self._devices)  # a bad budget is an error now
+        if auto:  # before the graph's weights move: a deferred model's are made once planned, on their devices
+            self._wait_for_plan(memory_budget, plan_devices)
         if graph is not None:  # its layers are built: so is this model, for the graph's inputs
             self.check_memory_budget(None)  # before a deferred model's weights are made
             self._move_variables(seeds_only=False)
@@ -150,8 +152,6 @@ class PipelineModel(settings_lib.SettingsProperties, KerasEntryPoints, auto_plan
             self.build(graph.model.input)
         if isinstance(layers, keras.Model):  # the user's model keeps these layers, and so their devices
             saving.keep_off_xla(layers, self._devices)
-        if auto:
-            self._wait_for_plan(memory_budget, plan_devices)
 
     def _keep_settings(self, settings: settings_lib.Settings) -> None:
         """Keep the checked arguments (all but the balance, which ``_make_pipeline`` keeps once known)."""
@@ -225,7 +225,8 @@ class PipelineModel(settings_lib.SettingsProperties, KerasEntryPoints, auto_plan
                         continue
                     placed.add(id(variable))
                     if deferred.waiting(variable):
-                        blocks.append(deferred.place(variable, device))
+                        if not self._auto_pending:  # plan="auto": made once the plan has cut the model
+                            blocks.append(deferred.place(variable, device))
                     elif (
                         device is not None
                         and state_lib.is_seed_state(variable) == seeds_only

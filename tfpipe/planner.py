@@ -16,7 +16,6 @@ import copy
 from collections.abc import Sequence
 from typing import Any
 
-import keras
 import tensorflow as tf
 
 from tfpipe import auto_plan, fitting
@@ -24,11 +23,10 @@ from tfpipe import calibration as calibration_lib
 from tfpipe._args import positive_int
 from tfpipe.backward.remat import REMAT_MODES, check_mode
 from tfpipe.distributed import devices as devices_lib
-from tfpipe.partition import functional
-from tfpipe.partition.sequence import layer_list
 from tfpipe.planning import budget as budget_lib
 from tfpipe.planning import joined, plans, search
 from tfpipe.planning import profile as profile_lib
+from tfpipe.planning import units as units_lib
 from tfpipe.planning.plans import Plan
 from tfpipe.planning.predict import SLOTS, Calibration, Config
 from tfpipe.step import schedule as schedule_lib
@@ -56,7 +54,8 @@ def plan(
 ) -> Plan:
     """The configuration (K, balance, R, M, remat, schedule) fastest on ``devices`` whose peak fits ``memory_budget``.
 
-    ``layers``: a list of Keras layers or a ``keras.Sequential``. ``devices``: the devices to
+    ``layers``: a list of Keras layers, a ``keras.Sequential``, or a Functional model (a keras_hub task included,
+    built under ``tfpipe.deferred_weights()`` or not), planned by its nodes. ``devices``: the devices to
     use (default: this machine's GPUs, else its CPU devices). ``memory_budget``: bytes per
     device (an int or a string such as "12GiB"); None: no limit. ``sample`` or
     ``input_shape`` give the input when the layers do not know it. ``optimizer``: its name
@@ -68,12 +67,7 @@ def plan(
     schedule) on the devices and choose the fastest measured; 0 chooses by prediction alone. A ValueError names the
     smallest budget that would fit when none does.
     """
-    if functional.is_functional(layers):
-        raise ValueError(
-            "tfpipe.plan takes a list of layers or a keras.Sequential; a Functional model's nodes are not planned "
-            "yet. Pass balance=... to PipelineModel for it, or tfpipe.balance.by_time to cut it by measured time."
-        )
-    layer_seq = layer_list(layers)
+    layer_seq = units_lib.of(layers)  # the layers, or a Functional model's nodes
     batch_size = positive_int("batch_size", batch_size)
     device_list = _devices(devices)
     budget = plans.parse_bytes(memory_budget) if memory_budget is not None else None
@@ -117,7 +111,7 @@ def plan(
 
 def verified(
     candidates: list[search.Candidate],
-    layers: Sequence[keras.layers.Layer],
+    layers: Any,
     sample: Any,
     batch_size: int,
     devices: Sequence[str],
@@ -125,7 +119,8 @@ def verified(
     count: int,
     budget: float | None = None,
 ) -> list[search.Candidate]:
-    """``candidates`` with the ``count`` worth timing trained on ``devices`` (copies of ``layers``), fastest first.
+    """``candidates`` with the ``count`` worth timing trained on ``devices`` (copies of ``layers``, the planner's
+    units), fastest first.
 
     Where the devices' peaks can be read (GPUs, a running LocalCluster's workers, logical CPUs counted by one
     allocator), one over ``budget`` goes last, and candidates predicted over it by at most ``search.MEMORY_SLACK``
@@ -150,13 +145,14 @@ def verified(
     return search.by_measured(candidates, count, time_step, budget, slack)
 
 
-def reused(profile: profile_lib.Profile, layers: Sequence[keras.layers.Layer]) -> profile_lib.Profile:
-    """A copy of ``profile`` (``plan.profile``) to plan ``layers`` with again, checked against them."""
+def reused(profile: profile_lib.Profile, layers: Any) -> profile_lib.Profile:
+    """A copy of ``profile`` (``plan.profile``) to plan ``layers`` (the planner's units) with again, checked against
+    them."""
     if not isinstance(profile, profile_lib.Profile):
         raise TypeError(f"profile must be a tfpipe plan's profile (plan.profile), got {type(profile).__name__}.")
     if len(profile.weight_bytes) != len(layers):
         raise ValueError(
-            f"profile=... was measured on {len(profile.weight_bytes)} layers but {len(layers)} are planned; pass the "
+            f"profile=... was measured on {len(profile.weight_bytes)} units but {len(layers)} are planned; pass the "
             "profile of a plan of these layers, or leave profile out to measure them."
         )
     return copy.deepcopy(profile)  # the search fills sizes in: the earlier plan's profile stays as it was

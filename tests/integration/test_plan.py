@@ -167,10 +167,6 @@ def test_plan_auto_refuses_what_it_would_choose_and_data_it_cannot_plan_on():
         tfpipe.PipelineModel(_layers(), plan="auto", num_micro_batches=4, remat="never")
     with pytest.raises(ValueError, match="memory_budget must be a number of bytes > 0 or a string such as"):
         tfpipe.PipelineModel(_layers(), plan="auto", memory_budget="plenty")
-    inputs = keras.Input((16,))
-    functional = keras.Model(inputs, keras.layers.Dense(4)(inputs))
-    with pytest.raises(ValueError, match="a Functional model's nodes are not planned yet"):
-        tfpipe.PipelineModel(functional, plan="auto")
     model = tfpipe.PipelineModel(_layers(), plan="auto", devices=DEVICES)
     model.compile(optimizer="sgd", loss="mse")
 
@@ -179,14 +175,6 @@ def test_plan_auto_refuses_what_it_would_choose_and_data_it_cannot_plan_on():
 
     with pytest.raises(ValueError, match=r'plan="auto" plans on the first training batch, .* \(generator\)'):
         model.fit(batches(), verbose=0)
-
-
-@pytest.mark.xfail(strict=True, raises=ValueError, reason="tfpipe.plan cuts layer lists, not yet a Functional graph")
-def test_a_functional_model_is_planned():
-    inputs = keras.Input((16,))
-    hidden = keras.layers.Dense(32)(inputs)
-    model = keras.Model(inputs, keras.layers.Dense(4)(keras.layers.Add()([hidden, keras.layers.Dense(32)(hidden)])))
-    assert isinstance(tfpipe.plan(model, 32, DEVICES), tfpipe.Plan)
 
 
 @pytest.mark.heavy(seconds=15)

@@ -11,6 +11,7 @@ from tfpipe._compat.keras import (
     MASK,
     OPTIMIZER_HOOKS,
     backup_point,
+    clone_uncompiled,
     compiled_loss,
     deferring_variables,
     execution_order,
@@ -73,6 +74,7 @@ from tfpipe._compat.tensorflow import (
 __all__ = [
     "BATCHES_DONE",
     "backup_point",
+    "clone_uncompiled",
     "has_backup",
     "remake_variable",
     "reconnect",

@@ -258,6 +258,21 @@ def load_weights(model: keras.Model, *args: Any, **kwargs: Any) -> None:
     _LOAD_WEIGHTS(model, *args, **kwargs)
 
 
+def clone_uncompiled(model: keras.Model) -> keras.Model:
+    """``keras.models.clone_model(model)`` without compiling the clone.
+
+    ``clone_model`` compiles the clone as ``model`` was (a keras_hub task compiles itself when made), and compiling
+    builds the optimizer over the clone's weights, which a clone made under ``deferring_variables`` does not have
+    yet. ``compiled`` is the plain attribute Keras' ``Trainer`` reads for it.
+    """
+    compiled = model.compiled
+    model.compiled = False
+    try:
+        return keras.models.clone_model(model)
+    finally:
+        model.compiled = compiled
+
+
 # BackupAndRestore keeps its files' paths and its epoch count privately; "tfpipe_batches_done" is tfpipe's own
 # key in the metadata, which Keras reads only the "epoch" of.
 BATCHES_DONE = "tfpipe_batches_done"

@@ -10,7 +10,6 @@ traced alone, as the step cuts a cell, at two sizes; nothing runs.
 from __future__ import annotations
 
 import inspect
-from collections.abc import Sequence
 from typing import Any
 
 import keras
@@ -20,12 +19,13 @@ from tfpipe import _compat
 from tfpipe.backward.batched_w import BatchedW, Unbatchable
 from tfpipe.backward.split_vjp import SplitVJP
 from tfpipe.graph import cpu_gradients
-from tfpipe.planning.profile import _each_layer
+from tfpipe.planning import units as units_lib
 
 
-def bytes_per_sample(layers: Sequence[keras.layers.Layer], sample: Any, device: str, rows: int = 4) -> list[float]:
-    """Per layer, the bytes per sample one W over all micro-batches concatenates (0 where W cannot run once)."""
-    return [_layer_bytes(copy, x_in, rows, device) for copy, x_in, _, _ in _each_layer(layers, sample, rows, device)]
+def bytes_per_sample(units: Any, sample: Any, device: str, rows: int = 4) -> list[float]:
+    """Per unit (``planning.units``), the bytes per sample one W over all micro-batches concatenates (0 where W
+    cannot run once)."""
+    return [_layer_bytes(w.copy, w.inputs, rows, device) for w in units_lib.walk(units, sample, rows, device)]
 
 
 def _layer_bytes(copy: keras.layers.Layer, x_in: Any, rows: int, device: str) -> float:

@@ -150,7 +150,7 @@ def step_seconds(profile: Profile, calibration: Calibration, batch_size: int, co
     devices = k * config.num_replicas
     work = config.num_replicas * sum(end - start for _, start, end in simulated)
     pipeline_s = max(span, work / min(calibration.parallelism_of(config.num_replicas, k), devices))
-    trainable = [sum(profile.trainable_bytes[lo:hi]) for lo, hi in cells]
+    trainable = [profile.cell_weights(lo, hi)[1] for lo, hi in cells]
     # each device updates its own cells' weights; devices that share compute share the work
     updating = max(max(trainable), sum(trainable) / min(calibration.parallelism, k))
     update_s = updating * calibration.update_s_per_byte
@@ -363,11 +363,11 @@ def cell_bytes(
 ) -> CellBytes:
     """The parts of ``cell_peak`` for layers [lo, hi) at micro-batch size ``b`` (its arguments' meanings)."""
     costs = profile.costs(b)
-    trainable = sum(profile.trainable_bytes[lo:hi])
+    weights, trainable, borrowed = profile.cell_weights(lo, hi)
     gradients = (1.0 + (RUNNING_SUM if summed else 0.0)) if inline else 1.0 + NOINLINE_GRADIENTS
     batch = 2 * m * b * profile.input_bytes if first else 0.0
     return CellBytes(
-        static=sum(profile.weight_bytes[lo:hi]) + (gradients + slots) * trainable + batch,
+        static=weights + (gradients + slots) * trainable + gradients * borrowed + batch,
         cell_input=b * (profile.input_bytes if first else profile.output_bytes[lo - 1]),
         activations=held_ratio * sum(costs.held_bytes[lo:hi]),
         working=max(costs.working_bytes[lo:hi]),

@@ -17,11 +17,9 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import math
 import os
-import random
 import timeit
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import keras
@@ -29,9 +27,10 @@ import numpy as np
 import tensorflow as tf
 
 from tfpipe.graph import cpu_gradients
-from tfpipe.partition import specs
+from tfpipe.partition import functional, hub, specs
 from tfpipe.planning import cost as cost_lib
-from tfpipe.planning.cost import _bytes, _restoring, _walk  # the cost module's walk over layer copies
+from tfpipe.planning import units as units_lib
+from tfpipe.planning.cost import _bytes
 
 MEASURED = "measured with get_memory_info"
 FROM_OUTPUTS = "estimated from output sizes (the allocator reports no bytes: set TF_CPU_ALLOCATOR_USE_BFC=true)"
@@ -49,13 +48,13 @@ class LayerCosts:
 
 @dataclasses.dataclass
 class Profile:
-    """Per-layer measurements of a layer sequence at several micro-batch sizes, on ``device``."""
+    """Per-unit measurements of a layer sequence or a graph's nodes at several micro-batch sizes, on ``device``."""
 
     device: str
-    weight_bytes: list[float]  # per layer: its variables (trainable and not)
-    trainable_bytes: list[float]  # per layer: its trainable variables (gradients and optimizer slots follow them)
-    input_bytes: float  # per sample: the model's input
-    output_bytes: list[float]  # per sample: each layer's output, what crosses a cell boundary after it
+    weight_bytes: list[float]  # per unit: its variables (trainable and not), a layer's at its first unit
+    trainable_bytes: list[float]  # per unit: its trainable variables (gradients and optimizer slots follow them)
+    input_bytes: float  # per sample: the model's inputs
+    output_bytes: list[float]  # per sample: what crosses a cell boundary after each unit (a graph's skips included)
     by_batch: dict[int, LayerCosts]
     memory_source: str
     memory_device: str | None = None  # where the bytes were read (``device`` or its stand-in); None: estimated
@@ -69,6 +68,20 @@ class Profile:
     # per sample: what one W over all micro-batches concatenates of each layer (``tfpipe.planning.joined``); none
     # where no batching schedule is searched
     joined_bytes: list[float] = dataclasses.field(default_factory=list)
+    # a layer's weights that a later unit reads than the one counting them (a tied embedding; ``units.Tied``)
+    tied: list[Any] = dataclasses.field(default_factory=list)
+
+    def cell_weights(self, lo: int, hi: int) -> tuple[float, float, float]:
+        """Units [lo, hi) as one cell: the bytes of the weights it holds, of the trainable ones it owns (their
+        gradients and optimizer slots are its), and of trainable ones it reads from an earlier cell (a gradient of
+        its own, summed into the owner's: no slots)."""
+        weights, owned = sum(self.weight_bytes[lo:hi]), sum(self.trainable_bytes[lo:hi])
+        borrowed: dict[int, Any] = {}  # a layer read twice in one cell is held once
+        for tie in self.tied:
+            if lo <= tie.reader < hi and not lo <= tie.owner < hi:
+                borrowed[tie.owner] = tie
+        weights += sum(tie.weight_bytes for tie in borrowed.values())
+        return weights, owned, sum(tie.trainable_bytes for tie in borrowed.values())
 
     def costs(self, batch: int) -> LayerCosts:
         """The measurements at micro-batch size ``batch`` (a ValueError if it was not profiled)."""
@@ -206,41 +219,35 @@ class _Measured:
         return float(max(held, 0)), float(max(peak - held, 0))
 
 
-def measure(
-    layers: Sequence[keras.layers.Layer], sample: Any, batch_sizes: Sequence[int], device: str, repeats: int = 5
-) -> Profile:
-    """Profile ``layers`` on ``device`` at each micro-batch size in ``batch_sizes``, on data shaped like ``sample``.
+def measure(units: Any, sample: Any, batch_sizes: Sequence[int], device: str, repeats: int = 5) -> Profile:
+    """Profile ``units`` (``planning.units``: layers, or a Functional model's nodes) on ``device`` at each
+    micro-batch size in ``batch_sizes``, on data shaped like ``sample``.
 
-    The layers are copied and run once at the largest size; each copy is measured on the first rows of its input.
+    The units are copied and run once at the largest size; each copy is measured on the first rows of its input.
     Bytes are read on ``stand_in(device)``, with copies of their own where that is another device.
     """
     read_on = stand_in(device)
     memory = memory_name(read_on) if read_on else None
     sizes = sorted(set(int(b) for b in batch_sizes))
     by_batch = {b: LayerCosts([], [], [], []) for b in sizes}
-    weights: list[float] = []
-    trainable: list[float] = []
+    weights, trainable, tied = units_lib.weights(units)
     outputs: list[float] = []
     kinds: list[str | None] = []
-    input_bytes = 0.0
-    for copy, x_in, y, measured in _each_layer(layers, sample, sizes[-1], device):
-        kinds.append(kind_of(copy, x_in))
-        if not outputs:
-            input_bytes = _bytes(x_in) / sizes[-1]  # the first layer's input is the model's
-        out = _bytes(y) / sizes[-1]
+    for walked in units_lib.walk(units, sample, sizes[-1], device):
+        x_in, measured = walked.inputs, _Measured([walked.copy], device)
+        kinds.append(kind_of(walked.copy, x_in))
         for b in sizes:
             f_s, b_s = measured.seconds(_rows(x_in, b), repeats)
-            # Without an allocator that counts, a layer is taken to hold its output and as much again inside (a
+            # Without an allocator that counts, a unit is taken to hold its output and as much again inside (a
             # Dense' pre-activation, a normalization's statistics): a rough rule, said so
             held, working = measured.held(_rows(x_in, b), memory) if read_on == device else (0.0, 0.0)
+            out = _bytes(walked.outputs) * b / sizes[-1]
             costs = by_batch[b]
             costs.forward_s.append(f_s)
             costs.backward_s.append(b_s)
-            costs.held_bytes.append(held if read_on else 2.0 * out * b)
-            costs.working_bytes.append(working if read_on else 2.0 * out * b)
-        weights.append(sum(_bytes(v) for v in copy.weights))
-        trainable.append(sum(_bytes(v) for v in copy.trainable_variables))
-        outputs.append(out)
+            costs.held_bytes.append(held if read_on else 2.0 * out)
+            costs.working_bytes.append(working if read_on else 2.0 * out)
+        outputs.append(walked.crossing_bytes / sizes[-1])
     source = FROM_OUTPUTS
     if read_on is not None:
         source = MEASURED if read_on == device else f"{MEASURED} on {read_on}, this process's stand-in for {device}"
@@ -250,14 +257,17 @@ def measure(
         logger, level = tf.get_logger(), tf.get_logger().level
         logger.setLevel(logging.ERROR)
         try:
-            for i, (_, x_in, _, measured) in enumerate(_each_layer(layers, sample, sizes[-1], read_on)):
+            for i, walked in enumerate(units_lib.walk(units, sample, sizes[-1], read_on)):
+                measured = _Measured([walked.copy], read_on)
                 for b in sizes:
-                    by_batch[b].held_bytes[i], by_batch[b].working_bytes[i] = measured.held(_rows(x_in, b), memory)
+                    held = measured.held(_rows(walked.inputs, b), memory)
+                    by_batch[b].held_bytes[i], by_batch[b].working_bytes[i] = held
         finally:
             logger.setLevel(level)
     for costs in by_batch.values():
         tie_alike(costs, kinds)
-    return Profile(device, weights, trainable, input_bytes, outputs, by_batch, source, read_on)
+    input_bytes = _bytes(tf.nest.map_structure(lambda t: np.asarray(t)[:1], sample))  # per sample
+    return Profile(device, weights, trainable, input_bytes, outputs, by_batch, source, read_on, tied=tied)
 
 
 def kind_of(layer: keras.layers.Layer, inputs: Any) -> str | None:
@@ -289,14 +299,6 @@ def tie_alike(costs: LayerCosts, kinds: Sequence[str | None]) -> None:
             mean = float(np.mean([times[i] for i in members]))
             for i in members:
                 times[i] = mean
-
-
-def _each_layer(layers: Sequence[keras.layers.Layer], sample: Any, rows: int, device: str) -> Iterator[Any]:
-    """Per layer, on ``device``: (a built copy, its input at ``rows`` rows, its output, the copy to measure)."""
-    with tf.device(device), _restoring((random.getstate(), np.random.get_state())):
-        x = tf.nest.map_structure(lambda t: tf.convert_to_tensor(_resized(t, rows)), sample)
-        for _, _, copy, x_in, y in _walk(list(layers), x, run=True):
-            yield copy, x_in, y, _Measured([copy], device)
 
 
 def _rows(x: Any, n: int) -> Any:
@@ -335,19 +337,17 @@ def rescale(profile: Profile, batch: int, seconds: float) -> None:
         costs.backward_s[:] = [t * seconds / total for t in costs.backward_s]
 
 
-def _resized(t: Any, batch: int) -> np.ndarray:
-    """A sample leaf cut or tiled to ``batch`` rows."""
-    array = np.asarray(t)
-    reps = math.ceil(batch / array.shape[0])
-    return np.concatenate([array] * reps)[:batch] if reps > 1 else array[:batch]
-
-
 def sample_of(layers: Any, sample: Any, input_shape: Any) -> Any:
     """One batch to profile with: ``sample`` as given, else data generated for ``input_shape`` or the model's input."""
     if sample is not None:
         cost_lib.batch_size(sample)  # a ValueError unless it is a batch
         return sample
-    if input_shape is None and isinstance(layers, keras.Model):
+    if input_shape is None and functional.is_functional(layers):  # its inputs' specs, a sequence length filled in
+        try:
+            return specs.estimation_sample(layers.input, 1, 1, hub.stand_in_length(layers))
+        except ValueError:
+            pass  # a dimension left unknown: the error below asks for a sample
+    elif input_shape is None and isinstance(layers, keras.Model):
         try:
             input_shape = tuple(layers.inputs[0].shape) if len(layers.inputs) == 1 else None
         except (AttributeError, ValueError):

@@ -245,6 +245,18 @@ def test_deferring_variables_keeps_the_initializer_and_records_loads_until_made_
     assert not _compat.is_deferred(fresh.kernel)
 
 
+def test_clone_uncompiled_clones_a_compiled_model_without_building_an_optimizer_over_its_weights():
+    inputs = keras.Input((4,))
+    model = keras.Model(inputs, keras.layers.Dense(2)(inputs))
+    model.compile(optimizer="adam", loss="mse")
+    assert keras.models.clone_model(model).compiled  # what clone_uncompiled avoids: the clone's optimizer built
+    with _compat.deferring_variables(lambda v: None, lambda *a: None):
+        clone = _compat.clone_uncompiled(model)
+    assert not clone.compiled and model.compiled  # the model's own flag restored
+    assert [v.shape for v in clone.weights] == [v.shape for v in model.weights]
+    assert all(_compat.is_deferred(v) for v in clone.weights)
+
+
 def test_remake_variable_gives_it_a_new_tensorflow_variable_that_its_optimizer_is_rekeyed_to():
     layer = keras.layers.Dense(2)
     layer.build((None, 3))
