@@ -305,9 +305,10 @@ def reconnect() -> None:
     server_def = copy.deepcopy(_tf_context.get_server_def())
     for job in server_def.cluster.job:
         if job.name == server_def.job_name:
+            host = job.tasks[server_def.task_index].rsplit(":", 1)[0]  # where the workers reach it: kept
             with socket.socket() as s:
-                s.bind(("localhost", 0))
-                job.tasks[server_def.task_index] = f"localhost:{s.getsockname()[1]}"
+                s.bind(("", 0))
+                job.tasks[server_def.task_index] = f"{host}:{s.getsockname()[1]}"
     _tf_context.set_server_def(server_def)
 
 

@@ -29,7 +29,7 @@ from absl import logging as absl_logging
 
 from tfpipe import _compat
 from tfpipe._args import int_at_least, positive_int
-from tfpipe.distributed import exposure, health, worker
+from tfpipe.distributed import exposure, health, reach, worker
 from tfpipe.distributed.faults import RECOVER, WorkerError, unwatch, watch
 from tfpipe.distributed.worker import JOB
 
@@ -315,11 +315,17 @@ def connect(
     device_type: str = "CPU",
     timeout: float | None = DEFAULT_TIMEOUT,
     max_restarts: int = 0,
+    client_address: str | None = None,
 ) -> list[str]:
     """Join an existing cluster; return one device string per task of ``job``, in task order.
 
     ``cluster``: a ``tf.train.ClusterSpec``, a dict {job: [host:port, ...]}, or None to
-    read the "cluster" of the ``TF_CONFIG`` environment variable. A task that does not
+    read the "cluster" of the ``TF_CONFIG`` environment variable. ``client_address``: "host"
+    or "host:port" at which the workers reach this process (they pull the batch and the
+    loss' gradient from it); default: ``TF_CONFIG``'s task when it is a "chief" or "client"
+    (its address in the cluster), else this host's address on the route to the first
+    worker. With workers on other hosts, every worker is checked to reach this process and
+    the next worker before ``connect`` returns: a ``WorkerError`` names the pair. A task that does not
     answer for ``timeout`` seconds ends the run: gRPC's ping timeout fails the blocked
     call, and ``PipelineModel``'s fit, evaluate and predict raise a ``WorkerError`` naming
     the task. ``None`` waits forever. Calling ``connect`` again replaces the watch.
@@ -336,6 +342,7 @@ def connect(
     """
     timeout = health.check_timeout(timeout)
     max_restarts = _check_restarts(max_restarts)
+    tf_config = None
     if cluster is None:
         config = os.environ.get("TF_CONFIG")
         if not config:
@@ -344,21 +351,28 @@ def connect(
                 'to {"cluster": {"worker": ["host:port", ...]}}.'
             )
         try:
-            cluster = json.loads(config)["cluster"]
+            tf_config = json.loads(config)
+            cluster = tf_config["cluster"]
         except (ValueError, KeyError, TypeError) as err:
             raise ValueError(f'TF_CONFIG={config!r} has no readable "cluster" entry ({err}).') from None
     spec = cluster if isinstance(cluster, tf.train.ClusterSpec) else tf.train.ClusterSpec(cluster)
     if job not in spec.jobs:
         raise ValueError(f"The cluster has no job {job!r} (jobs: {spec.jobs}); name the job that runs the cells.")
+    workers = [spec.task_address(job, k) for k in range(spec.num_tasks(job))]
+    address = reach.client_address(workers, client_address, tf_config)
+    spec = tf.train.ClusterSpec(reach.with_client(spec.as_dict(), address))
     global _joined
     health.arm(timeout)  # before this process's first gRPC channel
     tf.config.experimental_connect_to_cluster(spec)
     if _joined is not None:
         unwatch(_joined.watchdog)
         _started.remove(_joined)
-    _joined = Joined([spec.task_address(job, k) for k in range(spec.num_tasks(job))], timeout, max_restarts)
+    devices = _devices(spec, job, device_type)
+    if address is not None:  # on other hosts: what the loopback cannot show, checked before any step
+        reach.check_reach(devices, workers, address, min(timeout or reach.REACH_TIMEOUT, reach.REACH_TIMEOUT))
+    _joined = Joined(workers, timeout, max_restarts)
     _started.append(_joined)
-    return _devices(spec, job, device_type)
+    return devices
 
 
 def _check_restarts(max_restarts: Any) -> int:
