@@ -2,7 +2,7 @@
 the training process outside them, joined with ``connect()`` as a user with two worker hosts would.
 
 Each test runs in a fresh process (connecting changes TensorFlow's process-wide context) that makes its hosts
-(``tests/hosts.py``) and removes them when it ends; the test removes what a killed process left.
+(``scripts/hosts.py``) and removes them when it ends; the test removes what a killed process left.
 """
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import json
 
 import pytest
 
-from tests import hosts as hosts_lib
 from tests.util import run_fresh
+from tfpipe.scripts import hosts as hosts_lib
 
 WHY = hosts_lib.available()
 pytestmark = pytest.mark.skipif(WHY is not None, reason=f"simulated hosts need network namespaces: {WHY}")
@@ -21,7 +21,7 @@ HEADER = """
 import json, os, signal, subprocess, sys, threading, time
 import numpy as np, keras, tensorflow as tf
 import tfpipe
-from tests.hosts import Hosts
+from tfpipe.scripts.hosts import Hosts
 from tests.util import max_rel_error, mlp_layers
 from tfpipe.distributed.faults import WorkerError
 

@@ -135,6 +135,19 @@ class Hosts:
             process.kill()
             process.wait(timeout=30)
 
+    def delay(self, k: int, ms: float) -> None:
+        """Add ``ms`` of latency each way on host ``k``'s link (``netem``; a RuntimeError where the kernel lacks it)."""
+        for args in (
+            ["-n", self.namespaces[k], "qdisc", "add", "dev", f"tfp{self._id}p{k}"],
+            ["qdisc", "add", "dev", f"tfp{self._id}v{k}"],
+        ):
+            done = subprocess.run(["tc", *args, "root", "netem", "delay", f"{ms}ms"], capture_output=True, text=True)
+            if done.returncode:
+                raise RuntimeError(
+                    f"cannot slow host {k}'s link: tc netem: {done.stderr.strip() or done.returncode} (this kernel "
+                    "may have no sch_netem module)"
+                )
+
     def link(self, k: int, up: bool) -> None:
         """Take host ``k``'s link to the bridge down or up (its side outside the namespace)."""
         _ip("link", "set", f"tfp{self._id}v{k}", "up" if up else "down")
