@@ -318,6 +318,13 @@ def wait_for_ops() -> None:
     _tf_context.async_wait()
 
 
+def server_def_bytes() -> bytes | None:
+    """The cluster this process is connected to, serialized (None when not connected): it changes with every
+    ``experimental_connect_to_cluster`` that names another cluster or another port of this process's own task."""
+    server_def = _tf_context.get_server_def()
+    return None if server_def is None else server_def.SerializeToString(deterministic=True)
+
+
 def own_address() -> str | None:
     """The host:port this process's own task has in the cluster it is connected to (its server listens there once
     it exchanges tensors with the workers); None when not connected."""

@@ -29,7 +29,7 @@ from absl import logging as absl_logging
 
 from tfpipe import _compat
 from tfpipe._args import int_at_least, positive_int
-from tfpipe.distributed import exposure, health, reach, worker
+from tfpipe.distributed import exposure, health, reach, sendrecv, worker
 from tfpipe.distributed.faults import RECOVER, WorkerError, unwatch, watch
 from tfpipe.distributed.worker import JOB
 
@@ -145,6 +145,7 @@ class LocalCluster:
         # Only now: connecting before every worker serves can block without a timeout.
         with _worker_threads(self.threads_per_worker):
             tf.config.experimental_connect_to_cluster(tf.train.ClusterSpec({JOB: self.addresses}))
+        sendrecv.forget()  # new workers: new incarnations
         self.watchdog = watch(self.addresses, self.timeout, self._kill_hung)
         own = _compat.own_address()
         exposure.warn_exposed(self.pids, int(own.rsplit(":", 1)[1]) if own else None)
@@ -364,6 +365,7 @@ def connect(
     global _joined
     health.arm(timeout)  # before this process's first gRPC channel
     tf.config.experimental_connect_to_cluster(spec)
+    sendrecv.forget()  # a worker restarted at its address has a new incarnation
     if _joined is not None:
         unwatch(_joined.watchdog)
         _started.remove(_joined)
@@ -409,4 +411,5 @@ class Joined:
                 raise WorkerError(f"Worker {why} within timeout={self.timeout:g} s: start it again and resume.")
             time.sleep(1.0)
         _compat.reconnect()
+        sendrecv.forget()
         self.watchdog = watch(self.addresses, self.timeout, lambda *_: None)

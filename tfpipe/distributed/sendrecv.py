@@ -19,6 +19,15 @@ from tfpipe import _compat
 
 # (src, dst) -> (full send device, full receive device, the sender's incarnation), refreshed by ``discover``.
 _ENDPOINTS: dict[tuple[str, str], tuple[str, str, int]] = {}
+# What the endpoints were found under: tfpipe's count of connections (``forget``) and the cluster this process is
+# connected to (a user's own ``experimental_connect_to_cluster`` changes it). Under the same, they still hold.
+_CONNECTIONS = [0]
+_FOUND_UNDER: list[Any] = [None]
+
+
+def forget() -> None:
+    """Have the next ``discover`` find every pair again: this process connected anew, or a worker restarted."""
+    _CONNECTIONS[0] += 1
 
 
 def _process(device: str) -> tuple[str, int, int]:
@@ -45,12 +54,19 @@ def discover(pairs: list[tuple[str, str]]) -> None:
     """Learn, eagerly, the full names and the sender's incarnation for each (src, dst) pair across processes.
 
     Read from the transfers TensorFlow itself makes in one small function, one per pair. Called before each
-    fit, evaluate or predict, since a restarted worker has a new incarnation under the same name.
-    Inside a trace, run metadata came back empty (measured with TF 2.21), hence eagerly.
+    fit, evaluate, predict and ``*_on_batch`` call; found again only under another connection (a restarted worker
+    has a new incarnation under the same name: its cluster calls ``forget``). Inside a trace, run metadata came
+    back empty (measured with TF 2.21), hence eagerly.
     """
     wanted = [(a, b) for a, b in pairs if crosses_processes(a, b)]
     if not wanted or not tf.executing_eagerly():
         return
+    under = (_CONNECTIONS[0], _compat.server_def_bytes())
+    if under != _FOUND_UNDER[0]:  # another connection: every endpoint found before may be stale
+        _ENDPOINTS.clear()
+        _FOUND_UNDER[0] = under
+    elif all(pair in _ENDPOINTS for pair in wanted):
+        return  # found under this connection: a train_on_batch loop does not pay for it every call (~20 ms)
     for pair in wanted:
         _ENDPOINTS.pop(pair, None)  # never a stale incarnation: a pair not found again keeps TensorFlow's transfers
 
