@@ -76,6 +76,12 @@ def test_outputs_and_their_gradients_cross_processes_through_explicit_sends_the_
             chained = [op for op in moves if any(c.type in ("Send", "Recv") for c in op.control_inputs)]
             print("RESULT", sendrecv.known(*cluster.devices), len(sends), sum(op.type == "Recv" for op in ops),
                   ",".join(sorted({op.name.split("/")[0] for op in sends})), len(waits), len(chained))
+            sendrecv.forget()  # as a custom loop meets it: train_step traced in its own tf.function, nothing learned
+            custom = tfpipe.PipelineModel(mlp_layers(), num_partitions=2, devices=cluster.devices, num_micro_batches=3)
+            custom.compile(optimizer="sgd", loss="mse")
+            custom.build((None, 5))
+            graph = tf.function(lambda a, b: custom.train_step((a, b))).get_concrete_function(*spec).graph
+            print("CUSTOM", sum(op.type == "Send" for op in graph.get_operations()))
             for depth in (4, 8):  # the stateful ops the step itself runs (outside calls), against the weights
                 model = tfpipe.PipelineModel(mlp_layers(depth=depth), num_partitions=2, devices=cluster.devices,
                                              num_micro_batches=3)
@@ -88,6 +94,7 @@ def test_outputs_and_their_gradients_cross_processes_through_explicit_sends_the_
     assert proc.returncode == 0, proc.stderr[-3000:]
     known, sends, recvs, scopes, waits, chained = proc.stdout.split("RESULT")[1].split()[:6]
     assert (known, sends, recvs) == ("True", "6", "6")
+    assert proc.stdout.split("CUSTOM")[1].split()[0] == "6"  # a custom loop's step sends explicitly too
     assert scopes == "B_1_0,B_1_1,B_1_2,F_0_0,F_0_1,F_0_2"  # in cell 0's forward and cell 1's backward tasks
     assert int(waits) >= 4  # each device's next task waits for its sends
     # and nothing else: not the other sends and receives of the step, each device's after the other's (the order

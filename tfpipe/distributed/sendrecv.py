@@ -26,8 +26,9 @@ _FOUND_UNDER: list[Any] = [None]
 
 
 def forget() -> None:
-    """Have the next ``discover`` find every pair again: this process connected anew, or a worker restarted."""
+    """Drop every endpoint found: this process connected anew, or a worker restarted; ``discover`` finds them again."""
     _CONNECTIONS[0] += 1
+    _ENDPOINTS.clear()
 
 
 def _process(device: str) -> tuple[str, int, int]:

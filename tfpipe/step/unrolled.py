@@ -176,6 +176,9 @@ class Pipeline(Executor):
         plan = self._loop_plan(inputs, training)
         if plan is not None:
             return self._loops.run(plan, inputs, training, loss_fn, fractions, loss_scale, first, merge)
+        if not tf.executing_eagerly():  # traced by a custom loop too (train_step in the user's tf.function)
+            with tf.init_scope():  # the endpoints of explicit sends are learned eagerly (found once per connection)
+                self.prepare()
         step = self._begin(inputs, training, loss_fn, fractions, loss_scale, first)
         chain = Chain(self.cells)
         backward = loss_fn is not None
