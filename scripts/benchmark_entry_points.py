@@ -1,0 +1,158 @@
+"""Every Keras entry point's step across worker processes, against ``fit``'s, at K=1 (one worker) and K=2 (two).
+
+One ``LocalCluster`` of two one-thread workers; K=1 puts the whole model on worker 0 (the reference a user compares
+to), K=2 cuts it over both. Per model and K, each entry point runs ``--steps`` batches after warming up, in rounds
+(every entry point of every K in turn, ``--rounds`` times); its figure is the median per-batch time of a round, and
+the table gives min / median / max over the rounds and the median per-round ratio to ``fit``'s:
+
+- ``fit``: Keras' batch begin to end (``report.timed_fit``);
+- ``train_on_batch``: one call, in a Python loop (the guide's custom loop);
+- ``train_step``: ``model.train_step((x, y))`` inside the user's own ``tf.function``, one call;
+- ``test_on_batch``, ``predict_on_batch``: one call;
+- ``evaluate``, ``predict``: Keras' test / predict batch begin to end.
+
+torch.distributed.pipelining has one entry point, its schedule's ``step()`` in a loop: that figure is
+``scripts/benchmark_peers.py``'s (the ``peers`` extra).
+
+    python scripts/benchmark_entry_points.py                            # the floor and 20 x Dense(512), M=1
+    python scripts/benchmark_entry_points.py --models=floor --rounds=5 --out=docs/results/entry_points
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from typing import Any
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+
+from absl import app, flags  # noqa: E402
+
+from tfpipe.scripts.report import timed_fit, warm_up, write_table  # noqa: E402
+
+FLAGS = flags.FLAGS
+WIDTHS = {"floor": 16, "mlp256": 256, "mlp512": 512}
+flags.DEFINE_list("models", ["floor", "mlp512"], f"Models: {', '.join(WIDTHS)} (20 x Dense(width) + tanh).")
+flags.DEFINE_integer("layers", 20, "Dense layers.", lower_bound=2)
+flags.DEFINE_integer("batch_size", 512, "Batch.", lower_bound=1)
+flags.DEFINE_integer("micro_batches", 1, "M at K=2 (K=1 runs M=1).", lower_bound=1)
+flags.DEFINE_integer("steps", 20, "Timed batches per entry point and round.", lower_bound=3)
+flags.DEFINE_integer("rounds", 3, "Rounds of every entry point.", lower_bound=1)
+flags.DEFINE_float("warmup_s", 2.0, "Untimed fit steps per model before its first round (at most 100).", lower_bound=0)
+flags.DEFINE_string("out", None, "Write the table to OUT.csv and OUT.md.")
+
+ENTRY_POINTS = ("fit", "train_on_batch", "train_step", "test_on_batch", "predict_on_batch", "evaluate", "predict")
+
+
+def per_call(fn: Any, steps: int) -> float:
+    """Median seconds of ``fn()`` over ``steps`` calls, after one untimed call."""
+    fn()
+    times = []
+    for _ in range(steps):
+        began = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - began)
+    return statistics.median(times)
+
+
+def per_batch(run: Any, kind: str, steps: int) -> float:
+    """Median seconds between Keras' ``kind`` ('test' or 'predict') batch begin and end callbacks of ``run``."""
+    import keras
+
+    times: list[float] = []
+    began = [0.0]
+    callback = keras.callbacks.LambdaCallback(
+        **{
+            f"on_{kind}_batch_begin": lambda batch, logs: began.__setitem__(0, time.perf_counter()),
+            f"on_{kind}_batch_end": lambda batch, logs: times.append(time.perf_counter() - began[0]),
+        }
+    )
+    run([callback])
+    return statistics.median(times[1:] if len(times) > 1 else times)
+
+
+def measure(model: Any, x: Any, y: Any, batch: int, steps: int) -> dict[str, float]:
+    """Each entry point's seconds per batch on ``model`` (trained on the first batch of (x, y) throughout)."""
+    import tensorflow as tf
+
+    xb, yb = x[:batch], y[:batch]
+    tx, ty = tf.constant(xb), tf.constant(yb)
+    step = tf.function(lambda a, b: model.train_step((a, b)))
+    many_x, many_y = x[: batch * steps], y[: batch * steps]
+    return {
+        "fit": timed_fit(model, many_x, many_y, batch, 1).median_s,
+        "train_on_batch": per_call(lambda: model.train_on_batch(xb, yb), steps),
+        "train_step": per_call(lambda: step(tx, ty), steps),
+        "test_on_batch": per_call(lambda: model.test_on_batch(xb, yb), steps),
+        "predict_on_batch": per_call(lambda: model.predict_on_batch(xb), steps),
+        "evaluate": per_batch(lambda cb: model.evaluate(many_x, many_y, batch, verbose=0, callbacks=cb), "test", steps),
+        "predict": per_batch(lambda cb: model.predict(many_x, batch, verbose=0, callbacks=cb), "predict", steps),
+    }
+
+
+def main(argv: list[str]) -> None:
+    """Rounds of every entry point at K=1 and K=2 for each model; the table of medians and ratios to fit."""
+    del argv
+    import keras
+    import numpy as np
+
+    import tfpipe
+
+    unknown = [m for m in FLAGS.models if m not in WIDTHS]
+    if unknown:
+        raise app.UsageError(f"--models: unknown {unknown}; use {', '.join(WIDTHS)}")
+    rows = []
+    with tfpipe.cluster.LocalCluster(2, threads_per_worker=1) as cluster:
+        for name in FLAGS.models:
+            width, batch = WIDTHS[name], FLAGS.batch_size
+            rng = np.random.default_rng(0)
+            x = rng.standard_normal((batch * (FLAGS.steps + 1), width)).astype("float32")
+            y = np.tanh(x)
+            models = {}
+            for k, m in ((1, 1), (2, FLAGS.micro_batches)):
+                keras.utils.set_random_seed(0)
+                layers = [keras.layers.Dense(width, activation="tanh") for _ in range(FLAGS.layers)]
+                model = tfpipe.PipelineModel(
+                    layers, num_partitions=k, devices=cluster.devices[:k], num_micro_batches=m, remat="never"
+                )
+                model.compile(optimizer="sgd", loss="mse")
+                warm_up(model, x, y, batch, FLAGS.warmup_s)
+                models[k] = model
+            found: dict[int, list[dict[str, float]]] = {1: [], 2: []}
+            for r in range(FLAGS.rounds):
+                for k, model in models.items():
+                    found[k].append(measure(model, x, y, batch, FLAGS.steps))
+                    shown = ", ".join(f"{e} {found[k][-1][e] * 1e3:.1f}" for e in ENTRY_POINTS)
+                    print(f"  {name} K={k} round {r}: {shown} ms", flush=True)
+            for entry in ENTRY_POINTS:
+                row: dict[str, Any] = {"model": name, "entry": entry}
+                for k in (1, 2):
+                    ms = [f[entry] * 1e3 for f in found[k]]
+                    row[f"k{k}_ms"] = f"{min(ms):.1f} / {statistics.median(ms):.1f} / {max(ms):.1f}"
+                    row[f"k{k}_vs_fit"] = round(statistics.median(f[entry] / f["fit"] for f in found[k]), 2)
+                rows.append(row)
+    text = markdown(rows)
+    print(text)
+    if FLAGS.out:
+        write_table(FLAGS.out, rows, text)
+
+
+def markdown(rows: list[dict[str, Any]]) -> str:
+    """The table: per model and entry point, K=1 and K=2 per batch and against fit."""
+    lines = [
+        f"{FLAGS.layers} x Dense(width) + tanh, batch {FLAGS.batch_size}, SGD; K=1 on one one-thread worker, K=2 on "
+        f"two (M={FLAGS.micro_batches}); per batch, min / median / max of {FLAGS.rounds} rounds of {FLAGS.steps}",
+        "",
+        "| model | entry point | K=1 (ms) | x fit | K=2 (ms) | x fit |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['model']} | `{r['entry']}` | {r['k1_ms']} | {r['k1_vs_fit']} | {r['k2_ms']} | {r['k2_vs_fit']} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    app.run(main)
