@@ -42,6 +42,10 @@ def test_speed_benchmark_writes_its_table(tmp_path):
         assert cpu == pytest.approx(float(r["cpu_ms"]), rel=0.1, abs=0.1)
     assert "  CPU / wait for a core, ms per step: client:" in proc.stdout
     assert [(r["size"], r["K"], r["M"]) for r in rows] == [(s, k, "2") for k in ("1", "2") for s in sizes]
+    # K=2's share of the limit: the schedule's allowance times one worker's speed at M=2, from the K=1 row
+    limit = float(rows[2]["allowed_same_m"]) * float(rows[0]["speedup"])
+    assert float(rows[2]["microbatches_allow"]) == pytest.approx(limit, rel=1e-6)
+    assert f"% of the limit {limit:.2f}x" in open(out + ".md").read()
     for r in rows:  # every entry against its size's reference: one worker, K=1, M=1, no recomputation
         assert r["remat"] == "always" and r["jit_compile"] == "True" and float(r["examples_per_s"]) > 0
         assert float(r["speedup"]) == pytest.approx(float(r["examples_per_s"]) / float(r["reference"]))
