@@ -11,6 +11,7 @@ Transformer is a layer list, whose cells are built on their devices.
     python scripts/benchmark_capacity.py                                  # small defaults, a few minutes
     python scripts/benchmark_capacity.py --model=llama --out=docs/results/capacity_llama
     python scripts/benchmark_capacity.py --seq_len=512 --batch_size=32 --budget_mib=1024   # GPipe's scale (hours)
+    python scripts/benchmark_capacity.py --device_type=GPU --budget_mib=2048 --rows=plain,1,2,4  # logical GPUs
 
 Each row runs one fixed configuration (``--micro_batches``, ``remat="always"``, 1F1B above K=1, cut by FLOPs);
 the planner does not choose it yet (issue 62).
@@ -43,6 +44,13 @@ flags.DEFINE_integer("vocab", 256, "Vocabulary size.", lower_bound=2)
 flags.DEFINE_integer("micro_batches", 4, "M of the tfpipe rows.", lower_bound=1)
 flags.DEFINE_float("budget_mib", 64.0, "Each device's allocator budget, MiB.", lower_bound=1.0)
 flags.DEFINE_integer("max_blocks", 64, "The deepest model probed.", lower_bound=1)
+flags.DEFINE_enum(
+    "device_type",
+    "CPU",
+    ["CPU", "GPU"],
+    "CPU: LocalCluster workers' allocators against the budget; GPU: the first GPU split into K logical GPUs whose "
+    "memory_limit is the budget (a hard cap).",
+)
 flags.DEFINE_string("out", None, "Write every probe to OUT.csv and the table to OUT.md.")
 flags.DEFINE_string("_child", None, "Internal: measure one configuration (JSON) and print the result.")
 
@@ -77,9 +85,11 @@ def child(config: dict[str, Any]) -> dict[str, Any]:
         return layers, x, x
 
     loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    if config.get("device_type") == "GPU":
+        return _on_logical_gpus(config, build, loss)
     if k == 0:  # plain Keras, in this process
         model, x, y = build()
-        model = keras.Sequential(model) if isinstance(model, list) else model
+        model = keras_sequential(model)
         model.compile(optimizer="adam", loss=loss)
         model.fit(x, y, batch_size=n, epochs=1, verbose=0, shuffle=False)
         peak = tf.config.experimental.get_memory_info("CPU:0")["peak"]
@@ -102,6 +112,53 @@ def child(config: dict[str, Any]) -> dict[str, Any]:
         return {"params": model.count_params(), "peak": max(peaks), "peaks": peaks, "client_peak": client}
 
 
+def _on_logical_gpus(config: dict[str, Any], build: Any, loss: Any) -> dict[str, Any]:
+    """``child`` on the first GPU split into max(K, 1) logical GPUs whose ``memory_limit`` is the budget: a hard cap,
+    as a GPU of that size would be (running out of memory fails the probe: over the budget)."""
+    import tensorflow as tf
+
+    import tfpipe
+
+    k = config["k"]
+    gpus = tf.config.list_physical_devices("GPU")
+    if not gpus:
+        raise RuntimeError("--device_type=GPU: this machine has no GPU")
+    limit = tf.config.LogicalDeviceConfiguration(memory_limit=int(config["budget_mib"]))
+    tf.config.set_logical_device_configuration(gpus[0], [limit] * max(k, 1))
+    devices = [f"/GPU:{i}" for i in range(max(k, 1))]
+    if k == 0:  # plain Keras on one logical GPU
+        with tf.device(devices[0]):
+            model, x, y = build()
+            model = keras_sequential(model)
+            model.compile(optimizer="adam", loss=loss)
+            model.fit(x, y, batch_size=config["batch_size"], epochs=1, verbose=0, shuffle=False)
+    else:
+        with tfpipe.deferred_weights():
+            made, x, y = build()
+        model = tfpipe.PipelineModel(
+            made,
+            num_partitions=k,
+            devices=devices,
+            num_micro_batches=config["micro_batches"],
+            remat="always",
+            schedule="1f1b" if k > 1 else "gpipe",
+        )
+        model.compile(optimizer="adam", loss=loss)
+        model.fit(x, y, batch_size=config["batch_size"], epochs=1, verbose=0, shuffle=False)
+    peaks = [tf.config.experimental.get_memory_info(d.lstrip("/"))["peak"] for d in devices]
+    client = (
+        tf.config.experimental.get_memory_info("CPU:0")["peak"] if os.environ.get("TF_CPU_ALLOCATOR_USE_BFC") else 0
+    )
+    return {"params": model.count_params(), "peak": max(peaks), "peaks": peaks, "client_peak": client}
+
+
+def keras_sequential(made: Any) -> Any:
+    """A layer list as a ``keras.Sequential`` (plain Keras' row); a model as it is."""
+    import keras
+
+    return keras.Sequential(made) if isinstance(made, list) else made
+
+
 def probe(row: str, blocks: int) -> dict[str, Any]:
     """Measure one row at one depth in a fresh process; a failed run counts as over the budget."""
     config = {
@@ -114,6 +171,8 @@ def probe(row: str, blocks: int) -> dict[str, Any]:
         "batch_size": FLAGS.batch_size,
         "vocab": FLAGS.vocab,
         "micro_batches": FLAGS.micro_batches,
+        "device_type": FLAGS.device_type,
+        "budget_mib": FLAGS.budget_mib,
     }
     done = subprocess.run(
         [sys.executable, os.path.abspath(__file__), f"--_child={json.dumps(config)}"],
