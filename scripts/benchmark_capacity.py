@@ -13,8 +13,8 @@ Transformer is a layer list, whose cells are built on their devices.
     python scripts/benchmark_capacity.py --seq_len=512 --batch_size=32 --budget_mib=1024   # GPipe's scale (hours)
     python scripts/benchmark_capacity.py --device_type=GPU --budget_mib=2048 --rows=plain,1,2,4  # logical GPUs
 
-Each row runs one fixed configuration (``--micro_batches``, ``remat="always"``, 1F1B above K=1, cut by FLOPs);
-the planner does not choose it yet (issue 62).
+Each row runs one fixed configuration (``--micro_batches``, ``remat="always"``, 1F1B above K=1, cut by FLOPs), or
+with ``--plan`` the one ``tfpipe.plan`` chooses for each probe under the budget (minutes of planning per probe).
 """
 
 from __future__ import annotations
@@ -50,6 +50,12 @@ flags.DEFINE_enum(
     ["CPU", "GPU"],
     "CPU: LocalCluster workers' allocators against the budget; GPU: the first GPU split into K logical GPUs whose "
     "memory_limit is the budget (a hard cap).",
+)
+flags.DEFINE_bool(
+    "plan",
+    False,
+    "Each tfpipe probe trains the configuration tfpipe.plan chooses for it under the budget (its K devices, no "
+    "replicas, chosen by prediction: verify=0); default: the fixed one of --micro_batches.",
 )
 flags.DEFINE_string("out", None, "Write every probe to OUT.csv and the table to OUT.md.")
 flags.DEFINE_string("_child", None, "Internal: measure one configuration (JSON) and print the result.")
@@ -93,23 +99,22 @@ def child(config: dict[str, Any]) -> dict[str, Any]:
         model.compile(optimizer="adam", loss=loss)
         model.fit(x, y, batch_size=n, epochs=1, verbose=0, shuffle=False)
         peak = tf.config.experimental.get_memory_info("CPU:0")["peak"]
-        return {"params": model.count_params(), "peak": peak, "peaks": [peak], "client_peak": peak}
+        return {"params": model.count_params(), "peak": peak, "peaks": [peak], "client_peak": peak, "config": "plain"}
     with tfpipe.cluster.LocalCluster(num_workers=k, threads_per_worker=1) as cluster:
         with tfpipe.deferred_weights():
             made, x, y = build()
-        model = tfpipe.PipelineModel(
-            made,
-            num_partitions=k,
-            devices=cluster.devices,
-            num_micro_batches=config["micro_batches"],
-            remat="always",
-            schedule="1f1b" if k > 1 else "gpipe",
-        )
+        model, chosen = pipelined(made, x, cluster.devices, config)
         model.compile(optimizer="adam", loss=loss)
         model.fit(x, y, batch_size=n, epochs=1, verbose=0, shuffle=False)
         peaks = [info["peak"] for info in cluster.memory_info()]
         client = tf.config.experimental.get_memory_info("CPU:0")["peak"]
-        return {"params": model.count_params(), "peak": max(peaks), "peaks": peaks, "client_peak": client}
+        return {
+            "params": model.count_params(),
+            "peak": max(peaks),
+            "peaks": peaks,
+            "client_peak": client,
+            "config": chosen,
+        }
 
 
 def _on_logical_gpus(config: dict[str, Any], build: Any, loss: Any) -> dict[str, Any]:
@@ -135,6 +140,26 @@ def _on_logical_gpus(config: dict[str, Any], build: Any, loss: Any) -> dict[str,
     else:
         with tfpipe.deferred_weights():
             made, x, y = build()
+        model, chosen = pipelined(made, x, devices, config)
+        model.compile(optimizer="adam", loss=loss)
+        model.fit(x, y, batch_size=config["batch_size"], epochs=1, verbose=0, shuffle=False)
+    peaks = [tf.config.experimental.get_memory_info(d.lstrip("/"))["peak"] for d in devices]
+    client = (
+        tf.config.experimental.get_memory_info("CPU:0")["peak"] if os.environ.get("TF_CPU_ALLOCATOR_USE_BFC") else 0
+    )
+    return {"params": model.count_params(), "peak": max(peaks), "peaks": peaks, "client_peak": client}
+
+
+def pipelined(made: Any, x: Any, devices: list[str], config: dict[str, Any]) -> tuple[Any, str]:
+    """The PipelineModel of a tfpipe row over ``devices``, and its configuration: the fixed one (``--micro_batches``,
+    ``remat="always"``, 1F1B above K=1), or with ``--plan`` the one ``tfpipe.plan`` chooses under the budget (a
+    ValueError where nothing fits: the probe is over the budget)."""
+    import tensorflow as tf
+
+    import tfpipe
+
+    k, n = len(devices), config["batch_size"]
+    if not config.get("plan"):
         model = tfpipe.PipelineModel(
             made,
             num_partitions=k,
@@ -143,13 +168,11 @@ def _on_logical_gpus(config: dict[str, Any], build: Any, loss: Any) -> dict[str,
             remat="always",
             schedule="1f1b" if k > 1 else "gpipe",
         )
-        model.compile(optimizer="adam", loss=loss)
-        model.fit(x, y, batch_size=config["batch_size"], epochs=1, verbose=0, shuffle=False)
-    peaks = [tf.config.experimental.get_memory_info(d.lstrip("/"))["peak"] for d in devices]
-    client = (
-        tf.config.experimental.get_memory_info("CPU:0")["peak"] if os.environ.get("TF_CPU_ALLOCATOR_USE_BFC") else 0
-    )
-    return {"params": model.count_params(), "peak": max(peaks), "peaks": peaks, "client_peak": client}
+        return model, f"K={k}, M={config['micro_batches']}, remat='always', schedule='{model.schedule}'"
+    sample = tf.nest.map_structure(lambda t: t[:n], x)
+    budget = int(config["budget_mib"] * MIB)
+    plan = tfpipe.plan(made, n, devices, budget, sample=sample, optimizer="adam", replicas=False, verify=0)
+    return tfpipe.PipelineModel(made, plan=plan), plan.candidates[0].config.describe()
 
 
 def keras_sequential(made: Any) -> Any:
@@ -173,6 +196,7 @@ def probe(row: str, blocks: int) -> dict[str, Any]:
         "micro_batches": FLAGS.micro_batches,
         "device_type": FLAGS.device_type,
         "budget_mib": FLAGS.budget_mib,
+        "plan": FLAGS.plan,
     }
     done = subprocess.run(
         [sys.executable, os.path.abspath(__file__), f"--_child={json.dumps(config)}"],
@@ -183,7 +207,15 @@ def probe(row: str, blocks: int) -> dict[str, Any]:
     lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
     if done.returncode or not lines:
         print(f"  {row} L={blocks}: failed ({done.stderr.strip().splitlines()[-1:]}), counted over the budget")
-        return {"row": row, "blocks": blocks, "params": 0, "peak": float("inf"), "peaks": [], "client_peak": 0}
+        return {
+            "row": row,
+            "blocks": blocks,
+            "params": 0,
+            "peak": float("inf"),
+            "peaks": [],
+            "client_peak": 0,
+            "config": "",
+        }
     result = dict(json.loads(lines[-1]), row=row, blocks=blocks)
     print(
         f"  {row} L={blocks}: {result['params'] / 1e6:.2f}M parameters, device peak {mib(result['peak'])} MiB "
@@ -206,11 +238,15 @@ def table(found: list[dict[str, Any]]) -> str:
     base = next((f["params"] for f in found if f["row"] == "1" and f["params"]), None)
     lines = [
         f"{FLAGS.model}: width {FLAGS.dim}, {FLAGS.batch_size} sequences of {FLAGS.seq_len} tokens, vocabulary "
-        f"{FLAGS.vocab}, Adam, budget {FLAGS.budget_mib:g} MiB per device (allocator peak); tfpipe at "
-        f"M={FLAGS.micro_batches}, remat='always', 1F1B above K=1",
+        f"{FLAGS.vocab}, Adam, budget {FLAGS.budget_mib:g} MiB per device (allocator peak); tfpipe "
+        + (
+            "as tfpipe.plan chose for each probe"
+            if FLAGS.plan
+            else f"at M={FLAGS.micro_batches}, remat='always', 1F1B above K=1"
+        ),
         "",
-        "| row | blocks | parameters | x tfpipe K=1 | device peak (MiB) | client peak (MiB) |",
-        "| --- | --- | --- | --- | --- | --- |",
+        "| row | blocks | parameters | x tfpipe K=1 | device peak (MiB) | client peak (MiB) | configuration |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
     ]
     for f in found:
         ratio = f"{f['params'] / base:.2f}" if base and f["params"] else "-"
@@ -218,7 +254,7 @@ def table(found: list[dict[str, Any]]) -> str:
         name = "plain Keras" if f["row"] == "plain" else f"tfpipe K={f['row']}"
         lines.append(
             f"| {name} | {f['blocks']}{capped} | {f['params'] / 1e6:.2f}M | {ratio} | {mib(f['peak'])} | "
-            f"{mib(f['client_peak'])} |"
+            f"{mib(f['client_peak'])} | {f['config']} |"
         )
     return "\n".join(lines) + "\n"
 
@@ -243,12 +279,13 @@ def main(argv: list[str]) -> None:
                 "params": best["params"] if best else 0,
                 "peak": best["peak"] if best else 0,
                 "client_peak": best["client_peak"] if best else 0,
+                "config": best["config"] if best else "",
             }
         )
     text = table(found)
     print(text)
     if FLAGS.out:
-        fields = ["row", "blocks", "params", "peak", "peaks", "client_peak"]
+        fields = ["row", "blocks", "params", "peak", "peaks", "client_peak", "config"]
         write_table(FLAGS.out, [{f: p[f] for f in fields} for p in probes], text, fields)
 
 

@@ -11,8 +11,9 @@ the table gives min / median / max over the rounds and the median per-round rati
 - ``test_on_batch``, ``predict_on_batch``: one call;
 - ``evaluate``, ``predict``: Keras' test / predict batch begin to end.
 
-torch.distributed.pipelining has one entry point, its schedule's ``step()`` in a loop: that figure is
-``scripts/benchmark_peers.py``'s (the ``peers`` extra).
+torch.distributed.pipelining has one entry point, its schedule's ``step()`` in a loop: with torch installed (the
+``peers`` extra) each round also runs ``scripts/benchmark_peers.py`` on the same model at K=1 and K=2, M=1 (one pair,
+its own workers and torch processes), and the table gives torch's step beside tfpipe's ``fit`` of that round.
 
     python scripts/benchmark_entry_points.py                            # the floor and 20 x Dense(512), M=1
     python scripts/benchmark_entry_points.py --models=floor --rounds=5 --out=docs/results/entry_points
@@ -20,8 +21,13 @@ torch.distributed.pipelining has one entry point, its schedule's ``step()`` in a
 
 from __future__ import annotations
 
+import csv
+import importlib.util
 import os
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
 from typing import Any
 
@@ -40,6 +46,7 @@ flags.DEFINE_integer("micro_batches", 1, "M at K=2 (K=1 runs M=1).", lower_bound
 flags.DEFINE_integer("steps", 20, "Timed batches per entry point and round.", lower_bound=3)
 flags.DEFINE_integer("rounds", 3, "Rounds of every entry point.", lower_bound=1)
 flags.DEFINE_float("warmup_s", 2.0, "Untimed fit steps per model before its first round (at most 100).", lower_bound=0)
+flags.DEFINE_bool("torch", True, "Also time torch's schedule.step() each round, where torch is installed.")
 flags.DEFINE_string("out", None, "Write the table to OUT.csv and OUT.md.")
 
 ENTRY_POINTS = ("fit", "train_on_batch", "train_step", "test_on_batch", "predict_on_batch", "evaluate", "predict")
@@ -91,6 +98,20 @@ def measure(model: Any, x: Any, y: Any, batch: int, steps: int) -> dict[str, flo
     }
 
 
+def torch_steps(model: str, steps: int) -> dict[int, float]:
+    """torch's step seconds at K=1 and K=2, M=1 on ``model``, from one pair of ``benchmark_peers.py`` (a process of
+    its own: its workers and torch stages start and stop with it)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "peers")
+        script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "benchmark_peers.py")
+        flags_ = [f"--models={model}", "--micro_batches=1", "--pairs=1", f"--steps={steps}", f"--out={out}"]
+        done = subprocess.run([sys.executable, script, *flags_], capture_output=True, text=True)
+        if done.returncode:
+            raise RuntimeError(f"benchmark_peers.py failed (exit {done.returncode}): {done.stderr[-2000:]}")
+        with open(out + ".csv") as f:
+            return {int(r["k"]): float(r["torch_median_ms"]) / 1e3 for r in csv.DictReader(f)}
+
+
 def main(argv: list[str]) -> None:
     """Rounds of every entry point at K=1 and K=2 for each model; the table of medians and ratios to fit."""
     del argv
@@ -102,6 +123,11 @@ def main(argv: list[str]) -> None:
     unknown = [m for m in FLAGS.models if m not in WIDTHS]
     if unknown:
         raise app.UsageError(f"--models: unknown {unknown}; use {', '.join(WIDTHS)}")
+    with_torch = FLAGS.torch and importlib.util.find_spec("torch") is not None
+    if FLAGS.torch and not with_torch:
+        print("torch is not installed (pip install -e '.[peers]'): its step() is not timed", flush=True)
+    if with_torch and (FLAGS.layers != 20 or FLAGS.batch_size != 512):
+        raise app.UsageError("torch's figure is benchmark_peers.py's model: 20 layers, batch 512; or give --notorch")
     rows = []
     with tfpipe.cluster.LocalCluster(2, threads_per_worker=1) as cluster:
         for name in FLAGS.models:
@@ -125,7 +151,12 @@ def main(argv: list[str]) -> None:
                     found[k].append(measure(model, x, y, batch, FLAGS.steps))
                     shown = ", ".join(f"{e} {found[k][-1][e] * 1e3:.1f}" for e in ENTRY_POINTS)
                     print(f"  {name} K={k} round {r}: {shown} ms", flush=True)
-            for entry in ENTRY_POINTS:
+                if with_torch:
+                    for k, seconds in torch_steps(name, FLAGS.steps).items():
+                        found[k][-1]["torch step()"] = seconds
+                    print(f"  {name} round {r}: torch K=1 {found[1][-1]['torch step()'] * 1e3:.1f}, K=2 "
+                          f"{found[2][-1]['torch step()'] * 1e3:.1f} ms", flush=True)  # fmt: skip
+            for entry in ENTRY_POINTS + (("torch step()",) if with_torch else ()):
                 row: dict[str, Any] = {"model": name, "entry": entry}
                 for k in (1, 2):
                     ms = [f[entry] * 1e3 for f in found[k]]
@@ -144,7 +175,7 @@ def markdown(rows: list[dict[str, Any]]) -> str:
         f"{FLAGS.layers} x Dense(width) + tanh, batch {FLAGS.batch_size}, SGD; K=1 on one one-thread worker, K=2 on "
         f"two (M={FLAGS.micro_batches}); per batch, min / median / max of {FLAGS.rounds} rounds of {FLAGS.steps}",
         "",
-        "| model | entry point | K=1 (ms) | x fit | K=2 (ms) | x fit |",
+        "| model | entry point | K=1 (ms) | x tfpipe's fit | K=2 (ms) | x tfpipe's fit |",
         "| --- | --- | --- | --- | --- | --- |",
     ]
     for r in rows:

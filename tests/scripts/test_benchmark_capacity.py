@@ -1,4 +1,5 @@
-"""benchmark_capacity.py in its smallest mode: plain Keras and tfpipe K=2 (deferred keras_hub weights) at one block."""
+"""benchmark_capacity.py in its smallest mode: plain Keras and tfpipe K=2 (deferred keras_hub weights, the
+configuration tfpipe.plan chose) at one block; the fixed configuration runs in tests/scripts/test_gpu_checks.py."""
 
 import csv
 
@@ -7,8 +8,8 @@ import pytest
 from tests.util import run_script
 
 
-@pytest.mark.heavy(seconds=40)
-def test_capacity_benchmark_writes_its_table(tmp_path):
+@pytest.mark.heavy(seconds=90)
+def test_capacity_benchmark_writes_its_table_with_the_planned_configuration(tmp_path):
     pytest.importorskip("keras_hub")
     out = str(tmp_path / "capacity")
     proc = run_script(
@@ -22,6 +23,7 @@ def test_capacity_benchmark_writes_its_table(tmp_path):
         "--micro_batches=2",
         "--budget_mib=256",
         "--max_blocks=1",
+        "--plan",
         f"--out={out}",
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -34,7 +36,8 @@ def test_capacity_benchmark_writes_its_table(tmp_path):
     assert 0 < float(rows["2"]["client_peak"]) < float(rows["plain"]["peak"])
     text = open(out + ".md").read()
     assert "| plain Keras | 1 (cap) |" in text and "| tfpipe K=2 | 1 (cap) |" in text
-    assert "budget 256 MiB per device" in text
+    assert "budget 256 MiB per device" in text and "tfpipe as tfpipe.plan chose for each probe" in text
+    assert rows["plain"]["config"] == "plain" and rows["2"]["config"].startswith("K="), rows["2"]
 
 
 def test_capacity_benchmark_refuses_a_bad_row():

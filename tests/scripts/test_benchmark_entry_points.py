@@ -1,0 +1,33 @@
+"""scripts/benchmark_entry_points.py at toy size: every Keras entry point timed at K=1 and K=2 against fit's."""
+
+import csv
+
+import pytest
+
+from tests.util import run_script
+
+
+@pytest.mark.heavy(seconds=40)
+def test_every_entry_point_is_timed_at_both_k_against_fit(tmp_path):
+    out = str(tmp_path / "entry")
+    proc = run_script(
+        "benchmark_entry_points.py", "--models=floor", "--layers=4", "--batch_size=32", "--rounds=1", "--steps=3",
+        "--warmup_s=0", "--notorch", f"--out={out}",
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    with open(out + ".csv") as f:
+        rows = {r["entry"]: r for r in csv.DictReader(f)}
+    assert list(rows) == [
+        "fit", "train_on_batch", "train_step", "test_on_batch", "predict_on_batch", "evaluate", "predict"
+    ]  # fmt: skip
+    assert rows["fit"]["k1_vs_fit"] == rows["fit"]["k2_vs_fit"] == "1.0"
+    for row in rows.values():
+        low, median, high = (float(v) for v in row["k2_ms"].split(" / "))
+        assert 0 < low <= median <= high and float(row["k2_vs_fit"]) > 0
+    assert "| floor | `train_on_batch` |" in open(out + ".md").read()
+
+
+def test_torchs_figure_needs_its_model():
+    pytest.importorskip("torch")  # the peers extra: without it there is no figure to refuse
+    proc = run_script("benchmark_entry_points.py", "--layers=4", "--torch")
+    assert proc.returncode != 0 and "torch's figure is benchmark_peers.py's model: 20 layers" in proc.stderr
