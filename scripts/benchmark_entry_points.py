@@ -1,5 +1,8 @@
 """Every Keras entry point's step across worker processes, against ``fit``'s, at K=1 (one worker) and K=2 (two).
 
+Plain Keras (the same layers as a ``keras.Sequential`` in the training process) runs every entry point too: what
+Keras' own entry points cost against its ``fit``, which tfpipe's are compared with.
+
 One ``LocalCluster`` of two one-thread workers; K=1 puts the whole model on worker 0 (the reference a user compares
 to), K=2 cuts it over both. Per model and K, each entry point runs ``--steps`` batches after warming up, in rounds
 (every entry point of every K in turn, ``--rounds`` times); its figure is the median per-batch time of a round, and
@@ -135,7 +138,12 @@ def main(argv: list[str]) -> None:
             rng = np.random.default_rng(0)
             x = rng.standard_normal((batch * (FLAGS.steps + 1), width)).astype("float32")
             y = np.tanh(x)
-            models = {}
+            keras.utils.set_random_seed(0)  # plain Keras in this process: what its own entry points cost against fit
+            plain = keras.Sequential([keras.Input((width,))] + [keras.layers.Dense(width, activation="tanh")
+                                                                 for _ in range(FLAGS.layers)])  # fmt: skip
+            plain.compile(optimizer="sgd", loss="mse", jit_compile=False)
+            warm_up(plain, x, y, batch, FLAGS.warmup_s)
+            models = {0: plain}
             for k, m in ((1, 1), (2, FLAGS.micro_batches)):
                 keras.utils.set_random_seed(0)
                 layers = [keras.layers.Dense(width, activation="tanh") for _ in range(FLAGS.layers)]
@@ -145,12 +153,12 @@ def main(argv: list[str]) -> None:
                 model.compile(optimizer="sgd", loss="mse")
                 warm_up(model, x, y, batch, FLAGS.warmup_s)
                 models[k] = model
-            found: dict[int, list[dict[str, float]]] = {1: [], 2: []}
+            found: dict[int, list[dict[str, float]]] = {0: [], 1: [], 2: []}
             for r in range(FLAGS.rounds):
                 for k, model in models.items():
                     found[k].append(measure(model, x, y, batch, FLAGS.steps))
                     shown = ", ".join(f"{e} {found[k][-1][e] * 1e3:.1f}" for e in ENTRY_POINTS)
-                    print(f"  {name} K={k} round {r}: {shown} ms", flush=True)
+                    print(f"  {name} {f'K={k}' if k else 'plain Keras'} round {r}: {shown} ms", flush=True)
                 if with_torch:
                     for k, seconds in torch_steps(name, FLAGS.steps).items():
                         found[k][-1]["torch step()"] = seconds
@@ -158,8 +166,11 @@ def main(argv: list[str]) -> None:
                           f"{found[2][-1]['torch step()'] * 1e3:.1f} ms", flush=True)  # fmt: skip
             for entry in ENTRY_POINTS + (("torch step()",) if with_torch else ()):
                 row: dict[str, Any] = {"model": name, "entry": entry}
-                for k in (1, 2):
-                    ms = [f[entry] * 1e3 for f in found[k]]
+                for k in (0, 1, 2):
+                    ms = [f[entry] * 1e3 for f in found[k] if entry in f]
+                    if not ms:  # torch has no plain-Keras column
+                        row[f"k{k}_ms"], row[f"k{k}_vs_fit"] = "-", "-"
+                        continue
                     row[f"k{k}_ms"] = f"{min(ms):.1f} / {statistics.median(ms):.1f} / {max(ms):.1f}"
                     row[f"k{k}_vs_fit"] = round(statistics.median(f[entry] / f["fit"] for f in found[k]), 2)
                 rows.append(row)
@@ -172,15 +183,17 @@ def main(argv: list[str]) -> None:
 def markdown(rows: list[dict[str, Any]]) -> str:
     """The table: per model and entry point, K=1 and K=2 per batch and against fit."""
     lines = [
-        f"{FLAGS.layers} x Dense(width) + tanh, batch {FLAGS.batch_size}, SGD; K=1 on one one-thread worker, K=2 on "
-        f"two (M={FLAGS.micro_batches}); per batch, min / median / max of {FLAGS.rounds} rounds of {FLAGS.steps}",
+        f"{FLAGS.layers} x Dense(width) + tanh, batch {FLAGS.batch_size}, SGD; plain Keras in the training process, "
+        f"tfpipe K=1 on one one-thread worker, K=2 on two (M={FLAGS.micro_batches}); per batch, min / median / max of "
+        f"{FLAGS.rounds} rounds of {FLAGS.steps}; x fit: against the same model's fit in the same round",
         "",
-        "| model | entry point | K=1 (ms) | x tfpipe's fit | K=2 (ms) | x tfpipe's fit |",
-        "| --- | --- | --- | --- | --- | --- |",
+        "| model | entry point | plain Keras (ms) | x fit | tfpipe K=1 (ms) | x fit | tfpipe K=2 (ms) | x fit |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in rows:
         lines.append(
-            f"| {r['model']} | `{r['entry']}` | {r['k1_ms']} | {r['k1_vs_fit']} | {r['k2_ms']} | {r['k2_vs_fit']} |"
+            f"| {r['model']} | `{r['entry']}` | {r['k0_ms']} | {r['k0_vs_fit']} | {r['k1_ms']} | {r['k1_vs_fit']} | "
+            f"{r['k2_ms']} | {r['k2_vs_fit']} |"
         )
     return "\n".join(lines) + "\n"
 
