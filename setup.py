@@ -22,7 +22,8 @@ setup(
     ],
     extras_require={
         # the TFDS path is tested with mock data; ruff lints and checks formatting in .ci/run (its minor pinned:
-        # the formatter's output changes between minors)
+        # the formatter's output changes between minors); mypy checks tfpipe's type hints there (config in setup.cfg;
+        # its minor pinned too: a new minor brings new checks)
         # importlib_resources: tensorflow-datasets' download path imports it (through etils.epath) without
         # depending on it
         # keras-hub: the keras_hub tasks' tests (tests/integration/test_hub.py, tests/scripts/test_hub_scripts.py);
@@ -35,6 +36,7 @@ setup(
             "tensorflow-datasets>=4.9,<5",
             "importlib_resources>=6",
             "ruff>=0.17,<0.18",
+            "mypy>=2.4,<2.5",
             "keras-hub>=0.32,<0.33",
         ],
         "data": ["tensorflow-datasets>=4.9,<5", "importlib_resources>=6"],

@@ -29,7 +29,9 @@ def user_stacklevel() -> int:
 
     A fixed level breaks whenever the calls between the user and the warning change.
     """
-    frame, level = inspect.currentframe().f_back, 1  # the function that warns is level 1
+    frame = inspect.currentframe()
+    assert frame is not None  # CPython gives frames (TensorFlow runs on no other Python)
+    frame, level = frame.f_back, 1  # the function that warns is level 1
     while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(_PACKAGE):
         frame, level = frame.f_back, level + 1
     return level

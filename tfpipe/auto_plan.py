@@ -82,11 +82,11 @@ class AutoPlan(keras.Model):
 
     _graph: Any = None  # PipelineModel's: a Functional model's nodes, or None for a layer sequence
     _auto_budget: Any = None
-    _auto_devices: list[str] | None = None
+    _auto_devices: list[Any] | None = None  # as given: one list of devices, unchecked until planned
     _auto_pending = False
     plan: Any = None  # the tfpipe.Plan the model follows, once there is one
 
-    def _wait_for_plan(self, memory_budget: Any, devices: list[str] | None) -> None:
+    def _wait_for_plan(self, memory_budget: Any, devices: list[Any] | None) -> None:
         """Plan at the first fit, over ``devices`` (None: the planner's default) under ``memory_budget``."""
         self._auto_budget, self._auto_devices, self._auto_pending = memory_budget, devices, True
 

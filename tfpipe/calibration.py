@@ -15,7 +15,7 @@ import dataclasses
 import gc
 import timeit
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 import keras
 import numpy as np
@@ -48,6 +48,7 @@ def calibrate(devices: Sequence[str], optimizer: Any = "adam", steps: int = 30) 
     x = np.ones((64, 4), "float32")
     # The most micro-batches whose step still inlines its cells, and the fewest whose step does not
     threshold = noinline_tasks(device_list)
+    noinline_m: int | None
     inline_m, noinline_m = min(8, (threshold - 1) // (2 * k)), -(-threshold // (2 * k))
     if inline_m < 2:  # 32 devices or more: one micro-batch already calls its cells
         inline_m, noinline_m = 8, None
@@ -202,7 +203,10 @@ def _probe(
     memory = memory_name(first[0] if isinstance(first, list) else first)
     gc.collect()  # an earlier probe's model freed during this one's steps would hide bytes of this one's peak
     base = tf.config.experimental.get_memory_info(memory)["current"] if memory else 0
-    flat = [d for row in devices for d in row] if isinstance(first, list) else list(devices)
+    if isinstance(first, list):
+        flat = [d for row in devices for d in row]
+    else:  # one pipeline's devices: a type checker cannot tell that from the first
+        flat = cast("list[str]", list(devices))
     own = _own_allocators(flat) if per_device else None
     bases = [info["current"] for info in own.read()] if own else []
     model = PipelineModel(
@@ -274,7 +278,7 @@ def _own_allocators(devices: Sequence[str]) -> _OwnAllocators | None:
     its allocator cannot be read (``connect``), or a device is named twice."""
     if len(set(devices)) != len(devices):
         return None
-    sources = []
+    sources: list[tuple[cluster_lib.LocalCluster | None, str | int]] = []
     for device in devices:
         name = memory_name(device)
         if name is not None and name.startswith("GPU"):

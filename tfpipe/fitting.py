@@ -308,10 +308,13 @@ def parallelism(
     the cells' split speed, fitted next, made up for it where it then also sped up steps without overlap (K=2, M=1).
     """
     devices = float(config.num_partitions * config.num_replicas)
-    field = "replica_parallelism" if config.num_replicas > 1 and config.num_partitions == 1 else "parallelism"
+    replicas = config.num_replicas > 1 and config.num_partitions == 1  # fit replica_parallelism, else parallelism
 
     def predicted(value: float) -> float:
-        trial = dataclasses.replace(calibration, **{field: value})
+        if replicas:
+            trial = dataclasses.replace(calibration, replica_parallelism=value)
+        else:
+            trial = dataclasses.replace(calibration, parallelism=value)
         return predict.step_seconds(measured, trial, batch_size, config).step_s
 
     return fit(predicted, took, 1.0, devices)

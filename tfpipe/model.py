@@ -98,7 +98,7 @@ class PipelineModel(settings_lib.SettingsProperties, KerasEntryPoints, auto_plan
         balance: Sequence[int] | None = None,
         num_partitions: int | None = None,
         cost: cost_lib.Cost = "flops",
-        devices: Sequence[str] | None = None,
+        devices: Sequence[str] | Sequence[Sequence[str]] | None = None,
         num_micro_batches: int = 1,
         remat: str = "except_last",
         unroll: bool = True,
@@ -110,7 +110,9 @@ class PipelineModel(settings_lib.SettingsProperties, KerasEntryPoints, auto_plan
         graph = functional.Graph(layers) if functional.is_functional(layers) else None
         layers_ = graph.layers if graph is not None else layer_list(layers)
         units = len(graph.nodes) if graph is not None else len(layers_)
-        chosen = dict(balance=balance, num_partitions=num_partitions, num_micro_batches=num_micro_batches)
+        chosen: dict[str, Any] = dict(
+            balance=balance, num_partitions=num_partitions, num_micro_batches=num_micro_batches
+        )
         chosen.update(remat=remat, schedule=schedule)
         auto = auto_plan.check(plan, memory_budget, chosen)
         plan_devices = list(devices) if auto and devices is not None else None
@@ -200,6 +202,7 @@ class PipelineModel(settings_lib.SettingsProperties, KerasEntryPoints, auto_plan
     def _remake_pipeline(self) -> None:
         """A new pipeline over the same layers and new step functions: the workers were replaced (``recovery``)."""
         self._make_pipeline(self._balance)
+        assert self._pipeline is not None  # just made
         tie(self._pipeline.cells)
         self.train_function = self.test_function = self.predict_function = None
         if self._graph is not None:  # the user's model (a keras_hub task's generate) traced the old variables too
@@ -217,6 +220,7 @@ class PipelineModel(settings_lib.SettingsProperties, KerasEntryPoints, auto_plan
         default = _compat.is_default_strategy(tf.distribute.get_strategy())
         placed: set[int] = set()  # a layer called in several cells (tied weights) stays with the first
         blocks: list[deferred.Record] = []
+        assert self._pipeline is not None  # made before variables move (__init__, build, recovery)
         for cell in self._pipeline.cells:
             device = cell.device if default and devices_lib.tpu_core(cell.device) is None else None
             for layer in cell.layers:
@@ -287,6 +291,7 @@ class PipelineModel(settings_lib.SettingsProperties, KerasEntryPoints, auto_plan
         self._inputs = specs.symbolic(input_shape, keep_batch=True)
         if self._pipeline is None:
             self._make_pipeline(self._split_by_cost(input_shape))
+        assert self._pipeline is not None  # made now if not before
         given = x
         for cell in self._pipeline.cells if self._graph is None else ():  # a graph's layers are built
             x = cell.build(x)
@@ -309,6 +314,7 @@ class PipelineModel(settings_lib.SettingsProperties, KerasEntryPoints, auto_plan
             for layer in self.pipeline_layers:
                 inputs = layer(inputs, training=False)
             return inputs
+        assert self._pipeline is not None  # made by build, which Keras runs before call
         sizes = microbatch.sizes(inputs, self._pipeline.num_micro_batches, allow_empty=not training)
         parts = microbatch.split(inputs, sizes)
         result = self._pipeline.forward(parts, training=training, fractions=microbatch.fractions(sizes))
@@ -378,6 +384,7 @@ class PipelineModel(settings_lib.SettingsProperties, KerasEntryPoints, auto_plan
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
         if not self.built:
             self.build(x)
+        assert self._pipeline is not None  # made by build
         sizes = microbatch.sizes(x, self._pipeline.num_micro_batches)  # R x M with replicas
         xs, ys, sws = self._split(sizes, x, y, sample_weight)
         loss_fn = training_lib.MicroBatchLoss(self, PipelineModel.compute_loss, xs, ys, sws, sizes)
@@ -408,7 +415,7 @@ class PipelineModel(settings_lib.SettingsProperties, KerasEntryPoints, auto_plan
         worker's one thread would wait on 2M receives at the start of every step.
         """
         if self.num_replicas > 1:  # each replica's share goes to its own devices
-            return tuple(microbatch.split(s, sizes) for s in (x, y, sample_weight))
+            return microbatch.split(x, sizes), microbatch.split(y, sizes), microbatch.split(sample_weight, sizes)
         with devices_lib.scope(self._devices[0]):
             xs = microbatch.split(x, sizes)
         with devices_lib.scope(self._devices[-1]):
@@ -425,7 +432,11 @@ class PipelineModel(settings_lib.SettingsProperties, KerasEntryPoints, auto_plan
         """For a Functional model split into cells: per cut, the tensors crossing it (maker, shape, bytes/sample)."""
         if self._graph is None or self._pipeline is None:
             return None
-        return self._graph.crossing([cell.program for cell in self._pipeline.cells])
+        segments = []
+        for cell in self._pipeline.cells:
+            assert isinstance(cell.program, functional.Segment)  # a Functional model's cells run its segments
+            segments.append(cell.program)
+        return self._graph.crossing(segments)
 
     def summary(
         self,

@@ -63,7 +63,11 @@ def check(
     if graph is not None and graph.whole:
         unit += f" ({graph.whole_note()})"
     cell_sizes = balance_lib.check(balance, units, unit) if balance is not None else None
-    num_cells = len(cell_sizes) if cell_sizes else balance_lib.check_num_partitions(num_partitions, units, unit)
+    if cell_sizes:
+        num_cells = len(cell_sizes)
+    else:
+        assert num_partitions is not None  # given where balance is not (checked above)
+        num_cells = balance_lib.check_num_partitions(num_partitions, units, unit)
     m = positive_int("num_micro_batches", num_micro_batches, "Use 1 to disable micro-batching.")
     remat = remat_lib.check_mode(remat)
     unroll = check_unroll(unroll, remat)

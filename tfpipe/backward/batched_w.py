@@ -138,17 +138,19 @@ def _labels(smalls: Sequence[SplitVJP], big: SplitVJP, shared: set[str]) -> dict
     examples = first[0] if first is not None and first.rank else None  # the first source's rows: one per example
     labels: dict[str, str] = {}
     for name in whole.feeds:
-        small = [s.graph.get_tensor_by_name(name) for s in smalls]
-        labels[name] = _feed_label(small, graph_b.get_tensor_by_name(name), shared)
+        fed = [s.graph.get_tensor_by_name(name) for s in smalls]
+        labels[name] = _feed_label(fed, graph_b.get_tensor_by_name(name), shared)
     inside = big.ops("weights")
     for op in graph_b.get_operations():  # creation order: every op after its inputs
         if op in inside:
-            ins = [labels.get(t.name, CONST if t.op.type == "Const" else None) for t in op.inputs]
-            if None in ins:
+            read = [labels.get(t.name, CONST if t.op.type == "Const" else None) for t in op.inputs]
+            ins = [label for label in read if label is not None]
+            if len(ins) < len(read):
                 raise Unbatchable(f"W's op {op.name} reads a tensor W is not fed")
             if op.type == "ShapeN":  # one shape per input: each its own label
-                outs = [SHAPE if label == BATCHED else CONST if label in (CONST, SUMMED) else None for label in ins]
-                if None in outs:
+                shapes = [SHAPE if label == BATCHED else CONST if label in (CONST, SUMMED) else None for label in ins]
+                outs = [label for label in shapes if label is not None]
+                if len(outs) < len(shapes):
                     raise fail(op, ins)
             else:
                 outs = [label_op(op, ins, examples)] * len(op.outputs)
@@ -173,7 +175,10 @@ def _feed_label(smalls: Sequence[tf.Tensor], big: tf.Tensor, shared: set[str]) -
         return CONST
     rank, rows = small.shape.rank, [t.shape[0] if t.shape.rank else None for t in smalls]
     trailing = rank and big.shape.rank == rank and all(t.shape[1:] == big.shape[1:] for t in smalls)
-    if trailing and ((None in rows and big.shape[0] is None) or (None not in rows and big.shape[0] == sum(rows))):
+    known = [r for r in rows if r is not None]
+    if trailing and (
+        (None in rows and big.shape[0] is None) or (len(known) == len(rows) and big.shape[0] == sum(known))
+    ):
         return BATCHED
     raise Unbatchable(
         f"W reads {small.name} {small.shape}, which is neither example by example nor the same in every micro-batch"

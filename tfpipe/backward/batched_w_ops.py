@@ -78,7 +78,10 @@ def _sliced(op: tf.Operation) -> list[int] | None:
     """A one-axis strided slice of a known vector (``shape[:-2]``), or None if not that."""
     vector, begin, end, strides = (_value(t) for t in op.inputs)
     if (
-        None in (vector, begin, end, strides)
+        vector is None
+        or begin is None
+        or end is None
+        or strides is None
         or len(begin) != 1
         or op.get_attr("ellipsis_mask")
         or op.get_attr("new_axis_mask")

@@ -119,6 +119,8 @@ class Checkpoint:
         self._key = key
         self._wanted = [i for i, s in enumerate(self._sources) if i >= constant and differentiable(s)]
         self._tape: tf.GradientTape | None = None
+        self._split_at: int | None  # where the weights start among the sources: B before, W from there (split)
+        self._select: Callable[[Any], Sequence[tf.Tensor]] | None  # the outputs B is given gradients of (split)
         self._split_at, self._select = (len(self._sources) - split[0], split[1]) if split else (None, None)
         self._parts: split_lib.SplitVJP | None = None
         self._env: dict[str, tf.Tensor] = {}
@@ -193,11 +195,12 @@ class Checkpoint:
         """
         if self._split_at is None:
             raise ValueError("input_vjp needs a Checkpoint made with split=(number of weights, select).")
+        assert self._select is not None  # given with _split_at: split=(n, select)
         if self._parts is None:  # eagerly or untraced: the whole VJP now, the weights' part kept for W
-            result = self.vjp(self._select, output_grads)
-            self._weight_grads = result[self._split_at :]
-            self.computed = [g for g in result if g is not None]
-            return result[: self._split_at] + [None] * (len(result) - self._split_at)
+            whole = self.vjp(self._select, output_grads)
+            self._weight_grads = whole[self._split_at :]
+            self.computed = [g for g in whole if g is not None]
+            return whole[: self._split_at] + [None] * (len(whole) - self._split_at)
         given = [g for t, g in zip(self._select(self.outputs), output_grads) if differentiable(t)]
         for name, g, spec in zip(self._parts.dys, given, self._parts.dy_specs):
             self._env[name] = tf.zeros(spec.shape, spec.dtype) if g is None else g
@@ -210,6 +213,8 @@ class Checkpoint:
 
     def weight_vjp(self, accumulate: Sequence[Any]) -> list[Any]:
         """W: the weights' gradients added to their running sums ``accumulate``, after ``input_vjp``."""
+        assert self._split_at is not None  # a split Checkpoint's, as input_vjp before it
+        grads: list[Any]
         if self._parts is None:
             grads = self._weight_grads
         else:
@@ -233,6 +238,7 @@ class Checkpoint:
 
     def _specs(self, records: Sequence[Checkpoint] = ()) -> list[tf.TensorSpec]:
         """The specs of the sources and extras; with ``records``, the sources before the weights hold all their rows."""
+        assert self._split_at is not None  # only a split Checkpoint is traced as one graph (_trace_split)
         specs = []
         for k, a in enumerate(self._sources + self._extras):
             shape = a.shape
@@ -250,6 +256,7 @@ class Checkpoint:
         n_src = len(self._sources)
 
         def body(*flat: tf.Tensor):
+            assert self._split_at is not None and self._select is not None  # a split Checkpoint's
             sources, extras = list(flat[:n_src]), list(flat[n_src:])
             with traced.tracing():
                 outputs = self._fn(*sources, *extras)
@@ -269,7 +276,9 @@ class Checkpoint:
 
     def _accumulate(self, result: list[Any], accumulate: Sequence[Any] | None) -> list[Any]:
         """``result`` with the gradients of the last ``len(accumulate)`` sources added to their running sums."""
-        n_acc = len(accumulate) if accumulate is not None else 0
+        if accumulate is None:
+            accumulate = ()
+        n_acc = len(accumulate)
         pairs = [(k, len(self._sources) - n_acc + k) for k in range(n_acc)]
         pairs = [(k, i) for k, i in pairs if accumulate[k] is not None and result[i] is not None]
         dense = [(k, i) for k, i in pairs if not isinstance(accumulate[k], tf.IndexedSlices)]
@@ -277,6 +286,7 @@ class Checkpoint:
         if self._cache is None or tf.executing_eagerly():
             dense = []
         if dense:  # one call op for all the dense sums instead of one AddV2 per weight in the step graph
+            assert self._cache is not None  # none without it
             totals = self._cache.sum([accumulate[k] for k, _ in dense], [result[i] for _, i in dense])
             for (_, i), total in zip(dense, totals):
                 result[i] = total
@@ -303,6 +313,8 @@ class Checkpoint:
         Dense weight gradients are summed into their running sums inside the function;
         sparse ones (embeddings) come back as slices and are added outside, as ``add`` does.
         """
+        cache = self._traced
+        assert cache is not None  # vjp comes here for a traced recomputation only
         n_src, n_acc = len(self._sources), len(accumulate)
         grads_in = [tf.convert_to_tensor(g) for g in output_grads if g is not None]
         key = (
@@ -313,18 +325,18 @@ class Checkpoint:
             n_acc,
         )
         summed = [k for k in range(n_acc) if n_src - n_acc + k in self._wanted]
-        sparse = self._traced.sparse(key)  # known once the key was traced (in any graph)
+        sparse = cache.sparse(key)  # known once the key was traced (in any graph)
         sums = []
         for k in summed:
             source, running = self._sources[n_src - n_acc + k], accumulate[k]
             if n_src - n_acc + k in sparse or isinstance(running, tf.IndexedSlices):
-                sums.append(self._traced.placeholder(source))  # unused: slices are summed outside
+                sums.append(cache.placeholder(source))  # unused: slices are summed outside
             elif running is None:  # the first task of a cell adds zeros, so that every task calls one function
                 sums.append(tf.zeros_like(source))
             else:
                 sums.append(running)
         args = self._sources + self._extras + grads_in + sums
-        traced = self._traced.lookup(key, functools.partial(self._trace, select, output_grads, args, summed, n_acc))
+        traced = cache.lookup(key, functools.partial(self._trace, select, output_grads, args, summed, n_acc))
         outputs = iter(calls.call(traced.function, args))
         result: list[Any] = [None] * n_src
         for i in self._wanted:
@@ -339,6 +351,8 @@ class Checkpoint:
         return result
 
     def _trace(self, select, output_grads, args, summed, n_acc) -> Traced:
+        cache = self._traced
+        assert cache is not None  # traced for a traced recomputation only (_traced_vjp)
         n_src, n_ex = len(self._sources), len(self._extras)
         mask = [g is not None for g in output_grads]
         n_in = sum(mask)
@@ -350,7 +364,7 @@ class Checkpoint:
             given = iter(flat[n_src + n_ex : n_src + n_ex + n_in])
             grads_in = [next(given) if m else None for m in mask]
             sums = flat[n_src + n_ex + n_in :]
-            with self._traced.tracing():
+            with cache.tracing():
                 sources = _after([g for g in grads_in if g is not None], sources)
                 tape, outputs = self._record(sources, extras)
                 grads = self._gradient(tape, outputs, sources, select, grads_in)
@@ -368,13 +382,13 @@ class Checkpoint:
             return out
 
         body.__name__ = TRACED_VJP  # how tfpipe.analysis.tasks recognizes the call in a step's graph
-        self._traced.num_traces += 1
+        cache.num_traces += 1
         # Running sums are typed without a static shape: a sparse gradient's slot gets an empty placeholder.
         specs = [tf.TensorSpec(a.shape, a.dtype) for a in args[: len(args) - len(summed)]]
         specs += [tf.TensorSpec([None] * a.shape.rank, a.dtype) for a in args[len(args) - len(summed) :]]
-        options = self._traced.options()
+        options = cache.options()
         function = tf.function(body, autograph=False, **options).get_concrete_function(*specs)
         if options["experimental_attributes"]:  # called, not inlined: once per micro-batch, each call site
-            with self._traced.tracing():  # costing with the body's size
+            with cache.tracing():  # costing with the body's size
                 function = slim.slimmed(function, TRACED_VJP, options)
         return Traced(function, frozenset(sparse))

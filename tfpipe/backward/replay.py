@@ -74,12 +74,13 @@ def _imported(
 
 def _packed(structure: Sequence[Any], flat: Sequence[tf.Tensor]) -> list[Any]:
     """``flat`` packed as ``structure`` (tensors, IndexedSlices, None for no gradient)."""
-    flat, packed = iter(flat), []
+    rest = iter(flat)
+    packed: list[Any] = []
     for item in structure:
         if item is None:  # no tensor of its own in the flat outputs
             packed.append(None)
             continue
-        parts = [next(flat) for _ in tf.nest.flatten(item, expand_composites=True)]
+        parts = [next(rest) for _ in tf.nest.flatten(item, expand_composites=True)]
         packed.append(tf.nest.pack_sequence_as(item, parts, expand_composites=True))
     return packed
 

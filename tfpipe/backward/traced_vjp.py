@@ -14,7 +14,7 @@ import contextvars
 import dataclasses
 import weakref
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any, ContextManager
+from typing import Any, ContextManager, Protocol, TypeVar
 
 import tensorflow as tf
 
@@ -37,6 +37,15 @@ class Traced:
     sparse: frozenset[int]  # source positions whose gradient is returned as (values, indices, dense_shape)
 
 
+class _Sparse(Protocol):
+    """What ``TracedVJPs.lookup`` keeps: something traced that says which source positions get slices."""
+
+    sparse: frozenset[int]
+
+
+_Built = TypeVar("_Built", bound=_Sparse)  # what ``lookup`` caches: a ``Traced``, or a ``SplitVJP``
+
+
 class TracedVJPs:
     """The traced backward functions of one cell, per outer graph and input signature."""
 
@@ -57,7 +66,7 @@ class TracedVJPs:
         """The source positions known to get sparse gradients under ``key``."""
         return self._sparse.get(key, frozenset())
 
-    def lookup(self, key: Any, build: Callable[[], Traced]) -> Traced:
+    def lookup(self, key: Any, build: Callable[[], _Built]) -> _Built:
         """The function for ``key`` in the current graph, traced by ``build`` the first time."""
         traces = self._here()
         if key not in traces:

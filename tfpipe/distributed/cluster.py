@@ -178,6 +178,8 @@ class LocalCluster:
         process = self.processes[task]
         if process.poll() is None:
             process.kill()
+            # the watchdog calls this once it has set ``hung``, and it is ours from start to stop
+            assert self.watchdog is not None and self.watchdog.hung is not None
             self.watchdog.hung += "; it was killed"
 
     def _launch(self) -> None:
@@ -209,8 +211,10 @@ class LocalCluster:
 
     def _wait_ready(self, task: int, process: subprocess.Popen) -> None:
         """Wait for the worker's READY line; it prints it once it serves, or exits on failure."""
-        ready, _, _ = select.select([process.stdout], [], [], self.start_timeout)
-        line = process.stdout.readline() if ready else ""
+        stdout = process.stdout
+        assert stdout is not None  # _launch pipes it
+        ready, _, _ = select.select([stdout], [], [], self.start_timeout)
+        line = stdout.readline() if ready else ""
         if line.strip() != "READY":
             process.kill()
             process.wait(timeout=10)

@@ -44,7 +44,7 @@ def _matches(spec: tf.DeviceSpec, logical_name: str) -> bool:
     )
 
 
-def check(device: str) -> str:
+def check(device: object) -> str:
     """Check that TensorFlow knows this device; return it unchanged."""
     if not isinstance(device, str):
         raise TypeError(f"Devices are strings such as '/GPU:0' or '/CPU:1', got {device!r}.")
@@ -164,7 +164,7 @@ def resolve_replicas(devices: Any, num_cells: int, strategy: Any = None) -> list
     return [resolve(list(row), num_cells, strategy) for row in devices]
 
 
-def restore(saved: Sequence[str], num_cells: int) -> tuple[list[str], str | None]:
+def restore(saved: Any, num_cells: int) -> tuple[list[str] | list[list[str]], str | None]:
     """Devices for a loaded model: the saved ones if this machine has them all, else the machine's own.
 
     Saved replicas (R lists) are kept when every device is here, else become one replica.

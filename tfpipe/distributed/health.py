@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, MutableMapping, Sequence
 
 from absl import logging
 
@@ -53,7 +53,7 @@ def grpc_options(timeout: float) -> str:
     )
 
 
-def arm(timeout: float | None, env: dict | None = None) -> bool:
+def arm(timeout: float | None, env: MutableMapping[str, str] | None = None) -> bool:
     """Set ``TF_GRPC_DEFAULT_OPTIONS`` in ``env`` (default: this process's) for ``timeout``, unless already set.
 
     Returns whether it was set. In this process it must happen before TensorFlow's first

@@ -85,9 +85,9 @@ def discover(pairs: list[tuple[str, str]]) -> None:
     traced = tf.function(move, autograph=False).get_concrete_function(tf.TensorSpec([], tf.float32))
     places = {(_place(src), _place(dst)): (src, dst) for src, dst in wanted}
     for send_device, recv_device, incarnation in _compat.inserted_sends(traced, tf.constant(0.0)):
-        pair = places.get((_place(send_device), _place(recv_device)))
-        if pair is not None:
-            _ENDPOINTS[pair] = (send_device, recv_device, incarnation)
+        sent = places.get((_place(send_device), _place(recv_device)))
+        if sent is not None:
+            _ENDPOINTS[sent] = (send_device, recv_device, incarnation)
 
 
 def known(src: str, dst: str) -> bool:

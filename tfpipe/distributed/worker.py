@@ -46,11 +46,13 @@ _asking = threading.Lock()  # one question and its answer at a time, whichever t
 
 def ask(process: subprocess.Popen, what: str) -> dict[str, Any]:
     """Ask a running worker ``what`` ("memory", or "reset" and then memory) and return its answer."""
+    stdin, stdout = process.stdin, process.stdout
+    assert stdin is not None and stdout is not None  # LocalCluster starts its workers with both piped
     with _asking:
         try:
-            process.stdin.write(what + "\n")
-            process.stdin.flush()
-            line = process.stdout.readline()
+            stdin.write(what + "\n")
+            stdin.flush()
+            line = stdout.readline()
         except (BrokenPipeError, ValueError):  # the worker is gone, or its cluster stopped and closed the pipe
             line = ""
     if not line:

@@ -282,7 +282,7 @@ class Graph:
 
 def _with_logits(nodes: Sequence[Node], outputs: Sequence[int], specs: Mapping[int, Any]) -> list[int]:
     """The model outputs that Keras' backend gives logits (softmax, sigmoid), found by tracing their nodes once."""
-    found = []
+    found: list[int] = []
     for node in nodes:
         wanted = [k for k in node.outputs if k in outputs]
         if wanted:

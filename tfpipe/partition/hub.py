@@ -116,7 +116,8 @@ def for_fit(preprocess: Preprocess, x: Any, y: Any, batch_size: int | None, kwar
     validation = kwargs.get("validation_data")
     if validation is not None:
         if not isinstance(validation, tf.data.Dataset):
-            validation = _dataset(*keras.utils.unpack_x_y_sample_weight(tuple(validation)), batch_size, "fit")
+            x_val, y_val, sample_weight_val = keras.utils.unpack_x_y_sample_weight(tuple(validation))
+            validation = _dataset(x_val, y_val, sample_weight_val, batch_size, "fit")
         kwargs["validation_data"] = _preprocessed(validation, preprocess)
     return _preprocessed(_dataset(x, y, sample_weight, batch_size, "fit"), preprocess), kwargs
 
@@ -136,6 +137,8 @@ def for_predict(preprocess: Preprocess, x: Any, batch_size: int | None) -> tf.da
 def for_batch(preprocess: Preprocess, x: Any, y: Any = None, sample_weight: Any = None) -> tuple[Any, Any, Any]:
     """One batch preprocessed, for ``train_on_batch`` and its kind: (x, y, sample_weight) as tensors."""
     x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(preprocess(x, y, sample_weight))
-    return tuple(
-        None if a is None else keras.tree.map_structure(tf.convert_to_tensor, a) for a in (x, y, sample_weight)
-    )
+
+    def tensors(a: Any) -> Any:
+        return None if a is None else keras.tree.map_structure(tf.convert_to_tensor, a)
+
+    return tensors(x), tensors(y), tensors(sample_weight)

@@ -94,6 +94,7 @@ def estimate(layers: Any, sample: Any, cost: Cost = "flops", device: str | None 
             if callable(cost):
                 value, note = float(cost(layer)), None
             else:
+                assert measure is not None  # every kind but a callable is measured
                 if id(copy) not in measured:
                     measured[id(copy)] = measure(copy, x_in)
                 value, note = measured[id(copy)]
@@ -150,6 +151,7 @@ def estimate_graph(
                     key = _same_layer_key(node.operation, x) or key
                 else:
                     x = tuple(tf.convert_to_tensor(a) for a in specs.estimation_sample(spec, n, 1, length))
+                assert measure is not None  # every kind but a callable is measured
                 if key not in measured:
                     measured[key] = measure(call, x)
                 value, note = measured[key]
@@ -259,7 +261,9 @@ def batch_size(sample: Any) -> int:
             f"sample must be a batch of data (arrays or tensors with a leading batch dimension, possibly nested), "
             f"got {sample!r:.80}."
         )
-    return int(shapes[0][0])
+    first = shapes[0]
+    assert first is not None  # checked above
+    return int(first[0])
 
 
 def _check_value(value: float, index: int, layer: keras.layers.Layer) -> None:

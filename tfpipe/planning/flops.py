@@ -21,8 +21,10 @@ def graph_flops(graph: tf.Graph | None) -> tuple[float, set[str]]:
             body, inner = graph_flops(_function_graph(op, "body"))
             if trips is None or int(trips) < 0:
                 unknown.add(f"{op.type} (trip count unknown, body counted once)")
-                trips = 1
-            total, unknown = total + int(trips) * body, unknown | inner
+                count = 1
+            else:
+                count = int(trips)
+            total, unknown = total + count * body, unknown | inner
             continue
         branches = [name for name in ("f", "then_branch", "else_branch") if name in op.node_def.attr]
         if branches:
@@ -228,7 +230,10 @@ def op_flops(op: tf.Operation) -> float | None:
         return 2.0 * out * math.prod(op.inputs[1].shape[:2])
     if kind in ("Conv2DBackpropInput", "Conv3DBackpropInputV2"):  # transposed convolution
         kernel, x = op.inputs[1].shape, op.inputs[2].shape  # kernel: spatial x out x in
-        return 2.0 * _elements(x) * math.prod(kernel[:-1])
+        x_elements = _elements(x)
+        if x_elements is None:  # the output's shape known, not the gradient's it is made from
+            return None
+        return 2.0 * x_elements * math.prod(kernel[:-1])
     if kind in _POOLS:
         size = op.get_attr("ksize") if "ksize" in op.node_def.attr else op.inputs[1].shape
         return float(out * math.prod(size))

@@ -6,7 +6,7 @@ import dataclasses
 import math
 import re
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
 from tfpipe.planning import search
 from tfpipe.planning.predict import Calibration
@@ -85,7 +85,10 @@ class Plan:
     @property
     def device_peaks(self) -> dict[str, float]:
         """Predicted peak bytes by device name."""
-        flat = [d for row in self.devices for d in row] if self.num_replicas > 1 else list(self.devices)
+        if self.num_replicas > 1:
+            flat = [d for row in self.devices for d in row]
+        else:  # one list of devices: a type checker cannot tell that from num_replicas
+            flat = cast("list[str]", list(self.devices))
         return dict(zip(flat, self.peak_bytes))
 
     def pipeline_arguments(self) -> dict[str, Any]:
@@ -101,7 +104,8 @@ class Plan:
     def runners_up(self, count: int = 5) -> list[tuple[Candidate, str]]:
         """The next ``count`` configurations of other shapes (K, R, M, remat, schedule), each with why it lost."""
         chosen = self.candidates[0]
-        out, seen = [], {_outcome(chosen)}
+        out: list[tuple[Candidate, str]] = []
+        seen = {_outcome(chosen)}
         for candidate in self.candidates[1:]:
             if len(out) == count:
                 break
@@ -123,10 +127,10 @@ class Plan:
             f"  predicted step: {p.step_s * 1e3:.1f} ms (pipeline {p.pipeline_s * 1e3:.1f} + update "
             f"{p.update_s * 1e3:.1f} + fixed {p.fixed_s * 1e3:.1f})"
         )
-        timed = [c for c in self.candidates if c.measured_s is not None]
+        timed = [c.measured_s for c in self.candidates if c.measured_s is not None]
         if timed:
             say(
-                f"  measured step: {timed[0].measured_s * 1e3:.1f} ms, the fastest of {len(timed)} configurations "
+                f"  measured step: {timed[0] * 1e3:.1f} ms, the fastest of {len(timed)} configurations "
                 f"timed on the devices (predicted within {search.SHORTLIST_BAND:.0%} of the fastest, one per K, R and "
                 "schedule)"
             )
@@ -195,7 +199,7 @@ def _why_lost(candidate: Candidate, chosen: Candidate, budget: float | None) -> 
         return f"does not fit: predicted peak {gib(peak)} > budget {gib(budget or 0)}"
     if candidate.measured_s == float("inf"):
         return f"ran out of memory when timed on the devices (predicted peak {gib(peak)})"
-    if candidate.ran_over(budget):
+    if candidate.measured_peak is not None and candidate.ran_over(budget):  # ran over: its peak was measured
         return f"its peak when timed, {gib(candidate.measured_peak)}, is over the budget (predicted {gib(peak)})"
     if candidate.measured_s is not None and chosen.measured_s is not None:
         slower = candidate.measured_s / chosen.measured_s - 1

@@ -240,7 +240,11 @@ def measure(units: Any, sample: Any, batch_sizes: Sequence[int], device: str, re
             f_s, b_s = measured.seconds(_rows(x_in, b), repeats)
             # Without an allocator that counts, a unit is taken to hold its output and as much again inside (a
             # Dense' pre-activation, a normalization's statistics): a rough rule, said so
-            held, working = measured.held(_rows(x_in, b), memory) if read_on == device else (0.0, 0.0)
+            if read_on == device:
+                assert memory is not None  # stand_in gives a device whose allocator counts
+                held, working = measured.held(_rows(x_in, b), memory)
+            else:
+                held, working = 0.0, 0.0
             out = _bytes(walked.outputs) * b / sizes[-1]
             costs = by_batch[b]
             costs.forward_s.append(f_s)
@@ -254,14 +258,15 @@ def measure(units: Any, sample: Any, batch_sizes: Sequence[int], device: str, re
     if read_on not in (None, device):
         # each copy traced once per size and called once: TensorFlow's warning about frequent tracing is not the
         # user's to read
+        assert read_on is not None and memory is not None  # stand_in's device, whose allocator counts
         logger, level = tf.get_logger(), tf.get_logger().level
         logger.setLevel(logging.ERROR)
         try:
             for i, walked in enumerate(units_lib.walk(units, sample, sizes[-1], read_on)):
                 measured = _Measured([walked.copy], read_on)
                 for b in sizes:
-                    held = measured.held(_rows(walked.inputs, b), memory)
-                    by_batch[b].held_bytes[i], by_batch[b].working_bytes[i] = held
+                    read = measured.held(_rows(walked.inputs, b), memory)
+                    by_batch[b].held_bytes[i], by_batch[b].working_bytes[i] = read
         finally:
             logger.setLevel(level)
     for costs in by_batch.values():

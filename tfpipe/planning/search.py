@@ -64,7 +64,7 @@ class Space:
 
 def shapes(batch_size: int, num_layers: int, space: Space) -> list[tuple[int, int, int]]:
     """Every (R, K, M) to try: R x K devices at most, K at most the layers, M at most a replica's batch."""
-    out = []
+    out: list[tuple[int, int, int]] = []
     for r in range(1, (space.num_devices if space.replicas else 1) + 1):
         if batch_size % r:
             continue  # replicas take equal shares of every batch

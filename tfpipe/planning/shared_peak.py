@@ -54,9 +54,11 @@ def shared_peak_bytes(profile: Profile, calibration: Calibration, batch_size: in
             continue
         free = released.get((task.cell, j), released.get((task.cell, schedule_lib.ALL)))
         if task.kind == "F":
+            assert free is not None  # every forward's micro-batch is let go by its cell's last backward task
             changes[start] += r * cell.cell_input
             changes[free] -= r * cell.cell_input
         if (task.kind == "F") != (j in again):
+            assert free is not None  # as above
             held = r * cell.activations * (recomputing if task.kind == "B" else 1.0)
             changes[start] += held
             changes[free] -= held

@@ -147,6 +147,7 @@ class _NodeCopy:
 
     def stateless_call(self, trainable: Any, non_trainable: Any, inputs: Sequence[Any], **kwargs: Any) -> Any:
         """The layer's ``stateless_call`` on the node's arguments filled with ``inputs``."""
+        assert self._layer is not None  # called for a copy with weights, which only a layer has
         args, given = self._filled(inputs)
         return self._layer.stateless_call(trainable, non_trainable, *args, **{**given, **kwargs})
 

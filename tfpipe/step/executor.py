@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import keras
 import tensorflow as tf
@@ -42,9 +42,25 @@ class StepResult:
 class Executor(Protocol):
     """What PipelineModel calls on the object that runs its steps (``tfpipe/model.py``)."""
 
-    cells: list[Cell]  # the cells that own the variables, in pipeline order
-    num_micro_batches: int  # micro-batches per step: M, or R x M for R replicas
-    unroll: bool  # whether a step is an unrolled graph of tasks (False: loops over clock cycles)
+    if TYPE_CHECKING:
+        # Read-only to a type checker, as Replicated derives them; plain attributes at run time, as Pipeline and
+        # Looped set them (a property here would refuse that) and isinstance checks them.
+        @property
+        def cells(self) -> list[Cell]:
+            """The cells that own the variables, in pipeline order."""
+
+        @property
+        def num_micro_batches(self) -> int:
+            """Micro-batches per step: M, or R x M for R replicas."""
+
+        @property
+        def unroll(self) -> bool:
+            """Whether a step is an unrolled graph of tasks (False: loops over clock cycles)."""
+
+    else:
+        cells: list[Cell]  # the cells that own the variables, in pipeline order
+        num_micro_batches: int  # micro-batches per step: M, or R x M for R replicas
+        unroll: bool  # whether a step is an unrolled graph of tasks (False: loops over clock cycles)
 
     def prepare(self) -> None:
         """Eagerly, before a step is traced: learn what the step needs (explicit transfers between processes)."""

@@ -38,6 +38,8 @@ class Unsupported(Exception):
 class Looped(Executor):
     """Runs each step as two loops over GPipe's clock cycles, recomputing every cell in the backward loop."""
 
+    cells: list[Cell]
+    num_micro_batches: int
     unroll = False
 
     def __init__(self, cells: Sequence[Cell], num_micro_batches: int, routes: Routes | None = None):

@@ -58,6 +58,7 @@ class Offset:
 
     def loss_of(self, inputs: Sequence[tf.Tensor], y_pred: Any) -> tf.Tensor:
         """The wrapped loss of the given inputs."""
+        assert isinstance(self._loss_fn, Traceable)  # asked only where loss_inputs gave inputs
         return self._loss_fn.loss_of(inputs, y_pred)
 
 
@@ -84,11 +85,13 @@ def loss_and_gradients(
     """
     flat_y = flat(y)
     ys = flat_y if leaves is None else list(leaves)
-    inputs = loss_fn.loss_inputs(j) if isinstance(loss_fn, Traceable) and device is not None else None
-    if inputs is not None and not tf.executing_eagerly():
-        at = [next((p for p, t in enumerate(flat_y) if t is leaf), None) for leaf in ys]
-        if None not in at:
-            return _traced(loss_fn, y, flat_y, inputs, loss_scale, at, device, options or {})
+    if isinstance(loss_fn, Traceable) and device is not None:
+        inputs = loss_fn.loss_inputs(j)
+        if inputs is not None and not tf.executing_eagerly():
+            found_at = [next((p for p, t in enumerate(flat_y) if t is leaf), None) for leaf in ys]
+            at = [p for p in found_at if p is not None]
+            if len(at) == len(found_at):
+                return _traced(loss_fn, y, flat_y, inputs, loss_scale, at, device, options or {})
     floating = [t for t in ys if t.dtype.is_floating]
     loss, grads = _with_gradients(lambda: loss_fn(j, hang(y)), floating, loss_scale)
     found = iter(grads)

@@ -120,6 +120,7 @@ class Tasks:
 
     def _loss(self, i: int, j: int, y: Any, leaves: list[tf.Tensor], step: Handoff) -> tf.Tensor:
         """Micro-batch j's weighted loss of the model's outputs ``y`` and its gradient for the tensors ``leaves``."""
+        assert step.loss_fn is not None  # a step with a backward has a loss
         step.losses[j], grads = loss.on_cell(step.loss_fn, j, y, step.loss_scale, leaves, self.cells[i])
         self.wiring.loss_gradients(i, j, grads, step)
         return step.losses[j]

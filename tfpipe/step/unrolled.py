@@ -94,6 +94,9 @@ class Pipeline(Executor):
     unrolls, as does every step after it.
     """
 
+    cells: list[Cell]
+    num_micro_batches: int
+
     def __init__(
         self,
         cells: Sequence[Cell],
@@ -175,6 +178,7 @@ class Pipeline(Executor):
         tie(self.cells)  # a tied variable's regularizer counts in its first cell only
         plan = self._loop_plan(inputs, training)
         if plan is not None:
+            assert self._loops is not None  # the plan is the loops'
             return self._loops.run(plan, inputs, training, loss_fn, fractions, loss_scale, first, merge)
         if not tf.executing_eagerly():  # traced by a custom loop too (train_step in the user's tf.function)
             with tf.init_scope():  # the endpoints of explicit sends are learned eagerly (found once per connection)

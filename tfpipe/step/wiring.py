@@ -80,19 +80,19 @@ class Wiring:
             dst = self.cells[i + 1].device if i + 1 < len(self.cells) else None
             if dst is None or not sendrecv.known(src, dst):
                 return []
-            step.acts[(i, j)], sends = sendrecv.transfer(y, f"tfpipe_{task_scope_name(task)}", src, dst)
-            return sends
+            step.acts[(i, j)], sent = sendrecv.transfer(y, f"tfpipe_{task_scope_name(task)}", src, dst)
+            return sent
         wanted: dict[str, set[int]] = {}
         for consumer, positions in self.routes.readers(i).items():
             dst = self.cells[consumer].device
             if dst != src and sendrecv.known(src, dst):
                 wanted.setdefault(dst, set()).update(positions)
         sends: list[Any] = []
-        for n, (dst, positions) in enumerate(sorted(wanted.items())):
+        for n, (dst, needed) in enumerate(sorted(wanted.items())):
             moved, made = sendrecv.transfer(
-                [y[p] for p in sorted(positions)], f"tfpipe_{task_scope_name(task)}_{n}", src, dst
+                [y[p] for p in sorted(needed)], f"tfpipe_{task_scope_name(task)}_{n}", src, dst
             )
-            step.received[(i, j, dst)] = dict(zip(sorted(positions), moved))
+            step.received[(i, j, dst)] = dict(zip(sorted(needed), moved))
             sends.extend(made)
         return sends
 
