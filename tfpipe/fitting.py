@@ -19,6 +19,7 @@ from tfpipe import calibration as calibration_lib
 from tfpipe.planning import balance as balance_lib
 from tfpipe.planning import predict, profile
 from tfpipe.planning.predict import Calibration, Config
+from tfpipe.planning.progress import Progress
 
 PROBE_MICRO_BATCHES = 8  # the whole-sequence probes' M: enough for their tasks to overlap as a pipeline's do
 SCALE_PROBES = 8  # the most micro-batch sizes whose one-cell steps scale the layers' times
@@ -48,9 +49,11 @@ def fit_model(
     slots: int,
     recompute: bool = True,
     replicas: bool = True,
+    progress: Progress | None = None,
 ) -> Calibration:
     """Time every probe the planner fits on (in the same rounds), scale ``measured`` to them, fit its recomputation
-    ratios (``recompute``) and return ``calibration`` with the parallelism they measured (``replicas``: theirs too)."""
+    ratios (``recompute``) and return ``calibration`` with the parallelism they measured (``replicas``: theirs too).
+    ``progress`` shows the probes as they are built and the rounds as they are timed."""
     n = len(layers)
     held = profile_sizes(sorted(measured.by_batch))  # before the probes' own sizes join the profile
     scale = scale_shapes(measured, batch_size, n)
@@ -63,7 +66,7 @@ def fit_model(
     always = {k: dataclasses.replace(shape, remat="always") for k, shape in never.items()}
     replicated = replica_shape(measured, batch_size, n, devices) if replicas else None
     shapes = [*scale.values(), *never.values(), *always.values(), pipeline, replicated]
-    took = time_probes([s for s in dict.fromkeys(shapes) if s is not None], layers, data, devices, optimizer)
+    took = time_probes([s for s in dict.fromkeys(shapes) if s is not None], layers, data, devices, optimizer, progress)
     scale_to_whole_steps(measured, {s: took[s] for s in scale.values()}, calibration, devices[0])
     if measured.memory_device is not None:
         steps = {s: took[s] for s in scale.values() if s.b in held}
@@ -95,11 +98,18 @@ def fit_model(
 
 
 def time_probes(
-    shapes: Sequence[Shape], layers: Any, data: Any, devices: list[str], optimizer: Any
+    shapes: Sequence[Shape],
+    layers: Any,
+    data: Any,
+    devices: list[str],
+    optimizer: Any,
+    progress: Progress | None = None,
 ) -> dict[Shape, calibration_lib.Probe]:
     """Each of ``shapes`` trained on ``devices`` (copies of ``layers``), all timed in the same rounds."""
     kept: dict[Any, list] = {shape: [] for shape in shapes}
     probes = {}
+    if progress is not None:
+        progress.phase(f"stepping {len(shapes)} probes of the whole model (each traced, then warmed up)", len(shapes))
     for shape in shapes:
         if shape.replicas > 1:
             on = devices[: shape.replicas]
@@ -116,6 +126,10 @@ def time_probes(
                 remat=shape.remat,
                 kept=kept[shape],
             )
+        if progress is not None:
+            progress.step(f"{shape.b} rows x M={shape.m} on {len(shape.cut) * shape.replicas} devices")
+    if progress is not None:
+        progress.phase(f"timing the {len(shapes)} probes in turn, {calibration_lib.ROUNDS - 1} more rounds")
     return calibration_lib.in_rounds(probes, kept, STEPS)
 
 

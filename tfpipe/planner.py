@@ -29,6 +29,7 @@ from tfpipe.planning import profile as profile_lib
 from tfpipe.planning import units as units_lib
 from tfpipe.planning.plans import Plan
 from tfpipe.planning.predict import SLOTS, Calibration, Config
+from tfpipe.planning.progress import Progress
 from tfpipe.step import schedule as schedule_lib
 
 __all__ = ["Plan", "plan"]
@@ -51,6 +52,7 @@ def plan(
     profile: profile_lib.Profile | None = None,
     repeats: int = 3,
     verify: int = 3,
+    verbose: int = 1,
 ) -> Plan:
     """The configuration (K, balance, R, M, remat, schedule) fastest on ``devices`` whose peak fits ``memory_budget``.
 
@@ -65,7 +67,8 @@ def plan(
     measurements are reused as well, and nothing is measured before the search (e.g. to plan again under another
     budget). ``verify``: time this many configurations predicted near the fastest that fit (one per K, R and
     schedule) on the devices and choose the fastest measured; 0 chooses by prediction alone. A ValueError names the
-    smallest budget that would fit when none does.
+    smallest budget that would fit when none does. ``verbose``: 1 shows each phase, how far through it and the time
+    left (``planning.progress``); 0 nothing.
     """
     layer_seq = units_lib.of(layers)  # the layers, or a Functional model's nodes
     batch_size = positive_int("batch_size", batch_size)
@@ -85,7 +88,9 @@ def plan(
         raise ValueError(
             "profile=plan.profile is reused with the calibration fitted to it: pass calibration=plan.calibration too."
         )
+    progress = Progress(verbose)
     if calibration is None:
+        progress.phase(f"measuring the {len(device_list)} devices (a task, a step, a transfer, an update)")
         calibration = calibration_lib.calibrate(device_list, optimizer)
     elif not isinstance(calibration, Calibration):
         raise TypeError(f"calibration must be a tfpipe Calibration (plan.calibration), got {calibration!r}.")
@@ -93,19 +98,23 @@ def plan(
         measured = reused(profile, layer_seq)
     else:  # each layer alone at three sizes (the smallest, the middle, the largest), the rest interpolated
         alone = fitting.profile_sizes(sizes)
-        measured = profile_lib.measure(layer_seq, data, alone, device_list[0], repeats=positive_int("repeats", repeats))
+        repeats = positive_int("repeats", repeats)
+        measured = profile_lib.measure(layer_seq, data, alone, device_list[0], repeats=repeats, progress=progress)
     profile_lib.fill(measured, sizes)
     if profile is None:
         recompute = set(space.remats) != {"never"}  # what recomputing costs, where the search may recompute
         calibration = fitting.fit_model(
-            measured, layer_seq, data, batch_size, device_list, optimizer, calibration, slots, recompute, space.replicas
-        )
+            measured, layer_seq, data, batch_size, device_list, optimizer, calibration, slots, recompute,
+            space.replicas, progress,
+        )  # fmt: skip
     # what one W over all micro-batches joins
     if not measured.joined_bytes and any(schedule_lib.batches_weights(s) for s in space.schedules):
         measured.joined_bytes = joined.bytes_per_sample(layer_seq, data, device_list[0])
         measured.time_source += "; one W over all micro-batches also copies the rows it joins (traced per layer)"
+    progress.phase("predicting every configuration")
     candidates = search.run(measured, calibration, batch_size, space, budget, slots)
-    candidates = verified(candidates, layer_seq, data, batch_size, device_list, optimizer, verify, budget)
+    candidates = verified(candidates, layer_seq, data, batch_size, device_list, optimizer, verify, budget, progress)
+    progress.end()
     return plans.from_candidates(candidates, device_list, batch_size, budget, measured, calibration, slots)
 
 
@@ -118,6 +127,7 @@ def verified(
     optimizer: Any,
     count: int,
     budget: float | None = None,
+    progress: Progress | None = None,
 ) -> list[search.Candidate]:
     """``candidates`` with the ``count`` worth timing trained on ``devices`` (copies of ``layers``, the planner's
     units), fastest first.
@@ -129,8 +139,14 @@ def verified(
     if isinstance(count, bool) or not isinstance(count, int) or count < 0:
         raise ValueError(f"verify={count!r}: give how many configurations to time, or 0 to choose by prediction alone.")
     readable = calibration_lib.peaks_readable(devices)
+    slack = search.MEMORY_SLACK if readable else 0.0
+    listed = search.shortlist(candidates, count, budget, slack)
+    if progress is not None and len(listed) >= 2:
+        progress.phase("timing the shortlist on the devices", len(listed))
 
     def time_step(config: Config) -> tuple[float, float | None]:
+        if progress is not None:
+            progress.step(config.describe())
         try:
             probe = calibration_lib.configured_step(layers, sample, batch_size, config, devices, optimizer)
         except tf.errors.ResourceExhaustedError:  # predicted to fit, but a device ran out of memory: last
@@ -141,7 +157,6 @@ def verified(
             return probe.seconds, probe.peak_bytes / (config.num_partitions * config.num_replicas)
         return probe.seconds, None
 
-    slack = search.MEMORY_SLACK if readable else 0.0
     return search.by_measured(candidates, count, time_step, budget, slack)
 
 

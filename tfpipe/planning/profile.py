@@ -31,6 +31,7 @@ from tfpipe.partition import functional, hub, specs
 from tfpipe.planning import cost as cost_lib
 from tfpipe.planning import units as units_lib
 from tfpipe.planning.cost import _bytes
+from tfpipe.planning.progress import Progress
 
 MEASURED = "measured with get_memory_info"
 FROM_OUTPUTS = "estimated from output sizes (the allocator reports no bytes: set TF_CPU_ALLOCATOR_USE_BFC=true)"
@@ -219,7 +220,9 @@ class _Measured:
         return float(max(held, 0)), float(max(peak - held, 0))
 
 
-def measure(units: Any, sample: Any, batch_sizes: Sequence[int], device: str, repeats: int = 5) -> Profile:
+def measure(
+    units: Any, sample: Any, batch_sizes: Sequence[int], device: str, repeats: int = 5, progress: Progress | None = None
+) -> Profile:
     """Profile ``units`` (``planning.units``: layers, or a Functional model's nodes) on ``device`` at each
     micro-batch size in ``batch_sizes``, on data shaped like ``sample``.
 
@@ -233,6 +236,9 @@ def measure(units: Any, sample: Any, batch_sizes: Sequence[int], device: str, re
     weights, trainable, tied = units_lib.weights(units)
     outputs: list[float] = []
     kinds: list[str | None] = []
+    names = units_lib.names(units)
+    if progress is not None:
+        progress.phase(f"measuring each of the {len(names)} layers alone at {len(sizes)} micro-batch sizes", len(names))
     for walked in units_lib.walk(units, sample, sizes[-1], device):
         x_in, measured = walked.inputs, _Measured([walked.copy], device)
         kinds.append(kind_of(walked.copy, x_in))
@@ -252,6 +258,8 @@ def measure(units: Any, sample: Any, batch_sizes: Sequence[int], device: str, re
             costs.held_bytes.append(held if read_on else 2.0 * out)
             costs.working_bytes.append(working if read_on else 2.0 * out)
         outputs.append(walked.crossing_bytes / sizes[-1])
+        if progress is not None:
+            progress.step(names[len(outputs) - 1])
     source = FROM_OUTPUTS
     if read_on is not None:
         source = MEASURED if read_on == device else f"{MEASURED} on {read_on}, this process's stand-in for {device}"
@@ -262,7 +270,11 @@ def measure(units: Any, sample: Any, batch_sizes: Sequence[int], device: str, re
         logger, level = tf.get_logger(), tf.get_logger().level
         logger.setLevel(logging.ERROR)
         try:
+            if progress is not None:
+                progress.phase(f"reading each layer's bytes on {read_on}", len(names))
             for i, walked in enumerate(units_lib.walk(units, sample, sizes[-1], read_on)):
+                if progress is not None:
+                    progress.step(names[i])
                 measured = _Measured([walked.copy], read_on)
                 for b in sizes:
                     read = measured.held(_rows(walked.inputs, b), memory)

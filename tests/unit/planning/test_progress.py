@@ -1,0 +1,54 @@
+"""Planning's progress lines: a phase's start, its steps with the time left at its pace, its end; none at verbose=0."""
+
+from tfpipe.planning import progress as progress_lib
+
+
+def _run(monkeypatch, verbose: int) -> list[str]:
+    said: list[str] = []
+    clock = [100.0]
+    monkeypatch.setattr(progress_lib.messages, "say", said.append)
+    monkeypatch.setattr(progress_lib.time, "monotonic", lambda: clock[0])
+    progress = progress_lib.Progress(verbose)
+    clock[0] += 3
+    progress.phase("measuring each of the 4 layers alone", 4)
+    for name in ("a", "b", "c", "d"):
+        clock[0] += 10  # each step 10 s: a line every time (EVERY_S is 5 s)
+        progress.step(name)
+    progress.phase("predicting every configuration")
+    clock[0] += 200
+    progress.end()
+    return said
+
+
+def test_each_phase_says_its_steps_the_time_left_and_how_long_it_took(monkeypatch):
+    assert _run(monkeypatch, 1) == [
+        "tfpipe.plan: measuring each of the 4 layers alone (0 of 4), 3 s in",
+        "tfpipe.plan: measuring each of the 4 layers alone: 1 of 4 (a), about 30 s left in it",
+        "tfpipe.plan: measuring each of the 4 layers alone: 2 of 4 (b), about 20 s left in it",
+        "tfpipe.plan: measuring each of the 4 layers alone: 3 of 4 (c), about 10 s left in it",
+        "tfpipe.plan: measuring each of the 4 layers alone: 4 of 4 (d)",
+        "tfpipe.plan: measuring each of the 4 layers alone: done in 40 s",
+        "tfpipe.plan: predicting every configuration, 43 s in",
+        "tfpipe.plan: predicting every configuration: done in 3.3 min",
+    ]
+
+
+def test_verbose_0_says_nothing(monkeypatch):
+    assert _run(monkeypatch, 0) == []
+
+
+def test_steps_closer_than_the_interval_are_not_each_said(monkeypatch):
+    said: list[str] = []
+    clock = [0.0]
+    monkeypatch.setattr(progress_lib.messages, "say", said.append)
+    monkeypatch.setattr(progress_lib.time, "monotonic", lambda: clock[0])
+    progress = progress_lib.Progress()
+    progress.phase("timing", 10)
+    for _ in range(10):
+        clock[0] += 1.0  # a step a second: a line every 5 s, and the last
+        progress.step()
+    steps = [line for line in said if " of 10" in line and "(0 of 10)" not in line]
+    assert steps == [
+        "tfpipe.plan: timing: 5 of 10, about 5 s left in it",
+        "tfpipe.plan: timing: 10 of 10",
+    ]
