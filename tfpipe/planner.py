@@ -166,8 +166,9 @@ def reused(profile: profile_lib.Profile, layers: Any) -> profile_lib.Profile:
     if not isinstance(profile, profile_lib.Profile):
         raise TypeError(f"profile must be a tfpipe plan's profile (plan.profile), got {type(profile).__name__}.")
     if len(profile.weight_bytes) != len(layers):
+        unit = "nodes" if isinstance(layers, units_lib.Nodes) else "layers"
         raise ValueError(
-            f"profile=... was measured on {len(profile.weight_bytes)} units but {len(layers)} are planned; pass the "
+            f"profile=... was measured on {len(profile.weight_bytes)} {unit} but {len(layers)} are planned; pass the "
             "profile of a plan of these layers, or leave profile out to measure them."
         )
     return copy.deepcopy(profile)  # the search fills sizes in: the earlier plan's profile stays as it was

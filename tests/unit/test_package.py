@@ -15,14 +15,14 @@ from tfpipe import _aliases
 PACKAGE = os.path.join(REPO, "tfpipe")
 # Bottom to top: a module may import its own layer and the layers before it, never a later one.
 LAYERS = [
-    {"_compat", "_args"},
+    {"_compat", "_args", "messages"},  # messages: how tfpipe says things, importing nothing of tfpipe
     {"graph"},
     {"distributed"},
     {"backward"},
     {"partition"},
     {"step"},
     {"planning"},
-    {"messages", "saving", "training", "settings", "recovery", "keras_api", "auto_plan"},
+    {"saving", "training", "settings", "recovery", "keras_api", "auto_plan"},
     {"model"},
     {"analysis", "calibration", "fitting", "planner", "__init__", "_aliases"},
 ]
