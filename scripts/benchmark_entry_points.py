@@ -45,7 +45,7 @@ WIDTHS = {"floor": 16, "mlp256": 256, "mlp512": 512}
 flags.DEFINE_list("models", ["floor", "mlp512"], f"Models: {', '.join(WIDTHS)} (20 x Dense(width) + tanh).")
 flags.DEFINE_integer("layers", 20, "Dense layers.", lower_bound=2)
 flags.DEFINE_integer("batch_size", 512, "Batch.", lower_bound=1)
-flags.DEFINE_integer("micro_batches", 1, "M at K=2 (K=1 runs M=1).", lower_bound=1)
+flags.DEFINE_list("micro_batches", ["1", "8"], "Values of M at K=2 (K=1 runs M=1).")
 flags.DEFINE_integer("steps", 20, "Timed batches per entry point and round.", lower_bound=3)
 flags.DEFINE_integer("rounds", 3, "Rounds of every entry point.", lower_bound=1)
 flags.DEFINE_float("warmup_s", 2.0, "Untimed fit steps per model before its first round (at most 100).", lower_bound=0)
@@ -101,18 +101,20 @@ def measure(model: Any, x: Any, y: Any, batch: int, steps: int) -> dict[str, flo
     }
 
 
-def torch_steps(model: str, steps: int) -> dict[int, float]:
-    """torch's step seconds at K=1 and K=2, M=1 on ``model``, from one pair of ``benchmark_peers.py`` (a process of
-    its own: its workers and torch stages start and stop with it)."""
+def torch_steps(model: str, steps: int, micro_batches: list[int]) -> dict[str, float]:
+    """torch's step seconds at K=1, M=1 and at K=2 at each of ``micro_batches`` (GPipe, no recomputation) on
+    ``model``, by label ("K=2, M=8"), from one pair of ``benchmark_peers.py`` (a process of its own: its workers and
+    torch stages start and stop with it)."""
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "peers")
         script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "benchmark_peers.py")
-        flags_ = [f"--models={model}", "--micro_batches=1", "--pairs=1", f"--steps={steps}", f"--out={out}"]
+        flags_ = [f"--models={model}", f"--micro_batches={','.join(map(str, micro_batches))}", "--schedules=gpipe"]
+        flags_ += ["--default_remat_at=0", "--pairs=1", f"--steps={steps}", f"--out={out}"]
         done = subprocess.run([sys.executable, script, *flags_], capture_output=True, text=True)
         if done.returncode:
             raise RuntimeError(f"benchmark_peers.py failed (exit {done.returncode}): {done.stderr[-2000:]}")
         with open(out + ".csv") as f:
-            return {int(r["k"]): float(r["torch_median_ms"]) / 1e3 for r in csv.DictReader(f)}
+            return {f"K={r['k']}, M={r['m']}": float(r["torch_median_ms"]) / 1e3 for r in csv.DictReader(f)}
 
 
 def main(argv: list[str]) -> None:
@@ -131,6 +133,7 @@ def main(argv: list[str]) -> None:
         print("torch is not installed (pip install -e '.[peers]'): its step() is not timed", flush=True)
     if with_torch and (FLAGS.layers != 20 or FLAGS.batch_size != 512):
         raise app.UsageError("torch's figure is benchmark_peers.py's model: 20 layers, batch 512; or give --notorch")
+    micro_batches = [int(m) for m in FLAGS.micro_batches]
     rows = []
     with tfpipe.cluster.LocalCluster(2, threads_per_worker=1) as cluster:
         for name in FLAGS.models:
@@ -143,8 +146,8 @@ def main(argv: list[str]) -> None:
                                                                  for _ in range(FLAGS.layers)])  # fmt: skip
             plain.compile(optimizer="sgd", loss="mse", jit_compile=False)
             warm_up(plain, x, y, batch, FLAGS.warmup_s)
-            models = {0: plain}
-            for k, m in ((1, 1), (2, FLAGS.micro_batches)):
+            models = {"plain Keras": plain}
+            for k, m in [(1, 1)] + [(2, m) for m in micro_batches]:
                 keras.utils.set_random_seed(0)
                 layers = [keras.layers.Dense(width, activation="tanh") for _ in range(FLAGS.layers)]
                 model = tfpipe.PipelineModel(
@@ -152,27 +155,26 @@ def main(argv: list[str]) -> None:
                 )
                 model.compile(optimizer="sgd", loss="mse")
                 warm_up(model, x, y, batch, FLAGS.warmup_s)
-                models[k] = model
-            found: dict[int, list[dict[str, float]]] = {0: [], 1: [], 2: []}
+                models[f"K={k}, M={m}"] = model
+            found: dict[str, list[dict[str, float]]] = {label: [] for label in models}
             for r in range(FLAGS.rounds):
-                for k, model in models.items():
-                    found[k].append(measure(model, x, y, batch, FLAGS.steps))
-                    shown = ", ".join(f"{e} {found[k][-1][e] * 1e3:.1f}" for e in ENTRY_POINTS)
-                    print(f"  {name} {f'K={k}' if k else 'plain Keras'} round {r}: {shown} ms", flush=True)
+                for label, model in models.items():
+                    found[label].append(measure(model, x, y, batch, FLAGS.steps))
+                    shown = ", ".join(f"{e} {found[label][-1][e] * 1e3:.1f}" for e in ENTRY_POINTS)
+                    print(f"  {name} {label} round {r}: {shown} ms", flush=True)
                 if with_torch:
-                    for k, seconds in torch_steps(name, FLAGS.steps).items():
-                        found[k][-1]["torch step()"] = seconds
-                    print(f"  {name} round {r}: torch K=1 {found[1][-1]['torch step()'] * 1e3:.1f}, K=2 "
-                          f"{found[2][-1]['torch step()'] * 1e3:.1f} ms", flush=True)  # fmt: skip
+                    for label, seconds in torch_steps(name, FLAGS.steps, micro_batches).items():
+                        found[label][-1]["torch step()"] = seconds
+                        print(f"  {name} {label} round {r}: torch {seconds * 1e3:.1f} ms", flush=True)
             for entry in ENTRY_POINTS + (("torch step()",) if with_torch else ()):
                 row: dict[str, Any] = {"model": name, "entry": entry}
-                for k in (0, 1, 2):
-                    ms = [f[entry] * 1e3 for f in found[k] if entry in f]
+                for label, runs in found.items():
+                    ms = [f[entry] * 1e3 for f in runs if entry in f]
                     if not ms:  # torch has no plain-Keras column
-                        row[f"k{k}_ms"], row[f"k{k}_vs_fit"] = "-", "-"
+                        row[f"{label} ms"], row[f"{label} x fit"] = "-", "-"
                         continue
-                    row[f"k{k}_ms"] = f"{min(ms):.1f} / {statistics.median(ms):.1f} / {max(ms):.1f}"
-                    row[f"k{k}_vs_fit"] = round(statistics.median(f[entry] / f["fit"] for f in found[k]), 2)
+                    row[f"{label} ms"] = f"{min(ms):.1f} / {statistics.median(ms):.1f} / {max(ms):.1f}"
+                    row[f"{label} x fit"] = round(statistics.median(f[entry] / f["fit"] for f in runs if entry in f), 2)
                 rows.append(row)
     text = markdown(rows)
     print(text)
@@ -181,20 +183,20 @@ def main(argv: list[str]) -> None:
 
 
 def markdown(rows: list[dict[str, Any]]) -> str:
-    """The table: per model and entry point, K=1 and K=2 per batch and against fit."""
+    """The table: per model and entry point, each setup's time per batch and against its own fit."""
+    labels = [key[: -len(" ms")] for key in rows[0] if key.endswith(" ms")]
     lines = [
         f"{FLAGS.layers} x Dense(width) + tanh, batch {FLAGS.batch_size}, SGD; plain Keras in the training process, "
-        f"tfpipe K=1 on one one-thread worker, K=2 on two (M={FLAGS.micro_batches}); per batch, min / median / max of "
-        f"{FLAGS.rounds} rounds of {FLAGS.steps}; x fit: against the same model's fit in the same round",
+        "tfpipe K=1 on one one-thread worker, K=2 on two (remat='never', GPipe); per batch, min / median / max of "
+        f"{FLAGS.rounds} rounds of {FLAGS.steps}; x fit: against the same setup's fit in the same round (torch: "
+        "against tfpipe's)",
         "",
-        "| model | entry point | plain Keras (ms) | x fit | tfpipe K=1 (ms) | x fit | tfpipe K=2 (ms) | x fit |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| model | entry point | " + " | ".join(f"{label} (ms) | x fit" for label in labels) + " |",
+        "| --- | --- | " + " | ".join("--- | ---" for _ in labels) + " |",
     ]
     for r in rows:
-        lines.append(
-            f"| {r['model']} | `{r['entry']}` | {r['k0_ms']} | {r['k0_vs_fit']} | {r['k1_ms']} | {r['k1_vs_fit']} | "
-            f"{r['k2_ms']} | {r['k2_vs_fit']} |"
-        )
+        cells = " | ".join(f"{r[label + ' ms']} | {r[label + ' x fit']}" for label in labels)
+        lines.append(f"| {r['model']} | `{r['entry']}` | {cells} |")
     return "\n".join(lines) + "\n"
 
 

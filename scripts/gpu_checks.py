@@ -1,10 +1,12 @@
 """Every check that needs a GPU, as one command that fits a lent GPU's minutes: tests, overhead, planner, capacity.
 
-GPUs are lent for minutes: this runs, each with a time limit of its own and all within ``--budget_s`` (default 450 s,
-under 8 minutes), the GPU tests (``tests/gpu``), PipelineModel's overhead against plain Keras on ``/GPU:0``, the
-planner's predictions against a measured grid on two logical GPUs, and the capacity table on logical GPUs whose
-``memory_limit`` is the budget. Each step's output goes to ``--out_dir`` (``$OUT`` on the device machine), and a
-summary (step, status, seconds, its last line) is printed and written as ``summary.md``. ``--dry_run`` runs the
+GPUs are lent for minutes: this runs, each with a time limit of its own and all within ``--budget_s`` (default 470 s,
+under 8 minutes), the GPU tests (``tests/gpu``), PipelineModel's overhead against plain Keras on ``/GPU:0`` with and
+without XLA per cell, the planner's predictions against a measured grid on two logical GPUs and its choices under
+budgets, and the capacity table on logical GPUs whose ``memory_limit`` is the budget. Each step's log and tables go
+to ``--out_dir`` (``$OUT`` on the device machine) under the names docs/benchmarks.md reads from ``docs/results/``
+(``overhead_gpu``, ``plan_gpu_mlp``, ``capacity_gpu``: copy them there), and a summary (step, status, seconds, its
+last line) is printed and written as ``summary.md``. ``--dry_run`` runs the
 same steps on the CPU at toy sizes, to check the command before a GPU is lent (tests/scripts/test_gpu_checks.py).
 
     python scripts/gpu_checks.py --out_dir="$OUT"         # on the GPU machine
@@ -23,7 +25,7 @@ from absl import app, flags
 FLAGS = flags.FLAGS
 flags.DEFINE_bool("dry_run", False, "Run every step on the CPU at toy sizes (checks the command, measures nothing).")
 flags.DEFINE_string("out_dir", os.environ.get("OUT", "/tmp/gpu_checks"), "Where each step's output and tables go.")
-flags.DEFINE_integer("budget_s", 450, "Seconds for all the steps together; a step gets what is left.", lower_bound=10)
+flags.DEFINE_integer("budget_s", 470, "Seconds for all the steps together; a step gets what is left.", lower_bound=10)
 flags.DEFINE_list("steps", [], "Only these steps (default: all): tests, overhead, planner, capacity.")
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -34,10 +36,11 @@ def steps(dry_run: bool, out: str) -> list[tuple[str, list[str], int]]:
     python, script = sys.executable, lambda name: os.path.join(REPO, "scripts", name)
     device, kind = ("/CPU:0", "CPU") if dry_run else ("/GPU:0", "GPU")
     overhead = ["--blocks=1", "--dim=16", "--steps=2", "--repeats=1"] if dry_run else ["--repeats=3", "--steps=20"]
+    overhead.append("--jit_compile")  # with and without XLA per cell
     planner = (
         ["--devices=2", "--width=16", "--depth=4", "--batch_size=32", "--micro_batches=1", "--measure=1"]
         if dry_run
-        else ["--devices=2", "--width=2048", "--depth=12", "--batch_size=1024", "--grid"]
+        else ["--devices=2", "--width=2048", "--depth=12", "--batch_size=1024", "--grid", "--budgets=0.4,0.6,1.0"]
     )
     capacity = (
         ["--rows=plain,2", "--dim=16", "--seq_len=16", "--batch_size=4", "--vocab=32", "--micro_batches=2"]
@@ -48,17 +51,17 @@ def steps(dry_run: bool, out: str) -> list[tuple[str, list[str], int]]:
     )
     tests = [python, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "0", os.path.join(REPO, "tests", "gpu")]
     return [
-        ("tests", tests, 120),
+        ("tests", tests, 90),
         (
             "overhead",
-            [python, script("benchmark_overhead.py"), f"--device={device}", *overhead, f"--out={out}/over"],
-            60,
+            [python, script("benchmark_overhead.py"), f"--device={device}", *overhead, f"--out={out}/overhead_gpu"],
+            70,
         ),
-        ("planner", [python, script("plan.py"), f"--device_type={kind}", *planner, f"--out={out}/plan"], 120),
+        ("planner", [python, script("plan.py"), f"--device_type={kind}", *planner, f"--out={out}/plan_gpu_mlp"], 180),
         (
             "capacity",
-            [python, script("benchmark_capacity.py"), f"--device_type={kind}", *capacity, f"--out={out}/cap"],
-            150,
+            [python, script("benchmark_capacity.py"), f"--device_type={kind}", *capacity, f"--out={out}/capacity_gpu"],
+            130,
         ),
     ]
 

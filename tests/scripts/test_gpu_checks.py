@@ -16,7 +16,7 @@ def test_the_dry_run_runs_every_step_and_writes_the_summary(tmp_path):
     for step in ("tests", "overhead", "planner", "capacity"):
         assert f"| {step} | ok |" in summary, summary
         assert (out / f"{step}.log").exists()
-    assert (out / "cap.md").exists() and (out / "plan.md").exists()
+    assert (out / "capacity_gpu.md").exists() and (out / "plan_gpu_mlp.md").exists()
 
 
 def test_a_step_it_does_not_know_is_refused(tmp_path):
