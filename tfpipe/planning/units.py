@@ -78,7 +78,8 @@ def _variable_bytes(variables: Sequence[Any]) -> float:
 def weights(units: Any) -> tuple[list[float], list[float], list[Tied]]:
     """Per unit, the bytes of its weights and of its trainable weights (a layer's counted at its first unit), and
     the units that read a layer counted earlier. Read from the user's own layers: a frozen layer (a LoRA base
-    weight) has no gradient and no slots."""
+    weight) has no gradient and no slots. A layer list's layers may not be built yet (none then): ``profile.measure``
+    counts their built copies instead."""
     units = of(units)
     if not isinstance(units, Nodes):
         layers = list(units)

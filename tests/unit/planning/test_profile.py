@@ -33,6 +33,8 @@ def test_a_layers_kind_is_its_class_configuration_and_inputs_not_its_name():
 def test_a_measured_profile_gives_alike_layers_one_time_and_others_their_own():
     layers = [keras.layers.Dense(64, activation="tanh") for _ in range(4)] + [keras.layers.Dense(8)]
     measured = profile_lib.measure(layers, np.zeros((16, 64), "float32"), [4, 16], "/CPU:0", repeats=3)
+    # the layers are not built: their weights are counted on the built copies that were measured
+    assert measured.weight_bytes == measured.trainable_bytes == [(64 * 64 + 64) * 4.0] * 4 + [(64 * 8 + 8) * 4.0]
     for costs in measured.by_batch.values():
         assert len(set(costs.forward_s[:4])) == 1 and len(set(costs.backward_s[:4])) == 1
         assert costs.forward_s[4] != costs.forward_s[0]  # Dense(8) is timed alone
