@@ -19,15 +19,13 @@ from tfpipe import _compat
 
 # (src, dst) -> (full send device, full receive device, the sender's incarnation), refreshed by ``discover``.
 _ENDPOINTS: dict[tuple[str, str], tuple[str, str, int]] = {}
-# What the endpoints were found under: tfpipe's count of connections (``forget``) and the cluster this process is
-# connected to (a user's own ``experimental_connect_to_cluster`` changes it). Under the same, they still hold.
-_CONNECTIONS = [0]
-_FOUND_UNDER: list[Any] = [None]
+# The cluster the endpoints were found under (a user's own ``experimental_connect_to_cluster`` changes it; tfpipe's
+# own connections call ``forget``). Under the same, they still hold.
+_FOUND_UNDER: list[bytes | None] = [None]
 
 
 def forget() -> None:
     """Drop every endpoint found: this process connected anew, or a worker restarted; ``discover`` finds them again."""
-    _CONNECTIONS[0] += 1
     _ENDPOINTS.clear()
 
 
@@ -62,7 +60,7 @@ def discover(pairs: list[tuple[str, str]]) -> None:
     wanted = [(a, b) for a, b in pairs if crosses_processes(a, b)]
     if not wanted or not tf.executing_eagerly():
         return
-    under = (_CONNECTIONS[0], _compat.server_def_bytes())
+    under = _compat.server_def_bytes()
     if under != _FOUND_UNDER[0]:  # another connection: every endpoint found before may be stale
         _ENDPOINTS.clear()
         _FOUND_UNDER[0] = under

@@ -11,16 +11,15 @@ device, its budget, what the cell needs, and the smallest K (cut by state) or bu
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import keras
-import tensorflow as tf
 
 from tfpipe.planning import balance as balance_lib
 from tfpipe.planning.plans import gib, parse_bytes
 from tfpipe.planning.predict import SLOTS
+from tfpipe.planning.units import variable_bytes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,11 +56,6 @@ def budgets(memory_budget: Any, devices: Sequence[str]) -> list[float]:
             )
         return [parse_bytes(b, f"memory_budget[{i}]") for i, b in enumerate(memory_budget)]
     return [parse_bytes(memory_budget)] * len(devices)
-
-
-def variable_bytes(variable: keras.Variable) -> float:
-    """The bytes of one variable's value (from its shape and dtype: a deferred variable has no value yet)."""
-    return float(math.prod(variable.shape) * tf.as_dtype(keras.backend.standardize_dtype(variable.dtype)).size)
 
 
 def optimizer_name(optimizer: Any) -> str:

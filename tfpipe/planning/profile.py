@@ -234,7 +234,8 @@ def measure(
     sizes = sorted(set(int(b) for b in batch_sizes))
     by_batch = {b: LayerCosts([], [], [], []) for b in sizes}
     units = units_lib.of(units)
-    weights, trainable, tied = units_lib.weights(units)
+    nodes = isinstance(units, units_lib.Nodes)
+    weights, trainable, tied = units_lib.weights(units) if nodes else ([], [], [])
     outputs: list[float] = []
     kinds: list[str | None] = []
     names = units_lib.names(units)
@@ -258,9 +259,9 @@ def measure(
             costs.backward_s.append(b_s)
             costs.held_bytes.append(held if read_on else 2.0 * out)
             costs.working_bytes.append(working if read_on else 2.0 * out)
-        if not isinstance(units, units_lib.Nodes):  # a layer list's layers may be unbuilt: their built copies count
-            weights[len(outputs)] = sum(_bytes(v) for v in walked.copy.weights)
-            trainable[len(outputs)] = sum(_bytes(v) for v in walked.copy.trainable_variables)
+        if not nodes:  # a layer list's layers may be unbuilt: their built copies count
+            weights.append(sum(_bytes(v) for v in walked.copy.weights))
+            trainable.append(sum(_bytes(v) for v in walked.copy.trainable_variables))
         outputs.append(walked.crossing_bytes / sizes[-1])
         if progress is not None:
             progress.step(names[len(outputs) - 1])

@@ -14,6 +14,7 @@ before it is cut.
 from __future__ import annotations
 
 import dataclasses
+import math
 import random
 import warnings
 from collections.abc import Iterator, Sequence
@@ -38,11 +39,6 @@ class Nodes:
 
     def __len__(self) -> int:
         return len(self.graph.nodes)
-
-    @property
-    def layers(self) -> list[keras.layers.Layer]:
-        """The model's own layers."""
-        return self.graph.layers
 
 
 def of(model: Any) -> list[keras.layers.Layer] | Nodes:
@@ -70,30 +66,22 @@ class Tied:
     trainable_bytes: float
 
 
-def _variable_bytes(variables: Sequence[Any]) -> float:
-    # shapes and dtypes only: a deferred weight (tfpipe.deferred_weights) has them but no value
-    return float(sum(np.prod(v.shape, dtype=np.int64) * np.dtype(v.dtype).itemsize for v in variables))
+def variable_bytes(variable: Any) -> float:
+    """The bytes of one variable's value (from its shape and dtype: a deferred variable has no value yet)."""
+    return float(math.prod(variable.shape) * tf.as_dtype(keras.backend.standardize_dtype(variable.dtype)).size)
 
 
-def weights(units: Any) -> tuple[list[float], list[float], list[Tied]]:
-    """Per unit, the bytes of its weights and of its trainable weights (a layer's counted at its first unit), and
-    the units that read a layer counted earlier. Read from the user's own layers: a frozen layer (a LoRA base
-    weight) has no gradient and no slots. A layer list's layers may not be built yet (none then): ``profile.measure``
-    counts their built copies instead."""
-    units = of(units)
-    if not isinstance(units, Nodes):
-        layers = list(units)
-        return (
-            [_variable_bytes(layer.weights) for layer in layers],
-            [_variable_bytes(layer.trainable_variables) for layer in layers],
-            [],
-        )
+def weights(units: Nodes) -> tuple[list[float], list[float], list[Tied]]:
+    """Per node, the bytes of its weights and of its trainable weights (a layer's counted at its first node), and
+    the nodes that read a layer counted earlier. Read from the user's own (built) layers: a frozen layer (a LoRA base
+    weight) has no gradient and no slots. (A layer list's layers may be unbuilt: ``profile.measure`` counts their
+    built copies.)"""
     first: dict[int, int] = {}
     all_bytes, trainable, tied = [], [], []
     for index, node in enumerate(units.graph.nodes):
         layer = node.operation if isinstance(node.operation, keras.layers.Layer) else None
-        every = _variable_bytes(layer.weights) if layer is not None else 0.0
-        train = _variable_bytes(layer.trainable_variables) if layer is not None else 0.0
+        every = sum(variable_bytes(v) for v in layer.weights) if layer is not None else 0.0
+        train = sum(variable_bytes(v) for v in layer.trainable_variables) if layer is not None else 0.0
         if layer is not None and id(layer) in first:
             if every:
                 tied.append(Tied(first[id(layer)], index, every, train))
@@ -106,12 +94,12 @@ def weights(units: Any) -> tuple[list[float], list[float], list[Tied]]:
 
 
 class _NodeCopy:
-    """One node run on a copy of its layer, called as the measurements call a layer: ``copy(inputs, training)``
-    with ``inputs`` the tuple of tensors the node reads (a ``keras.ops`` node has no layer and is its own copy)."""
+    """One node of a clone of the model, called as the measurements call a layer: ``copy(inputs, training)`` with
+    ``inputs`` the tuple of tensors the node reads."""
 
-    def __init__(self, node: functional.Node, operation: Any):
-        self._node = node if operation is node.operation else dataclasses.replace(node, operation=operation)
-        self._layer = operation if isinstance(operation, keras.layers.Layer) else None
+    def __init__(self, node: functional.Node):
+        self._node = node
+        self._layer = node.operation if isinstance(node.operation, keras.layers.Layer) else None
         self.name = node.name
 
     @property
@@ -197,7 +185,7 @@ def _walk_nodes(units: Nodes, x: Any, device: str) -> Iterator[Walked]:
         for variable in getattr(node.operation, "variables", []):
             if deferred.waiting(variable):
                 deferred.place(variable, device)
-        copy = _NodeCopy(node, node.operation)
+        copy = _NodeCopy(node)
         inputs = tuple(values[k] for k in node.inputs)
         try:
             outputs = copy(inputs, training=False)

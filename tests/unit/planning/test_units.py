@@ -38,7 +38,7 @@ def test_a_layer_called_twice_counts_its_weights_once_and_its_reader_is_tied_to_
     shared = keras.layers.Dense(8, name="shared")
     frozen = keras.layers.Dense(8, name="frozen", trainable=False)
     model = keras.Model(inputs, shared(frozen(shared(inputs))))
-    weights, trainable, tied = units_lib.weights(model)
+    weights, trainable, tied = units_lib.weights(units_lib.of(model))
     dense = (8 * 8 + 8) * 4.0
     assert weights == [dense, dense, 0.0] and trainable == [dense, 0.0, 0.0]  # a frozen layer: no gradient
     assert tied == [units_lib.Tied(owner=0, reader=2, weight_bytes=dense, trainable_bytes=dense)]
@@ -67,5 +67,6 @@ def test_a_model_built_under_deferred_weights_is_walked_without_making_its_weigh
         model = _skip_model()
     walked = list(units_lib.walk(model, np.ones((2, 8), "float32"), rows=2, device="/CPU:0"))
     assert walked[-1].outputs[0].shape == (2, 4)
-    assert units_lib.weights(model)[0] == [(8 * 16 + 16) * 4.0, (16 * 16 + 16) * 4.0, 0.0, (16 * 4 + 4) * 4.0]
+    dense = [(8 * 16 + 16) * 4.0, (16 * 16 + 16) * 4.0, 0.0, (16 * 4 + 4) * 4.0]
+    assert units_lib.weights(units_lib.of(model))[0] == dense
     assert all(deferred.waiting(v) for v in model.weights)  # still only shapes: PipelineModel makes them
