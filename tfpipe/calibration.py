@@ -21,7 +21,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tfpipe import messages
+from tfpipe import _compat, messages
 from tfpipe.distributed import cluster as cluster_lib
 from tfpipe.distributed.sendrecv import any_remote
 from tfpipe.model import PipelineModel
@@ -31,19 +31,42 @@ from tfpipe.planning.profile import median_seconds, memory_name
 from tfpipe.step import schedule as schedule_lib
 from tfpipe.step.unrolled import noinline_tasks
 
-_CALIBRATIONS: dict[tuple[str, ...], Calibration] = {}  # one per set of devices and optimizer, per process
+_CALIBRATIONS: dict[tuple[Any, ...], Calibration] = {}  # one per set of devices and optimizer, per process
 WARM_STEPS = 100  # TensorFlow's executor runs a kernel inline only once its cost estimate settles, ~90 runs
 # Probes compared with one another are timed in this many rounds, in turn: a slow spell of a shared machine then slows
 # one round of each, not every step of one (docs/guide/planning.md#where-the-predictions-come-from)
 ROUNDS = 3
+UPDATE_ROWS = 4096  # the optimizer's update is timed on this many rows of 1024 floats (16 MiB)
 
 
-def calibrate(devices: Sequence[str], optimizer: Any = "adam", steps: int = 30) -> Calibration:
-    """Measure what a step costs on ``devices`` beyond its layers (cached per devices and optimizer in this process)."""
+def calibrate(
+    devices: Sequence[str], optimizer: Any = "adam", steps: int = 30, budget: float | None = None
+) -> Calibration:
+    """Measure what a step costs on ``devices`` beyond its layers (cached per devices and optimizer in this process).
+
+    ``budget``: bytes per device its probes keep to (the optimizer's update is timed on fewer weights under it).
+    """
     device_list = list(devices)
-    key = (*device_list, optimizer if isinstance(optimizer, str) else repr(optimizer.get_config()))
+    rows = update_rows(budget)
+    key = (*device_list, optimizer if isinstance(optimizer, str) else repr(optimizer.get_config()), rows)
     if key in _CALIBRATIONS:
         return _CALIBRATIONS[key]
+    with _compat.custom_gradients_forgotten():  # its probes, once let go, hold no memory
+        result = _calibrate(device_list, optimizer, steps, rows)
+    _CALIBRATIONS[key] = result
+    return result
+
+
+def update_rows(budget: float | None) -> int:
+    """Rows of 1024 floats whose update is timed: 16 MiB of weights, or as many (a power of two, at least 256) as
+    half of ``budget`` holds with their gradient and two optimizer slots."""
+    if budget is None:
+        return UPDATE_ROWS
+    fits = budget / 2 / (4 * 1024 * 4)
+    return int(min(UPDATE_ROWS, max(256, 2 ** np.floor(np.log2(max(fits, 1.0))))))
+
+
+def _calibrate(device_list: list[str], optimizer: Any, steps: int, rows: int) -> Calibration:
     k = len(device_list)
     x = np.ones((64, 4), "float32")
     # The most micro-batches whose step still inlines its cells, and the fewest whose step does not
@@ -71,14 +94,13 @@ def calibrate(devices: Sequence[str], optimizer: Any = "adam", steps: int = 30) 
         bandwidth=_bandwidth(device_list),
         # each device its own compute until measured otherwise: tfpipe.plan measures it on the model (planner)
         parallelism=float(len(set(device_list))),
-        update_s_per_byte=_update_seconds_per_byte(device_list[0], optimizer),
+        update_s_per_byte=_update_seconds_per_byte(device_list[0], optimizer, rows),
         source=f"measured on {k} device(s) with a tiny pipeline",
         noinline_task_s=noinline_s,
         noinline_tasks=threshold,
         across_processes=any_remote(device_list),
         copy_s_per_byte=_copy_seconds_per_byte(device_list[0]),
     )
-    _CALIBRATIONS[key] = result
     return result
 
 
@@ -130,7 +152,8 @@ def configured_step(
     on = rows if r > 1 else rows[0]
     m, remat = config.num_micro_batches, config.remat
     probe_args = (copies, list(config.balance), on, m, x, y, _fresh(optimizer), steps, _mean, True, remat)
-    return _probe(*probe_args, config.schedule, per_device=True)
+    with _compat.custom_gradients_forgotten():  # let go once timed: its memory with it
+        return _probe(*probe_args, config.schedule, per_device=True)
 
 
 def replicated_step(
@@ -264,6 +287,42 @@ class _OwnAllocators:
                 tf.config.experimental.reset_memory_stats(name)
 
 
+class PeakWatch:
+    """The most bytes held on each device beyond what it held when the watch began, read at each ``read``.
+
+    Devices with allocators of their own (GPUs, a running LocalCluster's workers) are read each; logical CPUs of this
+    process, counted by one allocator (``TF_CPU_ALLOCATOR_USE_BFC=true``), as one total. A read takes the allocator's
+    peak since its count was last started again: probes start it before their timed steps, which hold what their
+    warm-up did. ``peaks`` is None where nothing can be read (``connect()`` workers, CPUs without the BFC allocator).
+    """
+
+    def __init__(self, devices: Sequence[str]):
+        unique = list(dict.fromkeys(devices))
+        self._own = _own_allocators(unique)
+        self._shared: str | None = None
+        self.peaks: dict[str, float] | None = None
+        if self._own is not None:
+            self._names = unique
+            self._bases = [float(info["current"]) for info in self._own.read()]
+        elif peaks_readable(unique):
+            self._shared = memory_name(unique[0])
+            self._names = [f"{len(unique)} logical devices' one allocator" if len(unique) > 1 else unique[0]]
+            self._bases = [float(tf.config.experimental.get_memory_info(self._shared)["current"])]
+        if self._own is not None or self._shared is not None:
+            self.peaks = dict.fromkeys(self._names, 0.0)
+
+    def read(self) -> None:
+        """Take each device's peak since its count last started into ``peaks``."""
+        if self.peaks is None:
+            return
+        if self._own is not None:
+            infos = self._own.read()
+        else:
+            infos = [tf.config.experimental.get_memory_info(self._shared)]
+        for name, base, info in zip(self._names, self._bases, infos):
+            self.peaks[name] = max(self.peaks[name], float(info["peak"]) - base)
+
+
 def peaks_readable(devices: Sequence[str]) -> bool:
     """Whether a probe on ``devices`` reads their peaks: each its own allocator's, or (logical CPUs of this process,
     counted with ``TF_CPU_ALLOCATOR_USE_BFC=true``) their one allocator's total."""
@@ -340,8 +399,9 @@ def _bandwidth(devices: list[str]) -> float:
     return float(x.shape.num_elements() * 4 / seconds) if seconds > 1e-6 else float("inf")
 
 
-def _update_seconds_per_byte(device: str, optimizer: Any) -> float:
-    """The optimizer's update time per byte of weights: one update of 16 MiB less one of 64 KiB, on ``device``."""
+def _update_seconds_per_byte(device: str, optimizer: Any, rows: int = 4096) -> float:
+    """The optimizer's update time per byte of weights: one update of ``rows`` x 1024 floats less one of 16 x 1024, on
+    ``device``."""
 
     def seconds(rows: int) -> float:
         opt = _fresh(optimizer)
@@ -351,7 +411,7 @@ def _update_seconds_per_byte(device: str, optimizer: Any) -> float:
             opt.build([variable])
             return median_seconds(tf.function(lambda: opt.apply([gradient], [variable])), 7)
 
-    return max(seconds(4096) - seconds(16), 0.0) / ((4096 - 16) * 1024 * 4)
+    return max(seconds(rows) - seconds(16), 0.0) / ((rows - 16) * 1024 * 4)
 
 
 def _copy_seconds_per_byte(device: str) -> float:

@@ -10,14 +10,18 @@ every step of one, so that the values fitted from different probes agree with on
 from __future__ import annotations
 
 import dataclasses
+import gc
+import time
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
+from tfpipe import _compat
 from tfpipe import calibration as calibration_lib
 from tfpipe.planning import balance as balance_lib
 from tfpipe.planning import predict, profile
+from tfpipe.planning.plans import gib
 from tfpipe.planning.predict import Calibration, Config
 from tfpipe.planning.progress import Progress
 
@@ -50,10 +54,13 @@ def fit_model(
     recompute: bool = True,
     replicas: bool = True,
     progress: Progress | None = None,
+    budget: float | None = None,
 ) -> Calibration:
     """Time every probe the planner fits on (in the same rounds), scale ``measured`` to them, fit its recomputation
     ratios (``recompute``) and return ``calibration`` with the parallelism they measured (``replicas``: theirs too).
-    ``progress`` shows the probes as they are built and the rounds as they are timed."""
+    ``progress`` shows the probes as they are built and the rounds as they are timed, and ends the building where its
+    time runs out (``Progress.time_left``). ``budget``: bytes per device that no probe may go over (``within_budget``);
+    what is not run for either is said in ``measured.not_run`` and fitted without it."""
     n = len(layers)
     held = profile_sizes(sorted(measured.by_batch))  # before the probes' own sizes join the profile
     scale = scale_shapes(measured, batch_size, n)
@@ -65,28 +72,39 @@ def fit_model(
     never = {k: probe_shape(measured, n, batch_size, k) for k in ks}
     always = {k: dataclasses.replace(shape, remat="always") for k, shape in never.items()}
     replicated = replica_shape(measured, batch_size, n, devices) if replicas else None
-    shapes = [*scale.values(), *never.values(), *always.values(), pipeline, replicated]
-    took = time_probes([s for s in dict.fromkeys(shapes) if s is not None], layers, data, devices, optimizer, progress)
-    scale_to_whole_steps(measured, {s: took[s] for s in scale.values()}, calibration, devices[0])
+    # in the order they are worth their time, where there is time for fewer: the parallelism, the sizes whose steps
+    # also give the held bytes, what recomputing costs, the replicas', the other sizes
+    wanted = [pipeline, *(scale[b] for b in held), *never.values(), *always.values(), replicated, *scale.values()]
+    shapes = [s for s in dict.fromkeys(wanted) if s is not None]
+    groups = within_budget(shapes, measured, calibration, slots, devices, budget)
+    took = time_probes(groups, layers, data, devices, optimizer, progress, measured.not_run)
+    scaled = {s: took[s] for s in scale.values() if s in took}
+    if scaled:
+        scale_to_whole_steps(measured, scaled, calibration, devices[0])
+    else:
+        measured.time_source += "; not scaled to whole steps: no one-cell step was run"
     if measured.memory_device is not None:
-        steps = {s: took[s] for s in scale.values() if s.b in held}
+        steps = {s: took[s] for s in scale.values() if s.b in held and s in took}
         if measured.memory_device != devices[0]:  # bytes read on this process's stand-in: so are the steps' peaks
             on = [measured.memory_device]  # for the peak only: two steps after tracing, without warming up
-            steps = {
-                s: calibration_lib.split_step(layers, data, s.b, s.m, list(s.cut), on, optimizer, 2, warm=False)
-                for s in steps
-            }
+            with _compat.custom_gradients_forgotten():
+                steps = {
+                    s: calibration_lib.split_step(layers, data, s.b, s.m, list(s.cut), on, optimizer, 2, warm=False)
+                    for s in steps
+                }
         fit_held_ratios(measured, steps, slots)
-    if pipeline is not None:
+    if pipeline in took:
         calibration = model_parallelism(measured, calibration, batch_size, pipeline, took[pipeline].seconds)
+    ks = [k for k in ks if never[k] in took and always[k] in took]
     if ks:
         seconds = {k: (took[never[k]].seconds, took[always[k]].seconds) for k in ks}
-        measured.recompute_ratios = recompute_ratios(measured, calibration, batch_size, never, seconds)
+        ran = {k: never[k] for k in ks}
+        measured.recompute_ratios = recompute_ratios(measured, calibration, batch_size, ran, seconds)
         fitted = ", ".join(f"x{r:.2f} at K={k}" for k, r in measured.recompute_ratios.items())
         measured.time_source += (
             f"; recomputing a micro-batch {fitted} its forward (fitted to what recomputing all adds to a step)"
         )
-    if replicated is not None:
+    if replicated in took:
         config = Config((n,), replicated.replicas, 1, "never", "gpipe")
         calibration = dataclasses.replace(
             calibration,
@@ -98,24 +116,57 @@ def fit_model(
 
 
 def time_probes(
-    shapes: Sequence[Shape],
+    groups: Sequence[Sequence[Shape]],
     layers: Any,
     data: Any,
     devices: list[str],
     optimizer: Any,
     progress: Progress | None = None,
+    not_run: list[str] | None = None,
 ) -> dict[Shape, calibration_lib.Probe]:
-    """Each of ``shapes`` trained on ``devices`` (copies of ``layers``), all timed in the same rounds."""
-    kept: dict[Any, list] = {shape: [] for shape in shapes}
-    probes = {}
+    """Each group of shapes trained on ``devices`` (copies of ``layers``), its probes timed in the same rounds, then
+    let go before the next group is built (``within_budget``).
+
+    Where ``progress`` has a time bound, a probe is built only where the time left allows it, the rounds of those
+    built and what the planner keeps for later (``Progress.affords``); ``not_run`` gets each one left out.
+    """
+    total = sum(len(group) for group in groups)
+    probes: dict[Shape, calibration_lib.Probe] = {}
     if progress is not None:
-        progress.phase(f"stepping {len(shapes)} probes of the whole model (each traced, then warmed up)", len(shapes))
-    for shape in shapes:
+        progress.phase(f"stepping {total} probes of the whole model (each traced, then warmed up, then timed)", total)
+    for group in groups:
+        with _compat.custom_gradients_forgotten():  # the group's models, let go below, hold no memory then
+            probes.update(_time_group(group, layers, data, devices, optimizer, progress, not_run))
+        gc.collect()  # the group's models and their optimizer slots go before the next group is built
+    return probes
+
+
+def _time_group(
+    group: Sequence[Shape],
+    layers: Any,
+    data: Any,
+    devices: list[str],
+    optimizer: Any,
+    progress: Progress | None,
+    not_run: list[str] | None,
+) -> dict[Shape, calibration_lib.Probe]:
+    """One group of ``time_probes``: its probes built in turn (while the time allows), then timed in the same rounds;
+    their models are let go on return."""
+    kept: dict[Any, list] = {}
+    built: dict[Shape, calibration_lib.Probe] = {}
+    for shape in group:
+        rounds_s = (calibration_lib.ROUNDS - 1) * STEPS * sum(p.seconds for p in built.values())
+        if progress is not None and not progress.affords(1, rounds_s):
+            if not_run is not None:
+                not_run.append(f"probe {describe(shape)} not run: no time left within max_seconds")
+            continue
+        began = time.monotonic()
+        kept[shape] = []
         if shape.replicas > 1:
             on = devices[: shape.replicas]
-            probes[shape] = calibration_lib.replicated_step(layers, data, shape.b, on, optimizer, kept=kept[shape])
+            built[shape] = calibration_lib.replicated_step(layers, data, shape.b, on, optimizer, kept=kept[shape])
         else:
-            probes[shape] = calibration_lib.split_step(
+            built[shape] = calibration_lib.split_step(
                 layers,
                 data,
                 shape.b,
@@ -127,10 +178,84 @@ def time_probes(
                 kept=kept[shape],
             )
         if progress is not None:
-            progress.step(f"{shape.b} rows x M={shape.m} on {len(shape.cut) * shape.replicas} devices")
+            progress.probe_took(time.monotonic() - began)
+            progress.step(describe(shape))
+    timed = calibration_lib.in_rounds(built, kept, STEPS)
     if progress is not None:
-        progress.phase(f"timing the {len(shapes)} probes in turn, {calibration_lib.ROUNDS - 1} more rounds")
-    return calibration_lib.in_rounds(probes, kept, STEPS)
+        progress.mark()  # the rounds' peak, every model of the group held at once
+    return timed
+
+
+def describe(shape: Shape) -> str:
+    """One probe in a few words: rows, M, devices, recomputation."""
+    remat = f", remat {shape.remat!r}" if shape.remat != "never" else ""
+    if shape.replicas > 1:
+        return f"{shape.replicas} replicas of {shape.b} rows at M=1"
+    return f"{shape.b} rows x M={shape.m} on {len(shape.cut)} device(s){remat}"
+
+
+def within_budget(
+    shapes: Sequence[Shape],
+    measured: profile.Profile,
+    calibration: Calibration,
+    slots: int,
+    devices: Sequence[str],
+    budget: float | None,
+) -> list[list[Shape]]:
+    """``shapes`` in groups to build and time together, without going over ``budget`` bytes on any device; one
+    group where there is no budget.
+
+    A probe predicted to peak over the budget on a device is not run (``measured.not_run`` says so). The rest are
+    grouped in order while what the group's models keep between steps (weights, optimizer slots, the batch) and the
+    largest of their steps' own bytes fit every device together. Predicted from the layers measured alone (before a
+    step's held bytes are fitted): an inlined step holds less than that (docs/benchmarks.md#planning).
+    """
+    if budget is None:
+        return [list(shapes)] if shapes else []
+    groups: list[list[Shape]] = []
+    kept: dict[str, float] = {}
+    stepping: dict[str, float] = {}
+    for shape in shapes:
+        peaks, keeps = probe_bytes(shape, measured, calibration, slots, devices)
+        fullest = max(peaks, key=lambda d: peaks[d])
+        if peaks[fullest] > budget:
+            measured.not_run.append(
+                f"probe {describe(shape)} not run: predicted to peak at {gib(peaks[fullest])} on {fullest}, "
+                f"over the budget"
+            )
+            continue
+        together = {d: kept.get(d, 0.0) + keeps[d] for d in peaks}
+        most = {d: max(stepping.get(d, 0.0), peaks[d] - keeps[d]) for d in peaks}
+        if groups and all(together[d] + most[d] <= budget for d in peaks):
+            groups[-1].append(shape)
+            kept.update(together)
+            stepping.update(most)
+        else:
+            groups.append([shape])
+            kept, stepping = dict(keeps), {d: peaks[d] - keeps[d] for d in peaks}
+    return groups
+
+
+def probe_bytes(
+    shape: Shape, measured: profile.Profile, calibration: Calibration, slots: int, devices: Sequence[str]
+) -> tuple[dict[str, float], dict[str, float]]:
+    """A probe's predicted peak on each of its devices, and what its model keeps there between steps."""
+    config = Config(shape.cut, shape.replicas, shape.m, shape.remat, "gpipe")
+    batch = shape.b * shape.m * shape.replicas
+    peaks = predict.peak_bytes(
+        measured, batch, config, slots, calibration.noinline_tasks, calibration.across_processes
+    )  # replica by replica, cell by cell: the probe's devices in order
+    keeps = []
+    for replica in range(shape.replicas):
+        for i, (lo, hi) in enumerate(predict.bounds(shape.cut)):
+            weights, owned, _ = measured.cell_weights(lo, hi)
+            data = shape.m * shape.b * measured.input_bytes if i == 0 and replica == 0 else 0.0
+            keeps.append(weights + (slots * owned if replica == 0 else 0.0) + data)
+    on: dict[str, float] = {}
+    kept: dict[str, float] = {}
+    for device, peak, keep in zip(devices, peaks, keeps):
+        on[device], kept[device] = on.get(device, 0.0) + peak, kept.get(device, 0.0) + keep
+    return on, kept
 
 
 def profile_sizes(sizes: Sequence[int]) -> list[int]:
@@ -201,6 +326,9 @@ def fit_held_ratios(measured: profile.Profile, steps: dict[Shape, calibration_li
     # measured alone held, a call TensorFlow did not inline either: the ratio stays 1 there (measured: the
     # Transformer of docs/benchmarks.md at K=2, M=16 held 481 MiB, its layers' bytes predict 494)
     measured.held_ratios = {True: found}
+    if not found[0]:
+        measured.memory_source += "; a step's held bytes not fitted (no one-cell step was run): the layers' own"
+        return
     measured.memory_source += (
         f"; where a step inlines its cells, a micro-batch's activations scaled to what steps of all the layers as "
         f"one cell held (x{'/'.join(f'{r:.2f}' for r in found[1])} at {found[0]} samples)"

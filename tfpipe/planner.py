@@ -18,7 +18,7 @@ from typing import Any
 
 import tensorflow as tf
 
-from tfpipe import auto_plan, fitting
+from tfpipe import _compat, auto_plan, fitting
 from tfpipe import calibration as calibration_lib
 from tfpipe._args import positive_int
 from tfpipe.backward.remat import REMAT_MODES, check_mode
@@ -33,6 +33,11 @@ from tfpipe.planning.progress import Progress
 from tfpipe.step import schedule as schedule_lib
 
 __all__ = ["Plan", "plan"]
+
+# max_seconds="auto": planning takes at most as long as this many steps of the fastest configuration predicted from
+# the layers alone (the issue's 200), and at least AUTO_MIN_SECONDS: tracing a probe takes seconds whatever its step
+AUTO_STEPS = 200
+AUTO_MIN_SECONDS = 60.0
 
 
 def plan(
@@ -52,6 +57,7 @@ def plan(
     profile: profile_lib.Profile | None = None,
     repeats: int = 3,
     verify: int = 3,
+    max_seconds: Any = "auto",
     verbose: int = 1,
 ) -> Plan:
     """The configuration (K, balance, R, M, remat, schedule) fastest on ``devices`` whose peak fits ``memory_budget``.
@@ -67,8 +73,12 @@ def plan(
     measurements are reused as well, and nothing is measured before the search (e.g. to plan again under another
     budget). ``verify``: time this many configurations predicted near the fastest that fit (one per K, R and
     schedule) on the devices and choose the fastest measured; 0 chooses by prediction alone. A ValueError names the
-    smallest budget that would fit when none does. ``verbose``: 1 shows each phase, how far through it and the time
-    left (``planning.progress``); 0 nothing.
+    smallest budget that would fit when none does. ``max_seconds``: how long planning may take; it measures fewer
+    whole steps and times fewer configurations to keep to it, and ``Plan.summary`` says what it left out. "auto":
+    the time of ``AUTO_STEPS`` steps of the fastest configuration predicted from the layers alone, at least
+    ``AUTO_MIN_SECONDS``; None: no bound. Every probe keeps to ``memory_budget`` on its devices: one predicted over it
+    is not run, and the plan records its probes' largest peaks (``Plan.planning_peaks``). ``verbose``: 1 shows each
+    phase, how far through it and the time left (``planning.progress``); 0 nothing.
     """
     layer_seq = units_lib.of(layers)  # the layers, or a Functional model's nodes
     batch_size = positive_int("batch_size", batch_size)
@@ -88,10 +98,14 @@ def plan(
         raise ValueError(
             "profile=plan.profile is reused with the calibration fitted to it: pass calibration=plan.calibration too."
         )
-    progress = Progress(verbose)
+    bound = _max_seconds(max_seconds)
+    watch = calibration_lib.PeakWatch(device_list)
+    progress = Progress(verbose, max_seconds=bound if not isinstance(bound, str) else None, on_step=watch.read)
+    verify = _count("verify", verify)
+    progress.reserve = verify
     if calibration is None:
         progress.phase(f"measuring the {len(device_list)} devices (a task, a step, a transfer, an update)")
-        calibration = calibration_lib.calibrate(device_list, optimizer)
+        calibration = calibration_lib.calibrate(device_list, optimizer, budget=budget)
     elif not isinstance(calibration, Calibration):
         raise TypeError(f"calibration must be a tfpipe Calibration (plan.calibration), got {calibration!r}.")
     if profile is not None:  # measured by an earlier plan of these layers, with this calibration fitted to it
@@ -99,23 +113,41 @@ def plan(
     else:  # each layer alone at three sizes (the smallest, the middle, the largest), the rest interpolated
         alone = fitting.profile_sizes(sizes)
         repeats = positive_int("repeats", repeats)
-        measured = profile_lib.measure(layer_seq, data, alone, device_list[0], repeats=repeats, progress=progress)
+        measured = profile_lib.measure(
+            layer_seq, data, alone, device_list[0], repeats=repeats, progress=progress, budget=budget
+        )
     profile_lib.fill(measured, sizes)
     if profile is None:
+        if bound == "auto":  # from the fastest configuration the layers alone predict
+            fastest = search.run(measured, calibration, batch_size, space, None, slots)[0].prediction.step_s
+            progress.max_seconds = max(AUTO_STEPS * fastest, AUTO_MIN_SECONDS)
         recompute = set(space.remats) != {"never"}  # what recomputing costs, where the search may recompute
         calibration = fitting.fit_model(
             measured, layer_seq, data, batch_size, device_list, optimizer, calibration, slots, recompute,
-            space.replicas, progress,
+            space.replicas, progress, budget,
         )  # fmt: skip
     # what one W over all micro-batches joins
     if not measured.joined_bytes and any(schedule_lib.batches_weights(s) for s in space.schedules):
-        measured.joined_bytes = joined.bytes_per_sample(layer_seq, data, device_list[0])
+        with _compat.custom_gradients_forgotten():  # its traced copies hold no memory once measured
+            measured.joined_bytes = joined.bytes_per_sample(layer_seq, data, device_list[0])
         measured.time_source += "; one W over all micro-batches also copies the rows it joins (traced per layer)"
     progress.phase("predicting every configuration")
     candidates = search.run(measured, calibration, batch_size, space, budget, slots)
-    candidates = verified(candidates, layer_seq, data, batch_size, device_list, optimizer, verify, budget, progress)
+    progress.reserve = 0
+    count = verify
+    while count >= 2 and not progress.affords(count):  # the shortlist within max_seconds
+        count -= 1
+    if count < min(verify, len(search.shortlist(candidates, verify))):
+        measured.not_run.append(
+            f"{'only ' + str(count) if count >= 2 else 'none'} of the shortlist timed (verify={verify}): "
+            "no time left within max_seconds" + ("; chosen by prediction alone" if count < 2 else "")
+        )
+    candidates = verified(candidates, layer_seq, data, batch_size, device_list, optimizer, count, budget, progress)
     progress.end()
-    return plans.from_candidates(candidates, device_list, batch_size, budget, measured, calibration, slots)
+    watch.read()
+    chosen = plans.from_candidates(candidates, device_list, batch_size, budget, measured, calibration, slots)
+    chosen.planning_seconds, chosen.planning_peaks = progress.seconds(), watch.peaks
+    return chosen
 
 
 def verified(
@@ -132,15 +164,12 @@ def verified(
     """``candidates`` with the ``count`` worth timing trained on ``devices`` (copies of ``layers``, the planner's
     units), fastest first.
 
-    Where the devices' peaks can be read (GPUs, a running LocalCluster's workers, logical CPUs counted by one
-    allocator), one over ``budget`` goes last, and candidates predicted over it by at most ``search.MEMORY_SLACK``
-    are timed too: one that runs ``search.PEAK_SPREAD`` below it may be chosen.
+    Only candidates predicted to fit ``budget`` are timed. Where the devices' peaks can be read (GPUs, a running
+    LocalCluster's workers, logical CPUs counted by one allocator), one that ran over it goes last.
     """
-    if isinstance(count, bool) or not isinstance(count, int) or count < 0:
-        raise ValueError(f"verify={count!r}: give how many configurations to time, or 0 to choose by prediction alone.")
+    count = _count("verify", count)
     readable = calibration_lib.peaks_readable(devices)
-    slack = search.MEMORY_SLACK if readable else 0.0
-    listed = search.shortlist(candidates, count, budget, slack)
+    listed = search.shortlist(candidates, count)
     if progress is not None and len(listed) >= 2:
         progress.phase("timing the shortlist on the devices", len(listed))
 
@@ -157,7 +186,21 @@ def verified(
             return probe.seconds, probe.peak_bytes / (config.num_partitions * config.num_replicas)
         return probe.seconds, None
 
-    return search.by_measured(candidates, count, time_step, budget, slack)
+    return search.by_measured(candidates, count, time_step, budget)
+
+
+def _count(name: str, count: Any) -> int:
+    if isinstance(count, bool) or not isinstance(count, int) or count < 0:
+        raise ValueError(f"{name}={count!r}: give how many configurations to time, or 0 to choose by prediction alone.")
+    return count
+
+
+def _max_seconds(value: Any) -> float | str | None:
+    if value is None or value == "auto":
+        return value
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise ValueError(f'max_seconds={value!r}: give the seconds planning may take (> 0), "auto" or None.')
+    return float(value)
 
 
 def reused(profile: profile_lib.Profile, layers: Any) -> profile_lib.Profile:

@@ -23,7 +23,9 @@ def _layers() -> list[keras.layers.Layer]:
 def planned():
     """One plan of a small MLP (batch 32, M in 1, 2, 4), made once for the module: measuring takes a while."""
     x = np.random.default_rng(0).standard_normal((32, 16)).astype("float32")
-    return tfpipe.plan(_layers(), 32, DEVICES, sample=x, optimizer="sgd", num_micro_batches=[1, 2, 4]), x
+    # no time bound: every probe runs however loaded the machine is (the bound has a test of its own)
+    kwargs = dict(sample=x, optimizer="sgd", num_micro_batches=[1, 2, 4], max_seconds=None)
+    return tfpipe.plan(_layers(), 32, DEVICES, **kwargs), x
 
 
 @pytest.mark.heavy(seconds=50)
@@ -116,6 +118,9 @@ def test_arguments_are_checked_before_anything_is_measured():
         tfpipe.plan(_layers(), 32, DEVICES, input_shape=(None, 16), optimizer="lion")
     with pytest.raises(ValueError, match="Unknown schedule='pipedream'"):
         tfpipe.plan(_layers(), 32, DEVICES, input_shape=(None, 16), schedules=["pipedream"])
+    for bad in (0, -5, "soon", True):
+        with pytest.raises(ValueError, match=f"max_seconds={bad!r}: give the seconds planning may take"):
+            tfpipe.plan(_layers(), 32, DEVICES, input_shape=(None, 16), max_seconds=bad)
 
 
 def test_a_reused_profile_is_checked_before_anything_is_measured(planned):
@@ -210,3 +215,53 @@ def test_timing_a_configuration_reads_each_workers_allocator_and_the_shared_ones
     assert result["logical"] is None and result["s"] > 0
     # the logical CPUs' one allocator gives their total (which the planner compares per device used)
     assert result["total"] >= 8 * weights and result["readable"] == [True, True], result
+
+
+@pytest.mark.heavy(seconds=45)
+def test_planning_keeps_to_the_budget_and_to_max_seconds_and_says_what_it_left_out():
+    # 6 x Dense(256), Adam, batch 256 under 6 MiB per device: a step of the whole model on one device is predicted at
+    # 7-9 MiB, so no probe of it runs; the allocator both logical CPUs share is read for planning's own peak
+    proc = run_fresh(
+        """
+        import json, numpy as np, keras, tensorflow as tf
+        cpu = tf.config.list_physical_devices("CPU")[0]
+        tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
+        import tfpipe
+
+        keras.utils.set_random_seed(1)
+        layers = [keras.layers.Dense(256, activation="tanh") for _ in range(6)]
+        x = np.random.default_rng(0).standard_normal((256, 256)).astype("float32")
+        kwargs = dict(sample=x, verbose=0, num_micro_batches=[1, 2, 4, 8])
+        tight = tfpipe.plan(layers, 256, ["/CPU:0", "/CPU:1"], "6MiB", max_seconds=None, **kwargs)
+        hurried = tfpipe.plan(layers, 256, ["/CPU:0", "/CPU:1"], max_seconds=1, **kwargs)
+        lines = []
+        tight.summary(print_fn=lines.append)
+        print(json.dumps({
+            "peaks": tight.planning_peaks, "seconds": tight.planning_seconds, "chosen": tight.peak_bytes,
+            "not_run": tight.profile.not_run, "summary": lines, "hurried": hurried.profile.not_run,
+            "hurried_timed": [c.measured_s for c in hurried.candidates if c.measured_s is not None],
+            "listed": len(tfpipe.planning.search.shortlist(hurried.candidates, 3)),
+        }))
+    """,
+        env={"TF_CPU_ALLOCATOR_USE_BFC": "true"},
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    budget = 6 * 2**20
+    # every probe kept to the budget: the two devices' one allocator held at most what both may
+    ((name, peak),) = result["peaks"].items()
+    assert name == "2 logical devices' one allocator" and 0 < peak <= 2 * budget, result["peaks"]
+    assert max(result["chosen"]) <= budget
+    one_device = [line for line in result["not_run"] if "on 1 device(s) not run: predicted to peak at" in line]
+    assert one_device and all(line.endswith("over the budget") for line in result["not_run"]), result["not_run"]
+    summary = "\n".join(result["summary"])
+    assert "not scaled to whole steps: no one-cell step was run" in summary
+    assert f"  planning: {result['seconds']:.0f} s, " in summary and "its probes held at most" in summary
+    assert "(budget 6 MiB per device)" in summary and f"  not run: {one_device[0]}" in summary
+    # a second's bound: no whole step of the model, nothing timed; the plan chosen by prediction alone, and said so
+    assert result["hurried_timed"] == []
+    assert any(line.endswith("not run: no time left within max_seconds") for line in result["hurried"])
+    if result["listed"] >= 2:  # a shortlist of one is never timed
+        assert result["hurried"][-1] == (
+            "none of the shortlist timed (verify=3): no time left within max_seconds; chosen by prediction alone"
+        )

@@ -253,6 +253,11 @@ def make_deferred(variable: keras.Variable, device: str | None) -> None:
     variable._initializer = None  # noqa: SLF001
 
 
+def release(variable: keras.Variable) -> None:
+    """Let ``variable``'s value go (its memory freed once nothing else holds it); the variable is not used again."""
+    variable._value = None  # noqa: SLF001
+
+
 def load_weights(model: keras.Model, *args: Any, **kwargs: Any) -> None:
     """``model.load_weights`` as Keras defines it, also while ``deferring_variables`` records the calls."""
     _LOAD_WEIGHTS(model, *args, **kwargs)

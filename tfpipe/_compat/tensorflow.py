@@ -12,6 +12,7 @@ import tensorflow as tf
 from tensorflow.core.framework import attr_value_pb2
 from tensorflow.core.protobuf import config_pb2, rewriter_config_pb2
 from tensorflow.python.eager import context as _tf_context
+from tensorflow.python.framework import ops as _tf_ops
 
 
 def function_graph(graph: tf.Graph, name: str) -> tf.Graph | None:
@@ -36,6 +37,26 @@ def eager_thread_settings(threads: int) -> Iterator[None]:
         yield
     finally:
         ctx._intra_op_parallelism_threads, ctx._inter_op_parallelism_threads = saved  # noqa: SLF001
+
+
+@contextlib.contextmanager
+def custom_gradients_forgotten() -> Iterator[None]:
+    """Remove from TensorFlow's gradient registry, on leaving, what ``tf.custom_gradient`` registered meanwhile.
+
+    Traced in a graph, every call of a ``tf.custom_gradient`` function (Keras' own layers make some) registers its
+    gradient under a new name in a process-wide registry that TensorFlow never empties; the gradient closes over the
+    traced graph, and the graph over every variable it captured. So a model trained in a ``tf.function`` and then
+    let go keeps its weights and optimizer slots in memory for good (measured: 12 x Dense(512) with SGD, 14 MiB after
+    ``del`` and ``gc.collect()``). Only for graphs that are not differentiated again after the block: the planner's
+    probes, each let go once timed.
+    """
+    registry = _tf_ops._gradient_registry._registry  # noqa: SLF001 - a dict of name -> registration
+    before = set(registry)
+    try:
+        yield
+    finally:
+        for name in [n for n in registry if n not in before and n.startswith("CustomGradient-")]:
+            del registry[name]
 
 
 def tpu_cores_per_replica(strategy: tf.distribute.Strategy) -> int:

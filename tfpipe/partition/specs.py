@@ -34,6 +34,18 @@ def symbolic(input_shape: Any, keep_batch: bool = False) -> Any:
     return type(input_shape)(symbolic(s, keep_batch) for s in input_shape)
 
 
+def detached(spec: Any) -> Any:
+    """``spec`` with each KerasTensor made again without its history: a symbolic call's outputs keep the layer that
+    made them, and through its inputs every layer before, alive (with their weights)."""
+
+    def fresh(t: Any) -> Any:
+        if isinstance(t, keras.KerasTensor):
+            return keras.KerasTensor(t.shape, dtype=t.dtype, sparse=t.sparse, ragged=t.ragged)
+        return t
+
+    return tf.nest.map_structure(fresh, spec)
+
+
 def first_batch_dim(input_shape: Any) -> int | None:
     """The batch dimension of the first input of a shape, tensor or structure of them (None if unknown)."""
     if is_shape(input_shape):

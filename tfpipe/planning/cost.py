@@ -229,7 +229,7 @@ def _walk(layers: Sequence[keras.layers.Layer], x: Any, run: bool) -> Iterator[t
         if key is not None:
             seen[key] = (copy, out_spec)
         yield index, layer, copy, (x if run else spec), y
-        x, spec = y, out_spec
+        x, spec = y, specs.detached(out_spec)  # not the chain of every copy before: their weights may go
 
 
 def _same_layer_key(layer: keras.layers.Layer, spec: Any) -> str | None:

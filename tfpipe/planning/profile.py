@@ -26,6 +26,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from tfpipe import _compat
 from tfpipe.graph import cpu_gradients
 from tfpipe.partition import functional, hub, specs
 from tfpipe.planning import cost as cost_lib
@@ -71,6 +72,8 @@ class Profile:
     joined_bytes: list[float] = dataclasses.field(default_factory=list)
     # a layer's weights that a later unit reads than the one counting them (a tied embedding; ``units.Tied``)
     tied: list[Any] = dataclasses.field(default_factory=list)
+    # what planning did not run, to keep to the memory budget or to max_seconds, and what it did instead (the summary)
+    not_run: list[str] = dataclasses.field(default_factory=list)
 
     def cell_weights(self, lo: int, hi: int) -> tuple[float, float, float]:
         """Units [lo, hi) as one cell: the bytes of the weights it holds, of the trainable ones it owns (their
@@ -221,13 +224,21 @@ class _Measured:
 
 
 def measure(
-    units: Any, sample: Any, batch_sizes: Sequence[int], device: str, repeats: int = 5, progress: Progress | None = None
+    units: Any,
+    sample: Any,
+    batch_sizes: Sequence[int],
+    device: str,
+    repeats: int = 5,
+    progress: Progress | None = None,
+    budget: float | None = None,
 ) -> Profile:
     """Profile ``units`` (``planning.units``: layers, or a Functional model's nodes) on ``device`` at each
     micro-batch size in ``batch_sizes``, on data shaped like ``sample``.
 
     The units are copied and run once at the largest size; each copy is measured on the first rows of its input.
-    Bytes are read on ``stand_in(device)``, with copies of their own where that is another device.
+    Bytes are read on ``stand_in(device)``, with copies of their own where that is another device. ``budget``: a
+    size at which a unit alone is predicted (from its smaller sizes) to hold more bytes is not run but scaled from
+    the largest size run, in proportion to the rows (``Profile.not_run`` says which).
     """
     read_on = stand_in(device)
     memory = memory_name(read_on) if read_on else None
@@ -241,24 +252,15 @@ def measure(
     names = units_lib.names(units)
     if progress is not None:
         progress.phase(f"measuring each of the {len(names)} layers alone at {len(sizes)} micro-batch sizes", len(names))
+    scaled: dict[int, set[int]] = {}  # size -> the units scaled to it from a smaller size, not run (over budget)
     for walked in units_lib.walk(units, sample, sizes[-1], device):
-        x_in, measured = walked.inputs, _Measured([walked.copy], device)
-        kinds.append(kind_of(walked.copy, x_in))
-        for b in sizes:
-            f_s, b_s = measured.seconds(_rows(x_in, b), repeats)
-            # Without an allocator that counts, a unit is taken to hold its output and as much again inside (a
-            # Dense' pre-activation, a normalization's statistics): a rough rule, said so
-            if read_on == device:
-                assert memory is not None  # stand_in gives a device whose allocator counts
-                held, working = measured.held(_rows(x_in, b), memory)
-            else:
-                held, working = 0.0, 0.0
-            out = _bytes(walked.outputs) * b / sizes[-1]
-            costs = by_batch[b]
-            costs.forward_s.append(f_s)
-            costs.backward_s.append(b_s)
-            costs.held_bytes.append(held if read_on else 2.0 * out)
-            costs.working_bytes.append(working if read_on else 2.0 * out)
+        with _compat.custom_gradients_forgotten():  # the copy, let go after, holds no memory then
+            kinds.append(kind_of(walked.copy, walked.inputs))
+            per_size, over = _unit_costs(walked, sizes, device, read_on, memory, repeats, budget)
+        for b, values in zip(sizes, per_size):
+            _append(by_batch[b], *values)
+        for b in over:
+            scaled.setdefault(b, set()).add(len(outputs))
         if not nodes:  # a layer list's layers may be unbuilt: their built copies count
             weights.append(sum(_bytes(v) for v in walked.copy.weights))
             trainable.append(sum(_bytes(v) for v in walked.copy.trainable_variables))
@@ -278,18 +280,78 @@ def measure(
             if progress is not None:
                 progress.phase(f"reading each layer's bytes on {read_on}", len(names))
             for i, walked in enumerate(units_lib.walk(units, sample, sizes[-1], read_on)):
-                if progress is not None:
-                    progress.step(names[i])
-                measured = _Measured([walked.copy], read_on)
-                for b in sizes:
-                    read = measured.held(_rows(walked.inputs, b), memory)
-                    by_batch[b].held_bytes[i], by_batch[b].working_bytes[i] = read
+                with _compat.custom_gradients_forgotten():
+                    if progress is not None:
+                        progress.step(names[i])
+                    measured = _Measured([walked.copy], read_on)
+                    read, at = (0.0, 0.0), sizes[0]
+                    for b in sizes:
+                        if i in scaled.get(b, ()):  # not run on the device: not here either
+                            by_batch[b].held_bytes[i], by_batch[b].working_bytes[i] = (v * b / at for v in read)
+                        else:
+                            read, at = measured.held(_rows(walked.inputs, b), memory), b
+                            by_batch[b].held_bytes[i], by_batch[b].working_bytes[i] = read
         finally:
             logger.setLevel(level)
     for costs in by_batch.values():
         tie_alike(costs, kinds)
+    not_run = [
+        f"{len(units_)} unit(s) alone at {b} samples not run (predicted over the budget alone): scaled from a smaller "
+        f"size ({', '.join(names[u] for u in sorted(units_)[:3])}{', ...' if len(units_) > 3 else ''})"
+        for b, units_ in sorted(scaled.items())
+    ]
     input_bytes = _bytes(tf.nest.map_structure(lambda t: np.asarray(t)[:1], sample))  # per sample
-    return Profile(device, weights, trainable, input_bytes, outputs, by_batch, source, read_on, tied=tied)
+    return Profile(
+        device, weights, trainable, input_bytes, outputs, by_batch, source, read_on, tied=tied, not_run=not_run
+    )
+
+
+def _unit_costs(
+    walked: Any,
+    sizes: list[int],
+    device: str,
+    read_on: str | None,
+    memory: str | None,
+    repeats: int,
+    budget: float | None,
+) -> tuple[list[tuple[float, float, float, float]], list[int]]:
+    """One walked unit's (forward s, backward s, held bytes, working bytes) at each of ``sizes`` (``measure``'s), and
+    the sizes not run because the unit alone is predicted over ``budget`` there: scaled from the largest size run."""
+    x_in, measured = walked.inputs, _Measured([walked.copy], device)
+    # the unit alone: its weights and their gradients, then per row its input, what it holds and its backward's bytes
+    fixed = sum(_bytes(v) for v in walked.copy.weights) + sum(_bytes(v) for v in walked.copy.trainable_variables)
+    out_per_row = _bytes(walked.outputs) / sizes[-1]
+    costs: list[tuple[float, float, float, float]] = []
+    over: list[int] = []
+    ran: tuple[int, float, float, float, float] | None = None  # the largest size run: b, f_s, b_s, held, working
+    for b in sizes:
+        if ran is not None and budget is not None:
+            per_row = _bytes(x_in) / sizes[-1] + ((ran[3] + ran[4]) / ran[0] or 4.0 * out_per_row)
+            if fixed + per_row * b > budget:
+                f_s, b_s, held, working = (value * b / ran[0] for value in ran[1:])
+                costs.append((f_s, b_s, held, working))
+                over.append(b)
+                continue
+        f_s, b_s = measured.seconds(_rows(x_in, b), repeats)
+        # Without an allocator that counts, a unit is taken to hold its output and as much again inside (a Dense'
+        # pre-activation, a normalization's statistics): a rough rule, said so
+        if read_on == device:
+            assert memory is not None  # stand_in gives a device whose allocator counts
+            held, working = measured.held(_rows(x_in, b), memory)
+        elif read_on is not None:  # read on the stand-in, after
+            held, working = 0.0, 0.0
+        else:
+            held = working = 2.0 * out_per_row * b
+        ran = (b, f_s, b_s, held, working)
+        costs.append((f_s, b_s, held, working))
+    return costs, over
+
+
+def _append(costs: LayerCosts, forward_s: float, backward_s: float, held: float, working: float) -> None:
+    costs.forward_s.append(forward_s)
+    costs.backward_s.append(backward_s)
+    costs.held_bytes.append(held)
+    costs.working_bytes.append(working)
 
 
 def kind_of(layer: keras.layers.Layer, inputs: Any) -> str | None:

@@ -1,14 +1,16 @@
-"""Planning's progress, shown while it runs: each phase, how far through it, and the time its pace says is left.
+"""Planning's progress and its time: each phase, how far through it, the time left, and whether a probe still fits it.
 
 ``tfpipe.plan`` measures for minutes (its layers alone, whole steps of the model, the shortlist timed): a user
 waiting on it sees one line when a phase starts, a line every few seconds as it goes ("3 of 14, about 40 s
 left"), and one when it ends, through ``messages.say`` (stdout, or absl's log), as the model's own lines are.
-``verbose=0`` says nothing.
+``verbose=0`` says nothing. Given ``max_seconds``, it is also the clock the planner keeps to: a probe (a model traced,
+warmed up and timed) is built only where the time left ``affords`` it, at the pace of those built so far.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 from tfpipe import messages
 
@@ -16,13 +18,26 @@ EVERY_S = 5.0  # at most one line per this many seconds within a phase (the firs
 
 
 class Progress:
-    """The lines of one planning run: ``phase`` starts one of ``total`` steps, ``step`` counts one done."""
+    """The lines of one planning run: ``phase`` starts one of ``total`` steps, ``step`` counts one done.
 
-    def __init__(self, verbose: int = 1, prefix: str = "tfpipe.plan"):
+    ``max_seconds``: the time planning keeps to (None: no bound). ``on_step``: called after every step (the planner
+    reads its devices' peaks there).
+    """
+
+    def __init__(
+        self,
+        verbose: int = 1,
+        prefix: str = "tfpipe.plan",
+        max_seconds: float | None = None,
+        on_step: Callable[[], None] | None = None,
+    ):
         self.verbose, self.prefix = int(verbose), prefix
         self.began = time.monotonic()
+        self.max_seconds, self.on_step = max_seconds, on_step
         self._name, self._total, self._done = "", 0, 0
         self._phase_began = self._said = self.began
+        self._probes: list[float] = []
+        self.reserve = 0  # probes' worth of time kept for what comes after those asked about (the shortlist)
 
     def _say(self, text: str) -> None:
         if self.verbose > 0:
@@ -38,6 +53,7 @@ class Progress:
 
     def step(self, what: str = "") -> None:
         """One step of the phase done (``what``: which); a line if the last was long enough ago, or it is the last."""
+        self.mark()
         self._done += 1
         now = time.monotonic()
         last = self._total and self._done >= self._total
@@ -47,14 +63,41 @@ class Progress:
         left = f", about {_seconds(pace * (self._total - self._done))} left in it" if not last else ""
         self._say(f"{self._name}: {self._done} of {self._total}" + (f" ({what})" if what else "") + left)
 
+    def mark(self) -> None:
+        """A moment worth ``on_step`` that is not a step of the phase (a group of probes timed in rounds)."""
+        if self.on_step is not None:
+            self.on_step()
+
     def end(self) -> None:
         """End the phase under way (if any), saying how long it took."""
         if self._name:
             self._say(f"{self._name}: done in {_seconds(time.monotonic() - self._phase_began)}")
             self._name = ""
 
+    def seconds(self) -> float:
+        """Seconds since planning began."""
+        return time.monotonic() - self.began
+
+    def time_left(self) -> float:
+        """Seconds left within ``max_seconds`` (inf without a bound; negative once over it)."""
+        return float("inf") if self.max_seconds is None else self.max_seconds - self.seconds()
+
+    def probe_took(self, seconds: float) -> None:
+        """Count one probe built (traced, warmed up, timed once) in ``seconds``: the pace ``affords`` goes by."""
+        self._probes.append(float(seconds))
+
+    def affords(self, probes: int, also: float = 0.0) -> bool:
+        """Whether ``probes`` more probes, at the pace of those built (the first always), and ``also`` seconds more
+        fit the time left, with what the planner keeps for the shortlist (``reserve``) after them."""
+        if self.max_seconds is None:
+            return True
+        if not self._probes:
+            return self.time_left() > 0
+        pace = sum(self._probes) / len(self._probes)
+        return (probes + self.reserve) * pace + also <= self.time_left()
+
     def _elapsed(self) -> str:
-        return _seconds(time.monotonic() - self.began)
+        return _seconds(self.seconds())
 
 
 def _seconds(s: float) -> str:

@@ -25,19 +25,11 @@ MICRO_BATCHES = (1, 2, 4, 8, 16, 32)
 # Predictions are within 10-20% of measured steps (docs/benchmarks.md#planning): among candidates predicted within this
 # fraction of the fastest, which one runs fastest is for a measurement to say.
 SHORTLIST_BAND = 0.25
-# Peaks are predicted within 15% (docs/benchmarks.md#planning): where the timing reads the devices' peaks, a candidate
-# predicted over the budget by less than this may fit when run, so it is worth timing too.
-MEMORY_SLACK = 0.15
-# One run's peak is not the next one's: on two workers one configuration peaked at 60.0-65.0 MiB over five fresh runs,
-# and one timed in planning at 29.6 MiB on its fullest worker ran at about 31.9 in a fresh process. So a candidate
-# predicted over the budget fits on its measured peak only where that is this fraction of the budget below it.
-PEAK_SPREAD = 0.08
 
 
 @dataclasses.dataclass
 class Candidate:
-    """A configuration with its prediction, and whether it fits the budget: every device's predicted peak does, or,
-    where it was timed, its measured peak."""
+    """A configuration with its prediction, and whether it fits the budget: every device's predicted peak does."""
 
     config: Config
     prediction: Prediction
@@ -200,18 +192,12 @@ def memory_balance(
     return cut[::-1]
 
 
-def shortlist(
-    candidates: Sequence[Candidate], count: int, budget: float | None = None, slack: float = 0.0
-) -> list[Candidate]:
+def shortlist(candidates: Sequence[Candidate], count: int) -> list[Candidate]:
     """Up to ``count`` candidates worth timing: the fastest predicted of each (K, R, schedule), in order,
     predicted within SHORTLIST_BAND of the fastest (near-identical variants of one shape would tell nothing new; at
-    M=1 the schedules are one shape). They fit, or are predicted over ``budget`` by at most ``slack`` of it."""
-
-    def may_fit(candidate: Candidate) -> bool:
-        return candidate.fits or (budget is not None and max(candidate.prediction.peak_bytes) <= budget * (1 + slack))
-
+    M=1 the schedules are one shape). Only those predicted to fit: a probe keeps to the budget (a GPU's memory)."""
     # stable: among equal times the search's order (fewer devices, less memory) stays
-    fitting = sorted((c for c in candidates if may_fit(c)), key=lambda c: round(c.prediction.step_s, 9))
+    fitting = sorted((c for c in candidates if c.fits), key=lambda c: round(c.prediction.step_s, 9))
     out: list[Candidate] = []
     seen = set()
     for candidate in fitting:
@@ -231,25 +217,20 @@ def by_measured(
     count: int,
     time_step: Callable[[Config], tuple[float, float | None]],
     budget: float | None = None,
-    slack: float = 0.0,
 ) -> list[Candidate]:
     """``candidates`` with their shortlist timed by ``time_step`` (seconds, largest device peak or None) and put first,
     fastest measured first; one whose measured peak is over ``budget`` goes last among them.
 
-    ``slack``: the shortlist also takes candidates predicted over the budget by at most this fraction of it (where
-    ``time_step`` reads the peaks); one whose measured peak is ``PEAK_SPREAD`` below the budget then fits, one unread
-    does not.
     The rest follow in their predicted order. With fewer than two to time, nothing is timed; where none ran within
     the budget (or at all: ``time_step`` gave inf, out of memory), the predicted order stays.
     """
-    listed = shortlist(candidates, count, budget, slack)
+    listed = shortlist(candidates, count)
     if len(listed) < 2:
         return list(candidates)
 
     def timed_one(candidate: Candidate) -> Candidate:
         seconds, peak = time_step(candidate.config)
-        fits = candidate.fits or (budget is not None and peak is not None and peak <= budget * (1 - PEAK_SPREAD))
-        return dataclasses.replace(candidate, measured_s=float(seconds), measured_peak=peak, fits=fits)
+        return dataclasses.replace(candidate, measured_s=float(seconds), measured_peak=peak)
 
     def over(candidate: Candidate) -> bool:
         return not candidate.fits or candidate.ran_over(budget)

@@ -181,6 +181,7 @@ def _walk_nodes(units: Nodes, x: Any, device: str) -> Iterator[Walked]:
     for index, node in enumerate(graph.nodes):
         for k in node.inputs:
             last_read[k] = max(last_read.get(k, index), index)
+    last_use = {id(node.operation): index for index, node in enumerate(graph.nodes)}  # a layer called at several
     for index, node in enumerate(graph.nodes):
         for variable in getattr(node.operation, "variables", []):
             if deferred.waiting(variable):
@@ -200,6 +201,9 @@ def _walk_nodes(units: Nodes, x: Any, device: str) -> Iterator[Walked]:
             del values[k]  # read for the last time: not held by the walk
         live = [values[k] for k, end in last_read.items() if end > index and k in values]
         yield Walked(copy, inputs, outputs, _bytes(live))
+        if last_use[id(node.operation)] == index:  # measured for the last time: its weights go, so that the walk
+            for variable in getattr(node.operation, "variables", []):  # holds one node's, not the model's
+                _compat.release(variable)
 
 
 def _resized(t: Any, batch: int) -> np.ndarray:

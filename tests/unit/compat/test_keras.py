@@ -4,6 +4,7 @@ If one of these fails after upgrading Keras, the internal it names changed:
 fix tfpipe/_compat/keras.py, do not loosen the test.
 """
 
+import gc
 import json
 
 import keras
@@ -243,6 +244,17 @@ def test_deferring_variables_keeps_the_initializer_and_records_loads_until_made_
     fresh = keras.layers.Dense(2)  # outside the block Keras makes variables as usual again
     fresh.build((None, 3))
     assert not _compat.is_deferred(fresh.kernel)
+
+
+def test_release_lets_a_variables_tensorflow_variable_go():
+    import weakref
+
+    layer = keras.layers.Dense(2)
+    layer.build((None, 3))
+    backing = weakref.ref(layer.kernel.value)
+    _compat.release(layer.kernel)
+    gc.collect()
+    assert backing() is None  # nothing else held it: its memory went with it
 
 
 def test_clone_uncompiled_clones_a_compiled_model_without_building_an_optimizer_over_its_weights():

@@ -308,3 +308,26 @@ def test_run_independently_takes_an_op_out_of_the_chain_of_stateful_ops_that_tou
         op = tf.raw_ops.Timestamp().op
         _compat.run_independently(op)
         assert "_independent_side_effects" not in op.node_def.attr
+
+
+def test_custom_gradients_forgotten_removes_what_tf_custom_gradient_registered_meanwhile():
+    from tensorflow.python.framework import ops
+
+    @tf.custom_gradient
+    def doubled(x):
+        return 2.0 * x, lambda dy: 2.0 * dy
+
+    def gradient(x):
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            y = doubled(x)
+        return tape.gradient(y, x)
+
+    registry = ops._gradient_registry._registry
+    tf.function(gradient)(tf.constant(1.0))  # registered before the block: stays
+    before = set(registry)
+    with _compat.custom_gradients_forgotten():
+        assert float(tf.function(gradient)(tf.constant(3.0))) == 2.0
+        added = set(registry) - before
+        assert added and all(name.startswith("CustomGradient-") for name in added)  # one per traced call
+    assert set(registry) == before

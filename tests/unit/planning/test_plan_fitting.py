@@ -3,11 +3,12 @@ own one-cell step, the parallelism and recomputation that predict the probes."""
 
 import pytest
 
-from tests.unit.planning.handmade import calibration, profile
+from tests.unit.planning.handmade import DEVICES, calibration, profile
 from tfpipe import calibration as calibration_lib
 from tfpipe import fitting
 from tfpipe.planning import predict
 from tfpipe.planning import profile as profile_lib
+from tfpipe.planning import progress as progress_lib
 from tfpipe.planning.predict import Config
 
 
@@ -78,3 +79,84 @@ def test_every_probe_is_timed_once_in_the_same_rounds_and_the_fits_predict_them(
     replicas = predict.step_seconds(prof, fitted, 8, Config((3,), 2, 1, "never", "gpipe")).step_s
     assert replicas == pytest.approx(15.0, rel=1e-3) and 1.0 < fitted.replica_parallelism < 2.0
     assert sorted(prof.recompute_ratios) == [1, 2]
+
+
+def test_probes_keep_to_the_budget_in_groups_and_one_predicted_over_it_is_not_run():
+    cal, prof = calibration(), profile(sizes=(1, 2, 4, 8), outputs=(4.0, 4.0, 4.0))
+    whole = fitting.Shape(8, 1, (3,))  # all three layers on one device at 8 rows
+    halves = fitting.Shape(1, 8, (2, 1))
+    small = fitting.Shape(1, 8, (3,))
+    peaks = {s: fitting.probe_bytes(s, prof, cal, 2, DEVICES)[0] for s in (whole, halves, small)}
+    kept = {s: fitting.probe_bytes(s, prof, cal, 2, DEVICES)[1] for s in (whole, halves, small)}
+    # what a model keeps between steps: weights, two Adam slots per trainable weight, the batch on its first device
+    assert kept[whole] == {"/CPU:0": 60.0 + 2 * 60.0 + 8 * 8.0}
+    assert kept[halves] == {"/CPU:0": 30.0 + 2 * 30.0 + 8 * 8.0, "/CPU:1": 30.0 + 2 * 30.0}
+    assert peaks[whole]["/CPU:0"] == pytest.approx(626.0) and peaks[small]["/CPU:0"] == pytest.approx(613.75)
+    assert peaks[halves] == pytest.approx({"/CPU:0": 453.75, "/CPU:1": 192.75})
+    # no budget: one group, all of them
+    assert fitting.within_budget([whole, halves, small], prof, cal, 2, DEVICES, None) == [[whole, halves, small]]
+    # under the whole-model probe's peak: it is not run, and the summary is told why; the other two fit alone, but
+    # together /CPU:0 would keep both models (244 + 154) and the larger step's own bytes (369.75): one after the other
+    groups = fitting.within_budget([whole, halves, small], prof, cal, 2, DEVICES, 620.0)
+    assert groups == [[halves], [small]]
+    assert prof.not_run == [
+        "probe 8 rows x M=1 on 1 device(s) not run: predicted to peak at 626 B on /CPU:0, over the budget"
+    ]
+    # with room for both at once: one group
+    assert fitting.within_budget([halves, small], prof, cal, 2, DEVICES, 768.0) == [[halves, small]]
+
+
+def test_each_group_is_timed_in_its_own_rounds_and_a_time_bound_stops_the_building(monkeypatch):
+    made, rounds = [], []
+
+    def split_step(layers, data, b, m, cut, devices, optimizer, remat, kept):
+        made.append(b)
+        kept.extend(["model", None, [1.0]])
+        return calibration_lib.Probe(0.5, None)
+
+    def in_rounds(probes, kept, steps):
+        rounds.append(sorted(s.b for s in probes))
+        return probes
+
+    monkeypatch.setattr(calibration_lib, "split_step", split_step)
+    monkeypatch.setattr(calibration_lib, "in_rounds", in_rounds)
+    shapes = [fitting.Shape(b, 1, (3,)) for b in (1, 2, 4)]
+    took = fitting.time_probes([shapes[:2], shapes[2:]], [None] * 3, None, DEVICES, "sgd")
+    assert made == [1, 2, 4] and rounds == [[1, 2], [4]] and set(took) == set(shapes)
+    # under a time bound: after the first probe (100 s at a fake clock), no time for more
+    clock = [0.0]
+    monkeypatch.setattr(fitting.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(progress_lib.time, "monotonic", lambda: clock[0])
+
+    def slow(*args, **kwargs):
+        clock[0] += 100.0
+        return split_step(*args, **kwargs)
+
+    monkeypatch.setattr(calibration_lib, "split_step", slow)
+    made.clear()
+    not_run: list[str] = []
+    progress = progress_lib.Progress(0, max_seconds=150.0)
+    took = fitting.time_probes([shapes], [None] * 3, None, DEVICES, "sgd", progress, not_run)
+    assert made == [1] and list(took) == [shapes[0]]
+    assert not_run == [
+        "probe 2 rows x M=1 on 1 device(s) not run: no time left within max_seconds",
+        "probe 4 rows x M=1 on 1 device(s) not run: no time left within max_seconds",
+    ]
+
+
+def test_without_the_whole_model_probes_the_fit_uses_what_ran(monkeypatch):
+    # a budget that only the probes cut over two devices fit: no layer time is scaled, the parallelism still fitted
+    # (the peaks of the test above: K=1 at M=8 613.75 bytes, 456.25 recomputing; K=2 453.75, 331.25 recomputing)
+    cal, prof = calibration(parallelism=2.0), profile(sizes=(1, 2, 4, 8), outputs=(4.0, 4.0, 4.0))
+
+    def split_step(layers, data, b, m, cut, devices, optimizer, remat, kept):
+        return calibration_lib.Probe({"never": 20.0, "always": 26.0}[remat] / len(cut) + m, None)
+
+    monkeypatch.setattr(calibration_lib, "split_step", split_step)
+    monkeypatch.setattr(calibration_lib, "in_rounds", lambda probes, kept, steps: probes)
+    fitted = fitting.fit_model(prof, [None] * 3, None, 8, DEVICES, "sgd", cal, 2, replicas=False, budget=460.0)
+    assert "not scaled to whole steps: no one-cell step was run" in prof.time_source
+    assert sorted(prof.recompute_ratios) == [2]  # K=1's probes did not run: only K=2's ratio is fitted
+    pipeline = predict.step_seconds(prof, fitted, 8, Config((2, 1), 1, 8, "never", "gpipe")).step_s
+    assert pipeline == pytest.approx(20.0 / 2 + 8, rel=1e-3)
+    assert all("over the budget" in line for line in prof.not_run) and prof.not_run

@@ -38,3 +38,23 @@ def test_a_measured_profile_gives_alike_layers_one_time_and_others_their_own():
     for costs in measured.by_batch.values():
         assert len(set(costs.forward_s[:4])) == 1 and len(set(costs.backward_s[:4])) == 1
         assert costs.forward_s[4] != costs.forward_s[0]  # Dense(8) is timed alone
+
+
+def test_a_size_predicted_over_the_budget_alone_is_scaled_from_a_smaller_one_and_said():
+    layers = [keras.layers.Dense(64, activation="tanh") for _ in range(2)]
+    sizes = [4, 16, 256]
+    roomy = profile_lib.measure(layers, np.zeros((256, 64), "float32"), sizes, "/CPU:0", repeats=1)
+    assert roomy.not_run == []
+    weights = (64 * 64 + 64) * 4.0  # and as much again in gradients; 256 rows of 64 floats in, held and working
+    budget = 2 * weights + 100 * 64 * 4.0 * 5  # 16 rows fit, 256 do not, by any of the ways bytes are counted
+    tight = profile_lib.measure(layers, np.zeros((256, 64), "float32"), sizes, "/CPU:0", repeats=1, budget=budget)
+    big, middle = tight.by_batch[256], tight.by_batch[16]
+    for values, smaller in zip(
+        (big.forward_s, big.backward_s, big.held_bytes, big.working_bytes),
+        (middle.forward_s, middle.backward_s, middle.held_bytes, middle.working_bytes),
+    ):
+        np.testing.assert_allclose(values, [v * 16 for v in smaller])  # 256 / 16 rows, in proportion
+    assert tight.not_run == [
+        "2 unit(s) alone at 256 samples not run (predicted over the budget alone): scaled from a smaller size "
+        f"({layers[0].name}, {layers[1].name})"
+    ]

@@ -52,3 +52,32 @@ def test_steps_closer_than_the_interval_are_not_each_said(monkeypatch):
         "tfpipe.plan: timing: 5 of 10, about 5 s left in it",
         "tfpipe.plan: timing: 10 of 10",
     ]
+
+
+def test_a_time_bound_affords_probes_at_the_pace_of_those_built_with_the_shortlist_kept(monkeypatch):
+    clock = [0.0]
+    monkeypatch.setattr(progress_lib.time, "monotonic", lambda: clock[0])
+    unbounded = progress_lib.Progress(0)
+    assert unbounded.affords(1000) and unbounded.time_left() == float("inf")
+    progress = progress_lib.Progress(0, max_seconds=100.0)
+    progress.reserve = 2  # the shortlist: two configurations timed after the probes
+    clock[0] = 20.0
+    assert progress.affords(1)  # no pace yet: the first is built while there is time at all
+    progress.probe_took(10.0)
+    progress.probe_took(20.0)  # 15 s a probe
+    assert progress.time_left() == 80.0
+    assert progress.affords(3)  # (3 + 2) x 15 = 75 <= 80
+    assert not progress.affords(3, also=10.0)  # and 10 s of rounds: 85 > 80
+    assert not progress.affords(4)
+    clock[0] = 101.0
+    progress.probe_took(0.0)
+    assert not progress.affords(0) and progress.time_left() == -1.0
+
+
+def test_every_step_calls_on_step_also_when_silent(monkeypatch):
+    called = []
+    progress = progress_lib.Progress(0, on_step=lambda: called.append(1))
+    progress.phase("probes", 2)
+    progress.step()
+    progress.step()
+    assert called == [1, 1]
