@@ -71,6 +71,15 @@ flags.DEFINE_list(
     "With --grid: budgets as fractions of GPipe-without-remat's measured peak (K=2, M=8), e.g. 0.4,0.6,1.0; for "
     "each, the plan's choice is run and compared with the fastest measured grid configuration that fits.",
 )
+flags.DEFINE_list(
+    "planning_budgets",
+    [],
+    "With --cluster: for each fraction of GPipe-without-remat's measured peak per worker (K=2, M=8), e.g. "
+    "0.4,0.6,1.0, plan under that budget in a fresh child and report what planning held on the workers (their "
+    "allocators' and processes' peaks), how long it took in steps of its choice, and its choice run.",
+)
+flags.DEFINE_float("max_seconds", None, 'tfpipe.plan\'s max_seconds (default: its own, "auto").', lower_bound=1)
+flags.DEFINE_string("_plan_child", None, "Internal: plan under the JSON budget in this process (--planning_budgets).")
 flags.DEFINE_integer("repeats", 1, "Measure each configuration this many times (interleaved).", lower_bound=1)
 flags.DEFINE_string("png", None, "Draw predicted against measured to this PNG (needs --measure or --grid).")
 flags.DEFINE_string("out", None, "Write the comparison to OUT.csv and OUT.md.")
@@ -120,16 +129,38 @@ def micro_batches() -> list[int] | None:
 
 def run_child(spec: dict[str, Any], config: dict[str, Any]) -> dict[str, Any]:
     """Measure one configuration in a fresh Python process running this script."""
+    return _child(f"--_child={json.dumps({**spec, **config})}", f"measuring {config}")
+
+
+def _child(flag: str, what: str, *more: str) -> dict[str, Any]:
     proc = subprocess.run(
-        [sys.executable, os.path.abspath(__file__), f"--_child={json.dumps({**spec, **config})}"],
+        [sys.executable, os.path.abspath(__file__), flag, *more],
         capture_output=True,
         text=True,
         env=dict(os.environ, TF_CPU_ALLOCATOR_USE_BFC="true", TF_CPP_MIN_LOG_LEVEL="3"),
     )
     lines = [line for line in proc.stdout.splitlines() if line.startswith(RESULT)]
     if proc.returncode != 0 or not lines:
-        raise RuntimeError(f"The child measuring {config} failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
+        raise RuntimeError(f"The child {what} failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
     return json.loads(lines[-1][len(RESULT) :])
+
+
+def planning_budgets() -> None:
+    """--planning_budgets: planning's own peaks and time under each budget, each in a fresh child; its choice run."""
+    if not FLAGS.cluster:
+        raise app.UsageError("--planning_budgets reads each worker's process: give --cluster.")
+    spec = dict(model_spec(), micro_batches=micro_batches())
+    more = [f"--max_seconds={FLAGS.max_seconds}"] if FLAGS.max_seconds else []
+
+    def plan_in_child(budget: float) -> dict[str, Any]:
+        return _child(f"--_plan_child={json.dumps([spec, budget])}", f"planning under {budget:.0f} bytes", *more)
+
+    rows = plan_measure.planning_rows(spec, [float(f) for f in FLAGS.planning_budgets], lambda c: run_child(spec, c),
+                                      plan_in_child)  # fmt: skip
+    text = plan_measure.planning_markdown(rows)
+    print(text, flush=True)
+    if FLAGS.out:
+        write_table(FLAGS.out, rows, text, fields=plan_measure.PLANNING_FIELDS)
 
 
 def main(argv: list[str]) -> None:
@@ -137,6 +168,14 @@ def main(argv: list[str]) -> None:
     del argv
     if FLAGS._child:
         print(RESULT + json.dumps(plan_measure.measure(json.loads(FLAGS._child))), flush=True)
+        return
+    if FLAGS._plan_child:
+        spec, budget = json.loads(FLAGS._plan_child)
+        found = plan_measure.planning(spec, budget, FLAGS.max_seconds or "auto")
+        print(RESULT + json.dumps(found), flush=True)
+        return
+    if FLAGS.planning_budgets:
+        planning_budgets()
         return
     if FLAGS.png and not (FLAGS.measure or FLAGS.grid):
         raise app.UsageError("--png draws measured configurations: give --measure=N or --grid too.")

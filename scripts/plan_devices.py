@@ -84,7 +84,7 @@ class WorkerPeak:
 
     def begin(self) -> None:
         self._base = [info["current"] for info in self.cluster.memory_info()]
-        self._rss = [_status_bytes(pid, "VmRSS") for pid in self.cluster.pids]
+        self._rss = [status_bytes(pid, "VmRSS") for pid in self.cluster.pids]
 
     def reset(self) -> None:
         self.cluster.reset_memory_stats()
@@ -95,7 +95,7 @@ class WorkerPeak:
     def read(self) -> tuple[float, float]:
         """(the allocators' peak bytes, the processes' resident peak bytes), summed over the workers; stops them."""
         peaks = [info["peak"] for info in self.cluster.memory_info()]
-        process = sum(_status_bytes(pid, "VmHWM") - rss for pid, rss in zip(self.cluster.pids, self._rss))
+        process = sum(status_bytes(pid, "VmHWM") - rss for pid, rss in zip(self.cluster.pids, self._rss))
         self.cluster.stop()
         return float(sum(p - b for p, b in zip(peaks, self._base))), float(process)
 
@@ -107,7 +107,7 @@ def peak_reader(config: dict[str, Any]) -> LogicalPeak | WorkerPeak:
     return LogicalPeak(config["devices"], config.get("device_type", "CPU"))
 
 
-def _status_bytes(pid: int, field: str) -> int:
+def status_bytes(pid: int, field: str) -> int:
     """A field of /proc/PID/status, in bytes (Linux)."""
     with open(f"/proc/{pid}/status") as f:
         for line in f:

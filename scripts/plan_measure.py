@@ -95,11 +95,12 @@ def measure(config: dict[str, Any]) -> dict[str, float]:
     x = tf.nest.map_structure(tf.constant, x)
     data = tf.data.Dataset.from_tensor_slices((x, tf.constant(y))).batch(batch).repeat()
     peak.begin()
-    k, r = len(config["balance"]), config["replicas"]
+    k, r = config.get("partitions") or len(config["balance"]), config["replicas"]
     rows = [devices[i * k : (i + 1) * k] for i in range(r)]
     model = tfpipe.PipelineModel(
         layers,
-        balance=config["balance"],
+        balance=config.get("balance"),
+        num_partitions=None if config.get("balance") else k,  # cut by tfpipe's own balance where none is given
         devices=rows if r > 1 else rows[0],
         num_micro_batches=config["m"],
         remat=config["remat"],
@@ -380,3 +381,108 @@ def draw(rows: Sequence[dict[str, Any]], path: str) -> None:
         ax.set_ylabel(f"predicted {unit}")
     fig.tight_layout()
     fig.savefig(path)
+
+
+PLANNING_FIELDS = [
+    "fraction",
+    "budget_mib",
+    "planning_s",
+    "planning_steps",
+    "probe_mib",
+    "probe_process_mib",
+    "not_run",
+    "chosen",
+    "measured_ms",
+    "measured_mib",
+    "fits",
+]
+
+
+def planning(spec: dict[str, Any], budget: float, max_seconds: Any) -> dict[str, Any]:
+    """In a child: ``tfpipe.plan`` on a fresh LocalCluster under ``budget`` bytes per worker, and what planning held on
+    each worker beyond what it held idle: its allocator's peak (``Plan.planning_peaks``) and its process's resident
+    high-water mark (VmHWM, started again before planning)."""
+    import tensorflow as tf
+
+    import tfpipe
+
+    layers, x, _, _ = model_and_data(spec)
+    with tfpipe.cluster.LocalCluster(spec["devices"]) as cluster:
+        for device in cluster.devices:  # an op run on each: what the runtime holds idle is not planning's
+            with tf.device(device):
+                tf.reduce_sum(tf.ones([8])).numpy()
+        rss = [plan_devices.status_bytes(pid, "VmRSS") for pid in cluster.pids]
+        for pid in cluster.pids:
+            with open(f"/proc/{pid}/clear_refs", "w") as f:
+                f.write("5")  # the high-water mark starts again from the resident size
+        plan = tfpipe.plan(
+            layers,
+            spec["batch_size"],
+            cluster.devices,
+            budget,
+            sample=x,
+            optimizer=spec["optimizer"],
+            num_micro_batches=spec.get("micro_batches"),
+            max_seconds=max_seconds,
+            verbose=0,
+        )
+        process = [plan_devices.status_bytes(pid, "VmHWM") - base for pid, base in zip(cluster.pids, rss)]
+    chosen = plan.candidates[0].config
+    return {
+        **_config_of(chosen),
+        "chosen": chosen.describe(),
+        "planning_s": plan.planning_seconds,
+        "probe_bytes": max((plan.planning_peaks or {0: 0.0}).values()),
+        "process_bytes": max(process),
+        "not_run": len(plan.profile.not_run),
+    }
+
+
+def planning_rows(
+    spec: dict[str, Any],
+    fractions: Sequence[float],
+    run: Callable[[dict[str, Any]], dict[str, float]],
+    plan_in_child: Callable[[float], dict[str, Any]],
+) -> list[dict[str, Any]]:
+    """Per fraction of GPipe-without-remat's measured peak (``REFERENCE``, per worker): planning's own peaks and time
+    under that budget, and its choice run (its measured step gives planning's time in steps)."""
+    k, r, m, remat, schedule = REFERENCE
+    reference = run({"partitions": k, "replicas": r, "m": m, "remat": remat, "schedule": schedule})
+    out = []
+    for fraction in fractions:
+        budget = fraction * reference["peak_bytes"] / k
+        planned = plan_in_child(budget)
+        ran = run({key: planned[key] for key in ("balance", "replicas", "m", "remat", "schedule")})
+        used = len(planned["balance"]) * planned["replicas"]
+        out.append(
+            {
+                "fraction": fraction,
+                "budget_mib": round(budget / MIB, 2),
+                "planning_s": round(planned["planning_s"], 1),
+                "planning_steps": round(planned["planning_s"] / ran["step_s"]),
+                "probe_mib": round(planned["probe_bytes"] / MIB, 2),
+                "probe_process_mib": round(planned["process_bytes"] / MIB, 1),
+                "not_run": planned["not_run"],
+                "chosen": planned["chosen"],
+                "measured_ms": round(ran["step_s"] * 1e3, 2),
+                "measured_mib": round(ran["peak_bytes"] / used / MIB, 2),
+                "fits": ran["peak_bytes"] / used <= budget,
+            }
+        )
+    return out
+
+
+def planning_markdown(rows: Sequence[dict[str, Any]]) -> str:
+    """The planning runs as a markdown table."""
+    lines = [
+        "| budget (x GPipe's peak) | per worker MiB | planning s | in steps of the choice | probes' peak MiB (worker "
+        "allocator) | worker process MiB | probes not run | chosen | measured ms | measured MiB per worker | fits |",
+        "|" + "---|" * 11,
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['fraction']} | {r['budget_mib']} | {r['planning_s']} | {r['planning_steps']} | {r['probe_mib']} | "
+            f"{r['probe_process_mib']} | {r['not_run']} | {r['chosen']} | {r['measured_ms']} | {r['measured_mib']} | "
+            f"{r['fits']} |"
+        )
+    return "\n".join(lines)

@@ -36,7 +36,7 @@ WARM_STEPS = 100  # TensorFlow's executor runs a kernel inline only once its cos
 # Probes compared with one another are timed in this many rounds, in turn: a slow spell of a shared machine then slows
 # one round of each, not every step of one (docs/guide/planning.md#where-the-predictions-come-from)
 ROUNDS = 3
-UPDATE_ROWS = 4096  # the optimizer's update is timed on this many rows of 1024 floats (16 MiB)
+PROBE_SIZE = 16 * 2**20  # bytes of each tensor the calibration moves, joins and updates (without a budget)
 
 
 def calibrate(
@@ -47,26 +47,25 @@ def calibrate(
     ``budget``: bytes per device its probes keep to (the optimizer's update is timed on fewer weights under it).
     """
     device_list = list(devices)
-    rows = update_rows(budget)
-    key = (*device_list, optimizer if isinstance(optimizer, str) else repr(optimizer.get_config()), rows)
+    size = probe_size(budget)
+    key = (*device_list, optimizer if isinstance(optimizer, str) else repr(optimizer.get_config()), size)
     if key in _CALIBRATIONS:
         return _CALIBRATIONS[key]
     with _compat.custom_gradients_forgotten():  # its probes, once let go, hold no memory
-        result = _calibrate(device_list, optimizer, steps, rows)
+        result = _calibrate(device_list, optimizer, steps, size)
     _CALIBRATIONS[key] = result
     return result
 
 
-def update_rows(budget: float | None) -> int:
-    """Rows of 1024 floats whose update is timed: 16 MiB of weights, or as many (a power of two, at least 256) as
-    half of ``budget`` holds with their gradient and two optimizer slots."""
+def probe_size(budget: float | None) -> int:
+    """The bytes of each tensor the calibration moves, joins and updates: 16 MiB, or under ``budget`` an eighth of
+    it (a power of two, at least 1 MiB), so that the update's weights, gradient and two slots take half of it."""
     if budget is None:
-        return UPDATE_ROWS
-    fits = budget / 2 / (4 * 1024 * 4)
-    return int(min(UPDATE_ROWS, max(256, 2 ** np.floor(np.log2(max(fits, 1.0))))))
+        return PROBE_SIZE
+    return int(min(PROBE_SIZE, max(2**20, 2 ** np.floor(np.log2(max(budget / 8, 1.0))))))
 
 
-def _calibrate(device_list: list[str], optimizer: Any, steps: int, rows: int) -> Calibration:
+def _calibrate(device_list: list[str], optimizer: Any, steps: int, size: int) -> Calibration:
     k = len(device_list)
     x = np.ones((64, 4), "float32")
     # The most micro-batches whose step still inlines its cells, and the fewest whose step does not
@@ -91,15 +90,15 @@ def _calibrate(device_list: list[str], optimizer: Any, steps: int, rows: int) ->
     result = Calibration(
         task_s=task_s,
         step_s=step_s,
-        bandwidth=_bandwidth(device_list),
+        bandwidth=_bandwidth(device_list, size),
         # each device its own compute until measured otherwise: tfpipe.plan measures it on the model (planner)
         parallelism=float(len(set(device_list))),
-        update_s_per_byte=_update_seconds_per_byte(device_list[0], optimizer, rows),
+        update_s_per_byte=_update_seconds_per_byte(device_list[0], optimizer, size // 4096),
         source=f"measured on {k} device(s) with a tiny pipeline",
         noinline_task_s=noinline_s,
         noinline_tasks=threshold,
         across_processes=any_remote(device_list),
-        copy_s_per_byte=_copy_seconds_per_byte(device_list[0]),
+        copy_s_per_byte=_copy_seconds_per_byte(device_list[0], size // 4096),
     )
     return result
 
@@ -378,12 +377,13 @@ def step_times(model: keras.Model, data: tf.data.Dataset, steps: int) -> list[fl
     return times
 
 
-def _bandwidth(devices: list[str]) -> float:
-    """Bytes per second from the first device to the second (a copy of 16 MiB); inf with one, or unmeasurable."""
+def _bandwidth(devices: list[str], size: int = PROBE_SIZE) -> float:
+    """Bytes per second from the first device to the second (a copy of ``size`` bytes); inf with one, or
+    unmeasurable."""
     if len(devices) < 2 or devices[0] == devices[1]:
         return float("inf")
     with tf.device(devices[0]):
-        x = tf.random.uniform([4, 2**20])
+        x = tf.random.uniform([4, size // 16])
 
     @tf.function
     def move(t: tf.Tensor) -> tf.Tensor:
@@ -414,8 +414,9 @@ def _update_seconds_per_byte(device: str, optimizer: Any, rows: int = 4096) -> f
     return max(seconds(rows) - seconds(16), 0.0) / ((rows - 16) * 1024 * 4)
 
 
-def _copy_seconds_per_byte(device: str) -> float:
-    """Concatenating tensors on ``device``, per byte: four pieces of 4 MiB joined, less four of 1 KiB."""
+def _copy_seconds_per_byte(device: str, rows: int = 4096) -> float:
+    """Concatenating tensors on ``device``, per byte: four pieces of ``rows`` x 256 floats (4 MiB) joined, less four
+    of 1 KiB."""
 
     def seconds(rows: int) -> float:
         with tf.device(device):
@@ -423,4 +424,4 @@ def _copy_seconds_per_byte(device: str) -> float:
             join = tf.function(lambda *p: tf.reduce_sum(tf.concat(p, 0)[:1]))  # reads one row: the copy is the cost
             return median_seconds(lambda: join(*pieces), 7)
 
-    return max(seconds(4096) - seconds(1), 0.0) / (4 * 4095 * 256 * 4)
+    return max(seconds(rows) - seconds(1), 0.0) / (4 * (rows - 1) * 256 * 4)

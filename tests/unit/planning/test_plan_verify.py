@@ -172,8 +172,8 @@ def test_recomputation_is_fitted_per_k_to_what_it_adds_to_a_step():
         assert always - never == pytest.approx(seconds[k][1] - seconds[k][0], rel=1e-3) and 0.1 < ratio < 1.5
 
 
-def test_the_update_is_timed_on_16_mib_or_what_half_the_budget_holds_with_gradient_and_slots():
-    assert calibration_lib.update_rows(None) == calibration_lib.UPDATE_ROWS == 4096
-    assert calibration_lib.update_rows(2**30) == 4096
-    assert calibration_lib.update_rows(32 * 2**20) == 1024  # 16 MiB for 4 MiB of weights, gradient and 2 slots
-    assert calibration_lib.update_rows(2**20) == 256  # never fewer: a smaller update times too little to tell
+def test_the_calibration_moves_16_mib_or_an_eighth_of_the_budget():
+    assert calibration_lib.probe_size(None) == calibration_lib.PROBE_SIZE == 16 * 2**20
+    assert calibration_lib.probe_size(2**30) == 16 * 2**20
+    assert calibration_lib.probe_size(40 * 2**20) == 4 * 2**20  # an eighth is 5 MiB: the power of two below
+    assert calibration_lib.probe_size(2**20) == 2**20  # never less: a smaller copy times too little to tell
