@@ -415,17 +415,20 @@ def planning(spec: dict[str, Any], budget: float, max_seconds: Any) -> dict[str,
         for pid in cluster.pids:
             with open(f"/proc/{pid}/clear_refs", "w") as f:
                 f.write("5")  # the high-water mark starts again from the resident size
-        plan = tfpipe.plan(
-            layers,
-            spec["batch_size"],
-            cluster.devices,
-            budget,
-            sample=x,
-            optimizer=spec["optimizer"],
-            num_micro_batches=spec.get("micro_batches"),
-            max_seconds=max_seconds,
-            verbose=0,
-        )
+        try:
+            plan = tfpipe.plan(
+                layers,
+                spec["batch_size"],
+                cluster.devices,
+                budget,
+                sample=x,
+                optimizer=spec["optimizer"],
+                num_micro_batches=spec.get("micro_batches"),
+                max_seconds=max_seconds,
+                verbose=0,
+            )
+        except ValueError as err:  # nothing fits: said in the row
+            return {"chosen": f"none fits ({str(err).split(':')[1].strip()})"}
         process = [plan_devices.status_bytes(pid, "VmHWM") - base for pid, base in zip(cluster.pids, rss)]
     chosen = plan.candidates[0].config
     return {
@@ -452,6 +455,9 @@ def planning_rows(
     for fraction in fractions:
         budget = fraction * reference["peak_bytes"] / k
         planned = plan_in_child(budget)
+        if "planning_s" not in planned:
+            out.append({"fraction": fraction, "budget_mib": round(budget / MIB, 2), "chosen": planned["chosen"]})
+            continue
         ran = run({key: planned[key] for key in ("balance", "replicas", "m", "remat", "schedule")})
         used = len(planned["balance"]) * planned["replicas"]
         out.append(
@@ -480,6 +486,9 @@ def planning_markdown(rows: Sequence[dict[str, Any]]) -> str:
         "|" + "---|" * 11,
     ]
     for r in rows:
+        if "planning_s" not in r:
+            lines.append(f"| {r['fraction']} | {r['budget_mib']} |" + " - |" * 5 + f" {r['chosen']} |" + " - |" * 3)
+            continue
         lines.append(
             f"| {r['fraction']} | {r['budget_mib']} | {r['planning_s']} | {r['planning_steps']} | {r['probe_mib']} | "
             f"{r['probe_process_mib']} | {r['not_run']} | {r['chosen']} | {r['measured_ms']} | {r['measured_mib']} | "

@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
+import tensorflow as tf
 
 from tfpipe import _compat
 from tfpipe import calibration as calibration_lib
@@ -162,21 +163,13 @@ def _time_group(
             continue
         began = time.monotonic()
         kept[shape] = []
-        if shape.replicas > 1:
-            on = devices[: shape.replicas]
-            built[shape] = calibration_lib.replicated_step(layers, data, shape.b, on, optimizer, kept=kept[shape])
-        else:
-            built[shape] = calibration_lib.split_step(
-                layers,
-                data,
-                shape.b,
-                shape.m,
-                list(shape.cut),
-                devices[: len(shape.cut)],
-                optimizer,
-                remat=shape.remat,
-                kept=kept[shape],
-            )
+        try:
+            built[shape] = _build(shape, layers, data, devices, optimizer, kept[shape])
+        except tf.errors.ResourceExhaustedError:  # predicted to fit, but a device ran out: fitted without it
+            del kept[shape]
+            if not_run is not None:
+                not_run.append(f"probe {describe(shape)} ran out of memory on its devices")
+            continue
         if progress is not None:
             progress.probe_took(time.monotonic() - began)
             progress.step(describe(shape))
@@ -184,6 +177,18 @@ def _time_group(
     if progress is not None:
         progress.mark()  # the rounds' peak, every model of the group held at once
     return timed
+
+
+def _build(
+    shape: Shape, layers: Any, data: Any, devices: list[str], optimizer: Any, kept: list
+) -> calibration_lib.Probe:
+    """One probe traced, warmed up and timed once (its model kept in ``kept`` for the rounds)."""
+    if shape.replicas > 1:
+        on = devices[: shape.replicas]
+        return calibration_lib.replicated_step(layers, data, shape.b, on, optimizer, kept=kept)
+    on = devices[: len(shape.cut)]
+    cut = list(shape.cut)
+    return calibration_lib.split_step(layers, data, shape.b, shape.m, cut, on, optimizer, remat=shape.remat, kept=kept)
 
 
 def describe(shape: Shape) -> str:

@@ -35,7 +35,8 @@ from tfpipe.step import schedule as schedule_lib
 __all__ = ["Plan", "plan"]
 
 # max_seconds="auto": planning takes at most as long as this many steps of the fastest configuration predicted from
-# the layers alone (the issue's 200), and at least AUTO_MIN_SECONDS: tracing a probe takes seconds whatever its step
+# the layers alone (what a user gives up to planning on a run of thousands), and at least AUTO_MIN_SECONDS: tracing
+# one probe takes seconds whatever its step
 AUTO_STEPS = 200
 AUTO_MIN_SECONDS = 60.0
 
@@ -119,7 +120,8 @@ def plan(
     profile_lib.fill(measured, sizes)
     if profile is None:
         if bound == "auto":  # from the fastest configuration the layers alone predict
-            fastest = search.run(measured, calibration, batch_size, space, None, slots)[0].prediction.step_s
+            found = search.run(measured, calibration, batch_size, space, None, slots)
+            fastest = found[0].prediction.step_s if found else 0.0
             progress.max_seconds = max(AUTO_STEPS * fastest, AUTO_MIN_SECONDS)
         recompute = set(space.remats) != {"never"}  # what recomputing costs, where the search may recompute
         calibration = fitting.fit_model(
@@ -133,15 +135,7 @@ def plan(
         measured.time_source += "; one W over all micro-batches also copies the rows it joins (traced per layer)"
     progress.phase("predicting every configuration")
     candidates = search.run(measured, calibration, batch_size, space, budget, slots)
-    progress.reserve = 0
-    count = verify
-    while count >= 2 and not progress.affords(count):  # the shortlist within max_seconds
-        count -= 1
-    if count < min(verify, len(search.shortlist(candidates, verify))):
-        measured.not_run.append(
-            f"{'only ' + str(count) if count >= 2 else 'none'} of the shortlist timed (verify={verify}): "
-            "no time left within max_seconds" + ("; chosen by prediction alone" if count < 2 else "")
-        )
+    count = _affordable(verify, candidates, progress, measured.not_run)
     candidates = verified(candidates, layer_seq, data, batch_size, device_list, optimizer, count, budget, progress)
     progress.end()
     watch.read()
@@ -187,6 +181,21 @@ def verified(
         return probe.seconds, None
 
     return search.by_measured(candidates, count, time_step, budget)
+
+
+def _affordable(verify: int, candidates: list[search.Candidate], progress: Progress, not_run: list[str]) -> int:
+    """How many of the shortlist to time within ``progress``'s time left (``verify`` at most); ``not_run`` is told
+    where that is fewer than the shortlist."""
+    progress.reserve = 0
+    count = verify
+    while count >= 2 and not progress.affords(count):
+        count -= 1
+    if count < min(verify, len(search.shortlist(candidates, verify))):
+        not_run.append(
+            f"{'only ' + str(count) if count >= 2 else 'none'} of the shortlist timed (verify={verify}): "
+            "no time left within max_seconds" + ("; chosen by prediction alone" if count < 2 else "")
+        )
+    return count
 
 
 def _count(name: str, count: Any) -> int:

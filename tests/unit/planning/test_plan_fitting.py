@@ -160,3 +160,21 @@ def test_without_the_whole_model_probes_the_fit_uses_what_ran(monkeypatch):
     pipeline = predict.step_seconds(prof, fitted, 8, Config((2, 1), 1, 8, "never", "gpipe")).step_s
     assert pipeline == pytest.approx(20.0 / 2 + 8, rel=1e-3)
     assert all("over the budget" in line for line in prof.not_run) and prof.not_run
+
+
+def test_a_probe_that_runs_out_of_memory_is_left_out_and_said(monkeypatch):
+    import tensorflow as tf
+
+    def split_step(layers, data, b, m, cut, devices, optimizer, remat, kept):
+        if b == 2:
+            raise tf.errors.ResourceExhaustedError(None, None, "OOM when allocating")
+        kept.extend(["model", None, [1.0]])
+        return calibration_lib.Probe(0.5, None)
+
+    monkeypatch.setattr(calibration_lib, "split_step", split_step)
+    monkeypatch.setattr(calibration_lib, "in_rounds", lambda probes, kept, steps: probes)
+    shapes = [fitting.Shape(b, 1, (3,)) for b in (1, 2, 4)]
+    not_run: list[str] = []
+    took = fitting.time_probes([shapes], [None] * 3, None, DEVICES, "sgd", None, not_run)
+    assert list(took) == [shapes[0], shapes[2]]
+    assert not_run == ["probe 2 rows x M=1 on 1 device(s) ran out of memory on its devices"]
