@@ -394,6 +394,7 @@ PLANNING_FIELDS = [
     "chosen",
     "measured_ms",
     "measured_mib",
+    "measured_process_mib",
     "fits",
 ]
 
@@ -472,6 +473,7 @@ def planning_rows(
                 "chosen": planned["chosen"],
                 "measured_ms": round(ran["step_s"] * 1e3, 2),
                 "measured_mib": round(ran["peak_bytes"] / used / MIB, 2),
+                "measured_process_mib": round(ran["process_bytes"] / used / MIB, 1),
                 "fits": ran["peak_bytes"] / used <= budget,
             }
         )
@@ -482,16 +484,17 @@ def planning_markdown(rows: Sequence[dict[str, Any]]) -> str:
     """The planning runs as a markdown table."""
     lines = [
         "| budget (x GPipe's peak) | per worker MiB | planning s | in steps of the choice | probes' peak MiB (worker "
-        "allocator) | worker process MiB | probes not run | chosen | measured ms | measured MiB per worker | fits |",
-        "|" + "---|" * 11,
+        "allocator) | worker process MiB | probes not run | chosen | measured ms | measured MiB per worker | its "
+        "process MiB | fits |",
+        "|" + "---|" * 12,
     ]
     for r in rows:
         if "planning_s" not in r:
-            lines.append(f"| {r['fraction']} | {r['budget_mib']} |" + " - |" * 5 + f" {r['chosen']} |" + " - |" * 3)
+            lines.append(f"| {r['fraction']} | {r['budget_mib']} |" + " - |" * 5 + f" {r['chosen']} |" + " - |" * 4)
             continue
         lines.append(
             f"| {r['fraction']} | {r['budget_mib']} | {r['planning_s']} | {r['planning_steps']} | {r['probe_mib']} | "
             f"{r['probe_process_mib']} | {r['not_run']} | {r['chosen']} | {r['measured_ms']} | {r['measured_mib']} | "
-            f"{r['fits']} |"
+            f"{r['measured_process_mib']} | {r['fits']} |"
         )
     return "\n".join(lines)

@@ -13,6 +13,7 @@ predicted near the fastest are then timed on the devices, and the fastest measur
 from __future__ import annotations
 
 import copy
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -135,8 +136,13 @@ def plan(
         measured.time_source += "; one W over all micro-batches also copies the rows it joins (traced per layer)"
     progress.phase("predicting every configuration")
     candidates = search.run(measured, calibration, batch_size, space, budget, slots)
-    count = _affordable(verify, candidates, progress, measured.not_run)
-    candidates = verified(candidates, layer_seq, data, batch_size, device_list, optimizer, count, budget, progress)
+    progress.reserve = 0
+    if not progress.affords(1) and len(search.shortlist(candidates, verify)) >= 2:
+        measured.not_run.append("the shortlist not timed: no time left within max_seconds; chosen by prediction alone")
+        verify = 0
+    candidates = verified(
+        candidates, layer_seq, data, batch_size, device_list, optimizer, verify, budget, progress, measured.not_run
+    )
     progress.end()
     watch.read()
     chosen = plans.from_candidates(candidates, device_list, batch_size, budget, measured, calibration, slots)
@@ -154,48 +160,48 @@ def verified(
     count: int,
     budget: float | None = None,
     progress: Progress | None = None,
+    not_run: list[str] | None = None,
 ) -> list[search.Candidate]:
     """``candidates`` with the ``count`` worth timing trained on ``devices`` (copies of ``layers``, the planner's
     units), fastest first.
 
-    Only candidates predicted to fit ``budget`` are timed. Where the devices' peaks can be read (GPUs, a running
+    Each is timed while ``progress``'s time bound leaves time for one more (``not_run`` is told of the rest). Only
+    candidates predicted to fit ``budget`` are timed. Where the devices' peaks can be read (GPUs, a running
     LocalCluster's workers, logical CPUs counted by one allocator), one that ran over it goes last.
     """
     count = _count("verify", count)
     readable = calibration_lib.peaks_readable(devices)
     listed = search.shortlist(candidates, count)
-    if progress is not None and len(listed) >= 2:
+    if len(listed) < 2:  # one worth timing: nothing to choose between
+        return list(candidates)
+    if progress is not None:
         progress.phase("timing the shortlist on the devices", len(listed))
 
     def time_step(config: Config) -> tuple[float, float | None]:
-        if progress is not None:
-            progress.step(config.describe())
+        began = time.monotonic()
         try:
             probe = calibration_lib.configured_step(layers, sample, batch_size, config, devices, optimizer)
         except tf.errors.ResourceExhaustedError:  # predicted to fit, but a device ran out of memory: last
             return float("inf"), None
+        finally:
+            if progress is not None:
+                progress.probe_took(time.monotonic() - began)
+                progress.step(config.describe())
         if probe.device_peaks:
             return probe.seconds, max(probe.device_peaks)
         if readable and probe.peak_bytes is not None:  # one allocator for all: the total, per device used
             return probe.seconds, probe.peak_bytes / (config.num_partitions * config.num_replicas)
         return probe.seconds, None
 
-    return search.by_measured(candidates, count, time_step, budget)
-
-
-def _affordable(verify: int, candidates: list[search.Candidate], progress: Progress, not_run: list[str]) -> int:
-    """How many of the shortlist to time within ``progress``'s time left (``verify`` at most); ``not_run`` is told
-    where that is fewer than the shortlist."""
-    progress.reserve = 0
-    count = verify
-    while count >= 2 and not progress.affords(count):
-        count -= 1
-    if count < min(verify, len(search.shortlist(candidates, verify))):
-        not_run.append(
-            f"{'only ' + str(count) if count >= 2 else 'none'} of the shortlist timed (verify={verify}): "
-            "no time left within max_seconds" + ("; chosen by prediction alone" if count < 2 else "")
-        )
-    return count
+    timed: dict[Config, tuple[float, float | None]] = {}
+    for candidate in listed:  # one at a time while max_seconds leaves time for one more
+        if timed and progress is not None and not progress.affords(1):
+            if not_run is not None:
+                chosen = "; chosen by prediction alone" if len(timed) < 2 else ""
+                not_run.append(f"{len(listed) - len(timed)} of the shortlist not timed: no time left{chosen}")
+            break
+        timed[candidate.config] = time_step(candidate.config)
+    return search.by_measured(candidates, len(timed), lambda config: timed[config], budget)
 
 
 def _count(name: str, count: Any) -> int:

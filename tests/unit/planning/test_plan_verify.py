@@ -177,3 +177,29 @@ def test_the_calibration_moves_16_mib_or_an_eighth_of_the_budget():
     assert calibration_lib.probe_size(2**30) == 16 * 2**20
     assert calibration_lib.probe_size(40 * 2**20) == 4 * 2**20  # an eighth is 5 MiB: the power of two below
     assert calibration_lib.probe_size(2**20) == 2**20  # never less: a smaller copy times too little to tell
+
+
+def test_the_shortlist_is_timed_one_at_a_time_while_max_seconds_leaves_time_for_one_more(monkeypatch):
+    from tfpipe.planning import progress as progress_lib
+
+    clock = [0.0]
+    monkeypatch.setattr(progress_lib.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(planner.time, "monotonic", lambda: clock[0])
+
+    def configured_step(layers, sample, batch_size, config, devices, optimizer):
+        clock[0] += 50.0  # each configuration 50 s to trace, warm up and time
+        return calibration_lib.Probe({"zero_bubble": 1.0, "gpipe": 0.8, "1f1b": 0.5}[config.schedule], None)
+
+    monkeypatch.setattr(calibration_lib, "configured_step", configured_step)
+    found = [
+        candidate(2, 1, 4, "zero_bubble", 1.00),
+        candidate(1, 1, 1, "gpipe", 1.05),
+        candidate(2, 1, 4, "1f1b", 1.10),
+    ]
+    progress = progress_lib.Progress(0, max_seconds=120.0)
+    not_run: list[str] = []
+    ordered = planner.verified(found, [], None, 8, DEVICES, "sgd", 3, None, progress, not_run)
+    # at 100 s, one more at 50 s a configuration does not fit the 20 s left: two timed, the faster of them first
+    assert [c.config.schedule for c in ordered] == ["gpipe", "zero_bubble", "1f1b"]
+    assert [c.measured_s for c in ordered] == [0.8, 1.0, None]
+    assert not_run == ["1 of the shortlist not timed: no time left"]
