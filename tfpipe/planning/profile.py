@@ -250,49 +250,33 @@ def measure(
     outputs: list[float] = []
     kinds: list[str | None] = []
     names = units_lib.names(units)
+    known = None  # on a stand-in, the bytes are read first: a unit's bytes at a size are known before it runs there
+    if read_on not in (None, device):
+        assert read_on is not None and memory is not None  # stand_in's device, whose allocator counts
+        known = _bytes_on(units, sample, sizes, read_on, memory, budget, progress)
     if progress is not None:
         progress.phase(f"measuring each of the {len(names)} layers alone at {len(sizes)} micro-batch sizes", len(names))
     scaled: dict[int, set[int]] = {}  # size -> the units scaled to it from a smaller size, not run (over budget)
     for walked in units_lib.walk(units, sample, sizes[-1], device):
+        unit = len(outputs)
         with _compat.custom_gradients_forgotten():  # the copy, let go after, holds no memory then
             kinds.append(kind_of(walked.copy, walked.inputs))
-            per_size, over = _unit_costs(walked, sizes, device, read_on, memory, repeats, budget)
+            read = memory if read_on == device else None
+            given = known[unit] if known is not None else None
+            per_size, over = _unit_costs(walked, sizes, device, read, repeats, budget, given)
         for b, values in zip(sizes, per_size):
             _append(by_batch[b], *values)
         for b in over:
-            scaled.setdefault(b, set()).add(len(outputs))
+            scaled.setdefault(b, set()).add(unit)
         if not nodes:  # a layer list's layers may be unbuilt: their built copies count
             weights.append(sum(_bytes(v) for v in walked.copy.weights))
             trainable.append(sum(_bytes(v) for v in walked.copy.trainable_variables))
         outputs.append(walked.crossing_bytes / sizes[-1])
         if progress is not None:
-            progress.step(names[len(outputs) - 1])
+            progress.step(names[unit])
     source = FROM_OUTPUTS
     if read_on is not None:
         source = MEASURED if read_on == device else f"{MEASURED} on {read_on}, this process's stand-in for {device}"
-    if read_on not in (None, device):
-        # each copy traced once per size and called once: TensorFlow's warning about frequent tracing is not the
-        # user's to read
-        assert read_on is not None and memory is not None  # stand_in's device, whose allocator counts
-        logger, level = tf.get_logger(), tf.get_logger().level
-        logger.setLevel(logging.ERROR)
-        try:
-            if progress is not None:
-                progress.phase(f"reading each layer's bytes on {read_on}", len(names))
-            for i, walked in enumerate(units_lib.walk(units, sample, sizes[-1], read_on)):
-                with _compat.custom_gradients_forgotten():
-                    if progress is not None:
-                        progress.step(names[i])
-                    measured = _Measured([walked.copy], read_on)
-                    read, at = (0.0, 0.0), sizes[0]
-                    for b in sizes:
-                        if i in scaled.get(b, ()):  # not run on the device: not here either
-                            by_batch[b].held_bytes[i], by_batch[b].working_bytes[i] = (v * b / at for v in read)
-                        else:
-                            read, at = measured.held(_rows(walked.inputs, b), memory), b
-                            by_batch[b].held_bytes[i], by_batch[b].working_bytes[i] = read
-        finally:
-            logger.setLevel(level)
     for costs in by_batch.values():
         tie_alike(costs, kinds)
     not_run = [
@@ -306,41 +290,87 @@ def measure(
     )
 
 
+def _bytes_on(
+    units: Any, sample: Any, sizes: list[int], read_on: str, memory: str, budget: float | None, progress: Any
+) -> list[tuple[list[tuple[float, float]], set[int]]]:
+    """Per unit, read on ``read_on`` (a device's stand-in): (held, working) bytes at each of ``sizes``, and the sizes
+    over ``budget`` (predicted from the size before: scaled from it in proportion to the rows, not run)."""
+    names = units_lib.names(units)
+    if progress is not None:
+        progress.phase(f"reading each layer's bytes on {read_on}", len(names))
+    # each copy traced once per size and called once: TensorFlow's warning about frequent tracing is not the user's
+    logger, level = tf.get_logger(), tf.get_logger().level
+    logger.setLevel(logging.ERROR)
+    out = []
+    try:
+        for i, walked in enumerate(units_lib.walk(units, sample, sizes[-1], read_on)):
+            with _compat.custom_gradients_forgotten():
+                measured, fixed = _Measured([walked.copy], read_on), _alone_bytes(walked.copy)
+                in_per_row = _bytes(walked.inputs) / sizes[-1]
+                got: list[tuple[float, float]] = []
+                over: set[int] = set()
+                last, at = (0.0, 0.0), 0
+                for b in sizes:
+                    if at and budget is not None and fixed + (in_per_row + sum(last) / at) * b > budget:
+                        got.append((last[0] * b / at, last[1] * b / at))
+                        over.add(b)
+                        continue
+                    last, at = measured.held(_rows(walked.inputs, b), memory), b
+                    got.append(last)
+            out.append((got, over))
+            if progress is not None:
+                progress.step(names[i])
+    finally:
+        logger.setLevel(level)
+    return out
+
+
+def _alone_bytes(copy: Any) -> float:
+    """What a unit alone holds whatever its rows: its weights and their gradients."""
+    return float(sum(_bytes(v) for v in copy.weights) + sum(_bytes(v) for v in copy.trainable_variables))
+
+
 def _unit_costs(
     walked: Any,
     sizes: list[int],
     device: str,
-    read_on: str | None,
     memory: str | None,
     repeats: int,
     budget: float | None,
+    known: tuple[list[tuple[float, float]], set[int]] | None = None,
 ) -> tuple[list[tuple[float, float, float, float]], list[int]]:
     """One walked unit's (forward s, backward s, held bytes, working bytes) at each of ``sizes`` (``measure``'s), and
-    the sizes not run because the unit alone is predicted over ``budget`` there: scaled from the largest size run."""
+    the sizes not run because the unit alone is predicted over ``budget`` there: scaled from the largest size run.
+
+    Bytes are read from ``memory`` (the device's allocator), or ``known`` (read on a stand-in, with the sizes over the
+    budget there), or else estimated from the unit's output.
+    """
     x_in, measured = walked.inputs, _Measured([walked.copy], device)
-    # the unit alone: its weights and their gradients, then per row its input, what it holds and its backward's bytes
-    fixed = sum(_bytes(v) for v in walked.copy.weights) + sum(_bytes(v) for v in walked.copy.trainable_variables)
+    fixed, in_per_row = _alone_bytes(walked.copy), _bytes(x_in) / sizes[-1]
     out_per_row = _bytes(walked.outputs) / sizes[-1]
     costs: list[tuple[float, float, float, float]] = []
     over: list[int] = []
     ran: tuple[int, float, float, float, float] | None = None  # the largest size run: b, f_s, b_s, held, working
-    for b in sizes:
-        if ran is not None and budget is not None:
-            per_row = _bytes(x_in) / sizes[-1] + ((ran[3] + ran[4]) / ran[0] or 4.0 * out_per_row)
-            if fixed + per_row * b > budget:
-                f_s, b_s, held, working = (value * b / ran[0] for value in ran[1:])
-                costs.append((f_s, b_s, held, working))
-                over.append(b)
-                continue
-        f_s, b_s = measured.seconds(_rows(x_in, b), repeats)
-        # Without an allocator that counts, a unit is taken to hold its output and as much again inside (a Dense'
-        # pre-activation, a normalization's statistics): a rough rule, said so
-        if read_on == device:
-            assert memory is not None  # stand_in gives a device whose allocator counts
-            held, working = measured.held(_rows(x_in, b), memory)
-        elif read_on is not None:  # read on the stand-in, after
-            held, working = 0.0, 0.0
+    for j, b in enumerate(sizes):
+        if known is not None:
+            too_many = b in known[1]
         else:
+            too_many = (
+                ran is not None and budget is not None and fixed + (in_per_row + sum(ran[3:]) / ran[0]) * b > budget
+            )
+        if too_many and ran is not None:
+            f_s, b_s, held, working = (value * b / ran[0] for value in ran[1:])
+            costs.append((f_s, b_s, *(known[0][j] if known is not None else (held, working))))
+            over.append(b)
+            continue
+        f_s, b_s = measured.seconds(_rows(x_in, b), repeats)
+        if known is not None:
+            held, working = known[0][j]
+        elif memory is not None:
+            held, working = measured.held(_rows(x_in, b), memory)
+        else:
+            # Without an allocator that counts, a unit is taken to hold its output and as much again inside (a Dense'
+            # pre-activation, a normalization's statistics): a rough rule, said so
             held = working = 2.0 * out_per_row * b
         ran = (b, f_s, b_s, held, working)
         costs.append((f_s, b_s, held, working))
