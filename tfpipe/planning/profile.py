@@ -305,7 +305,7 @@ def _bytes_on(
     try:
         for i, walked in enumerate(units_lib.walk(units, sample, sizes[-1], read_on)):
             with _compat.custom_gradients_forgotten():
-                measured, fixed = _Measured([walked.copy], read_on), _alone_bytes(walked.copy)
+                measured, fixed = _Measured([walked.copy], read_on), _alone_bytes(walked)
                 in_per_row = _bytes(walked.inputs) / sizes[-1]
                 got: list[tuple[float, float]] = []
                 over: set[int] = set()
@@ -325,9 +325,12 @@ def _bytes_on(
     return out
 
 
-def _alone_bytes(copy: Any) -> float:
-    """What a unit alone holds whatever its rows: its weights and their gradients."""
-    return float(sum(_bytes(v) for v in copy.weights) + sum(_bytes(v) for v in copy.trainable_variables))
+def _alone_bytes(walked: Any) -> float:
+    """What measuring a walked unit holds whatever its rows: its weights and their gradients, and its input and output
+    at the walk's size (the rows it is measured on are cut from them)."""
+    copy = walked.copy
+    weights = sum(_bytes(v) for v in copy.weights) + sum(_bytes(v) for v in copy.trainable_variables)
+    return float(weights + _bytes(walked.inputs) + _bytes(walked.outputs))
 
 
 def _unit_costs(
@@ -346,7 +349,7 @@ def _unit_costs(
     budget there), or else estimated from the unit's output.
     """
     x_in, measured = walked.inputs, _Measured([walked.copy], device)
-    fixed, in_per_row = _alone_bytes(walked.copy), _bytes(x_in) / sizes[-1]
+    fixed, in_per_row = _alone_bytes(walked), _bytes(x_in) / sizes[-1]
     out_per_row = _bytes(walked.outputs) / sizes[-1]
     costs: list[tuple[float, float, float, float]] = []
     over: list[int] = []

@@ -45,8 +45,9 @@ def test_a_size_predicted_over_the_budget_alone_is_scaled_from_a_smaller_one_and
     sizes = [4, 16, 256]
     roomy = profile_lib.measure(layers, np.zeros((256, 64), "float32"), sizes, "/CPU:0", repeats=1)
     assert roomy.not_run == []
-    weights = (64 * 64 + 64) * 4.0  # and as much again in gradients; 256 rows of 64 floats in, held and working
-    budget = 2 * weights + 100 * 64 * 4.0 * 5  # 16 rows fit, 256 do not, by any of the ways bytes are counted
+    weights = (64 * 64 + 64) * 4.0  # and as much again in gradients; the walk's input and output of 256 rows
+    walk = 2 * 256 * 64 * 4.0
+    budget = 2 * weights + walk + 100 * 64 * 4.0 * 5  # 16 rows fit, 256 do not, by any of the ways bytes are counted
     tight = profile_lib.measure(layers, np.zeros((256, 64), "float32"), sizes, "/CPU:0", repeats=1, budget=budget)
     big, middle = tight.by_batch[256], tight.by_batch[16]
     for values, smaller in zip(
