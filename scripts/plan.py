@@ -78,7 +78,9 @@ flags.DEFINE_list(
     "0.4,0.6,1.0, plan under that budget in a fresh child and report what planning held on the workers (their "
     "allocators' and processes' peaks), how long it took in steps of its choice, and its choice run.",
 )
-flags.DEFINE_float("max_seconds", None, 'tfpipe.plan\'s max_seconds (default: its own, "auto").', lower_bound=1)
+flags.DEFINE_float(
+    "max_seconds", None, 'tfpipe.plan\'s max_seconds (default: its own, "auto"; 0: no bound).', lower_bound=0
+)
 flags.DEFINE_string("_plan_child", None, "Internal: plan under the JSON budget in this process (--planning_budgets).")
 flags.DEFINE_integer("repeats", 1, "Measure each configuration this many times (interleaved).", lower_bound=1)
 flags.DEFINE_string("png", None, "Draw predicted against measured to this PNG (needs --measure or --grid).")
@@ -103,7 +105,7 @@ def model_spec() -> dict[str, Any]:
         "device_type",
         "cluster",
     )
-    return {k: getattr(FLAGS, k) for k in (*keys, "optimizer")}
+    return {k: getattr(FLAGS, k) for k in (*keys, "optimizer", "max_seconds")}
 
 
 def micro_batches() -> list[int] | None:
@@ -132,9 +134,9 @@ def run_child(spec: dict[str, Any], config: dict[str, Any]) -> dict[str, Any]:
     return _child(f"--_child={json.dumps({**spec, **config})}", f"measuring {config}")
 
 
-def _child(flag: str, what: str, *more: str) -> dict[str, Any]:
+def _child(flag: str, what: str) -> dict[str, Any]:
     proc = subprocess.run(
-        [sys.executable, os.path.abspath(__file__), flag, *more],
+        [sys.executable, os.path.abspath(__file__), flag],
         capture_output=True,
         text=True,
         env=dict(os.environ, TF_CPU_ALLOCATOR_USE_BFC="true", TF_CPP_MIN_LOG_LEVEL="3"),
@@ -150,10 +152,9 @@ def planning_budgets() -> None:
     if not FLAGS.cluster:
         raise app.UsageError("--planning_budgets reads each worker's process: give --cluster.")
     spec = dict(model_spec(), micro_batches=micro_batches())
-    more = [f"--max_seconds={FLAGS.max_seconds}"] if FLAGS.max_seconds else []
 
     def plan_in_child(budget: float) -> dict[str, Any]:
-        return _child(f"--_plan_child={json.dumps([spec, budget])}", f"planning under {budget:.0f} bytes", *more)
+        return _child(f"--_plan_child={json.dumps([spec, budget])}", f"planning under {budget:.0f} bytes")
 
     rows = plan_measure.planning_rows(spec, [float(f) for f in FLAGS.planning_budgets], lambda c: run_child(spec, c),
                                       plan_in_child)  # fmt: skip
@@ -171,7 +172,7 @@ def main(argv: list[str]) -> None:
         return
     if FLAGS._plan_child:
         spec, budget = json.loads(FLAGS._plan_child)
-        found = plan_measure.planning(spec, budget, FLAGS.max_seconds or "auto")
+        found = plan_measure.planning(spec, budget)
         print(RESULT + json.dumps(found), flush=True)
         return
     if FLAGS.planning_budgets:

@@ -73,7 +73,9 @@ def make_plan(spec: dict[str, Any], budget: str | None) -> Any:
         None if spec.get("cluster") else plan_devices.logical_devices(spec["devices"], spec.get("device_type", "CPU"))
     )
     layers, x, _, _ = model_and_data(spec)
-    kwargs = dict(sample=x, optimizer=spec["optimizer"], num_micro_batches=spec.get("micro_batches"))
+    kwargs = dict(
+        sample=x, optimizer=spec["optimizer"], num_micro_batches=spec.get("micro_batches"), max_seconds=bound(spec)
+    )
     if devices is not None:
         return tfpipe.plan(layers, spec["batch_size"], devices, budget, **kwargs)
     with tfpipe.cluster.LocalCluster(spec["devices"]) as cluster:
@@ -399,7 +401,13 @@ PLANNING_FIELDS = [
 ]
 
 
-def planning(spec: dict[str, Any], budget: float, max_seconds: Any) -> dict[str, Any]:
+def bound(spec: dict[str, Any]) -> float | str | None:
+    """``tfpipe.plan``'s max_seconds from the spec's --max_seconds: unset "auto", 0 None (no bound)."""
+    given = spec.get("max_seconds")
+    return "auto" if given is None else (float(given) or None)
+
+
+def planning(spec: dict[str, Any], budget: float) -> dict[str, Any]:
     """In a child: ``tfpipe.plan`` on a fresh LocalCluster under ``budget`` bytes per worker, and what planning held on
     each worker beyond what it held idle: its allocator's peak (``Plan.planning_peaks``) and its process's resident
     high-water mark (VmHWM, started again before planning)."""
@@ -425,7 +433,7 @@ def planning(spec: dict[str, Any], budget: float, max_seconds: Any) -> dict[str,
                 sample=x,
                 optimizer=spec["optimizer"],
                 num_micro_batches=spec.get("micro_batches"),
-                max_seconds=max_seconds,
+                max_seconds=bound(spec),
                 verbose=0,
             )
         except ValueError as err:  # nothing fits: said in the row

@@ -50,3 +50,39 @@ def test_devices_of_one_allocator_are_compared_with_their_predicted_peak_togethe
     together = plan_measure.compare(plan, [shape], measured, 1, shared=True)[0]["memory_error"]
     assert apart == round(sum(peaks) / 1000.0 - 1, 3)
     assert together == round(shared_peak.shared_peak_bytes(prof, cal, 16, config, 2) / 1000.0 - 1, 3) < apart
+
+
+def test_planning_rows_scale_the_budget_from_gpipes_peak_per_worker_and_count_steps_of_the_choice():
+    mib = plan_measure.MIB
+    ran = []
+
+    def run(config):
+        ran.append(config)
+        if config.get("partitions"):  # the reference: GPipe without recomputation, K=2, M=8, its cut tfpipe's own
+            return {"step_s": 0.5, "peak_bytes": 200 * mib, "process_bytes": 400 * mib}
+        return {"step_s": 0.25, "peak_bytes": 100 * mib, "process_bytes": 300 * mib}
+
+    def plan_in_child(budget):
+        if budget < 50 * mib:
+            return {"chosen": "none fits (the smallest predicted peak is 60 MiB)"}  # its error, said in the row
+        return {
+            "balance": [3, 3], "replicas": 1, "m": 4, "remat": "never", "schedule": "1f1b", "chosen": "K=2, M=4",
+            "planning_s": 50.0, "probe_bytes": 40 * mib, "process_bytes": 120 * mib, "not_run": 5,
+        }  # fmt: skip
+
+    rows = plan_measure.planning_rows({}, [0.4, 1.0], run, plan_in_child)
+    assert ran[0] == {"partitions": 2, "replicas": 1, "m": 8, "remat": "never", "schedule": "gpipe"}
+    assert rows[0] == {
+        "fraction": 0.4,
+        "budget_mib": 40.0,
+        "chosen": "none fits (the smallest predicted peak is 60 MiB)",
+    }
+    assert rows[1] == {
+        "fraction": 1.0, "budget_mib": 100.0, "planning_s": 50.0, "planning_steps": 200, "probe_mib": 40.0,
+        "probe_process_mib": 120.0, "not_run": 5, "chosen": "K=2, M=4", "measured_ms": 250.0, "measured_mib": 50.0,
+        "measured_process_mib": 150.0, "fits": True,
+    }  # fmt: skip
+    table = plan_measure.planning_markdown(rows)
+    assert "| 0.4 | 40.0 | - | - | - | - | - | none fits" in table and "| 1.0 | 100.0 | 50.0 | 200 | 40.0 |" in table
+    assert plan_measure.bound({}) == "auto" and plan_measure.bound({"max_seconds": 0.0}) is None
+    assert plan_measure.bound({"max_seconds": 90.0}) == 90.0
