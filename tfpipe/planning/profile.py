@@ -291,7 +291,13 @@ def measure(
 
 
 def _bytes_on(
-    units: Any, sample: Any, sizes: list[int], read_on: str, memory: str, budget: float | None, progress: Any
+    units: Any,
+    sample: Any,
+    sizes: list[int],
+    read_on: str,
+    memory: str,
+    budget: float | None,
+    progress: Progress | None,
 ) -> list[tuple[list[tuple[float, float]], set[int]]]:
     """Per unit, read on ``read_on`` (a device's stand-in): (held, working) bytes at each of ``sizes``, and the sizes
     over ``budget`` (predicted from the size before: scaled from it in proportion to the rows, not run)."""
