@@ -287,7 +287,8 @@ class _OwnAllocators:
 
 
 class PeakWatch:
-    """The most bytes held on each device beyond what it held when the watch began, read at each ``read``.
+    """The most bytes held on each device beyond what it held when the watch began (its peak count started again
+    there), read at each ``read``.
 
     Devices with allocators of their own (GPUs, a running LocalCluster's workers) are read each; logical CPUs of this
     process, counted by one allocator (``TF_CPU_ALLOCATOR_USE_BFC=true``), as one total. A read takes the allocator's
@@ -301,10 +302,12 @@ class PeakWatch:
         self._shared: str | None = None
         self.peaks: dict[str, float] | None = None
         if self._own is not None:
+            self._own.reset()  # a peak from before planning is not planning's
             self._names = unique
             self._bases = [float(info["current"]) for info in self._own.read()]
         elif peaks_readable(unique):
             self._shared = memory_name(unique[0])
+            tf.config.experimental.reset_memory_stats(self._shared)
             self._names = [f"{len(unique)} logical devices' one allocator" if len(unique) > 1 else unique[0]]
             self._bases = [float(tf.config.experimental.get_memory_info(self._shared)["current"])]
         if self._own is not None or self._shared is not None:
