@@ -159,9 +159,10 @@ class Plan:
         if self.planning_seconds is not None:
             step = self.measured_seconds or self.step_seconds
             line = f"planning: {self.planning_seconds:.0f} s, {self.planning_seconds / step:,.0f} steps of the chosen"
-            if self.planning_peaks:
-                fullest = max(self.planning_peaks, key=lambda d: self.planning_peaks[d])  # type: ignore[index]
-                line += f"; its probes held at most {gib(self.planning_peaks[fullest])} on {fullest}"
+            peaks = self.planning_peaks
+            if peaks:
+                fullest = max(peaks, key=peaks.__getitem__)
+                line += f"; its probes held at most {gib(peaks[fullest])} on {fullest}"
                 if self.memory_budget is not None:
                     line += f" (budget {gib(self.memory_budget)} per device)"
             lines.append(line)

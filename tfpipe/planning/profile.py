@@ -317,7 +317,7 @@ def _bytes_on(
                 over: set[int] = set()
                 last, at = (0.0, 0.0), 0
                 for b in sizes:
-                    if at and budget is not None and fixed + (in_per_row + sum(last) / at) * b > budget:
+                    if at and _over_budget(fixed, in_per_row, sum(last) / at, b, budget):
                         got.append((last[0] * b / at, last[1] * b / at))
                         over.add(b)
                         continue
@@ -329,6 +329,12 @@ def _bytes_on(
     finally:
         logger.setLevel(level)
     return out
+
+
+def _over_budget(fixed: float, in_per_row: float, held_per_row: float, rows: int, budget: float | None) -> bool:
+    """Whether a unit alone at ``rows`` rows is predicted over ``budget``: what it holds whatever its rows
+    (``_alone_bytes``), and per row its input and the held and working bytes of the largest size run."""
+    return budget is not None and fixed + (in_per_row + held_per_row) * rows > budget
 
 
 def _alone_bytes(walked: Any) -> float:
@@ -364,9 +370,7 @@ def _unit_costs(
         if known is not None:
             too_many = b in known[1]
         else:
-            too_many = (
-                ran is not None and budget is not None and fixed + (in_per_row + sum(ran[3:]) / ran[0]) * b > budget
-            )
+            too_many = ran is not None and _over_budget(fixed, in_per_row, sum(ran[3:]) / ran[0], b, budget)
         if too_many and ran is not None:
             f_s, b_s, held, working = (value * b / ran[0] for value in ran[1:])
             costs.append((f_s, b_s, *(known[0][j] if known is not None else (held, working))))
