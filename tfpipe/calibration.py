@@ -124,13 +124,15 @@ def split_step(
     warm: bool = True,
     remat: str = "never",
     kept: list | None = None,
+    schedule: str = "gpipe",
 ) -> Probe:
-    """Copies of ``layers`` cut by ``balance`` over ``devices`` trained at M=m micro-batches of b rows (``kept``:
-    as ``_probe``'s)."""
+    """Copies of ``layers`` cut by ``balance`` over ``devices`` trained at M=m micro-batches of b rows in ``schedule``'s
+    order (``kept``: as ``_probe``'s)."""
     copies = units_lib.fresh(layers, "to time it", "pass calibration=... or plan by hand")
     x = tf.nest.map_structure(lambda t, n=b * m: _tiled(t, n), sample)
     y = _targets(copies, b * m)
-    return _probe(copies, balance, devices, m, x, y, _fresh(optimizer), steps, _mean, warm, remat, kept=kept)
+    optimizer = _fresh(optimizer)
+    return _probe(copies, balance, devices, m, x, y, optimizer, steps, _mean, warm, remat, schedule, True, kept)
 
 
 def configured_step(

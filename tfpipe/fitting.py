@@ -34,13 +34,15 @@ STEPS = 10  # steps a probe is timed for in each round (calibration.ROUNDS)
 @dataclasses.dataclass(frozen=True)
 class Shape:
     """One probe step: copies of the layers cut by ``cut`` over the first ``len(cut)`` devices at M=m micro-batches of
-    b rows; or (``replicas`` > 1) all of them as one cell replicated on that many devices, each b rows at M=1."""
+    b rows, run in ``schedule``'s order; or (``replicas`` > 1) all of them as one cell replicated on that many
+    devices, each b rows at M=1."""
 
     b: int
     m: int
     cut: tuple[int, ...]
     remat: str = "never"
     replicas: int = 1
+    schedule: str = "gpipe"  # "1f1b" where GPipe's M micro-batches at once would not fit the budget (``leaner``)
 
 
 def fit_model(
@@ -74,9 +76,18 @@ def fit_model(
     always = {k: dataclasses.replace(shape, remat="always") for k, shape in never.items()}
     replicated = replica_shape(measured, batch_size, n, devices) if replicas else None
     # in the order they are worth their time, where there is time for fewer: the parallelism, the sizes whose steps
-    # also give the held bytes, what recomputing costs, the replicas', the other sizes
+    # also give the held bytes (nearest the probes' own micro-batch first), what recomputing costs, the replicas', the
+    # other sizes
+    near = probe_shape(measured, n, batch_size, 1).b
+    held = sorted(held, key=lambda b: abs(np.log2(b / near)))
     wanted = [pipeline, *(scale[b] for b in held), *never.values(), *always.values(), replicated, *scale.values()]
-    shapes = [s for s in dict.fromkeys(wanted) if s is not None]
+    # each as it will run: under 1F1B where GPipe would go over the budget (the same work, fewer micro-batches held)
+    run = {s: leaner(s, measured, calibration, slots, devices, budget) for s in wanted if s is not None}
+    scale = {b: run[s] for b, s in scale.items()}
+    pipeline = run[pipeline] if pipeline is not None else None
+    never, always = {k: run[s] for k, s in never.items()}, {k: run[s] for k, s in always.items()}
+    replicated = run[replicated] if replicated is not None else None
+    shapes = list(dict.fromkeys(run.values()))
     groups = within_budget(shapes, measured, calibration, slots, devices, budget)
     took = time_probes(groups, layers, data, devices, optimizer, progress, measured.not_run)
     scaled = {s: took[s] for s in scale.values() if s in took}
@@ -90,10 +101,15 @@ def fit_model(
             on = [measured.memory_device]  # for the peak only: two steps after tracing, without warming up
             with _compat.custom_gradients_forgotten():
                 steps = {
-                    s: calibration_lib.split_step(layers, data, s.b, s.m, list(s.cut), on, optimizer, 2, warm=False)
+                    s: calibration_lib.split_step(
+                        layers, data, s.b, s.m, list(s.cut), on, optimizer, 2, warm=False, schedule=s.schedule
+                    )
                     for s in steps
                 }
-        fit_held_ratios(measured, steps, slots)
+        # the pipeline probe's own peaks, read on each device: a held ratio at its size where no step gave one
+        peaks = took[pipeline].device_peaks if pipeline in took else None
+        at_cut = held_ratio_of_cut(measured, pipeline, peaks, slots, calibration) if pipeline and peaks else None
+        fit_held_ratios(measured, steps, slots, at_cut)
     if pipeline in took:
         calibration = model_parallelism(measured, calibration, batch_size, pipeline, took[pipeline].seconds)
     ks = [k for k in ks if never[k] in took and always[k] in took]
@@ -188,7 +204,9 @@ def _build(
         return calibration_lib.replicated_step(layers, data, shape.b, on, optimizer, kept=kept)
     on = devices[: len(shape.cut)]
     cut = list(shape.cut)
-    return calibration_lib.split_step(layers, data, shape.b, shape.m, cut, on, optimizer, remat=shape.remat, kept=kept)
+    return calibration_lib.split_step(
+        layers, data, shape.b, shape.m, cut, on, optimizer, remat=shape.remat, kept=kept, schedule=shape.schedule
+    )
 
 
 def describe(shape: Shape) -> str:
@@ -196,7 +214,30 @@ def describe(shape: Shape) -> str:
     remat = f", remat {shape.remat!r}" if shape.remat != "never" else ""
     if shape.replicas > 1:
         return f"{shape.replicas} replicas of {shape.b} rows at M=1"
-    return f"{shape.b} rows x M={shape.m} on {len(shape.cut)} device(s){remat}"
+    schedule = f", {shape.schedule}" if shape.schedule != "gpipe" else ""
+    return f"{shape.b} rows x M={shape.m} on {len(shape.cut)} device(s){remat}{schedule}"
+
+
+def leaner(
+    shape: Shape,
+    measured: profile.Profile,
+    calibration: Calibration,
+    slots: int,
+    devices: Sequence[str],
+    budget: float | None,
+) -> Shape:
+    """``shape``, run under 1F1B where GPipe's order is predicted over ``budget`` on one of its devices.
+
+    1F1B does a step's work in a different order, holding at most K micro-batches where GPipe holds M, and the fits
+    predict each probe under its own schedule. GPipe stays where it fits: the most micro-batches held at once, the
+    most each probe says of what a micro-batch holds.
+    """
+    if budget is None or shape.replicas > 1 or shape.m == 1:
+        return shape
+    peaks, _ = probe_bytes(shape, measured, calibration, slots, devices)
+    if max(peaks.values()) <= budget:
+        return shape
+    return dataclasses.replace(shape, schedule="1f1b")
 
 
 def within_budget(
@@ -245,7 +286,7 @@ def probe_bytes(
     shape: Shape, measured: profile.Profile, calibration: Calibration, slots: int, devices: Sequence[str]
 ) -> tuple[dict[str, float], dict[str, float]]:
     """A probe's predicted peak on each of its devices, and what its model keeps there between steps."""
-    config = Config(shape.cut, shape.replicas, shape.m, shape.remat, "gpipe")
+    config = Config(shape.cut, shape.replicas, shape.m, shape.remat, shape.schedule)
     batch = shape.b * shape.m * shape.replicas
     peaks = predict.peak_bytes(
         measured, batch, config, slots, calibration.noinline_tasks, calibration.across_processes
@@ -315,18 +356,30 @@ def spread(sizes: Sequence[int], count: int) -> list[int]:
     return sorted({sizes[int(np.argmin(np.abs(logs - w)))] for w in wanted})
 
 
-def fit_held_ratios(measured: profile.Profile, steps: dict[Shape, calibration_lib.Probe], slots: int) -> None:
+def fit_held_ratios(
+    measured: profile.Profile,
+    steps: dict[Shape, calibration_lib.Probe],
+    slots: int,
+    cut: tuple[int, float] | None = None,
+) -> None:
     """``Profile.held_ratios`` from one-cell ``steps``' peaks: per (b, M), the step's activations (its peak less the
-    rest predicted, ``slots`` optimizer slots per weight) over the layers' bytes."""
+    rest predicted, ``slots`` optimizer slots per weight) over the layers' bytes; and ``cut`` (b, ratio:
+    ``held_ratio_of_cut``) where no one-cell step ran at that b."""
     found: tuple[list[int], list[float]] = ([], [])
     for shape in sorted(steps, key=lambda s: s.b):
         b, m, peak = shape.b, shape.m, steps[shape].peak_bytes
-        activations = m * sum(measured.costs(b).held_bytes)
+        in_flight, kept, _ = predict.holding(measured, b, 1, m, shape.schedule, "never")
+        activations = kept[0] * sum(measured.costs(b).held_bytes)
         if peak is None or activations <= 0:
             continue
-        rest = predict.cell_peak(measured, b, 0, len(measured.weight_bytes), True, m, m, slots, m, 0.0)
+        rest = predict.cell_peak(measured, b, 0, len(measured.weight_bytes), True, in_flight[0], kept[0], slots, m, 0.0)
         found[0].append(b)
         found[1].append(min(max((peak - rest) / activations, 0.05), 4.0))
+    cut_at = cut[0] if cut is not None and cut[0] not in found[0] else None
+    if cut is not None and cut_at is not None:
+        at = int(np.searchsorted(found[0], cut_at))
+        found[0].insert(at, cut_at)
+        found[1].insert(at, cut[1])
     # A step that does not inline its cells' calls (from Calibration.noinline_tasks tasks on) holds what each layer
     # measured alone held, a call TensorFlow did not inline either: the ratio stays 1 there (measured: the
     # Transformer of docs/benchmarks.md at K=2, M=16 held 481 MiB, its layers' bytes predict 494)
@@ -334,10 +387,36 @@ def fit_held_ratios(measured: profile.Profile, steps: dict[Shape, calibration_li
     if not found[0]:
         measured.memory_source += "; a step's held bytes not fitted (no one-cell step was run): the layers' own"
         return
+    held_by = "steps of all the layers as one cell" + (f" (at {cut_at}: the step cut over devices)" if cut_at else "")
     measured.memory_source += (
-        f"; where a step inlines its cells, a micro-batch's activations scaled to what steps of all the layers as "
-        f"one cell held (x{'/'.join(f'{r:.2f}' for r in found[1])} at {found[0]} samples)"
+        f"; where a step inlines its cells, a micro-batch's activations scaled to what {held_by} held "
+        f"(x{'/'.join(f'{r:.2f}' for r in found[1])} at {found[0]} samples)"
     )
+
+
+def held_ratio_of_cut(
+    measured: profile.Profile, shape: Shape, peaks: Sequence[float], slots: int, calibration: Calibration
+) -> tuple[int, float] | None:
+    """(b, ratio): what a micro-batch's activations held in the probe cut over devices (``shape``), against the
+    layers' bytes, from its ``peaks`` read on each device; None where its step does not inline its cells (the
+    ratio stays 1 there) or held none.
+
+    Under a tight budget the one-cell steps may not fit where the cut one does: its peaks alone then give the held
+    bytes (the Transformer of docs/benchmarks.md under 79 MiB a worker: its peaks predicted 60% high without them).
+    """
+    k, m, b = len(shape.cut), shape.m, shape.b
+    if not predict.inlined(k, m, calibration.noinline_tasks):
+        return None
+    in_flight, kept, _ = predict.holding(measured, b, k, m, shape.schedule, shape.remat, calibration.noinline_tasks)
+    summed = predict.holds_running_sums(m, shape.schedule, calibration.across_processes)
+    held = rest = 0.0
+    for i, (lo, hi) in enumerate(predict.bounds(shape.cut)):
+        parts = predict.cell_bytes(measured, b, lo, hi, i == 0, slots, m, 1.0, True, summed)
+        held += kept[i] * parts.activations
+        rest += parts.static + in_flight[i] * parts.cell_input + parts.working
+    if held <= 0:
+        return None
+    return b, min(max((sum(peaks[:k]) - rest) / held, 0.05), 4.0)
 
 
 def model_parallelism(
@@ -350,7 +429,7 @@ def model_parallelism(
     product wide enough to use every core alone gains nothing from a second device), so it is measured on the
     model itself: the step's work against its measured time.
     """
-    config = Config(shape.cut, 1, shape.m, "never", "gpipe")
+    config = Config(shape.cut, 1, shape.m, "never", shape.schedule)
     calibration = dataclasses.replace(
         calibration,
         parallelism=parallelism(measured, calibration, batch_size, config, took),
@@ -420,8 +499,9 @@ def recompute_ratios(
     """
     ratios = {}
     for k, shape in shapes.items():
-        never = predict.step_seconds(measured, calibration, batch_size, Config(shape.cut, 1, shape.m, "never", "gpipe"))
-        config = Config(shape.cut, 1, shape.m, "always", "gpipe")
+        config = Config(shape.cut, 1, shape.m, "never", shape.schedule)
+        never = predict.step_seconds(measured, calibration, batch_size, config)
+        config = dataclasses.replace(config, remat="always")
 
         def predicted(ratio: float, k: int = k, config: Config = config) -> float:
             profiled = dataclasses.replace(measured, recompute_ratios={k: ratio})

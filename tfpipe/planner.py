@@ -39,7 +39,7 @@ __all__ = ["Plan", "plan"]
 # the layers alone (what a user gives up to planning on a run of thousands), and at least AUTO_MIN_SECONDS: tracing
 # one probe takes seconds whatever its step
 AUTO_STEPS = 200
-AUTO_MIN_SECONDS = 60.0
+AUTO_MIN_SECONDS = 30.0
 
 
 def plan(
@@ -124,6 +124,10 @@ def plan(
             found = search.run(measured, calibration, batch_size, space, None, slots)
             fastest = found[0].prediction.step_s if found else 0.0
             progress.max_seconds = max(AUTO_STEPS * fastest, AUTO_MIN_SECONDS)
+            progress.say(
+                f"planning within {progress.max_seconds:.0f} s (max_seconds='auto': {AUTO_STEPS} steps of "
+                f"{fastest * 1e3:.1f} ms, the fastest the layers alone predict, at least {AUTO_MIN_SECONDS:.0f} s)"
+            )
         recompute = set(space.remats) != {"never"}  # what recomputing costs, where the search may recompute
         calibration = fitting.fit_model(
             measured, layer_seq, data, batch_size, device_list, optimizer, calibration, slots, recompute,

@@ -39,6 +39,10 @@ class Progress:
         self._probes: list[float] = []
         self.reserve = 0  # probes' worth of time kept for what comes after those asked about (the shortlist)
 
+    def say(self, text: str) -> None:
+        """One line of planning's own (silent with ``verbose=0``)."""
+        self._say(text)
+
     def _say(self, text: str) -> None:
         if self.verbose > 0:
             messages.say(f"{self.prefix}: {text}")

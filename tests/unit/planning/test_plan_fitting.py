@@ -51,7 +51,7 @@ def test_every_probe_is_timed_once_in_the_same_rounds_and_the_fits_predict_them(
     prof = profile(sizes=(1, 2, 4, 8))
     rounds, made = [], []
 
-    def split_step(layers, data, b, m, cut, devices, optimizer, remat, kept):
+    def split_step(layers, data, b, m, cut, devices, optimizer, remat, kept, schedule="gpipe"):
         made.append((b, m, tuple(cut), remat))
         return calibration_lib.Probe({"never": 20.0, "always": 26.0}[remat] / len(cut) + m, None)
 
@@ -109,7 +109,7 @@ def test_probes_keep_to_the_budget_in_groups_and_one_predicted_over_it_is_not_ru
 def test_each_group_is_timed_in_its_own_rounds_and_a_time_bound_stops_the_building(monkeypatch):
     made, rounds = [], []
 
-    def split_step(layers, data, b, m, cut, devices, optimizer, remat, kept):
+    def split_step(layers, data, b, m, cut, devices, optimizer, remat, kept, schedule="gpipe"):
         made.append(b)
         kept.extend(["model", None, [1.0]])
         return calibration_lib.Probe(0.5, None)
@@ -144,20 +144,45 @@ def test_each_group_is_timed_in_its_own_rounds_and_a_time_bound_stops_the_buildi
     ]
 
 
-def test_without_the_whole_model_probes_the_fit_uses_what_ran(monkeypatch):
-    # a budget that only the probes cut over two devices fit: no layer time is scaled, the parallelism still fitted
-    # (the peaks of the test above: K=1 at M=8 613.75 bytes, 456.25 recomputing; K=2 453.75, 331.25 recomputing)
+def _probes_under(budget, monkeypatch):
+    """fit_model's probes of the three handmade layers under ``budget``: the fitted calibration, the profile, and
+    each probe made as (b, M, cut, remat, schedule)."""
     cal, prof = calibration(parallelism=2.0), profile(sizes=(1, 2, 4, 8), outputs=(4.0, 4.0, 4.0))
+    made = []
 
-    def split_step(layers, data, b, m, cut, devices, optimizer, remat, kept):
+    def split_step(layers, data, b, m, cut, devices, optimizer, remat, kept, schedule="gpipe"):
+        made.append((b, m, tuple(cut), remat, schedule))
         return calibration_lib.Probe({"never": 20.0, "always": 26.0}[remat] / len(cut) + m, None)
 
     monkeypatch.setattr(calibration_lib, "split_step", split_step)
     monkeypatch.setattr(calibration_lib, "in_rounds", lambda probes, kept, steps: probes)
-    fitted = fitting.fit_model(prof, [None] * 3, None, 8, DEVICES, "sgd", cal, 2, replicas=False, budget=460.0)
+    fitted = fitting.fit_model(prof, [None] * 3, None, 8, DEVICES, "sgd", cal, 2, replicas=False, budget=budget)
+    return fitted, prof, made
+
+
+def test_a_probe_over_the_budget_in_gpipe_order_runs_in_1f1b_order_and_is_fitted_so(monkeypatch):
+    # predicted peaks (probe_bytes): K=1 at M=8 613.75 bytes in GPipe's order, 400.25 in 1F1B's; K=2 453.75 and
+    # 300.75; recomputing, K=1 456.25 (GPipe), K=2 331.25; 4 rows at M=2 619 and 497; 8 rows at M=1 626 in either
+    fitted, prof, made = _probes_under(460.0, monkeypatch)
+    assert (1, 8, (2, 1), "never", "gpipe") in made  # fits as it is: GPipe's order, the most held at once
+    assert (1, 8, (3,), "never", "1f1b") in made and (2, 4, (3,), "never", "1f1b") in made
+    assert all(b < 4 for b, *_ in made)
+    assert "measured at [1, 2] samples" in prof.time_source
+    assert prof.not_run == [
+        "probe 4 rows x M=2 on 1 device(s), 1f1b not run: predicted to peak at 497 B on /CPU:0, over the budget",
+        "probe 8 rows x M=1 on 1 device(s) not run: predicted to peak at 626 B on /CPU:0, over the budget",
+    ]
+    assert sorted(prof.recompute_ratios) == [1, 2]  # both K's pairs ran, K=1's in 1F1B's order
+
+
+def test_without_the_whole_model_probes_the_fit_uses_what_ran(monkeypatch):
+    # a budget that only the probes cut over two devices fit (in 1F1B's order: 300.75 bytes, 331.25 recomputing in
+    # GPipe's): no layer time is scaled, the parallelism still fitted, to the probe in the order it ran
+    fitted, prof, made = _probes_under(390.0, monkeypatch)
+    assert sorted(made) == [(1, 8, (2, 1), "always", "gpipe"), (1, 8, (2, 1), "never", "1f1b")]
     assert "not scaled to whole steps: no one-cell step was run" in prof.time_source
     assert sorted(prof.recompute_ratios) == [2]  # K=1's probes did not run: only K=2's ratio is fitted
-    pipeline = predict.step_seconds(prof, fitted, 8, Config((2, 1), 1, 8, "never", "gpipe")).step_s
+    pipeline = predict.step_seconds(prof, fitted, 8, Config((2, 1), 1, 8, "never", "1f1b")).step_s
     assert pipeline == pytest.approx(20.0 / 2 + 8, rel=1e-3)
     assert all("over the budget" in line for line in prof.not_run) and prof.not_run
 
@@ -165,7 +190,7 @@ def test_without_the_whole_model_probes_the_fit_uses_what_ran(monkeypatch):
 def test_a_probe_that_runs_out_of_memory_is_left_out_and_said(monkeypatch):
     import tensorflow as tf
 
-    def split_step(layers, data, b, m, cut, devices, optimizer, remat, kept):
+    def split_step(layers, data, b, m, cut, devices, optimizer, remat, kept, schedule="gpipe"):
         if b == 2:
             raise tf.errors.ResourceExhaustedError(None, None, "OOM when allocating")
         kept.extend(["model", None, [1.0]])
@@ -178,3 +203,18 @@ def test_a_probe_that_runs_out_of_memory_is_left_out_and_said(monkeypatch):
     took = fitting.time_probes([shapes], [None] * 3, None, DEVICES, "sgd", None, not_run)
     assert list(took) == [shapes[0], shapes[2]]
     assert not_run == ["probe 2 rows x M=1 on 1 device(s) ran out of memory on its devices"]
+
+
+def test_the_cut_probes_own_peaks_give_the_held_ratio_at_its_size():
+    # no one-cell step fits a tight budget, the probe cut over two devices does: its peaks, read on each device,
+    # give what a micro-batch's activations held; the search then predicts it as measured
+    cal, prof = calibration(parallelism=2.0), profile(sizes=(1, 2, 4, 8), outputs=(4.0, 4.0, 4.0))
+    shape = fitting.Shape(1, 8, (2, 1), schedule="1f1b")
+    config = Config((2, 1), 1, 8, "never", "1f1b")
+    prof.held_ratios = {True: ([1], [0.6])}
+    peaks = predict.peak_bytes(prof, 8, config, 2, cal.noinline_tasks, cal.across_processes)
+    prof.held_ratios = {}
+    assert fitting.held_ratio_of_cut(prof, shape, peaks, 2, cal) == (1, pytest.approx(0.6))
+    fitting.fit_held_ratios(prof, {}, 2, fitting.held_ratio_of_cut(prof, shape, peaks, 2, cal))
+    assert predict.peak_bytes(prof, 8, config, 2, cal.noinline_tasks, cal.across_processes) == pytest.approx(peaks)
+    assert "x0.60 at [1] samples" in prof.memory_source

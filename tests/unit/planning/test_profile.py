@@ -40,6 +40,24 @@ def test_a_measured_profile_gives_alike_layers_one_time_and_others_their_own():
         assert costs.forward_s[4] != costs.forward_s[0]  # Dense(8) is timed alone
 
 
+def test_alike_layers_past_the_first_two_are_not_timed_but_given_their_mean(monkeypatch):
+    timed = []
+    real = profile_lib._unit_costs
+
+    def unit_costs(walked, *args, **kwargs):
+        timed.append(walked.copy.units)
+        return real(walked, *args, **kwargs)
+
+    monkeypatch.setattr(profile_lib, "_unit_costs", unit_costs)
+    layers = [keras.layers.Dense(32, activation="tanh") for _ in range(5)] + [keras.layers.Dense(8)]
+    measured = profile_lib.measure(layers, np.zeros((8, 32), "float32"), [2, 8], "/CPU:0", repeats=1)
+    assert timed == [32, 32, 8]  # the first two Dense(32) and the Dense(8): five alike, three not timed
+    assert "(3 given the times of the first 2 of their kind)" in measured.time_source
+    for costs in measured.by_batch.values():
+        assert len(set(costs.forward_s[:5])) == 1
+        assert costs.held_bytes[2:5] == [np.mean(costs.held_bytes[:2])] * 3  # their bytes too, where not read
+
+
 def test_a_size_predicted_over_the_budget_alone_is_scaled_from_a_smaller_one_and_said():
     layers = [keras.layers.Dense(64, activation="tanh") for _ in range(2)]
     sizes = [4, 16, 256]
