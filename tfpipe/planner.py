@@ -124,6 +124,7 @@ def plan(
             found = search.run(measured, calibration, batch_size, space, None, slots)
             fastest = found[0].prediction.step_s if found else 0.0
             progress.max_seconds = max(AUTO_STEPS * fastest, AUTO_MIN_SECONDS)
+            progress.end()
             progress.say(
                 f"planning within {progress.max_seconds:.0f} s (max_seconds='auto': {AUTO_STEPS} steps of "
                 f"{fastest * 1e3:.1f} ms, the fastest the layers alone predict, at least {AUTO_MIN_SECONDS:.0f} s)"
