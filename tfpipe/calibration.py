@@ -33,6 +33,10 @@ from tfpipe.step.unrolled import noinline_tasks
 
 _CALIBRATIONS: dict[tuple[Any, ...], Calibration] = {}  # one per set of devices and optimizer, per process
 WARM_STEPS = 100  # TensorFlow's executor runs a kernel inline only once its cost estimate settles, ~90 runs
+# A whole step of the model's own layers, after tracing, ran as fast in its first 10 steps as in its 140th (2026-11-29:
+# the Transformer at 240 ms and MLPs at 2.5-60 ms a step, on workers and on logical CPUs, medians of 10 within noise
+# with no trend): its probes warm up this many steps, where warming up to WARM_STEPS took a third of a probe's time
+PROBE_WARM_STEPS = 10
 # Probes compared with one another are timed in this many rounds, in turn: a slow spell of a shared machine then slows
 # one round of each, not every step of one (docs/guide/planning.md#where-the-predictions-come-from)
 ROUNDS = 3
@@ -78,7 +82,16 @@ def _calibrate(device_list: list[str], optimizer: Any, steps: int, size: int) ->
     kept: dict[Any, list] = {m: [] for m in ms}  # each probe its own tiny layers, so that all stay alive to re-time
     probes = {
         m: _probe(
-            [keras.layers.Dense(4) for _ in device_list], [1] * k, device_list, m, x, x, "sgd", steps, kept=kept[m]
+            [keras.layers.Dense(4) for _ in device_list],
+            [1] * k,
+            device_list,
+            m,
+            x,
+            x,
+            "sgd",
+            steps,
+            kept=kept[m],
+            warm_steps=WARM_STEPS,
         )
         for m in ms
     }
@@ -213,8 +226,10 @@ def _probe(
     schedule: str = "gpipe",
     per_device: bool = False,
     kept: list | None = None,
+    warm_steps: int = PROBE_WARM_STEPS,
 ) -> Probe:
-    """A probe pipeline trained on one batch (x, y): its median step and its peak, after warming up (``warm``).
+    """A probe pipeline trained on one batch (x, y): its median step and its peak, after warming up (``warm``: up to
+    ``warm_steps`` steps).
 
     ``devices``: one pipeline's, or a list of replicas' (the peak is the first replica's first device's).
     ``per_device``: also each device's peak, where each has an allocator of its own. ``kept``: a list that gets the
@@ -244,7 +259,7 @@ def _probe(
     )
     model.compile(optimizer=optimizer, loss=loss)
     with messages.quiet():  # the probes' "building the step" lines are not the user's
-        warm_up(model, data, None if warm else 0.0)
+        warm_up(model, data, None if warm else 0.0, warm_steps)
         if memory:
             tf.config.experimental.reset_memory_stats(memory)
         if own:
@@ -353,8 +368,8 @@ def _own_allocators(devices: Sequence[str]) -> _OwnAllocators | None:
     return _OwnAllocators(sources)
 
 
-def warm_up(model: keras.Model, data: tf.data.Dataset, seconds: float | None = None) -> None:
-    """Trace ``model``'s step on ``data`` (a repeated dataset), then train up to WARM_STEPS steps or ``seconds``.
+def warm_up(model: keras.Model, data: tf.data.Dataset, seconds: float | None = None, steps: int = WARM_STEPS) -> None:
+    """Trace ``model``'s step on ``data`` (a repeated dataset), then train up to ``steps`` steps or ``seconds``.
 
     Default ``seconds``: twice the tracing time and one more (a large model settles sooner than it traces).
     """
@@ -362,8 +377,8 @@ def warm_up(model: keras.Model, data: tf.data.Dataset, seconds: float | None = N
     model.fit(data, steps_per_epoch=2, verbose=0)  # traces
     limit = 2 * (timeit.default_timer() - began) + 1.0 if seconds is None else seconds
     warm = 2
-    while warm < WARM_STEPS and timeit.default_timer() - began < limit:
-        model.fit(data, steps_per_epoch=10, verbose=0)
+    while warm < steps and timeit.default_timer() - began < limit:
+        model.fit(data, steps_per_epoch=min(10, steps - warm), verbose=0)
         warm += 10
 
 

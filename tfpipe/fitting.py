@@ -27,6 +27,7 @@ from tfpipe.planning.predict import Calibration, Config
 from tfpipe.planning.progress import Progress
 
 PROBE_MICRO_BATCHES = 8  # the whole-sequence probes' M: enough for their tasks to overlap as a pipeline's do
+CUT_HELD_SHARE = 0.25  # the least share of a cut probe's predicted peak in activations that fits a held ratio
 SCALE_PROBES = 8  # the most micro-batch sizes whose one-cell steps scale the layers' times
 STEPS = 10  # steps a probe is timed for in each round (calibration.ROUNDS)
 
@@ -106,8 +107,12 @@ def fit_model(
                     )
                     for s in steps
                 }
-        # the pipeline probe's own peaks, read on each device: a held ratio at its size where no step gave one
-        peaks = took[pipeline].device_peaks if pipeline in took else None
+        # the pipeline probe's own peaks, each device's (or logical CPUs' one allocator's total): a held ratio at its
+        # size where no step gave one
+        probe = took.get(pipeline) if pipeline is not None else None
+        peaks = probe.device_peaks if probe is not None else None
+        if probe is not None and not peaks and probe.peak_bytes is not None:
+            peaks = [probe.peak_bytes]
         at_cut = held_ratio_of_cut(measured, pipeline, peaks, slots, calibration) if pipeline and peaks else None
         fit_held_ratios(measured, steps, slots, at_cut)
     if pipeline in took:
@@ -398,8 +403,10 @@ def held_ratio_of_cut(
     measured: profile.Profile, shape: Shape, peaks: Sequence[float], slots: int, calibration: Calibration
 ) -> tuple[int, float] | None:
     """(b, ratio): what a micro-batch's activations held in the probe cut over devices (``shape``), against the
-    layers' bytes, from its ``peaks`` read on each device; None where its step does not inline its cells (the
-    ratio stays 1 there) or held none.
+    layers' bytes, from its ``peaks`` read on each device (or one, the total of devices that share an allocator);
+    None where its step does not inline its cells (the ratio stays 1 there), or where its activations are under
+    ``CUT_HELD_SHARE`` of its predicted peak: 12 x Dense(1024) at 256 rows x M=8 in 1F1B's order held 12% in
+    activations, and a rest (weights, gradients, slots, the batch) predicted 3% high put the ratio at its floor.
 
     Under a tight budget the one-cell steps may not fit where the cut one does: its peaks alone then give the held
     bytes (the Transformer of docs/benchmarks.md under 79 MiB a worker: its peaks predicted 60% high without them).
@@ -414,7 +421,7 @@ def held_ratio_of_cut(
         parts = predict.cell_bytes(measured, b, lo, hi, i == 0, slots, m, 1.0, True, summed)
         held += kept[i] * parts.activations
         rest += parts.static + in_flight[i] * parts.cell_input + parts.working
-    if held <= 0:
+    if held < CUT_HELD_SHARE * (held + rest):  # the rest's own error would be read as the activations'
         return None
     return b, min(max((sum(peaks[:k]) - rest) / held, 0.05), 4.0)
 

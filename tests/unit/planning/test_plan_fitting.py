@@ -208,7 +208,8 @@ def test_a_probe_that_runs_out_of_memory_is_left_out_and_said(monkeypatch):
 def test_the_cut_probes_own_peaks_give_the_held_ratio_at_its_size():
     # no one-cell step fits a tight budget, the probe cut over two devices does: its peaks, read on each device,
     # give what a micro-batch's activations held; the search then predicts it as measured
-    cal, prof = calibration(parallelism=2.0), profile(sizes=(1, 2, 4, 8), outputs=(4.0, 4.0, 4.0))
+    cal = calibration(parallelism=2.0)
+    prof = profile(sizes=(1, 2, 4, 8), outputs=(4.0, 4.0, 4.0), held=(4000.0, 3000.0, 2000.0))  # most of its peak
     shape = fitting.Shape(1, 8, (2, 1), schedule="1f1b")
     config = Config((2, 1), 1, 8, "never", "1f1b")
     prof.held_ratios = {True: ([1], [0.6])}
@@ -218,3 +219,26 @@ def test_the_cut_probes_own_peaks_give_the_held_ratio_at_its_size():
     fitting.fit_held_ratios(prof, {}, 2, fitting.held_ratio_of_cut(prof, shape, peaks, 2, cal))
     assert predict.peak_bytes(prof, 8, config, 2, cal.noinline_tasks, cal.across_processes) == pytest.approx(peaks)
     assert "x0.60 at [1] samples" in prof.memory_source
+
+
+def test_a_cut_probe_whose_activations_are_a_small_share_of_its_peak_fits_no_held_ratio():
+    # weights and slots large against a micro-batch: a small error in their prediction would be read as the ratio
+    cal, prof = calibration(parallelism=2.0), profile(sizes=(1, 2, 4, 8), outputs=(4.0, 4.0, 4.0))
+    prof.weight_bytes = prof.trainable_bytes = [1e4, 1e4, 1e4]
+    shape = fitting.Shape(1, 8, (2, 1), schedule="1f1b")
+    peaks = predict.peak_bytes(prof, 8, Config((2, 1), 1, 8, "never", "1f1b"), 2, cal.noinline_tasks)
+    assert fitting.held_ratio_of_cut(prof, shape, peaks, 2, cal) is None
+
+
+def test_a_probe_warms_up_its_steps_and_no_more():
+    import keras
+    import numpy as np
+    import tensorflow as tf
+
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+    model.compile(optimizer="sgd", loss="mse")
+    data = tf.data.Dataset.from_tensors((np.ones((8, 4), "float32"), np.ones((8, 2), "float32"))).repeat()
+    calibration_lib.warm_up(model, data, seconds=60.0, steps=calibration_lib.PROBE_WARM_STEPS)
+    assert int(model.optimizer.iterations) == calibration_lib.PROBE_WARM_STEPS  # 2 traced, then 8 (not 10)
+    calibration_lib.warm_up(model, data, seconds=0.0)
+    assert int(model.optimizer.iterations) == calibration_lib.PROBE_WARM_STEPS + 2  # no time to warm: traced only
