@@ -17,7 +17,7 @@ from tfpipe.partition.cell import Cell
 
 
 @dataclasses.dataclass
-class Plan:
+class LoopTraces:
     """A step's loops before any of their ops: the weights read for it and each cell traced for its inputs."""
 
     weights: list[tuple[list[tf.Tensor], list[tf.Tensor]]]  # per cell, (trainable, non-trainable)
@@ -80,7 +80,7 @@ class Loops:
     """What both loops of one step read."""
 
     cells: Sequence[Cell]
-    plan: Plan
+    plan: LoopTraces
     specs: list[list[tf.TensorSpec]]  # specs[k]: cell k's input leaves; specs[K]: the outputs
     shares: tf.Tensor  # each micro-batch's share n_j/N, on cell 0's device
     m: int  # micro-batches

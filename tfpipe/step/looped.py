@@ -24,10 +24,20 @@ from tfpipe.step import loop_backward, loss
 from tfpipe.step.executor import Executor, StepResult, step_result
 from tfpipe.step.leaves import fill, flat
 from tfpipe.step.loop_backward import LossGrads
-from tfpipe.step.loop_cycles import Cycle, LoopOutputs, Loops, Plan, array, empty, micro_batch_at, rows, unknown_batch
+from tfpipe.step.loop_cycles import (
+    Cycle,
+    LoopOutputs,
+    Loops,
+    LoopTraces,
+    array,
+    empty,
+    micro_batch_at,
+    rows,
+    unknown_batch,
+)
 from tfpipe.step.loss import LossFn
 
-__all__ = ["Looped", "Plan", "Unsupported", "build", "micro_batch_at"]  # micro_batch_at: GPipe's clock, for tests
+__all__ = ["Looped", "LoopTraces", "Unsupported", "build", "micro_batch_at"]  # micro_batch_at: GPipe's clock, for tests
 
 
 class Unsupported(Exception):
@@ -79,7 +89,7 @@ class Looped(Executor):
         plan = self.plan(inputs, True)
         return self.run(plan, inputs, True, loss.offset(loss_fn, first), fractions, loss_scale, first, merge)
 
-    def plan(self, inputs: Sequence[Any], training: bool) -> Plan:
+    def plan(self, inputs: Sequence[Any], training: bool) -> LoopTraces:
         """The weights read for the step and every cell traced for its inputs; ``Unsupported`` where the loops
         cannot run the model, before any op of theirs."""
         if self.routes is not None:
@@ -89,11 +99,11 @@ class Looped(Executor):
             )
         weights = [cell.read() for cell in self.cells]
         traces, structures = _trace_forward(self.cells, weights, inputs[0], training)
-        return Plan(weights, traces, structures)
+        return LoopTraces(weights, traces, structures)
 
     def run(
         self,
-        plan: Plan,
+        plan: LoopTraces,
         inputs: Sequence[Any],
         training: bool,
         loss_fn: LossFn | None,
@@ -123,7 +133,7 @@ class Looped(Executor):
 
 def build(
     cells: Sequence[Cell],
-    plan: Plan,
+    plan: LoopTraces,
     inputs: Sequence[Any],
     fractions: Sequence[Any] | None,
     loss_grads: LossGrads | None = None,

@@ -203,7 +203,7 @@ class Pipeline(Executor):
             fractions if training and merge else None,
         )
 
-    def _loop_plan(self, inputs: Sequence[Any], training: bool) -> looped.Plan | None:
+    def _loop_plan(self, inputs: Sequence[Any], training: bool) -> looped.LoopTraces | None:
         """Which executor runs this step, chosen before it is built: the loops' plan of it, or None to unroll.
 
         None where ``unroll=True``, or where the loops cannot run the model: then a warning says why
