@@ -1,6 +1,6 @@
 """The pipeline schedule as plain data: which task each device runs, in which order.
 
-Three schedules of one synchronous step:
+Four schedules of one synchronous step:
 
 - ``"gpipe"``: every cell runs all its forwards, then all its backwards (last
   micro-batch first); a cell holds the activations of all M micro-batches. Bubble
