@@ -16,13 +16,12 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tfpipe import messages
+from tfpipe import _compat, messages
 from tfpipe import settings as settings_lib
 from tfpipe.planning.plans import parse_bytes
 
 PLANNER: list[Callable[..., Any]] = []  # tfpipe.plan, registered by tfpipe.planner
 AUTO = "auto"
-KERAS_BATCH_SIZE = 32  # what Keras' fit uses for arrays when batch_size is not given
 
 
 # PipelineModel's defaults for the settings a plan chooses
@@ -73,7 +72,7 @@ def first_batch(x: Any, batch_size: int | None) -> tuple[Any, int]:
             f"data is neither ({type(x).__name__}). Plan with tfpipe.plan(layers, batch_size, sample=...) and pass "
             "plan=<the plan> instead."
         )
-    size = min(batch_size or KERAS_BATCH_SIZE, int(leaves[0].shape[0]))
+    size = min(batch_size or _compat.DEFAULT_BATCH_SIZE, int(leaves[0].shape[0]))
     return tf.nest.map_structure(lambda t: np.asarray(t[:size]), x), size
 
 

@@ -125,7 +125,7 @@ def check_batches(
     if not leaves or len(leaves) != len(tf.nest.flatten(x)):
         return  # a generator, or a dataset of unknown batching: its batches are checked in the step
     n = int(math.floor(int(leaves[0].shape[0]) * (1.0 - validation_split)))  # as Keras splits
-    size = batch_size or 32
+    size = batch_size or _compat.DEFAULT_BATCH_SIZE
     last = n % size
     if 0 < last < m:
         raise ValueError(

@@ -7,6 +7,7 @@ are in ``keras``, TensorFlow's in ``tensorflow``; tfpipe uses them as ``from tfp
 
 from tfpipe._compat.keras import (
     BATCHES_DONE,
+    DEFAULT_BATCH_SIZE,
     LOGITS,
     MASK,
     OPTIMIZER_HOOKS,
@@ -76,6 +77,7 @@ from tfpipe._compat.tensorflow import (
 
 __all__ = [
     "BATCHES_DONE",
+    "DEFAULT_BATCH_SIZE",
     "backup_point",
     "clone_uncompiled",
     "has_backup",

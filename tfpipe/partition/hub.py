@@ -20,7 +20,6 @@ import tensorflow as tf
 from tfpipe import _compat
 
 STAND_IN_LENGTH = 128  # an unknown sequence length, for estimating costs, when the model gives no hint
-DEFAULT_BATCH_SIZE = 32  # what Keras' fit batches arrays by
 
 Preprocess = Callable[..., Any]  # (x, y=None, sample_weight=None) -> x or (x, y[, sample_weight])
 
@@ -78,7 +77,7 @@ def _dataset(x: Any, y: Any, sample_weight: Any, batch_size: int | None, what: s
         raise ValueError(f"{what}: x is None; give the raw samples the task's preprocessor takes.")
     data = keras.utils.pack_x_y_sample_weight(x, y, sample_weight)
     data = keras.tree.map_structure(lambda a: a if isinstance(a, (tf.Tensor, tf.RaggedTensor)) else np.asarray(a), data)
-    return tf.data.Dataset.from_tensor_slices(data).batch(batch_size or DEFAULT_BATCH_SIZE)
+    return tf.data.Dataset.from_tensor_slices(data).batch(batch_size or _compat.DEFAULT_BATCH_SIZE)
 
 
 def _preprocessed(dataset: tf.data.Dataset, preprocess: Preprocess) -> tf.data.Dataset:

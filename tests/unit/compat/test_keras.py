@@ -334,3 +334,11 @@ def test_a_name_scope_tensorflow_refuses_leaves_keras_stack_open_unless_restored
         from keras.src.backend.common import global_state
 
         global_state.get_global_attribute("name_scope_stack").clear()
+
+
+def test_keras_batches_arrays_by_its_default_batch_size():
+    model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+    model.compile(optimizer="sgd", loss="mse")
+    n = 2 * _compat.DEFAULT_BATCH_SIZE + 1
+    model.fit(np.ones((n, 2), "float32"), np.ones((n, 1), "float32"), epochs=1, verbose=0)
+    assert int(model.optimizer.iterations) == 3  # two full batches and one of a sample
