@@ -70,11 +70,9 @@ def check(
         num_cells = balance_lib.check_num_partitions(num_partitions, units, unit)
     m = positive_int("num_micro_batches", num_micro_batches, "Use 1 to disable micro-batching.")
     remat = remat_lib.check_mode(remat)
-    unroll = check_unroll(unroll, remat)
     schedule = schedule_lib.check_name(schedule)
     check_remat(remat, schedule)
-    if schedule != "gpipe" and not unroll:
-        raise ValueError(f"schedule={schedule!r} needs unroll=True; unroll=False runs GPipe's clock cycles.")
+    unroll = check_unroll(unroll, remat, schedule)
     replica_devices = devices_lib.resolve_replicas(devices, num_cells)
     return Settings(cell_sizes, num_cells, cost, m, remat, unroll, schedule, replica_devices)
 

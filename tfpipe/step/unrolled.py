@@ -58,14 +58,18 @@ def noinline_tasks(cell_devices: Sequence[str]) -> int:
     return NOINLINE_TASKS_ACROSS_PROCESSES if sendrecv.any_remote(cell_devices) else NOINLINE_TASKS
 
 
-def check_unroll(unroll: Any, remat: str) -> bool:
-    """Validate ``unroll``: True or False; False (loops) needs re-materialization."""
+def check_unroll(unroll: Any, remat: str, schedule_name: str = "gpipe") -> bool:
+    """Validate ``unroll``: True or False; False (loops) needs re-materialization and runs GPipe's order only."""
     if not isinstance(unroll, bool):
         raise TypeError(f"unroll must be True (one call per task) or False (two loops); got {unroll!r}.")
     if unroll is False and remat == "never":
         raise ValueError(
             "unroll=False runs the step as loops that recompute every cell in the backward pass, so it "
             "cannot keep activations as remat='never' asks; use remat='always' or 'except_last', or unroll=True."
+        )
+    if unroll is False and schedule_name != "gpipe":
+        raise ValueError(
+            f"unroll=False runs GPipe's clock cycles as loops; schedule={schedule_name!r} needs unroll=True."
         )
     return unroll
 
@@ -109,12 +113,9 @@ class Pipeline(Executor):
         self.cells = list(cells)
         self.routes = routes
         self.schedule = schedule.check_name(schedule_name)
-        if not unroll and self.schedule != "gpipe":
-            raise ValueError(
-                f"unroll=False runs GPipe's clock cycles as loops; schedule={schedule_name!r} needs unroll=True."
-            )
-        self.num_micro_batches = num_micro_batches
         self.remat = check_remat(remat_lib.check_mode(remat), self.schedule)
+        check_unroll(unroll, self.remat, self.schedule)
+        self.num_micro_batches = num_micro_batches
         self._wiring = Wiring(self.cells, routes)
         self._tasks = Tasks(self.cells, self._wiring, self.schedule, self.remat, num_micro_batches)
         # Loops (tfpipe/step/looped.py) build in a time that does not grow with M, but their later steps are slower
