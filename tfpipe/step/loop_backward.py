@@ -169,7 +169,7 @@ class CycleVJP:
                 x = tf.nest.pack_sequence_as(self._structure, leaves.fill(self._structure, x_leaves))
                 y, _, terms = cell.run_inline(w, other, x, training=True)
                 terms = terms * share
-            y_leaves = [leaf for leaf in tf.nest.flatten(y) if leaf is not None]
+            y_leaves = leaves.flat(y)
             grads = tape.gradient(
                 [y_leaves[i] for i in self._dy] + [terms],
                 [x_leaves[i] for i in self._dx] + w,

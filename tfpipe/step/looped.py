@@ -248,7 +248,7 @@ def _forward_or_bubble(trace, x, trainable, seeds, valid, out_specs):
 
     def forward():
         y, new_state, terms = trace.apply(x, trainable, seeds)
-        return [leaf for leaf in tf.nest.flatten(y) if leaf is not None], [new_state[i] for i in trace.changed], terms
+        return flat(y), [new_state[i] for i in trace.changed], terms
 
     def bubble():
         return [empty(s) for s in out_specs], [tf.identity(seeds[i]) for i in trace.changed], tf.constant(0.0)

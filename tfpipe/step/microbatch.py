@@ -8,6 +8,8 @@ from typing import Any, ContextManager, Union
 
 import tensorflow as tf
 
+from tfpipe.step.leaves import flat
+
 Size = Union[int, tf.Tensor]
 SHORT_BATCH = "tfpipe: a training batch is smaller than"  # the in-graph check's message starts so
 
@@ -24,13 +26,9 @@ def split_sizes(batch_size: int, num_micro_batches: int) -> list[int]:
     return [base + (1 if j < extra else 0) for j in range(num_micro_batches)]
 
 
-def _leaves(structure: Any) -> list[Any]:
-    return [leaf for leaf in tf.nest.flatten(structure) if leaf is not None]
-
-
 def batch_size(structure: Any) -> Size:
     """The batch size N of a nested batch: a Python int when static, else a scalar tensor."""
-    leaves = _leaves(structure)
+    leaves = flat(structure)
     if not leaves:
         raise ValueError("The batch holds no tensors; cannot split it into micro-batches.")
     first = tf.convert_to_tensor(leaves[0])
@@ -123,7 +121,7 @@ def loss_weights(reduction: str, micro_sizes: Sequence[Size], sample_weight_part
     if reduction == "mean_with_sample_weight":
         if sample_weight_parts[0] is None:
             return fractions(micro_sizes)
-        sums = [tf.add_n([tf.reduce_sum(tf.cast(w, tf.float32)) for w in _leaves(p)]) for p in sample_weight_parts]
+        sums = [tf.add_n([tf.reduce_sum(tf.cast(w, tf.float32)) for w in flat(p)]) for p in sample_weight_parts]
         total = tf.add_n(sums)
         return [tf.math.divide_no_nan(s, total) for s in sums]
     raise ValueError(

@@ -130,7 +130,7 @@ class Tasks:
         i, j = task.cell, task.micro_batch
         record = step.records.pop((i, j))
         dy = self.wiring.output_gradients(i, j, step)
-        with chain.task(task, extra_deps=[g for g in tf.nest.flatten(dy) if g is not None]) as produced:
+        with chain.task(task, extra_deps=flat(dy)) as produced:
             dy = self.wiring.summed(dy)
             # Through identities made here: a tape's gradient ops (a kept forward's backward) take no control
             # dependencies, so without them the backward ran as soon as its gradients arrived, out of turn.
