@@ -145,7 +145,9 @@ def split_step(
     x = tf.nest.map_structure(lambda t, n=b * m: _tiled(t, n), sample)
     y = _targets(copies, b * m)
     optimizer = _fresh(optimizer)
-    return _probe(copies, balance, devices, m, x, y, optimizer, steps, _mean, warm, remat, schedule, True, kept)
+    return _probe(
+        copies, balance, devices, m, x, y, optimizer, steps, _mean, warm, remat, schedule, per_device=True, kept=kept
+    )
 
 
 def configured_step(
@@ -378,8 +380,9 @@ def warm_up(model: keras.Model, data: tf.data.Dataset, seconds: float | None = N
     limit = 2 * (timeit.default_timer() - began) + 1.0 if seconds is None else seconds
     warm = 2
     while warm < steps and timeit.default_timer() - began < limit:
-        model.fit(data, steps_per_epoch=min(10, steps - warm), verbose=0)
-        warm += 10
+        more = min(10, steps - warm)
+        model.fit(data, steps_per_epoch=more, verbose=0)
+        warm += more
 
 
 def step_times(model: keras.Model, data: tf.data.Dataset, steps: int) -> list[float]:

@@ -381,7 +381,7 @@ def fit_held_ratios(
             continue
         rest = predict.cell_peak(measured, b, 0, len(measured.weight_bytes), True, in_flight[0], kept[0], slots, m, 0.0)
         found[0].append(b)
-        found[1].append(min(max((peak - rest) / activations, 0.05), 4.0))
+        found[1].append(_held_ratio(peak - rest, activations))
     cut_at = cut[0] if cut is not None and cut[0] not in found[0] else None
     if cut is not None and cut_at is not None:
         at = int(np.searchsorted(found[0], cut_at))
@@ -420,12 +420,18 @@ def held_ratio_of_cut(
     summed = predict.holds_running_sums(m, shape.schedule, calibration.across_processes)
     held = rest = 0.0
     for i, (lo, hi) in enumerate(predict.bounds(shape.cut)):
-        parts = predict.cell_bytes(measured, b, lo, hi, i == 0, slots, m, 1.0, True, summed)
-        held += kept[i] * parts.activations
-        rest += parts.static + in_flight[i] * parts.cell_input + parts.working
+        args = (measured, b, lo, hi, i == 0, in_flight[i], kept[i], slots, m)
+        without = predict.cell_peak(*args, 0.0, True, summed)  # the cell's peak holding no activations
+        rest += without
+        held += predict.cell_peak(*args, 1.0, True, summed) - without
     if held < CUT_HELD_SHARE * (held + rest):  # the rest's own error would be read as the activations'
         return None
-    return b, min(max((sum(peaks[:k]) - rest) / held, 0.05), 4.0)
+    return b, _held_ratio(sum(peaks[:k]) - rest, held)
+
+
+def _held_ratio(held: float, activations: float) -> float:
+    """What a step's activations ``held`` against the layers' measured ``activations``, within [0.05, 4]."""
+    return min(max(held / activations, 0.05), 4.0)
 
 
 def model_parallelism(

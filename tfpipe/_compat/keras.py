@@ -152,11 +152,12 @@ def takes_training(operation: Any) -> bool:
     return "training" in getattr(operation, "_call_context_args", ())
 
 
+# What Keras' fit, evaluate and predict batch arrays by when batch_size is None (its array data adapter)
+DEFAULT_BATCH_SIZE = 32
+
 # What Keras hangs on a tensor: its mask (layers read it) and, on a softmax or sigmoid output, its logits
 # (Keras' cross-entropy reads them instead, for exactness). A function boundary or a cut drops both;
 # tfpipe carries them across as tensors of their own and hangs them back (``hung``, ``hang``).
-# What Keras' fit, evaluate and predict batch arrays by when batch_size is None (its array data adapter)
-DEFAULT_BATCH_SIZE = 32
 MASK = "_keras_mask"
 LOGITS = "_keras_logits"
 

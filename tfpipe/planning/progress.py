@@ -41,9 +41,6 @@ class Progress:
 
     def say(self, text: str) -> None:
         """One line of planning's own (silent with ``verbose=0``)."""
-        self._say(text)
-
-    def _say(self, text: str) -> None:
         if self.verbose > 0:
             messages.say(f"{self.prefix}: {text}")
             self._said = time.monotonic()
@@ -53,7 +50,7 @@ class Progress:
         self.end()
         self._name, self._total, self._done = name, int(total), 0
         self._phase_began = time.monotonic()
-        self._say(f"{name}" + (f" (0 of {total})" if total else "") + f", {self._elapsed()} in")
+        self.say(f"{name}" + (f" (0 of {total})" if total else "") + f", {self._elapsed()} in")
 
     def step(self, what: str = "") -> None:
         """One step of the phase done (``what``: which); a line if the last was long enough ago, or it is the last."""
@@ -65,7 +62,7 @@ class Progress:
             return
         pace = (now - self._phase_began) / self._done
         left = f", about {_seconds(pace * (self._total - self._done))} left in it" if not last else ""
-        self._say(f"{self._name}: {self._done} of {self._total}" + (f" ({what})" if what else "") + left)
+        self.say(f"{self._name}: {self._done} of {self._total}" + (f" ({what})" if what else "") + left)
 
     def mark(self) -> None:
         """A moment worth ``on_step`` that is not a step of the phase (a group of probes timed in rounds)."""
@@ -75,7 +72,7 @@ class Progress:
     def end(self) -> None:
         """End the phase under way (if any), saying how long it took."""
         if self._name:
-            self._say(f"{self._name}: done in {_seconds(time.monotonic() - self._phase_began)}")
+            self.say(f"{self._name}: done in {_seconds(time.monotonic() - self._phase_began)}")
             self._name = ""
 
     def seconds(self) -> float:
