@@ -268,7 +268,9 @@ def main(argv: list[str]) -> None:
     found, probes = [], []
     for row in rows:
         print(f"{row}: the deepest model under {FLAGS.budget_mib:g} MiB per device (doubling, then bisection)")
-        blocks, capped, made = largest_under_budget(lambda b, r=row: probe(r, b), budget, FLAGS.max_blocks)
+        # K cells need K layers: a model of K blocks has at least that many, whatever else it holds.
+        first = max(1, int(row)) if row != "plain" else 1
+        blocks, capped, made = largest_under_budget(lambda b, r=row: probe(r, b), budget, FLAGS.max_blocks, first)
         probes += made
         best = next((m for m in made if m["blocks"] == blocks), None)
         found.append(

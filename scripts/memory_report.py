@@ -160,9 +160,10 @@ def report(
 
 
 def largest_under_budget(
-    probe: Callable[[int], dict[str, Any]], budget: float, cap: int
+    probe: Callable[[int], dict[str, Any]], budget: float, cap: int, first: int = 1
 ) -> tuple[int, bool, list[dict[str, Any]]]:
-    """The largest L in [0, cap] whose probe peaks at most ``budget`` (doubling, then bisection).
+    """The largest L in [first, cap] whose probe peaks at most ``budget`` (doubling from ``first``, then bisection);
+    ``first - 1`` where none does.
 
     Also returns whether the cap was reached and every probe made. Assumes the peak
     grows with L, as it does: every block adds its weights and activations.
@@ -173,7 +174,7 @@ def largest_under_budget(
         made.append(probe(blocks))
         return made[-1]["peak"] <= budget
 
-    ok, bad, blocks = 0, None, 1
+    ok, bad, blocks = first - 1, None, min(first, cap)
     while bad is None:
         if fits(blocks):
             ok = blocks

@@ -78,7 +78,12 @@ class PipelineModel(settings_lib.SettingsProperties, KerasEntryPoints, auto_plan
         concatenated: one large product instead of M small ones, where every op of the
         cell's weight gradient works example by example or sums over examples (else, with a
         warning, once per micro-batch); it holds each micro-batch's output gradients too
-        until then. Non-GPipe schedules need ``unroll=True``.
+        until then. Four schedules put v = K/D of the K cells on each of D devices (``devices``
+        then lists the D devices), so the bubble shrinks about v-fold: ``"interleaved_1f1b"``
+        (Megatron-LM's virtual stages, cell c on device c mod D), ``"looped_bfs"`` (the same
+        cells, GPipe's order a cell at a time), ``"interleaved_zero_bubble"`` and ``"zbv"``
+        (cells d and 2D-1-d on device d, so the loss is on the first device; 1F1B's memory).
+        Non-GPipe schedules need ``unroll=True``.
       plan: a ``tfpipe.plan(...)`` result: its balance, devices (with replicas), M, remat and
         schedule, in place of those arguments (docs/guide/planning.md). Or ``"auto"``: the
         first ``fit`` plans on its first batch, over ``devices`` (default: the planner's)
@@ -163,6 +168,7 @@ class PipelineModel(settings_lib.SettingsProperties, KerasEntryPoints, auto_plan
         self._devices = list(settings.replica_devices[0])  # replica 0's cells own the variables
         self._unroll = settings.unroll
         self._schedule = settings.schedule
+        self._num_devices = settings.num_devices
 
     def _split_early(self, layers: Any, units: int) -> list[int] | None:
         """The balance for ``num_partitions`` where it can be found before ``build``; else None (build splits)."""
@@ -193,6 +199,7 @@ class PipelineModel(settings_lib.SettingsProperties, KerasEntryPoints, auto_plan
                 self._unroll,
                 routes,
                 self._schedule,
+                self._num_devices,
             )
             for r, devices in enumerate(self._replica_devices)
         ]

@@ -89,7 +89,7 @@ def plan(
     space = search.Space(
         num_devices=len(device_list),
         micro_batches=_choices("num_micro_batches", num_micro_batches, search.MICRO_BATCHES, int),
-        schedules=_choices("schedules", schedules, schedule_lib.SCHEDULES, str, schedule_lib.check_name),
+        schedules=_choices("schedules", schedules, schedule_lib.SCHEDULES, str, _one_cell_schedule),
         remats=_choices("remats", remats, REMAT_MODES, str, check_mode),
         replicas=bool(replicas),
     )
@@ -256,6 +256,17 @@ def _choices(name: str, given: Any, default: Sequence[Any], kind: type, check: A
         raise ValueError(f"{name} must be a non-empty list of choices, got {given!r}; e.g. {list(default)[:3]}.")
     values = [positive_int(name, v) if kind is int else v for v in given]
     return tuple(check(v) for v in values) if check else tuple(values)
+
+
+def _one_cell_schedule(name: str) -> str:
+    """A schedule the search can take: one of ``schedule.SCHEDULES``, one cell per device."""
+    if schedule_lib.shares_devices(name):
+        raise ValueError(
+            f"schedules holds {name!r}, which puts several cells on each device; the planner searches one cell per "
+            f"device ({', '.join(map(repr, schedule_lib.SCHEDULES))}): plan with those, or give {name!r} to "
+            "PipelineModel yourself."
+        )
+    return schedule_lib.check_name(name)
 
 
 def optimizer_slots(optimizer: Any) -> int:

@@ -16,6 +16,7 @@ from tfpipe.distributed import devices as devices_lib
 from tfpipe.partition import functional, specs
 from tfpipe.partition import state as state_lib
 from tfpipe.partition.sequence import copy_layer, layer_list
+from tfpipe.step import schedule as schedule_lib
 
 _Model = TypeVar("_Model", bound="Saving")  # the PipelineModel class a classmethod is called on
 
@@ -166,7 +167,12 @@ class Saving(keras.Model):
             saved = config.pop("devices")
             return cls(layers, devices=None if saved is None else devices_lib.restore(saved, len(saved))[0], **config)
         num_cells = len(config["balance"]) if config.get("balance") else config["num_partitions"]
+        devices: list[str] | list[list[str]] | None
         devices, why = devices_lib.restore(config.pop("devices"), num_cells)
+        if why and schedule_lib.shares_devices(config.get("schedule", "gpipe")):
+            devices = None  # the schedule lays the cells over this machine's devices its own way
+            placer = f"schedule={config['schedule']!r}"
+            why = why.split("; ")[0] + f"; the cells go to this machine's devices as {placer} places them"
         if why:
             warnings.warn(f"Loading PipelineModel {config.get('name')!r}: {why}.", stacklevel=2)
         return cls(layers, devices=devices, **config)

@@ -31,6 +31,7 @@ class Settings(NamedTuple):
     unroll: bool
     schedule: str
     replica_devices: list[list[str]]  # one device per cell, per replica
+    num_devices: int  # K, the devices the schedule lays the cells over (the number of cells unless it shares them)
 
 
 def check(
@@ -73,8 +74,53 @@ def check(
     schedule = schedule_lib.check_name(schedule)
     check_remat(remat, schedule)
     unroll = check_unroll(unroll, remat, schedule)
-    replica_devices = devices_lib.resolve_replicas(devices, num_cells)
-    return Settings(cell_sizes, num_cells, cost, m, remat, unroll, schedule, replica_devices)
+    replica_devices, num_devices = placed(devices, num_cells, schedule)
+    return Settings(cell_sizes, num_cells, cost, m, remat, unroll, schedule, replica_devices, num_devices)
+
+
+def placed(devices: Any, num_cells: int, schedule: str) -> tuple[list[list[str]], int]:
+    """Each replica's cell devices, and K, the devices the schedule lays the cells over.
+
+    A schedule of one cell per device takes one device per cell (``devices_lib.resolve_replicas``). One of
+    ``SHARED_SCHEDULES`` takes the K devices (or one per cell, laid out as it places them; None: the machine's,
+    K = N/2 for "zbv") and puts its cells on them (``schedule.placement``).
+    """
+    if not schedule_lib.shares_devices(schedule):
+        return devices_lib.resolve_replicas(devices, num_cells), num_cells
+    rows = [list(row) for row in devices] if devices_lib.is_replicated(devices) else [devices]
+    ks = {_shared_k(row, num_cells, schedule) for row in rows}
+    if len(ks) > 1:
+        raise ValueError(f"Every replica's devices must number the same K, got {sorted(ks)} in devices={devices!r}.")
+    k = ks.pop()
+    where = schedule_lib.placement(schedule, num_cells, k)  # checks that N cells lay out over K devices
+    slot_rows = [row[:k] if row is not None and len(row) != num_cells else _slots(row, where, k) for row in rows]
+    resolved = devices_lib.resolve_replicas(slot_rows if len(rows) > 1 else slot_rows[0], k)
+    return [[row[where[c]] for c in range(num_cells)] for row in resolved], k
+
+
+def _shared_k(row: Any, num_cells: int, schedule: str) -> int:
+    """K for one replica's ``devices`` under a schedule that shares devices."""
+    if row is None:
+        found = len(devices_lib.available())
+        return num_cells // 2 if schedule == "zbv" or num_cells % found else found
+    if isinstance(row, str) or not hasattr(row, "__iter__"):
+        raise TypeError(f"devices must be a list of device strings, got {row!r}.")
+    if len(row) != num_cells:
+        return len(row)
+    return num_cells // 2 if schedule == "zbv" else len(dict.fromkeys(row))
+
+
+def _slots(row: list[str] | None, where: list[int], k: int) -> list[str] | None:
+    """The K devices of a list of one device per cell, which must follow ``where``; None stays None."""
+    if row is None:
+        return None
+    slots = [row[where.index(d)] for d in range(k)]
+    if any(row[c] != slots[d] for c, d in enumerate(where)):
+        raise ValueError(
+            f"devices={row!r} gives one device per cell, which the schedule must place as {where} (the device of "
+            f"each cell): give the {k} devices instead, e.g. devices={slots!r}."
+        )
+    return slots
 
 
 class SettingsProperties(keras.Model):
@@ -91,6 +137,7 @@ class SettingsProperties(keras.Model):
     _remat: str
     _unroll: bool
     _schedule: str
+    _num_devices: int
     _cost: cost_lib.Cost
     _graph: functional.Graph | None
     _pipeline: Pipeline | Replicated | None
@@ -118,6 +165,11 @@ class SettingsProperties(keras.Model):
         return self._num_cells
 
     @property
+    def num_devices(self) -> int:
+        """The devices the cells are laid over: K, or K/v where the schedule puts v cells on each device."""
+        return self._num_devices
+
+    @property
     def num_micro_batches(self) -> int:
         """M, the number of micro-batches per mini-batch."""
         return self._m
@@ -134,7 +186,7 @@ class SettingsProperties(keras.Model):
 
     @property
     def schedule(self) -> str:
-        """The order of each cell's tasks: ``"gpipe"`` or ``"1f1b"``."""
+        """The order of the tasks: one of ``tfpipe.schedule.ALL_SCHEDULES`` (``"gpipe"`` by default)."""
         return self._schedule
 
     @property

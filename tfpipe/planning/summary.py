@@ -37,7 +37,9 @@ def print_summary(model: Any, line_length: int | None = None, print_fn: Callable
         + (f"{model.num_replicas} replicas x " if model.num_replicas > 1 else "")
         + f"{k} cells, balance={balance}, "
         f"num_micro_batches={m}, remat={model.remat!r}, schedule={model.schedule!r} "
-        f"(bubble {100 * schedule.predicted_bubble(model.schedule, k, m):.1f}%), cost={cost_name!r}"
+        f"(bubble {100 * schedule.predicted_bubble(model.schedule, k, m, model.num_devices):.1f}%)"
+        + (f" over {model.num_devices} devices" if model.num_devices != k else "")
+        + f", cost={cost_name!r}"
         + (", each cell compiled by XLA" if model.cells_jit_compile else "")
     )
     print_fn("=" * width)
@@ -102,8 +104,8 @@ def _print_efficiency(model: Any, per_cell: list[float], print_fn: Callable[[str
     """The predicted pipeline efficiency (the schedule's bubble x the cells' evenness) and what would raise it."""
     k, m = model.num_partitions, model.num_micro_batches
     evenness = balance_lib.evenness(per_cell)
-    if schedule.splits_backward(model.schedule):  # the bubble is not GPipe's M/(M+K-1): say whose it is
-        bubble_free = 1.0 - schedule.predicted_bubble(model.schedule, k, m)
+    if _own_bubble(model.schedule):  # the bubble is not GPipe's M/(M+K-1): say whose it is
+        bubble_free = 1.0 - schedule.predicted_bubble(model.schedule, k, m, model.num_devices)
         print_fn(
             f"Predicted pipeline efficiency: {100 * bubble_free * evenness:.1f}% = 1 - bubble of "
             f"{model.schedule!r} {100 * bubble_free:.1f}% (backward 2x forward, half of it W) x "
@@ -119,14 +121,20 @@ def _print_efficiency(model: Any, per_cell: list[float], print_fn: Callable[[str
         print_fn(hint)
 
 
+def _own_bubble(name: str) -> bool:
+    """Whether schedule ``name``'s bubble is not GPipe's (K-1)/(M+K-1): it splits backwards or shares devices."""
+    return schedule.splits_backward(name) or schedule.shares_devices(name)
+
+
 def _hints(model: Any, per_cell: list[float]) -> list[str]:
     """What would raise the predicted efficiency: more micro-batches than 1, a device per cell."""
     k, m = model.num_partitions, model.num_micro_batches
     hints = []
     if m == 1 and k > 1:
         more = 4 * k
-        if schedule.splits_backward(model.schedule):
-            better = (1.0 - schedule.predicted_bubble(model.schedule, k, more)) * balance_lib.evenness(per_cell)
+        if _own_bubble(model.schedule):
+            bubble = schedule.predicted_bubble(model.schedule, k, more, model.num_devices)
+            better = (1.0 - bubble) * balance_lib.evenness(per_cell)
         else:
             better = balance_lib.efficiency(per_cell, more)
         hints.append(

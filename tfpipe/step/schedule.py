@@ -1,6 +1,6 @@
 """The pipeline schedule as plain data: which task each device runs, in which order.
 
-Four schedules of one synchronous step:
+Four schedules put one cell on each device:
 
 - ``"gpipe"``: every cell runs all its forwards, then all its backwards (last
   micro-batch first); a cell holds the activations of all M micro-batches. Bubble
@@ -21,6 +21,24 @@ Four schedules of one synchronous step:
   (``W(i, all)``): one weight-gradient product over the whole mini-batch instead of M
   small ones (the cell's activations and output gradients of every micro-batch are
   held until then). Cell i's W fills the time it would wait for cell 0 to finish.
+
+Four put v = N/K of the N cells on each of K devices (``SHARED_SCHEDULES``; ``placement`` says where), so
+that a micro-batch passes each device v times and the bubble shrinks to about (K-1)/(vM+K-1):
+
+- ``"interleaved_1f1b"`` (Megatron-LM's virtual pipeline stages, Narayanan et al. 2021): cell c on device
+  c mod K. Micro-batches go in groups of K: a device runs a group's forwards through its first cell, then its
+  second, and so on, and the backwards likewise with its cells in reverse; (v-1)K + 2(K-1-d) forwards ahead
+  (device d), then one forward and one backward in turn. A device holds more micro-batches than under 1F1B,
+  each of a cell 1/v of its layers.
+- ``"looped_bfs"`` (breadth first, Lamy-Poirier 2023): the same placement; a device runs every forward of
+  its first cell, then of its second, ..., then every backward, its last cell first. GPipe's memory.
+- ``"interleaved_zero_bubble"``: interleaved 1F1B's order with each backward split into B and W, device d
+  running each W d backwards after its B (as zero bubble's cell i does i).
+- ``"zbv"`` (ZB-V, Qi et al. 2024): 2K cells in a V, cells d and 2K-1-d on device d, so the last cell (and the
+  loss) is on device 0 next to the first. Backwards split into B and W; each device's order is found by
+  playing the step out with equal task times, running a ready B first, then a forward while the device
+  holds fewer than 2K micro-batches of a cell (1F1B's memory: K micro-batches of the device's layers), then
+  a W, which fills the waits.
 """
 
 from __future__ import annotations
@@ -79,19 +97,21 @@ def gpipe(num_cells: int, num_micro_batches: int, backward: bool = True) -> list
     return cycles
 
 
-SCHEDULES = ("gpipe", "1f1b", "zero_bubble", "gpipe_batched_w")
+SCHEDULES = ("gpipe", "1f1b", "zero_bubble", "gpipe_batched_w")  # one cell per device
+SHARED_SCHEDULES = ("interleaved_1f1b", "looped_bfs", "interleaved_zero_bubble", "zbv")  # v cells per device
+ALL_SCHEDULES = SCHEDULES + SHARED_SCHEDULES
 
 
 def check_name(name: str) -> str:
     """Validate a schedule name."""
-    if name not in SCHEDULES:
-        raise ValueError(f"Unknown schedule={name!r}; use one of {', '.join(repr(s) for s in SCHEDULES)}.")
+    if name not in ALL_SCHEDULES:
+        raise ValueError(f"Unknown schedule={name!r}; use one of {', '.join(repr(s) for s in ALL_SCHEDULES)}.")
     return name
 
 
 def splits_backward(name: str) -> bool:
     """Whether schedule ``name`` splits each backward into B (input gradient) and W (weight gradient) tasks."""
-    return check_name(name) in ("zero_bubble", "gpipe_batched_w")
+    return check_name(name) in ("zero_bubble", "gpipe_batched_w", "interleaved_zero_bubble", "zbv")
 
 
 def batches_weights(name: str) -> bool:
@@ -99,9 +119,44 @@ def batches_weights(name: str) -> bool:
     return check_name(name) == "gpipe_batched_w"
 
 
-def cell_orders(name: str, num_cells: int, num_micro_batches: int) -> list[list[Task]]:
-    """Each cell's forward and backward tasks in the order the schedule ``name`` runs them."""
+def shares_devices(name: str) -> bool:
+    """Whether schedule ``name`` puts several cells on each device (``SHARED_SCHEDULES``)."""
+    return check_name(name) in SHARED_SCHEDULES
+
+
+def placement(name: str, num_cells: int, num_devices: int) -> list[int]:
+    """The device (0 to K-1) of each of the ``num_cells`` cells under schedule ``name`` on ``num_devices`` devices.
+
+    One-cell schedules: cell i on device i (K = N). Interleaved ones: cell c on device c mod K (N a multiple of
+    K). ``"zbv"``: cells d and 2K-1-d on device d (N = 2K).
+    """
     check_name(name)
+    n, k = positive_int("num_cells", num_cells), positive_int("num_devices", num_devices)
+    if not shares_devices(name):
+        if n != k:
+            raise ValueError(f"schedule={name!r} puts one cell on each device: {n} cells need {n} devices, not {k}.")
+        return list(range(n))
+    if name == "zbv":
+        if n != 2 * k:
+            raise ValueError(
+                f"schedule='zbv' puts two cells on each device in a V: {k} devices take {2 * k} cells, not {n}; "
+                f"use num_partitions={2 * k}, or {n // 2 if n % 2 == 0 else 'N/2'} devices."
+            )
+        return [c if c < k else 2 * k - 1 - c for c in range(n)]
+    if n % k:
+        raise ValueError(
+            f"schedule={name!r} puts the cells round-robin on the devices, v per device: {n} cells do not divide "
+            f"over {k} devices; use a multiple of {k} cells (num_partitions={k * max(2, n // k)}) or another "
+            "number of devices."
+        )
+    return [c % k for c in range(n)]
+
+
+def cell_orders(name: str, num_cells: int, num_micro_batches: int) -> list[list[Task]]:
+    """Each cell's forward and backward tasks in the order the one-cell schedule ``name`` runs them."""
+    check_name(name)
+    if shares_devices(name):
+        raise ValueError(f"schedule={name!r} orders the tasks of each device, not of each cell: use device_orders.")
     k_cells = positive_int("num_cells", num_cells)
     m = positive_int("num_micro_batches", num_micro_batches)
     orders = []
@@ -127,41 +182,150 @@ def cell_orders(name: str, num_cells: int, num_micro_batches: int) -> list[list[
     return orders
 
 
-def steps(name: str, num_cells: int, num_micro_batches: int, backward: bool = True) -> list[Task]:
-    """Every task of a step in an order that keeps each cell's order and puts each task after its inputs.
+def device_orders(
+    name: str, num_cells: int, num_micro_batches: int, num_devices: int | None = None
+) -> list[list[Task]]:
+    """Each device's tasks in the order schedule ``name`` runs them (``num_devices`` defaults to one per cell)."""
+    k = num_cells if num_devices is None else num_devices
+    where = placement(name, num_cells, k)
+    if not shares_devices(name):
+        return cell_orders(name, num_cells, num_micro_batches)
+    m = positive_int("num_micro_batches", num_micro_batches)
+    cells = [[c for c in range(num_cells) if where[c] == d] for d in range(k)]
+    if name == "zbv":
+        return _played(cells, num_cells, m, limit=2 * k)
+    if name == "looped_bfs":
+        return [
+            [Task("F", c, j) for c in mine for j in range(m)]
+            + [Task("B", c, j) for c in reversed(mine) for j in reversed(range(m))]
+            for mine in cells
+        ]
+    return [_interleaved(mine, m, k, d, split=name == "interleaved_zero_bubble") for d, mine in enumerate(cells)]
+
+
+def _interleaved(cells: list[int], m: int, k: int, d: int, split: bool) -> list[Task]:
+    """Device d's interleaved 1F1B order over its ``cells`` (in model order), K devices, M micro-batches."""
+    # Groups of at least K micro-batches (all M where M < 2K), the larger first: with a last group shorter than
+    # K, a device's forwards of its next cell outrun the backwards the others wait for (a deadlock).
+    rounds = max(1, m // k)
+    sizes = [m // rounds + (1 if r < m % rounds else 0) for r in range(rounds)]
+    groups = [list(range(sum(sizes[:r]), sum(sizes[: r + 1]))) for r in range(rounds)]
+    forwards = [Task("F", c, j) for group in groups for c in cells for j in group]
+    backwards = [Task("B", c, j) for group in groups for c in reversed(cells) for j in group]
+    warm = min(len(forwards), (len(cells) - 1) * len(groups[0]) + 2 * (k - 1 - d))
+    order = forwards[:warm]
+    deferred: list[Task] = []
+    for n, b in enumerate(backwards):
+        if warm + n < len(forwards):
+            order.append(forwards[warm + n])
+        order.append(b)
+        if split:  # W d backwards after its B, as zero bubble's cell d
+            deferred.append(Task("W", b.cell, b.micro_batch))
+            if len(deferred) > d:
+                order.append(deferred.pop(0))
+    return order + deferred
+
+
+def _played(cells: list[list[int]], num_cells: int, m: int, limit: int) -> list[list[Task]]:
+    """Each device's order found by playing the step out with every task one time unit (B and W split).
+
+    A device free at time t runs a ready B (earliest micro-batch, then latest cell), else a ready forward
+    while it holds fewer than ``limit`` micro-batches of a cell (latest cell first, then earliest
+    micro-batch), else its oldest pending W; else it waits for the next task to end. Where nothing can run
+    anywhere under ``limit``, forwards are let past it.
+    """
+    k = len(cells)
+    todo = [
+        [Task("F", c, j) for c in mine for j in range(m)] + [Task("B", c, j) for c in mine for j in range(m)]
+        for mine in cells
+    ]
+    ends: dict[Task, int] = {}
+    free, held = [0] * k, [0] * k
+    waiting_w: list[list[Task]] = [[] for _ in range(k)]
+    orders: list[list[Task]] = [[] for _ in range(k)]
+    over = False  # forwards let past the limit (never at a limit of 1F1B's memory: a safeguard)
+    while any(todo) or any(waiting_w):
+        t = min(free[d] for d in range(k) if todo[d] or waiting_w[d])
+        ran = False
+        for d in range(k):
+            if free[d] == t and (todo[d] or waiting_w[d]):
+                task = _next_played(todo[d], waiting_w[d], ends, t, num_cells, over or held[d] < limit)
+                if task is None:
+                    continue
+                held[d] += {"F": 1, "B": 0, "W": -1}[task.kind]
+                ends[task] = free[d] = t + 1
+                orders[d].append(task)
+                ran = True
+        if not ran:
+            later = [e for e in ends.values() if e > t]
+            if not later and over:
+                raise RuntimeError(f"the played schedule cannot go on from {[list(map(str, o)) for o in todo]}")
+            over = over or not later  # nothing runs and nothing will end: let forwards past the limit
+            for d in range(k):
+                if free[d] == t:
+                    free[d] = min(later) if later else t
+    return orders
+
+
+def _next_played(todo: list[Task], waiting_w: list[Task], ends: dict[Task, int], t: int, num_cells: int, room: bool):
+    """The task a device free at time t runs in ``_played`` (taken off ``todo`` or ``waiting_w``), or None."""
+
+    def ready(task: Task) -> bool:
+        return all(dep in ends and ends[dep] <= t for dep in depends_on(task, num_cells))
+
+    b = [x for x in todo if x.kind == "B" and ready(x)]
+    f = [x for x in todo if x.kind == "F" and ready(x)] if room else []
+    if b:
+        task = min(b, key=lambda x: (x.micro_batch, -x.cell))
+        waiting_w.append(Task("W", task.cell, task.micro_batch))
+    elif f:
+        task = min(f, key=lambda x: (-x.cell, x.micro_batch))
+    elif waiting_w:
+        return waiting_w.pop(0)
+    else:
+        return None
+    todo.remove(task)
+    return task
+
+
+def steps(
+    name: str, num_cells: int, num_micro_batches: int, backward: bool = True, num_devices: int | None = None
+) -> list[Task]:
+    """Every task of a step in an order that keeps each device's order and puts each task after its inputs.
 
     GPipe's is its clock-cycle order (``flatten(gpipe(...))``); forward-only steps run GPipe's
-    forward whatever ``name``. Other schedules are merged from ``cell_orders``, one task per cell
+    forward whatever ``name``. Other schedules are merged from ``device_orders``, one task per device
     in turn whenever its inputs exist.
     """
     check_name(name)
     if name == "gpipe" or not backward:
         return flatten(gpipe(num_cells, num_micro_batches, backward=backward))
-    return merge(cell_orders(name, num_cells, num_micro_batches))
+    return merge(device_orders(name, num_cells, num_micro_batches, num_devices))
 
 
 def merge(orders: Sequence[Sequence[Task]]) -> list[Task]:
-    """One order of all tasks that keeps each cell's ``orders[i]`` and the data dependencies.
+    """One order of all tasks that keeps each device's ``orders[d]`` and the data dependencies.
 
     F(i, j) needs F(i-1, j); B(i, j) needs F(i, j) and B(i+1, j); W(i, j) needs B(i, j). A
-    ValueError names the tasks that wait on each other if the cells' orders cannot all be kept
+    ValueError names the tasks that wait on each other if the devices' orders cannot all be kept
     (a deadlock).
     """
-    k_cells = len(orders)
+    lanes = len(orders)
+    num_cells = 1 + max((task.cell for order in orders for task in order), default=-1)
     done: set[Task] = set()
-    position, merged = [0] * k_cells, []
-    while any(position[i] < len(orders[i]) for i in range(k_cells)):
+    position, merged = [0] * lanes, []
+    while any(position[d] < len(orders[d]) for d in range(lanes)):
         moved = False
-        for i in range(k_cells):
-            if position[i] < len(orders[i]) and _ready(orders[i][position[i]], done, k_cells):
-                task = orders[i][position[i]]
+        for d in range(lanes):
+            if position[d] < len(orders[d]) and _ready(orders[d][position[d]], done, num_cells):
+                task = orders[d][position[d]]
                 done.add(task)
                 merged.append(task)
-                position[i] += 1
+                position[d] += 1
                 moved = True
         if not moved:
-            waiting = [str(orders[i][position[i]]) for i in range(k_cells) if position[i] < len(orders[i])]
-            raise ValueError(f"The cells' task orders deadlock: {', '.join(waiting)} each wait for another.")
+            waiting = [str(orders[d][position[d]]) for d in range(lanes) if position[d] < len(orders[d])]
+            raise ValueError(f"The devices' task orders deadlock: {', '.join(waiting)} each wait for another.")
     return merged
 
 
@@ -200,6 +364,25 @@ def in_flight(order: Sequence[Task], num_cells: int) -> list[int]:
     return peak
 
 
+def held_per_device(order: Sequence[Task], where: Sequence[int]) -> list[int]:
+    """Per device, the most micro-batches of its cells held at once (each a cell's activations; see ``in_flight``).
+
+    ``where`` is each cell's device (``placement``).
+    """
+    split = {task.cell for task in order if task.kind == "W"}
+    held, peak = [0] * (max(where) + 1), [0] * (max(where) + 1)
+    for task in order:
+        d = where[task.cell]
+        if task.kind == "F":
+            held[d] += 1
+        elif task.kind == "W" and task.micro_batch == ALL:
+            held[d] = 0  # gpipe_batched_w: one cell per device
+        elif task.kind == ("W" if task.cell in split else "B"):
+            held[d] -= 1
+        peak[d] = max(peak[d], held[d])
+    return peak
+
+
 def flatten(cycles: Sequence[Sequence[Task]]) -> list[Task]:
     """All tasks in clock-cycle order; every task comes after the tasks it depends on."""
     return [task for cycle in cycles for task in cycle]
@@ -223,9 +406,10 @@ def simulate(
     w_cost: Sequence[float] | None = None,
     r_cost: Sequence[float] | None = None,
     recomputed: Collection[int] = (),
+    num_devices: int | None = None,
 ) -> list[tuple[Task, float, float]]:
-    """(task, start, end) of every task of schedule ``name``, cell i on its own device taking f_cost[i] per F
-    and b_cost[i] per whole backward.
+    """(task, start, end) of every task of schedule ``name``, cell i taking f_cost[i] per F and b_cost[i] per
+    whole backward on its device (``placement``; one per cell unless ``num_devices`` says fewer).
 
     ``w_cost[i]`` is the part of b_cost[i] that computes weight gradients (default: half,
     the zero-bubble paper's T_B = T_W): a schedule that splits backwards runs it as W and
@@ -236,6 +420,7 @@ def simulate(
     """
     positive_int("num_cells", num_cells)
     m = positive_int("num_micro_batches", num_micro_batches)
+    where = placement(name, num_cells, num_cells if num_devices is None else num_devices)
     f_cost, b_cost = _costs("f_cost", f_cost, num_cells), _costs("b_cost", b_cost, num_cells)
     w_cost = [b / 2 for b in b_cost] if w_cost is None else _costs("w_cost", w_cost, num_cells)
     r_cost = f_cost if r_cost is None else _costs("r_cost", r_cost, num_cells)
@@ -251,34 +436,36 @@ def simulate(
         "W": w_cost,
     }
     done: dict[Task, float] = {}
-    free = [0.0] * num_cells
+    free = [0.0] * (max(where) + 1)
     out = []
-    for task in steps(name, num_cells, m):
+    for task in steps(name, num_cells, m, num_devices=num_devices):
         ready = max((done[dep] for dep in depends_on(task, num_cells)), default=0.0)
-        start = max(free[task.cell], ready)
+        device = where[task.cell]
+        start = max(free[device], ready)
         duration = cost[task.kind][task.cell] * (m if task.micro_batch == ALL else 1)
         if task.kind == "B" and task.micro_batch in recomputed:
             duration += r_cost[task.cell]
-        done[task] = free[task.cell] = start + duration
+        done[task] = free[device] = start + duration
         out.append((task, start, done[task]))
     return out
 
 
-def idle_fraction(simulated: Sequence[tuple[Task, float, float]], num_cells: int) -> float:
-    """Share of each device's time idle in a ``simulate`` result: 1 - busy / (K x the step's span)."""
+def idle_fraction(simulated: Sequence[tuple[Task, float, float]], num_devices: int) -> float:
+    """Share of each device's time idle in a ``simulate`` result: 1 - busy / (K devices x the step's span)."""
     span = max((end for _, _, end in simulated), default=0.0)
     busy = sum(end - start for _, start, end in simulated)
-    return 1.0 - busy / (num_cells * span) if span > 0 else 0.0
+    return 1.0 - busy / (num_devices * span) if span > 0 else 0.0
 
 
-def predicted_bubble(name: str, num_cells: int, num_micro_batches: int) -> float:
+def predicted_bubble(name: str, num_cells: int, num_micro_batches: int, num_devices: int | None = None) -> float:
     """The idle share of schedule ``name`` with equal cells, a backward twice the forward and W half of it.
 
     (K-1)/(M+K-1) for GPipe and 1F1B; for zero bubble (K-1)/(3M+K-1) when M >= K.
     """
-    k_cells = positive_int("num_cells", num_cells)
-    ones = [1.0] * k_cells
-    return idle_fraction(simulate(k_cells, num_micro_batches, ones, [2.0] * k_cells, name), k_cells)
+    n = positive_int("num_cells", num_cells)
+    k = n if num_devices is None else positive_int("num_devices", num_devices)
+    ones = [1.0] * n
+    return idle_fraction(simulate(n, num_micro_batches, ones, [2.0] * n, name, num_devices=k), k)
 
 
 def _costs(name: str, costs: Sequence[float], num_cells: int) -> list[float]:
@@ -304,7 +491,9 @@ def ideal_speedup(num_cells: int, num_micro_batches: int) -> float:
     return num_cells * (1.0 - bubble_fraction(num_cells, num_micro_batches))
 
 
-def allowed_speedup(name: str, num_cells: int, num_micro_batches: int, recomputed: Collection[int] = ()) -> float:
+def allowed_speedup(
+    name: str, num_cells: int, num_micro_batches: int, recomputed: Collection[int] = (), num_devices: int | None = None
+) -> float:
     """The speed-up over one device (M=1, no recomputation) that schedule ``name`` allows with equal cells.
 
     ``simulate`` with a backward twice the forward and a recomputation as long as the forward,
@@ -313,9 +502,10 @@ def allowed_speedup(name: str, num_cells: int, num_micro_batches: int, recompute
     1F1B; with ``remat="except_last"`` (all but the last micro-batch), GPipe at K=2, M=8
     allows 48/35 = 1.37x, 77% of the ideal 1.78x.
     """
-    k_cells = positive_int("num_cells", num_cells)
-    timed = simulate(k_cells, num_micro_batches, [1.0] * k_cells, [2.0] * k_cells, name, recomputed=recomputed)
-    return 3.0 * k_cells * num_micro_batches / max(end for _, _, end in timed)
+    n = positive_int("num_cells", num_cells)
+    ones = [1.0] * n
+    timed = simulate(n, num_micro_batches, ones, [2.0] * n, name, recomputed=recomputed, num_devices=num_devices)
+    return 3.0 * n * num_micro_batches / max(end for _, _, end in timed)
 
 
 def task_scope_name(task: Task) -> str:

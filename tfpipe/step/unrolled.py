@@ -109,8 +109,10 @@ class Pipeline(Executor):
         unroll: bool = True,
         routes: Routes | None = None,
         schedule_name: str = "gpipe",
+        num_devices: int | None = None,
     ):
         self.cells = list(cells)
+        self.num_devices = len(self.cells) if num_devices is None else num_devices  # K the schedule lays cells over
         self.routes = routes
         self.schedule = schedule.check_name(schedule_name)
         self.remat = check_remat(remat_lib.check_mode(remat), self.schedule)
@@ -187,7 +189,8 @@ class Pipeline(Executor):
         step = self._begin(inputs, training, loss_fn, fractions, loss_scale, first)
         chain = Chain(self.cells)
         backward = loss_fn is not None
-        for task in schedule.steps(self.schedule, len(self.cells), self.num_micro_batches, backward=backward):
+        tasks = schedule.steps(self.schedule, len(self.cells), self.num_micro_batches, backward, self.num_devices)
+        for task in tasks:
             self._tasks.run(task, step, chain)
         if loss_fn is not None and self.schedule == "gpipe_batched_w" and first == 0:  # replica 0 takes penalties
             self._tasks.penalties(step)

@@ -80,6 +80,21 @@ def test_each_device_runs_its_tasks_in_its_schedules_order(name, remat, k, m):
                 assert _ancestors(op) & earlier_ops, f"{op.name} of {later} can start before {earlier} ends"
 
 
+@pytest.mark.parametrize("name", ["interleaved_1f1b", "zbv"])
+def test_a_device_with_two_cells_runs_their_tasks_in_its_schedules_order(name):
+    model = tfpipe.PipelineModel(
+        mlp_layers(depth=3), num_partitions=4, devices=cpu_devices(2), num_micro_batches=3, schedule=name
+    )
+    tasks = _task_ops(_train_graph(model, batch=3))
+    for device_order in schedule.device_orders(name, 4, 3, 2):
+        names = [task_scope_name(t) for t in device_order]
+        assert len({t.cell for t in device_order}) == 2
+        for earlier, later in zip(names, names[1:]):
+            earlier_ops = {op.name for op in tasks[earlier]}
+            for op in tasks[later]:
+                assert _ancestors(op) & earlier_ops, f"{op.name} of {later} can start before {earlier} ends"
+
+
 def test_task_ops_are_placed_on_their_cells_device():
     model = tfpipe.PipelineModel(
         mlp_layers(depth=2), num_partitions=2, devices=["/CPU:2", "/CPU:3"], num_micro_batches=2

@@ -1,0 +1,100 @@
+"""Several cells per device (interleaved, looped BFS, ZB-V) train exactly as plain Keras and GPipe do."""
+
+import keras
+import numpy as np
+import pytest
+
+import tfpipe
+from tests.util import cpu_devices, max_rel_error, mlp_layers, per_layer_error, small_unet, stateful_layers, unet_data
+from tfpipe.step import schedule as schedule_lib
+
+SHARED = list(schedule_lib.SHARED_SCHEDULES)
+
+
+def _train(net, n, optimizer="adam"):
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(n, 8)).astype("float32"), rng.normal(size=(n, 3)).astype("float32")
+    net.compile(
+        optimizer=keras.optimizers.get({"class_name": optimizer, "config": {"learning_rate": 0.01}}), loss="mse"
+    )
+    net.fit(x, y, batch_size=n, epochs=2, shuffle=False, verbose=0)
+    return net
+
+
+@pytest.mark.parametrize("schedule", SHARED)
+@pytest.mark.parametrize("d,m,n,remat", [(2, 3, 7, "never"), (4, 5, 11, "except_last")])
+def test_two_cells_per_device_train_like_plain_keras(schedule, d, m, n, remat):  # uneven micro-batches
+    keras.utils.set_random_seed(0)
+    plain = keras.Sequential([keras.Input((8,)), *mlp_layers()])
+    model = tfpipe.PipelineModel(
+        mlp_layers(), num_partitions=2 * d, devices=cpu_devices(d), num_micro_batches=m, remat=remat, schedule=schedule
+    )
+    model.build((None, 8))
+    model.set_weights(plain.get_weights())
+    _train(plain, n)
+    _train(model, n)
+    assert model.num_devices == d and model.num_partitions == 2 * d
+    assert model.devices == [cpu_devices(d)[c] for c in schedule_lib.placement(schedule, 2 * d, d)]
+    assert max_rel_error(model.get_weights(), plain.get_weights()) < 1e-5
+
+
+@pytest.mark.parametrize("schedule", SHARED)
+def test_two_cells_per_device_give_gpipes_weights_with_dropout_and_batchnorm(schedule):
+    # As tests/integration/test_schedules.py: SGD, and the error taken per layer.
+    def train(name, devices):
+        keras.utils.set_random_seed(5)
+        model = tfpipe.PipelineModel(
+            stateful_layers(), num_partitions=4, devices=devices, num_micro_batches=4, remat="always", schedule=name
+        )
+        model.build((None, 8))
+        return _train(model, 9, "sgd")
+
+    other, gpipe = train(schedule, cpu_devices(2)), train("gpipe", cpu_devices(4))
+    assert per_layer_error(other.pipeline_layers, gpipe.pipeline_layers) < 1e-5
+
+
+@pytest.mark.parametrize("schedule", ["interleaved_1f1b", "zbv"])
+def test_two_cells_per_device_train_a_functional_unet_like_the_model(schedule):
+    x, y = unet_data()
+    reference = small_unet()
+    model = tfpipe.PipelineModel(small_unet(), balance=[3, 3, 3, 3], devices=cpu_devices(2), num_micro_batches=3,
+                                 schedule=schedule)  # fmt: skip
+    for net in (reference, model):
+        net.compile(optimizer="sgd", loss="mse")
+        net.fit(x, y, batch_size=7, epochs=2, shuffle=False, verbose=0)
+    assert max_rel_error(model.get_weights(), reference.get_weights()) < 1e-5
+
+
+def test_devices_are_the_k_devices_or_one_per_cell_as_the_schedule_places_them():
+    kwargs = {"num_partitions": 4, "schedule": "zbv"}
+    model = tfpipe.PipelineModel(mlp_layers(), devices=["/CPU:0", "/CPU:1", "/CPU:1", "/CPU:0"], **kwargs)
+    assert model.devices == ["/CPU:0", "/CPU:1", "/CPU:1", "/CPU:0"] and model.num_devices == 2
+    with pytest.raises(
+        ValueError, match=r"which the schedule must place as \[0, 1, 1, 0\].*devices=\['/CPU:0', '/CPU:1'\]"
+    ):
+        tfpipe.PipelineModel(mlp_layers(), devices=["/CPU:0", "/CPU:1", "/CPU:0", "/CPU:1"], **kwargs)
+    with pytest.raises(ValueError, match="3 devices take 6 cells, not 4"):
+        tfpipe.PipelineModel(mlp_layers(), devices=cpu_devices(3), **kwargs)
+    with pytest.raises(ValueError, match="6 cells do not divide over 4 devices"):
+        tfpipe.PipelineModel(mlp_layers(), num_partitions=6, devices=cpu_devices(4), schedule="looped_bfs")
+    with pytest.raises(ValueError, match="schedule='zbv' needs unroll=True"):
+        tfpipe.PipelineModel(mlp_layers(), devices=cpu_devices(2), unroll=False, remat="always", **kwargs)
+    default = tfpipe.PipelineModel(mlp_layers(), num_partitions=8, schedule="interleaved_1f1b")  # the 4 devices here
+    assert default.devices == cpu_devices(4) * 2 and default.num_devices == 4
+
+
+def test_a_shared_schedule_is_shown_saved_and_refused_by_the_planner(tmp_path):
+    model = tfpipe.PipelineModel(
+        mlp_layers(), balance=[3, 2, 3, 2], devices=cpu_devices(2), num_micro_batches=4, schedule="interleaved_1f1b"
+    )
+    model.build((None, 8))
+    lines = []
+    model.summary(print_fn=lines.append)
+    assert "schedule='interleaved_1f1b' (bubble 11.1%) over 2 devices" in lines[0]  # (K-1)/(vM+K-1) = 1/9
+    _train(model, 8, "sgd")
+    model.save(str(tmp_path / "m.keras"))
+    loaded = keras.models.load_model(str(tmp_path / "m.keras"))
+    assert loaded.schedule == "interleaved_1f1b" and loaded.devices == model.devices and loaded.num_devices == 2
+    assert max_rel_error(loaded.get_weights(), model.get_weights()) == 0
+    with pytest.raises(ValueError, match="schedules holds 'zbv', which puts several cells on each device"):
+        tfpipe.plan(mlp_layers(), batch_size=8, input_shape=(8,), devices=cpu_devices(2), schedules=["zbv"])
