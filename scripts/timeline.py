@@ -51,8 +51,15 @@ flags.DEFINE_string("remat", "except_last", "Re-materialization mode.")
 flags.DEFINE_enum(
     "schedule",
     "gpipe",
-    ["gpipe", "1f1b", "zero_bubble", "gpipe_batched_w"],
+    list(schedule.ALL_SCHEDULES),
     "Task order (tfpipe.schedule); the ideal drawn follows it.",
+)
+flags.DEFINE_integer(
+    "cells_per_device",
+    1,
+    "v: cells on each device, for the schedules that share devices (interleaved_1f1b, looped_bfs, "
+    "interleaved_zero_bubble: any v; zbv: 2).",
+    lower_bound=1,
 )
 flags.DEFINE_enum("optimizer", "sgd", ["sgd", "adam"], "Optimizer (SGD 1e-3, Adam 1e-4).")
 flags.DEFINE_integer("steps", 2, "Profiled steps.", lower_bound=1)
@@ -201,7 +208,7 @@ def profile_steps(devices: list[str], addresses: list[str] | None, logdir: str):
     layers, x, y = _layers_and_data()
     model = tfpipe.PipelineModel(
         layers,
-        num_partitions=len(devices),
+        num_partitions=FLAGS.cells_per_device * len(devices),
         devices=devices,
         num_micro_batches=FLAGS.micro_batches,
         remat=FLAGS.remat,
@@ -265,6 +272,11 @@ def main(argv: list[str]) -> None:
             f"--batch_size={FLAGS.batch_size} is smaller than --micro_batches="
             f"{FLAGS.micro_batches}; every micro-batch needs an example."
         )
+    if FLAGS.cells_per_device > 1 and not schedule.shares_devices(FLAGS.schedule):
+        raise app.UsageError(
+            f"--cells_per_device={FLAGS.cells_per_device} needs a schedule that shares devices "
+            f"({', '.join(schedule.SHARED_SCHEDULES)}); --schedule={FLAGS.schedule} puts one cell on each."
+        )
     have_plot = FLAGS.png
     if have_plot:
         try:
@@ -287,7 +299,7 @@ def main(argv: list[str]) -> None:
             tf.config.list_physical_devices("CPU")[0], [tf.config.LogicalDeviceConfiguration()] * k
         )
         devices = [f"/CPU:{i}" for i in range(k)]
-        info, windows = profile_steps(devices, None, logdir)
+        info, windows = profile_steps(devices, None, logdir)  # cells placed on them by the schedule
         host_device: dict[str, int] = {}
     else:
         from tfpipe.distributed.cluster import LocalCluster
@@ -304,9 +316,9 @@ def main(argv: list[str]) -> None:
         None,
         ["step", "device", "task", "kind", "cell", "micro_batch", "phase", "start_ms", "end_ms", "busy_ms", "ops"],
     )
-    m = FLAGS.micro_batches
-    f_cost, b_cost, w_cost = ideal_costs(events, windows, k, ratio, m)
-    ideal = schedule.simulate(k, m, f_cost, b_cost, FLAGS.schedule, w_cost=w_cost)
+    m, n = FLAGS.micro_batches, FLAGS.cells_per_device * k
+    f_cost, b_cost, w_cost = ideal_costs(events, windows, n, ratio, m)
+    ideal = schedule.simulate(n, m, f_cost, b_cost, FLAGS.schedule, w_cost=w_cost, num_devices=k)
     print(summarize(events, windows, devices, schedule.idle_fraction(ideal, k)))
     ideal_ms = max(end for _, _, end in ideal)
     w_text = "" if w_cost is None else f", of which W {', '.join(f'{c:.2f}' for c in w_cost)}"
@@ -323,7 +335,8 @@ def main(argv: list[str]) -> None:
             last,
             devices,
             ideal,
-            f"{FLAGS.model}, K={k} on {kind}, M={m}, batch {FLAGS.batch_size}, remat {FLAGS.remat}: last profiled "
+            schedule.placement(FLAGS.schedule, n, k),
+            f"{FLAGS.model}, K={n} on {k} {kind}, M={m}, batch {FLAGS.batch_size}, remat {FLAGS.remat}: last profiled "
             f"step {(last[1] - last[0]) / 1e6:.1f} ms measured vs {ideal_ms:.1f} ms ideal",
         )
 

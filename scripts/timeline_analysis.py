@@ -157,9 +157,11 @@ def draw(
     window: tuple[int, int],
     device_names: list[str],
     ideal: list[tuple[schedule.Task, float, float]],
+    where: list[int],
     title: str,
 ) -> None:
-    """The measured timeline of one step (top) above the ideal schedule (bottom), as a PNG."""
+    """The measured timeline of one step (top) above the ideal schedule (bottom), as a PNG; ``where`` is each
+    cell's device index (``schedule.placement``)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -170,6 +172,7 @@ def draw(
     span = (window[1] - t0) / 1e6
     ideal_span = max(end for _, _, end in ideal)
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(16, 2.2 + 1.1 * len(device_names) * 2), sharex=False)
+    shared = len(set(where)) < len(where)  # several cells per device: labels name the cell too
     for d in range(len(device_names)):
         mine = [e for e in events if e.device == d and t0 <= e.start <= window[1]]
         for (task, phase), begin, end in _runs(mine):
@@ -177,7 +180,8 @@ def draw(
             top.barh(d, width, left=x0, height=0.8, color=COLORS[phase], edgecolor="none")
             if task and width > span / 60 and phase in ("forward", "recompute", "backward"):
                 parsed = parse_task_name(task)
-                label = f"{'R' if phase == 'recompute' else parsed.kind}{schedule.micro_batch_name(parsed.micro_batch)}"
+                kind = "R" if phase == "recompute" else parsed.kind
+                label = f"{kind}{f'{parsed.cell},' if shared else ''}{schedule.micro_batch_name(parsed.micro_batch)}"
                 top.text(x0 + width / 2, d, label, ha="center", va="center", fontsize=6, color="white")
     top.set_yticks(range(len(device_names)), device_names, fontsize=7)
     top.invert_yaxis()
@@ -187,19 +191,20 @@ def draw(
     for task, begin, end in ideal:
         phase = "forward" if task.kind == "F" else "backward"  # W tasks too: labelled W
         bottom.barh(
-            task.cell, end - begin, left=begin, height=0.8, color=COLORS[phase], edgecolor="white", linewidth=0.5
+            where[task.cell], end - begin, left=begin, height=0.8, color=COLORS[phase], edgecolor="white", linewidth=0.5
         )
         if end - begin > ideal_span / 80:
             bottom.text(
                 (begin + end) / 2,
-                task.cell,
-                f"{task.kind}{schedule.micro_batch_name(task.micro_batch)}",
+                where[task.cell],
+                f"{task.kind}{f'{task.cell},' if shared else ''}{schedule.micro_batch_name(task.micro_batch)}",
                 ha="center",
                 va="center",
                 fontsize=6,
                 color="white",
             )
-    bottom.set_yticks(range(len(device_names)), [f"cell {i}" for i in range(len(device_names))], fontsize=7)
+    cells = [", ".join(str(c) for c in range(len(where)) if where[c] == d) for d in range(len(device_names))]
+    bottom.set_yticks(range(len(device_names)), [f"cell {c}" for c in cells], fontsize=7)
     bottom.invert_yaxis()
     bottom.set_xlim(0, span)  # the same scale as the measured step
     bottom.set_xlabel("ms (ideal schedule: same task order and costs, no transfers, no waiting)")

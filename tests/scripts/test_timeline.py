@@ -95,6 +95,24 @@ def test_batched_w_draws_one_w_task_per_cell_counted_per_micro_batch(tmp_path):
     assert "of which W" in proc.stdout and 0 < _ideal_bubble(proc.stdout) < 1
 
 
+def test_two_cells_per_device_are_drawn_on_their_device_with_their_schedules_ideal(tmp_path):
+    from tfpipe.step import schedule
+
+    out = str(tmp_path / "il")
+    proc = _smallest(out, "--schedule=interleaved_1f1b", "--cells_per_device=2", "--blocks=2")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    with open(out + ".csv") as f:
+        rows = list(csv.DictReader(f))
+    assert {r["device"] for r in rows} == {"/CPU:0", "/CPU:1"}
+    assert {r["cell"] for r in rows if r["device"] == "/CPU:1" and r["task"]} == {"1", "3"}
+    want = {f"{t.kind}_{t.cell}_{t.micro_batch}" for t in schedule.steps("interleaved_1f1b", 4, 2, num_devices=2)}
+    tasks = {r["task"] for r in rows if r["task"]}
+    assert want - {"B_0_0", "B_0_1"} <= tasks, f"missing {sorted(want - tasks)}"  # cell 0's B: inputs are data
+    assert 0 < _ideal_bubble(proc.stdout) < 1  # tiny cells: costs are noise
+    refused = run_script("timeline.py", "--schedule=1f1b", "--cells_per_device=2", timeout=120)
+    assert refused.returncode != 0 and "--cells_per_device=2 needs a schedule that shares devices" in refused.stderr
+
+
 def test_png_is_drawn(run):
     pytest.importorskip("matplotlib")
     proc, out = run
