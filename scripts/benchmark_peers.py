@@ -49,6 +49,9 @@ MODELS = ("floor", "mlp256", "mlp512", "mlp1024", "transformer")
 BATCH = {"floor": 512, "mlp256": 512, "mlp512": 512, "mlp1024": 256, "transformer": 32}
 SIDES = ("tfpipe", "torch")
 PEER = {"gpipe": "gpipe", "1f1b": "1f1b", "zero_bubble": "zero_bubble", "gpipe_batched_w": "gpipe"}
+# Several cells per device: torch's schedule of the same name (ScheduleInterleaved1F1B, ScheduleLoopedBFS,
+# ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble), stages placed as tfpipe places its cells.
+PEER.update({name: name for name in ("interleaved_1f1b", "looped_bfs", "interleaved_zero_bubble", "zbv")})
 flags.DEFINE_list("models", list(MODELS), f"Models: {', '.join(MODELS)} (floor: the MLP at width 16).")
 flags.DEFINE_integer("partitions", 2, "K: cells on tfpipe's side, stages (processes) on torch's.", lower_bound=2)
 flags.DEFINE_list("micro_batches", ["1", "4", "8", "16"], "Values of M (every model; M=1 runs one schedule).")
@@ -72,6 +75,9 @@ flags.DEFINE_float(
     lower_bound=0,
 )
 flags.DEFINE_list("schedules", ["gpipe", "1f1b", "zero_bubble"], f"tfpipe schedules; torch's peer: {PEER}.")
+flags.DEFINE_integer(
+    "cells_per_device", 2, "v: cells (stages) per device of the schedules that share devices (zbv: 2).", lower_bound=1
+)
 flags.DEFINE_list("default_remat_at", ["8"], "Values of M with a row of tfpipe's default remat='except_last' (GPipe).")
 flags.DEFINE_float("lr", 1e-3, "SGD learning rate on both sides.")
 flags.DEFINE_bool(
@@ -86,13 +92,26 @@ flags.DEFINE_string("out", None, "Write the table to OUT.csv and OUT.md.")
 
 @dataclasses.dataclass(frozen=True)
 class Config:
-    """One row: K cells, M micro-batches, tfpipe's schedule and remat, torch's schedule ('plain' at K=1)."""
+    """One row: K devices, M micro-batches, tfpipe's schedule and remat, torch's schedule ('plain' at K=1), and v
+    cells (stages) per device."""
 
     k: int
     m: int
     schedule: str
     remat: str
     peer: str
+    v: int = 1
+
+    @property
+    def cells(self) -> int:
+        """The cells on tfpipe's side and the stages on torch's: v per device."""
+        return self.k * self.v
+
+    def placement(self) -> list[int]:
+        """Each cell's (stage's) device, as tfpipe's schedule places them."""
+        from tfpipe.step import schedule
+
+        return schedule.placement(self.schedule, self.cells, self.k)
 
 
 REFERENCE = Config(1, 1, "gpipe", "never", "plain")  # one worker / process, the whole model, M=1, no recomputation
@@ -134,10 +153,17 @@ def configs(spec: dict[str, Any], k: int) -> list[Config]:
         if spec["batch"] % m:
             continue
         for schedule in FLAGS.schedules if m > 1 else FLAGS.schedules[:1]:  # at M=1 all run F then B
-            rows.append(Config(k, m, schedule, "never", PEER[schedule]))
+            rows.append(Config(k, m, schedule, "never", PEER[schedule], _v(schedule)))
         if m > 1 and m in {int(v) for v in FLAGS.default_remat_at}:  # at M=1 except_last recomputes nothing
             rows.append(Config(k, m, "gpipe", "except_last", "gpipe"))
     return rows
+
+
+def _v(schedule_name: str) -> int:
+    """The cells per device of ``schedule_name``: ``--cells_per_device`` where it shares devices, else 1."""
+    from tfpipe.step import schedule
+
+    return FLAGS.cells_per_device if schedule.shares_devices(schedule_name) else 1
 
 
 def balance(n: int, k: int) -> list[int]:
@@ -159,7 +185,7 @@ def keras_model(spec: dict[str, Any], config: Config, devices: list[str], lr: fl
         layers = [TransformerBlock(spec["width"], spec["hidden"], spec["heads"]) for _ in range(spec["layers"])]
     model = tfpipe.PipelineModel(
         layers,
-        balance=balance(spec["layers"], config.k),
+        balance=balance(spec["layers"], config.cells),
         devices=devices[: config.k],
         num_micro_batches=config.m,
         remat=config.remat,
@@ -228,8 +254,9 @@ class TorchPeers:
 
     def setup(self, spec: dict[str, Any], config: Config, data: str, lr: float, weights: str | None = None) -> None:
         """Build ``config`` of ``spec`` on every rank: the batch from the .npz ``data``, weights from ``weights``."""
-        balanced = balance(spec["layers"], config.k)
+        balanced = balance(spec["layers"], config.cells)
         torch_spec = dict(spec, k=config.k, m=config.m, schedule=config.peer, balance=balanced, data=data, lr=lr)
+        torch_spec["placement"] = config.placement() if config.k > 1 else [0]
         self.command(cmd="setup", spec=dict(torch_spec, weights=weights))
 
     def run(self, steps: int, warmup: int, losses: bool = False) -> tuple[list[float], list[float]]:
@@ -302,7 +329,7 @@ def markdown(rows: list[dict]) -> str:
     ]
     for r in rows:
         ms = [" / ".join(f"{r[f'{side}_{s}_ms']:.2f}" for s in ("min", "median", "max")) for side in SIDES]
-        schedule = "-" if r["k"] == 1 else r["schedule"]
+        schedule = "-" if r["k"] == 1 else r["schedule"] + (f" (v={r['v']})" if r["v"] > 1 else "")
         lines.append(
             f"| {r['k']} | {r['m']} | {schedule} | {r['remat']} | {r['peer']} | {ms[0]} | {ms[1]} "
             f"| {r['ratio_median']:.2f} | {r['tfpipe_speedup']:.2f}x | {r['torch_speedup']:.2f}x |"
@@ -316,7 +343,7 @@ def check(name: str, spec: dict[str, Any], cluster: Any, peers: TorchPeers, tmp:
     x, y = data(spec)
     m = max(int(m) for m in FLAGS.micro_batches if spec["batch"] % int(m) == 0)
     good = True
-    for config in [REFERENCE] + [Config(FLAGS.partitions, m, s, "never", PEER[s]) for s in FLAGS.schedules]:
+    for config in [REFERENCE] + [Config(FLAGS.partitions, m, s, "never", PEER[s], _v(s)) for s in FLAGS.schedules]:
         model, layers = keras_model(spec, config, cluster.devices, 0.1)
         model.build((None, *x.shape[1:]))
         path = os.path.join(tmp, f"{name}-check.npz")

@@ -9,8 +9,10 @@ there is torch's own output and is ignored):
 - ``{"cmd": "setup", "spec": {...}}``: build the layers of ``spec`` (the same widths, shapes and
   initial-weight scheme as the Keras side, or the Keras weights from the .npz ``spec["weights"]``)
   and the batch from the .npz ``spec["data"]``; at ``k`` > 1, this rank's ``PipelineStage`` of
-  ``balance[rank]`` layers with ``ScheduleGPipe``, ``Schedule1F1B`` or
-  ``ScheduleInterleavedZeroBubble`` over ``m`` micro-batches. At ``k`` = 1 rank 0 holds the whole
+  ``balance[stage]`` layers for every stage that ``placement`` puts on it (one, or v for the schedules that
+  share devices) with ``ScheduleGPipe``, ``Schedule1F1B``, ``ScheduleInterleavedZeroBubble``,
+  ``ScheduleInterleaved1F1B``, ``ScheduleLoopedBFS`` or ``ScheduleZBVZeroBubble`` over ``m`` micro-batches.
+  At ``k`` = 1 rank 0 holds the whole
   model (the reference: plain forward, backward and step) and the others wait.
 - ``{"cmd": "run", "steps": N, "warmup": W}``: W untimed steps, then N timed ones; answers the
   N step times in seconds (rank 0's are the ones reported) and, on the last stage, each step's loss.
@@ -35,7 +37,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn import functional as F  # noqa: N812
 
-SCHEDULES = ("gpipe", "1f1b", "zero_bubble")
+SCHEDULES = ("gpipe", "1f1b", "zero_bubble", "interleaved_1f1b", "looped_bfs", "interleaved_zero_bubble", "zbv")
 
 
 class Block(nn.Module):
@@ -131,18 +133,25 @@ class Peer:
         layers = make_layers(spec)
         init_like_keras(layers)
         balance = spec["balance"] if self.k > 1 else [len(layers)]
-        start = sum(balance[:rank]) if self.k > 1 else 0
-        mine = layers[start : start + balance[rank if self.k > 1 else 0]]
-        if spec.get("weights"):  # --check: the Keras side's initial weights
-            with np.load(spec["weights"]) as arrays:
-                load_keras_weights(mine, arrays, start)
-        self.module = nn.Sequential(*mine)
+        placement = spec.get("placement", list(range(self.k))) if self.k > 1 else [0]
+        self.stage_ids = [s for s in range(len(balance)) if placement[s] == rank]
+        modules = []
+        for s in self.stage_ids:
+            start = sum(balance[:s])
+            mine = layers[start : start + balance[s]]
+            if spec.get("weights"):  # --check: the Keras side's initial weights
+                with np.load(spec["weights"]) as arrays:
+                    load_keras_weights(mine, arrays, start)
+            modules.append(nn.Sequential(*mine))
+        self.module = modules[0]
         self.x, self.y = batch(spec)
         self.loss_fn = nn.MSELoss()
-        self.optimizer = torch.optim.SGD(self.module.parameters(), lr=spec.get("lr", 1e-3))
+        self.optimizer = torch.optim.SGD([p for m in modules for p in m.parameters()], lr=spec.get("lr", 1e-3))
         self.flag = torch.zeros(())
+        self.first, self.last = 0 in self.stage_ids, len(balance) - 1 in self.stage_ids
         if self.k > 1:
-            self.schedule = make_schedule(self.module, rank, self.k, spec["m"], spec["schedule"], self.loss_fn)
+            self.schedule = make_schedule(modules, self.stage_ids, len(balance), spec["m"], spec["schedule"],
+                                          self.loss_fn)  # fmt: skip
 
     def step(self, losses: list[float] | None) -> None:
         """One training step: forward, backward and SGD (pipelined at k > 1, then one all_reduce)."""
@@ -155,9 +164,11 @@ class Peer:
                 losses.append(loss.item())
             return
         mine: list[torch.Tensor] = []
-        if self.rank == 0:
+        if self.first and self.last:  # a V: the first and the last stage on rank 0
+            self.schedule.step(self.x, target=self.y, losses=mine)
+        elif self.first:
             self.schedule.step(self.x)
-        elif self.rank == self.k - 1:
+        elif self.last:
             self.schedule.step(target=self.y, losses=mine)
         else:
             self.schedule.step()
@@ -181,18 +192,26 @@ class Peer:
         return {"times": times, "losses": losses or []}
 
 
-def make_schedule(module: nn.Module, rank: int, k: int, m: int, name: str, loss_fn: nn.Module) -> Any:
-    """This rank's ``PipelineStage`` of ``module`` under torch's schedule ``name`` over ``m`` micro-batches."""
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleavedZeroBubble
+def make_schedule(modules: list[nn.Module], stage_ids: list[int], stages: int, m: int, name: str, loss_fn: nn.Module):
+    """This rank's ``PipelineStage`` of each of ``modules`` (stages ``stage_ids`` of ``stages``) under torch's
+    schedule ``name`` over ``m`` micro-batches."""
+    from torch.distributed import pipelining as pp
 
-    stage = PipelineStage(module, rank, k, torch.device("cpu"))
+    made = [pp.PipelineStage(mod, s, stages, torch.device("cpu")) for mod, s in zip(modules, stage_ids)]
     if name == "gpipe":
-        return ScheduleGPipe(stage, m, loss_fn=loss_fn)
+        return pp.ScheduleGPipe(made[0], m, loss_fn=loss_fn)
     if name == "1f1b":
-        return Schedule1F1B(stage, m, loss_fn=loss_fn)
-    if name == "zero_bubble":  # one stage per rank: ZB-H1's order (W tasks fill the 1F1B bubble)
-        return ScheduleInterleavedZeroBubble([stage], m, loss_fn=loss_fn)
-    raise ValueError(f"unknown torch schedule {name!r}; use one of {', '.join(SCHEDULES)}")
+        return pp.Schedule1F1B(made[0], m, loss_fn=loss_fn)
+    multi = {
+        "zero_bubble": pp.ScheduleInterleavedZeroBubble,  # one stage per rank: ZB-H1's order
+        "interleaved_zero_bubble": pp.ScheduleInterleavedZeroBubble,
+        "interleaved_1f1b": pp.ScheduleInterleaved1F1B,
+        "looped_bfs": pp.ScheduleLoopedBFS,
+        "zbv": pp.ScheduleZBVZeroBubble,
+    }
+    if name not in multi:
+        raise ValueError(f"unknown torch schedule {name!r}; use one of {', '.join(SCHEDULES)}")
+    return multi[name](made, m, loss_fn=loss_fn)
 
 
 def answer(reply: dict[str, Any]) -> None:
