@@ -83,7 +83,9 @@ class PipelineModel(settings_lib.SettingsProperties, KerasEntryPoints, auto_plan
         (Megatron-LM's virtual stages, cell c on device c mod D), ``"looped_bfs"`` (the same
         cells, GPipe's order a cell at a time), ``"interleaved_zero_bubble"`` and ``"zbv"``
         (cells d and 2D-1-d on device d, so the loss is on the first device; 1F1B's memory).
-        Non-GPipe schedules need ``unroll=True``.
+        Or a schedule written as data: a list per device of its tasks in order ("F(0,1)",
+        "B(0,1)", "W(0,1)", or torch's "0F1"; ``tfpipe.schedule.written``), checked for
+        completeness and deadlock here. Non-GPipe schedules need ``unroll=True``.
       plan: a ``tfpipe.plan(...)`` result: its balance, devices (with replicas), M, remat and
         schedule, in place of those arguments (docs/guide/planning.md). Or ``"auto"``: the
         first ``fit`` plans on its first batch, over ``devices`` (default: the planner's)
@@ -107,7 +109,7 @@ class PipelineModel(settings_lib.SettingsProperties, KerasEntryPoints, auto_plan
         num_micro_batches: int = 1,
         remat: str = "except_last",
         unroll: bool = True,
-        schedule: str = "gpipe",
+        schedule: str | Sequence[Sequence[str]] = "gpipe",
         plan: Any = None,
         memory_budget: Any = None,
         **kwargs: Any,

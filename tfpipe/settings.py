@@ -45,7 +45,7 @@ def check(
     num_micro_batches: int,
     remat: str,
     unroll: bool,
-    schedule: str,
+    schedule: Any,
 ) -> Settings:
     """PipelineModel's arguments checked (``units``: layers, or a Functional model's nodes), with errors that
     say what to pass instead."""
@@ -72,6 +72,8 @@ def check(
     m = positive_int("num_micro_batches", num_micro_batches, "Use 1 to disable micro-batching.")
     remat = remat_lib.check_mode(remat)
     schedule = schedule_lib.check_name(schedule)
+    if schedule_lib.is_written(schedule):
+        schedule_lib.check_written(schedule, num_cells, m)
     check_remat(remat, schedule)
     unroll = check_unroll(unroll, remat, schedule)
     replica_devices, num_devices = placed(devices, num_cells, schedule)
@@ -100,6 +102,8 @@ def placed(devices: Any, num_cells: int, schedule: str) -> tuple[list[list[str]]
 
 def _shared_k(row: Any, num_cells: int, schedule: str) -> int:
     """K for one replica's ``devices`` under a schedule that shares devices."""
+    if schedule_lib.is_written(schedule):
+        return schedule_lib.written_devices(schedule)
     if row is None:
         found = len(devices_lib.available())
         return num_cells // 2 if schedule == "zbv" or num_cells % found else found
@@ -186,7 +190,8 @@ class SettingsProperties(keras.Model):
 
     @property
     def schedule(self) -> str:
-        """The order of the tasks: one of ``tfpipe.schedule.ALL_SCHEDULES`` (``"gpipe"`` by default)."""
+        """The order of the tasks: one of ``tfpipe.schedule.ALL_SCHEDULES`` (``"gpipe"`` by default), or a written
+        schedule's text (``tfpipe.schedule.written``)."""
         return self._schedule
 
     @property

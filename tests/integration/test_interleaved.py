@@ -98,3 +98,38 @@ def test_a_shared_schedule_is_shown_saved_and_refused_by_the_planner(tmp_path):
     assert max_rel_error(loaded.get_weights(), model.get_weights()) == 0
     with pytest.raises(ValueError, match="schedules holds 'zbv', which puts several cells on each device"):
         tfpipe.plan(mlp_layers(), batch_size=8, input_shape=(8,), devices=cpu_devices(2), schedules=["zbv"])
+
+
+def test_a_written_schedule_trains_like_plain_keras_and_is_saved_and_shown(tmp_path):
+    # Interleaved zero bubble's orders written out in torch's action strings ("1I0": B(1,0), "0W2": W(0,2)).
+    torch_kind = {"F": "F", "B": "I", "W": "W"}
+    orders = [
+        [f"{t.cell}{torch_kind[t.kind]}{t.micro_batch}" for t in order]
+        for order in schedule_lib.device_orders("interleaved_zero_bubble", 4, 3, 2)
+    ]
+    keras.utils.set_random_seed(0)
+    plain = keras.Sequential([keras.Input((8,)), *mlp_layers()])
+    model = tfpipe.PipelineModel(
+        mlp_layers(), num_partitions=4, devices=cpu_devices(2), num_micro_batches=3, remat="never", schedule=orders
+    )
+    model.build((None, 8))
+    model.set_weights(plain.get_weights())
+    _train(plain, 7)
+    _train(model, 7)
+    assert max_rel_error(model.get_weights(), plain.get_weights()) < 1e-5
+    assert model.devices == ["/CPU:0", "/CPU:1"] * 2 and model.schedule.splitlines()[1].startswith("F(1,0) F(1,1)")
+    lines = []
+    model.summary(print_fn=lines.append)
+    assert "schedule=a written schedule on 2 devices (bubble" in lines[0]
+    model.save(str(tmp_path / "m.keras"))
+    assert keras.models.load_model(str(tmp_path / "m.keras")).schedule == model.schedule
+
+
+def test_a_written_schedule_is_checked_before_any_weight_is_made():
+    orders = [["F(0,0)", "F(0,1)", "B(0,0)", "B(0,1)"], ["F(1,0)", "B(1,0)", "F(1,1)"]]
+    with pytest.raises(ValueError, match=r"The written schedule lacks B\(1,1\)\."):
+        tfpipe.PipelineModel(mlp_layers(), num_partitions=2, devices=cpu_devices(2), num_micro_batches=2,
+                             schedule=orders)  # fmt: skip
+    with pytest.raises(ValueError, match=r"F\(0,1\) \(device 0\) is out of range: the model has 2 cells \(0-1\) and "
+                                         r"1 micro-batches"):  # fmt: skip
+        tfpipe.PipelineModel(mlp_layers(), num_partitions=2, devices=cpu_devices(2), schedule=orders)

@@ -36,7 +36,7 @@ def print_summary(model: Any, line_length: int | None = None, print_fn: Callable
         f'PipelineModel "{model.name}": '
         + (f"{model.num_replicas} replicas x " if model.num_replicas > 1 else "")
         + f"{k} cells, balance={balance}, "
-        f"num_micro_batches={m}, remat={model.remat!r}, schedule={model.schedule!r} "
+        f"num_micro_batches={m}, remat={model.remat!r}, schedule={schedule.label(model.schedule)} "
         f"(bubble {100 * schedule.predicted_bubble(model.schedule, k, m, model.num_devices):.1f}%)"
         + (f" over {model.num_devices} devices" if model.num_devices != k else "")
         + f", cost={cost_name!r}"
@@ -108,7 +108,7 @@ def _print_efficiency(model: Any, per_cell: list[float], print_fn: Callable[[str
         bubble_free = 1.0 - schedule.predicted_bubble(model.schedule, k, m, model.num_devices)
         print_fn(
             f"Predicted pipeline efficiency: {100 * bubble_free * evenness:.1f}% = 1 - bubble of "
-            f"{model.schedule!r} {100 * bubble_free:.1f}% (backward 2x forward, half of it W) x "
+            f"{schedule.label(model.schedule)} {100 * bubble_free:.1f}% (backward 2x forward, half of it W) x "
             f"mean/max cell cost {100 * evenness:.1f}%"
         )
     else:
@@ -130,7 +130,7 @@ def _hints(model: Any, per_cell: list[float]) -> list[str]:
     """What would raise the predicted efficiency: more micro-batches than 1, a device per cell."""
     k, m = model.num_partitions, model.num_micro_batches
     hints = []
-    if m == 1 and k > 1:
+    if m == 1 and k > 1 and not schedule.is_written(model.schedule):  # a written one has its own M
         more = 4 * k
         if _own_bubble(model.schedule):
             bubble = schedule.predicted_bubble(model.schedule, k, more, model.num_devices)

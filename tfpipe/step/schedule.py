@@ -44,7 +44,10 @@ that a micro-batch passes each device v times and the bubble shrinks to about (K
 from __future__ import annotations
 
 import dataclasses
+import functools
+import re
 from collections.abc import Collection, Sequence
+from typing import Any
 
 from tfpipe._args import positive_int
 
@@ -102,16 +105,128 @@ SHARED_SCHEDULES = ("interleaved_1f1b", "looped_bfs", "interleaved_zero_bubble",
 ALL_SCHEDULES = SCHEDULES + SHARED_SCHEDULES
 
 
-def check_name(name: str) -> str:
-    """Validate a schedule name."""
-    if name not in ALL_SCHEDULES:
-        raise ValueError(f"Unknown schedule={name!r}; use one of {', '.join(repr(s) for s in ALL_SCHEDULES)}.")
-    return name
+def check_name(name: Any) -> str:
+    """Validate a schedule: a name of ``ALL_SCHEDULES``, or one written as data (``written``), returned as its text."""
+    if isinstance(name, str) and name in ALL_SCHEDULES:
+        return name
+    if isinstance(name, (list, tuple)) or (isinstance(name, str) and any(c in name for c in "(, \n")):
+        return written(name)
+    raise ValueError(
+        f"Unknown schedule={name!r}; use one of {', '.join(repr(s) for s in ALL_SCHEDULES)}, or write one as a list "
+        "of each device's tasks (tfpipe.schedule.written)."
+    )
+
+
+_OURS = re.compile(r"([FBW])\((\d+),(\d+)\)")  # "F(0,1)": as Task prints
+_TORCHS = re.compile(r"(\d+)([FBIW])(\d+)")  # "0F1": torch's action string (I: the input gradient, B when split)
+_TOKEN = re.compile(r"[A-Za-z]\s*\([^)]*\)|[^\s,]+")  # a task of a line of text: "F(0, 1)", "0F1"
+
+
+def written(orders: Any) -> str:
+    """A schedule written as data, as the text tfpipe carries, saves and shows: a line per device, tasks by spaces.
+
+    ``orders`` holds each device's tasks in the order it runs them: tasks as tfpipe prints them ("F(0,1)",
+    "B(2,0)", "W(1,3)"), torch's action strings ("0F1"; "2I0" or "2B0" for a B, "1W3") or ``Task``s; or it is
+    that text. Device d runs the tasks of the cells it lists; a cell's W tasks split its backward as zero bubble
+    does. ``PipelineModel(schedule=orders)`` checks that every task is there once and that the orders do not
+    deadlock (``check_written``) before anything is traced.
+    """
+    if isinstance(orders, str):
+        rows: list[Any] = [_TOKEN.findall(line) for line in orders.strip().splitlines()]
+    elif isinstance(orders, (list, tuple)) and all(isinstance(row, (list, tuple)) for row in orders) and orders:
+        rows = [list(row) for row in orders]
+    else:
+        raise TypeError(
+            f"A written schedule is a list of each device's tasks, e.g. [['F(0,0)', 'B(0,0)'], ['F(1,0)', "
+            f"'B(1,0)']]; got {orders!r:.100}."
+        )
+    lines = []
+    for d, row in enumerate(rows):
+        tasks = []
+        for n, item in enumerate(row):
+            task = item if isinstance(item, Task) else _parse_task(str(item))
+            if task is None:
+                raise ValueError(
+                    f"The written schedule's device {d}, task {n}: {item!r} is not a task; write "
+                    "'F(cell,micro_batch)', 'B(...)' or 'W(...)' as tfpipe prints them, or torch's '0F1' (I for B)."
+                )
+            tasks.append(str(task))
+        lines.append(" ".join(tasks))
+    return "\n".join(lines)
+
+
+def _parse_task(text: str) -> Task | None:
+    """A task from tfpipe's "F(0,1)" or torch's "0F1"; None if ``text`` is neither."""
+    text = re.sub(r"\s", "", text)
+    ours = _OURS.fullmatch(text)
+    if ours:
+        return Task(ours.group(1), int(ours.group(2)), int(ours.group(3)))
+    theirs = _TORCHS.fullmatch(text)
+    if theirs:
+        return Task({"I": "B"}.get(theirs.group(2), theirs.group(2)), int(theirs.group(1)), int(theirs.group(3)))
+    return None
+
+
+def is_written(name: str) -> bool:
+    """Whether ``name`` is a schedule written as data (``written``'s text), not one of ``ALL_SCHEDULES``."""
+    return name not in ALL_SCHEDULES
+
+
+def label(name: str) -> str:
+    """How a summary names schedule ``name``: its name in quotes, or "a written schedule on K devices"."""
+    return f"a written schedule on {written_devices(name)} devices" if is_written(name) else repr(name)
+
+
+def written_devices(text: str) -> int:
+    """The devices a written schedule (``written``'s text) runs on: one per line."""
+    return len(_orders_of(text))
+
+
+@functools.lru_cache(maxsize=64)
+def _orders_of(text: str) -> tuple[tuple[Task, ...], ...]:
+    """Each device's tasks of ``written``'s text."""
+    return tuple(tuple(_parse_task(t) or Task("?", -1, -1) for t in line.split()) for line in text.splitlines())
+
+
+@functools.lru_cache(maxsize=64)
+def check_written(text: str, num_cells: int, num_micro_batches: int) -> str:
+    """``text`` (``written``'s) if it runs every task of ``num_cells`` cells on M micro-batches once, each cell on one
+    device, without deadlock; else a ValueError that names the first bad task."""
+    orders = _orders_of(text)
+    device: dict[int, int] = {}
+    seen: dict[Task, int] = {}
+    for d, order in enumerate(orders):
+        for task in order:
+            if not (0 <= task.cell < num_cells and 0 <= task.micro_batch < num_micro_batches):
+                raise ValueError(
+                    f"The written schedule's {task} (device {d}) is out of range: the model has {num_cells} cells "
+                    f"(0-{num_cells - 1}) and {num_micro_batches} micro-batches (0-{num_micro_batches - 1})."
+                )
+            if device.setdefault(task.cell, d) != d:
+                raise ValueError(
+                    f"The written schedule's {task} is on device {d}, but cell {task.cell}'s first task is on device "
+                    f"{device[task.cell]}: every task of a cell runs on the device that holds its weights."
+                )
+            if task in seen:
+                raise ValueError(f"The written schedule runs {task} twice (devices {seen[task]} and {d}).")
+            seen[task] = d
+    split = {task.cell for task in seen if task.kind == "W"}
+    kinds = "FBW" if split else "FB"
+    for cell in range(num_cells):
+        for kind in kinds:
+            for j in range(num_micro_batches):
+                if Task(kind, cell, j) not in seen:
+                    why = " (its W tasks split the backward of every cell)" if kind == "W" else ""
+                    raise ValueError(f"The written schedule lacks {Task(kind, cell, j)}{why}.")
+    merge(orders)  # a ValueError naming the tasks that wait on each other
+    return text
 
 
 def splits_backward(name: str) -> bool:
     """Whether schedule ``name`` splits each backward into B (input gradient) and W (weight gradient) tasks."""
-    return check_name(name) in ("zero_bubble", "gpipe_batched_w", "interleaved_zero_bubble", "zbv")
+    if is_written(check_name(name)):
+        return any(task.kind == "W" for order in _orders_of(name) for task in order)
+    return name in ("zero_bubble", "gpipe_batched_w", "interleaved_zero_bubble", "zbv")
 
 
 def batches_weights(name: str) -> bool:
@@ -120,8 +235,8 @@ def batches_weights(name: str) -> bool:
 
 
 def shares_devices(name: str) -> bool:
-    """Whether schedule ``name`` puts several cells on each device (``SHARED_SCHEDULES``)."""
-    return check_name(name) in SHARED_SCHEDULES
+    """Whether schedule ``name`` lays its cells over devices its own way (``SHARED_SCHEDULES``, or written)."""
+    return check_name(name) in SHARED_SCHEDULES or is_written(name)
 
 
 def placement(name: str, num_cells: int, num_devices: int) -> list[int]:
@@ -132,6 +247,15 @@ def placement(name: str, num_cells: int, num_devices: int) -> list[int]:
     """
     check_name(name)
     n, k = positive_int("num_cells", num_cells), positive_int("num_devices", num_devices)
+    if is_written(name):
+        orders = _orders_of(name)
+        cells = {task.cell: d for d, order in enumerate(orders) for task in order}
+        if len(orders) != k or sorted(cells) != list(range(n)):
+            raise ValueError(
+                f"The written schedule runs cells {sorted(cells)} on {len(orders)} devices; the model has {n} cells "
+                f"(0-{n - 1}) on {k} devices: write a task list per device, or pass devices=[{len(orders)} devices]."
+            )
+        return [cells[c] for c in range(n)]
     if not shares_devices(name):
         if n != k:
             raise ValueError(f"schedule={name!r} puts one cell on each device: {n} cells need {n} devices, not {k}.")
@@ -191,6 +315,8 @@ def device_orders(
     if not shares_devices(name):
         return cell_orders(name, num_cells, num_micro_batches)
     m = positive_int("num_micro_batches", num_micro_batches)
+    if is_written(name):
+        return [list(order) for order in _orders_of(check_written(name, num_cells, m))]
     cells = [[c for c in range(num_cells) if where[c] == d] for d in range(k)]
     if name == "zbv":
         return _played(cells, num_cells, m, limit=2 * k)

@@ -132,3 +132,70 @@ def test_simulate_runs_one_task_at_a_time_on_each_device():
 def test_one_cell_orders_are_not_asked_of_a_shared_schedule():
     with pytest.raises(ValueError, match="orders the tasks of each device, not of each cell: use device_orders"):
         schedule.cell_orders("zbv", 4, 2)
+
+
+def test_a_written_schedule_is_read_from_tfpipes_or_torchs_task_strings():
+    ours = schedule.written([["F(0,0)", "F(0,1)", "B(0,0)", "B(0,1)"], ["F(1,0)", "B(1,0)", "F(1,1)", "B(1,1)"]])
+    theirs = schedule.written([["0F0", "0F1", "0I0", "0B1"], ["1F0", "1B0", " 1F1 ", "1B1"]])  # I: a B
+    assert ours == theirs == "F(0,0) F(0,1) B(0,0) B(0,1)\nF(1,0) B(1,0) F(1,1) B(1,1)"
+    assert schedule.written("0F0,0F1,0I0,0B1\n1F0, 1B0, 1F1, 1B1") == ours  # torch's CSV: a row per rank
+    assert schedule.check_name(ours) == ours and schedule.written(ours) == ours  # the text reads back as itself
+    assert schedule.is_written(ours) and not schedule.is_written("zbv") and schedule.written_devices(ours) == 2
+    assert schedule.placement(ours, 2, 2) == [0, 1] and not schedule.splits_backward(ours)
+    assert schedule.device_orders(ours, 2, 2, 2)[1] == [
+        Task("F", 1, 0),
+        Task("B", 1, 0),
+        Task("F", 1, 1),
+        Task("B", 1, 1),
+    ]
+    assert schedule.label(ours) == "a written schedule on 2 devices"
+    # The 1F1B order written out runs as 1F1B does.
+    assert schedule.predicted_bubble(ours, 2, 2, 2) == pytest.approx(schedule.predicted_bubble("1f1b", 2, 2))
+
+
+def test_a_written_schedule_of_two_cells_per_device_with_w_tasks_is_checked_whole():
+    orders = schedule.device_orders("interleaved_zero_bubble", 4, 3, 2)
+    text = schedule.written(orders)
+    assert schedule.check_written(text, 4, 3) == text and schedule.splits_backward(text)
+    assert schedule.placement(text, 4, 2) == [0, 1, 0, 1]
+    assert schedule.steps(text, 4, 3, num_devices=2) == schedule.steps("interleaved_zero_bubble", 4, 3, num_devices=2)
+
+
+@pytest.mark.parametrize(
+    "orders,message",
+    [
+        ([["F(0,0)", "X(0,1)"]], r"device 0, task 1: 'X\(0,1\)' is not a task; write 'F\(cell,micro_batch\)'"),
+        ([["F(0,0)", "B(0,0)"], ["F(1,0)", "B(1,0)", "F(0,1)"]], r"F\(0,1\) is on device 1, but cell 0's first task"),
+        ([["F(0,0)", "F(0,0)"], ["F(1,0)"]], r"runs F\(0,0\) twice \(devices 0 and 0\)"),
+        ([["F(0,0)", "F(0,1)", "B(0,0)", "B(0,1)"], ["F(1,0)", "B(1,0)", "F(1,1)"]], r"lacks B\(1,1\)\.$"),
+        (
+            [["F(0,0)", "F(0,1)", "B(0,0)", "W(0,0)", "B(0,1)"], ["F(1,0)", "B(1,0)", "F(1,1)", "B(1,1)"]],
+            r"lacks W\(0,1\) \(its W tasks split the backward of every cell\)",
+        ),
+        (
+            [["F(0,0)", "F(0,2)"], ["F(1,0)"]],
+            r"F\(0,2\) \(device 0\) is out of range: the model has 2 cells \(0-1\) and "
+            r"2 micro-batches",
+        ),
+        ([["F(0,0)", "F(0,1)", "B(0,1)", "B(0,0)"], ["F(1,1)", "B(1,1)", "F(1,0)", "B(1,0)"]], None),  # fine
+        (
+            [["F(0,0)", "B(0,0)", "F(0,1)", "B(0,1)"], ["F(1,1)", "B(1,1)", "F(1,0)", "B(1,0)"]],
+            r"deadlock: B\(0,0\), F\(1,1\) each wait for another",
+        ),
+    ],
+)
+def test_a_written_schedule_that_is_not_whole_or_deadlocks_is_refused_naming_the_task(orders, message):
+    if message is None:
+        assert schedule.check_written(schedule.written(orders), 2, 2)
+        return
+    with pytest.raises(ValueError, match=message):
+        schedule.check_written(schedule.written(orders), 2, 2)
+
+
+def test_what_is_not_a_schedule_is_refused():
+    with pytest.raises(TypeError, match=r"A written schedule is a list of each device's tasks"):
+        schedule.written([["F(0,0)"], "F(1,0)"])
+    with pytest.raises(ValueError, match="Unknown schedule='zb'; use one of .*, or write one as a list"):
+        schedule.check_name("zb")
+    with pytest.raises(ValueError, match=r"runs cells \[0, 1\] on 2 devices; the model has 3 cells \(0-2\) on 2"):
+        schedule.placement(schedule.written([["F(0,0)"], ["F(1,0)"]]), 3, 2)
