@@ -133,3 +133,16 @@ def test_a_written_schedule_is_checked_before_any_weight_is_made():
     with pytest.raises(ValueError, match=r"F\(0,1\) \(device 0\) is out of range: the model has 2 cells \(0-1\) and "
                                          r"1 micro-batches"):  # fmt: skip
         tfpipe.PipelineModel(mlp_layers(), num_partitions=2, devices=cpu_devices(2), schedule=orders)
+
+
+def test_replicas_of_a_v_train_like_plain_keras():
+    keras.utils.set_random_seed(0)
+    plain = keras.Sequential([keras.Input((8,)), *mlp_layers()])
+    replicas = [["/CPU:0", "/CPU:1"], ["/CPU:2", "/CPU:3"]]
+    model = tfpipe.PipelineModel(mlp_layers(), num_partitions=4, devices=replicas, num_micro_batches=2, schedule="zbv")
+    model.build((None, 8))
+    model.set_weights(plain.get_weights())
+    _train(plain, 8)
+    _train(model, 8)
+    assert model.devices == [["/CPU:0", "/CPU:1", "/CPU:1", "/CPU:0"], ["/CPU:2", "/CPU:3", "/CPU:3", "/CPU:2"]]
+    assert max_rel_error(model.get_weights(), plain.get_weights()) < 1e-5
