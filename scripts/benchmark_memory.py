@@ -61,6 +61,12 @@ flags.DEFINE_bool(
     "Instead of parts 1 and 2: the step's transient memory under each schedule (tfpipe.schedule) with K=2 cells "
     "on 2 logical CPU devices, remat='never', for every M of --table_micro_batches.",
 )
+flags.DEFINE_bool(
+    "shared",
+    False,
+    "With --schedules: also the schedules that put two cells on each of the two devices (interleaved 1F1B, looped "
+    "BFS, interleaved zero bubble, ZB-V; K=4 cells, v=2).",
+)
 flags.DEFINE_integer(
     "micro_batch_size",
     None,
@@ -81,8 +87,12 @@ flags.DEFINE_string("_child", None, "Internal: measure the JSON configuration in
 
 MAX_BUDGET_GIB = 6.0  # two concurrent probes at up to twice the budget must fit in this 24 GiB machine
 RESULT = "RESULT "
-SCHEDULES = ("gpipe", "1f1b", "zero_bubble", "gpipe_batched_w")  # as tfpipe.schedule.SCHEDULES, before TF loads
-_TITLES = {"gpipe": "GPipe", "1f1b": "1F1B", "zero_bubble": "zero bubble", "gpipe_batched_w": "batched W"}
+# As tfpipe.schedule.ALL_SCHEDULES, before TF loads; the last four put two cells on each of the two devices (v=2).
+SCHEDULES = ("gpipe", "1f1b", "zero_bubble", "gpipe_batched_w")
+SHARED = ("interleaved_1f1b", "looped_bfs", "interleaved_zero_bubble", "zbv")
+_TITLES = {"gpipe": "GPipe", "1f1b": "1F1B", "zero_bubble": "zero bubble", "gpipe_batched_w": "batched W",
+           "interleaved_1f1b": "interleaved 1F1B", "looped_bfs": "looped BFS",
+           "interleaved_zero_bubble": "interleaved ZB", "zbv": "ZB-V"}  # fmt: skip
 
 
 # The child: one configuration, one process ---------------------------------------------------------
@@ -96,11 +106,12 @@ def measure(config: dict[str, Any]) -> dict[str, int]:
     from tfpipe.models.transformer import transformer_lm
 
     kind = config["device_type"]
-    if config["model"] in SCHEDULES:  # two cells on two logical devices, before TensorFlow starts
+    pipelined = config["model"] in SCHEDULES + SHARED
+    if pipelined:  # two logical devices, before TensorFlow starts
         physical = tf.config.list_physical_devices(kind)[0]
         limit = config["gpu_memory_mib"] if kind == "GPU" else None  # logical GPUs need one; CPUs take none
         tf.config.set_logical_device_configuration(physical, [tf.config.LogicalDeviceConfiguration(limit)] * 2)
-    cells = [f"/{kind}:{k}" for k in range(2 if config["model"] in SCHEDULES else 1)]
+    cells = [f"/{kind}:{k}" for k in range(2 if pipelined else 1)]
     # Logical CPUs share one allocator; logical GPUs have one each, whose peaks are summed (an upper bound)
     used = [d[1:] for d in cells] if kind == "GPU" else [f"{kind}:0"]
     keras.utils.set_random_seed(config["seed"])
@@ -110,10 +121,10 @@ def measure(config: dict[str, Any]) -> dict[str, int]:
     if config["model"] == "plain":
         model = keras.Sequential(layers)
         model.compile(optimizer=keras.optimizers.Adam(1e-3), loss=loss, jit_compile=False)
-    elif config["model"] in SCHEDULES:
+    elif pipelined:
         model = tfpipe.PipelineModel(
             layers,
-            num_partitions=2,
+            num_partitions=4 if config["model"] in SHARED else 2,
             devices=cells,
             num_micro_batches=config["m"],
             remat="never",
@@ -319,29 +330,29 @@ def main(argv: list[str]) -> None:
 
 def _schedules(ms: list[int]) -> None:
     """The schedule table: per M, each schedule's transient bytes in one step and its share of GPipe's."""
+    names = SCHEDULES + (SHARED if FLAGS.shared else ())
     probes = Probes()
     with concurrent.futures.ThreadPoolExecutor(FLAGS.jobs) as pool:
         futures = {
-            (name, m): pool.submit(probes.run, name, FLAGS.blocks, m, _schedules_batch(m))
-            for m in ms
-            for name in SCHEDULES
+            (name, m): pool.submit(probes.run, name, FLAGS.blocks, m, _schedules_batch(m)) for m in ms for name in names
         }
         results = {key: f.result() for key, f in futures.items()}
     per = FLAGS.micro_batch_size
     lines = [
-        f"### Transient memory of one step by schedule: L={FLAGS.blocks} Transformer, K=2, remat='never', "
+        f"### Transient memory of one step by schedule: L={FLAGS.blocks} Transformer, 2 devices (K=2; "
+        "K=4 where a schedule shares devices), remat='never', "
         + (f"micro-batches of {per} (batch {per} x M)" if per else f"batch {FLAGS.batch_size}"),
         "",
-        "| M | " + " | ".join(_TITLES[n] for n in SCHEDULES) + " | "
-        + " | ".join(f"{_TITLES[n]} / GPipe" for n in SCHEDULES[1:]) + " |",
-        "|---" * (2 * len(SCHEDULES)) + "|",
+        "| M | " + " | ".join(_TITLES[n] for n in names) + " | "
+        + " | ".join(f"{_TITLES[n]} / GPipe" for n in names[1:]) + " |",
+        "|---" * (2 * len(names)) + "|",
     ]  # fmt: skip
     rows = []
     for m in ms:
-        sizes = [results[(name, m)]["transient"] for name in SCHEDULES]
+        sizes = [results[(name, m)]["transient"] for name in names]
         cells = [memory_report.mib(b) for b in sizes] + [f"{b / sizes[0]:.2f}" for b in sizes[1:]]
         lines.append(f"| {m} | " + " | ".join(cells) + " |")
-        for name in SCHEDULES:
+        for name in names:
             r = results[(name, m)]
             rows.append({"schedule": name, "M": m, "batch": _schedules_batch(m), "before_bytes": r["before"],
                          "peak_bytes": r["peak"], "transient_bytes": r["transient"],
