@@ -271,7 +271,8 @@ class PipelineModel(settings_lib.SettingsProperties, KerasEntryPoints, auto_plan
             else [layer.weights for layer in self.pipeline_layers]
         )
         limits = budget_lib.budgets(self._memory_budget, self._devices)
-        budget_lib.check(states, limits, budget_lib.unit_states(units, slots), name)
+        states, firsts = budget_lib.per_device(states)  # cells that share a device hold their state together
+        budget_lib.check(states, [limits[i] for i in firsts], budget_lib.unit_states(units, slots), name)
 
     def _split_by_cost(self, input_shape: Any) -> list[int]:
         """Estimate every layer's cost for inputs shaped ``input_shape``; return the optimal balance."""

@@ -30,11 +30,29 @@ class CellState:
     weights: float
     gradients: float
     slots: float
+    cells: tuple[int, ...] = ()  # the cells it sums, where several share the device (``per_device``)
 
     @property
     def total(self) -> float:
         """All of it."""
         return self.weights + self.gradients + self.slots
+
+
+def per_device(states: Sequence[CellState]) -> tuple[list[CellState], list[int]]:
+    """One state per device, summing the cells that share it (several cells per device), and the first cell of each."""
+    merged: dict[str, CellState] = {}
+    first: dict[str, int] = {}
+    for i, state in enumerate(states):
+        had = merged.get(state.device)
+        first.setdefault(state.device, i)
+        merged[state.device] = CellState(
+            state.device,
+            state.weights + (had.weights if had else 0.0),
+            state.gradients + (had.gradients if had else 0.0),
+            state.slots + (had.slots if had else 0.0),
+            (had.cells if had else ()) + (i,),
+        )
+    return list(merged.values()), list(first.values())
 
 
 def budgets(memory_budget: Any, devices: Sequence[str]) -> list[float]:
@@ -118,7 +136,8 @@ def smallest_cut(unit_bytes: Sequence[float], budget: float) -> tuple[int, list[
 
 
 def check(states: Sequence[CellState], limits: Sequence[float], unit_bytes: Sequence[float], optimizer: str) -> None:
-    """Raise a ValueError for the first cell whose state exceeds its device's budget (``budget``'s docstring)."""
+    """Raise a ValueError for the first cell whose state exceeds its device's budget (``budget``'s docstring); a
+    state that sums several cells of one device (``per_device``) names them all."""
     for i, (state, limit) in enumerate(zip(states, limits)):
         if state.total <= limit:
             continue
@@ -133,7 +152,15 @@ def check(states: Sequence[CellState], limits: Sequence[float], unit_bytes: Sequ
         parts += [f"{optimizer}'s slots {gib(state.slots)}"] if state.slots else []
         fewer = ", or an optimizer with fewer slots" if state.slots else ""
         raise ValueError(
-            f"Cell {i} on {state.device} needs at least {gib(state.total, up=True)} for its state "
+            f"{_which(i, state)} on {state.device} need{'' if len(state.cells) > 1 else 's'} at least "
+            f"{gib(state.total, up=True)} for {'their' if len(state.cells) > 1 else 'its'} state "
             f"({', '.join(parts)}), over that device's memory_budget of {gib(limit)}; activations come on top. "
             f"{fewest}; or give each device a budget of at least {gib(worst, up=True)}{fewer}."
         )
+
+
+def _which(i: int, state: CellState) -> str:
+    """ "Cell i" (its own index where ``per_device`` made it), or "Cells 0 and 2" for cells sharing a device."""
+    if len(state.cells) <= 1:
+        return f"Cell {state.cells[0] if state.cells else i}"
+    return f"Cells {', '.join(map(str, state.cells[:-1]))} and {state.cells[-1]}"

@@ -72,3 +72,15 @@ def test_a_budget_with_a_plan_belongs_to_the_planner():
     plan = object()
     with pytest.raises(ValueError, match="give the budget to tfpipe.plan"):
         tfpipe.PipelineModel([keras.layers.Dense(2)], plan=plan, memory_budget="1GiB")
+
+
+def test_cells_sharing_a_device_are_held_to_its_budget_together():
+    # Each cell alone (1.01 MiB with Adam's slots) fits 1.5 MiB; cells 0 and 2 on /CPU:0 together do not.
+    layers = [keras.layers.Dense(256) for _ in range(4)]
+    model = tfpipe.PipelineModel(
+        layers, num_partitions=4, devices=cpu_devices(2), schedule="interleaved_1f1b", memory_budget="1.5MiB"
+    )
+    model.compile(optimizer="adam", loss="mse")
+    x = np.zeros((8, 256), "float32")
+    with pytest.raises(ValueError, match=r"Cells 0 and 2 on /CPU:0 need at least 2.01 MiB for their state"):
+        model.fit(x, x, verbose=0)
