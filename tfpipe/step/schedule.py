@@ -132,14 +132,25 @@ def written(orders: Any) -> str:
     deadlock (``check_written``) before anything is traced.
     """
     if isinstance(orders, str):
-        rows: list[Any] = [_TOKEN.findall(line) for line in orders.strip().splitlines()]
-    elif isinstance(orders, (list, tuple)) and all(isinstance(row, (list, tuple)) for row in orders) and orders:
+        return _written_text(orders)
+    if isinstance(orders, (list, tuple)) and all(isinstance(row, (list, tuple)) for row in orders) and orders:
         rows = [list(row) for row in orders]
     else:
         raise TypeError(
             f"A written schedule is a list of each device's tasks, e.g. [['F(0,0)', 'B(0,0)'], ['F(1,0)', "
             f"'B(1,0)']]; got {orders!r:.100}."
         )
+    return _canonical(rows)
+
+
+@functools.lru_cache(maxsize=64)
+def _written_text(text: str) -> str:
+    """``written`` of a text (every step's checks ask again: parsed once)."""
+    return _canonical([_TOKEN.findall(line) for line in text.strip().splitlines()])
+
+
+def _canonical(rows: list[Any]) -> str:
+    """``written``'s text of each device's tasks ``rows``, or a ValueError naming the first that is not a task."""
     lines = []
     for d, row in enumerate(rows):
         tasks = []
