@@ -171,8 +171,8 @@ class Saving(keras.Model):
         devices, why = devices_lib.restore(config.pop("devices"), num_cells)
         if why and schedule_lib.shares_devices(config.get("schedule", "gpipe")):
             devices = None  # the schedule lays the cells over this machine's devices its own way
-            placer = f"schedule={config['schedule']!r}"
-            why = why.split("; ")[0] + f"; the cells go to this machine's devices as {placer} places them"
+            placer = schedule_lib.label(schedule_lib.check_name(config["schedule"]))
+            why = why.split("; ")[0] + f"; the cells go to this machine's devices as schedule {placer} places them"
         if why:
             warnings.warn(f"Loading PipelineModel {config.get('name')!r}: {why}.", stacklevel=2)
         return cls(layers, devices=devices, **config)

@@ -104,6 +104,15 @@ def test_a_saved_model_loads_where_its_devices_do_not_exist():
     assert restored.balance == [4, 3, 3]
 
 
+def test_a_saved_v_loads_where_its_devices_do_not_exist_laid_out_as_its_schedule_places_cells():
+    model = tfpipe.PipelineModel(mlp_layers(), balance=[3, 2, 2, 3], devices=cpu_devices(2), schedule="zbv")
+    config = model.get_config()
+    config["devices"] = ["/GPU:0", "/GPU:1", "/GPU:1", "/GPU:0"]
+    with pytest.warns(UserWarning, match=r"missing \['/GPU:0'.*as schedule 'zbv' places them"):
+        restored = tfpipe.PipelineModel.from_config(config)
+    assert restored.devices == ["/CPU:0", "/CPU:1", "/CPU:1", "/CPU:0"] and restored.num_devices == 2
+
+
 def test_config_round_trip_before_the_split_is_known():
     model = tfpipe.PipelineModel(
         mlp_layers(),
