@@ -46,6 +46,25 @@ class Shape:
     schedule: str = "gpipe"  # "1f1b" where GPipe's M micro-batches at once would not fit the budget (``leaner``)
 
 
+@dataclasses.dataclass
+class Probes:
+    """The probes ``fit_model`` times, each as it will run (``leaner``), by what it is fitted for."""
+
+    pipeline: Shape | None  # the whole model cut over the devices: the parallelism and the cells' speed
+    scale: dict[int, Shape]  # one-cell steps by micro-batch size: the layers' times scaled to whole steps
+    held: list[int]  # the sizes whose steps also give the held bytes, nearest the probes' own micro-batch first
+    never: dict[int, Shape]  # by K, without and with recomputing every micro-batch: what recomputing costs
+    always: dict[int, Shape]
+    replicated: Shape | None  # the model replicated over the devices at M=1: the replicas' parallelism
+
+    def shapes(self) -> list[Shape]:
+        """Every probe once, in the order they are worth their time where there is time for fewer: the parallelism,
+        the sizes whose steps also give the held bytes, what recomputing costs, the replicas', the other sizes."""
+        held = [self.scale[b] for b in self.held if b in self.scale]
+        every = [self.pipeline, *held, *self.never.values(), *self.always.values(), self.replicated]
+        return list(dict.fromkeys(s for s in [*every, *self.scale.values()] if s is not None))
+
+
 def fit_model(
     measured: profile.Profile,
     layers: Any,  # the planner's units (planning.units)
@@ -65,6 +84,43 @@ def fit_model(
     ``progress`` shows the probes as they are built and the rounds as they are timed, and ends the building where its
     time runs out (``Progress.time_left``). ``budget``: bytes per device that no probe may go over (``within_budget``);
     what is not run for either is said in ``measured.not_run`` and fitted without it."""
+    probes = plan_probes(measured, layers, batch_size, devices, calibration, slots, recompute, replicas, budget)
+    groups = within_budget(probes.shapes(), measured, calibration, slots, devices, budget)
+    took = time_probes(groups, layers, data, devices, optimizer, progress, measured.not_run)
+    scaled = {s: took[s] for s in probes.scale.values() if s in took}
+    if scaled:
+        scale_to_whole_steps(measured, scaled, calibration, devices[0])
+    else:
+        measured.time_source += "; not scaled to whole steps: no one-cell step was run"
+    _fit_held(measured, probes, took, layers, data, devices, optimizer, calibration, slots)
+    if probes.pipeline in took:
+        seconds = took[probes.pipeline].seconds
+        calibration = model_parallelism(measured, calibration, batch_size, probes.pipeline, seconds)
+    _fit_recompute(measured, probes, took, calibration, batch_size)
+    if probes.replicated in took:
+        config = Config((len(layers),), probes.replicated.replicas, 1, "never", "gpipe")
+        seconds = took[probes.replicated].seconds
+        calibration = dataclasses.replace(
+            calibration,
+            replica_parallelism=parallelism(measured, calibration, batch_size, config, seconds),
+            source=calibration.source
+            + f"; replicas' parallelism measured with {probes.replicated.replicas} replicas of the model at M=1",
+        )
+    return calibration
+
+
+def plan_probes(
+    measured: profile.Profile,
+    layers: Any,
+    batch_size: int,
+    devices: list[str],
+    calibration: Calibration,
+    slots: int,
+    recompute: bool,
+    replicas: bool,
+    budget: float | None,
+) -> Probes:
+    """The probes ``fit_model`` times, each under 1F1B where GPipe's order would go over ``budget`` (``leaner``)."""
     n = len(layers)
     held = profile_sizes(sorted(measured.by_batch))  # before the probes' own sizes join the profile
     scale = scale_shapes(measured, batch_size, n)
@@ -76,65 +132,76 @@ def fit_model(
     never = {k: probe_shape(measured, n, batch_size, k) for k in ks}
     always = {k: dataclasses.replace(shape, remat="always") for k, shape in never.items()}
     replicated = replica_shape(measured, batch_size, n, devices) if replicas else None
-    # in the order they are worth their time, where there is time for fewer: the parallelism, the sizes whose steps
-    # also give the held bytes (nearest the probes' own micro-batch first), what recomputing costs, the replicas', the
-    # other sizes
     near = probe_shape(measured, n, batch_size, 1).b
     held = sorted(held, key=lambda b: abs(np.log2(b / near)))
-    wanted = [pipeline, *(scale[b] for b in held), *never.values(), *always.values(), replicated, *scale.values()]
-    # each as it will run: under 1F1B where GPipe would go over the budget (the same work, fewer micro-batches held)
-    run = {s: leaner(s, measured, calibration, slots, devices, budget) for s in wanted if s is not None}
-    scale = {b: run[s] for b, s in scale.items()}
-    pipeline = run[pipeline] if pipeline is not None else None
-    never, always = {k: run[s] for k, s in never.items()}, {k: run[s] for k, s in always.items()}
-    replicated = run[replicated] if replicated is not None else None
-    shapes = list(dict.fromkeys(run.values()))
-    groups = within_budget(shapes, measured, calibration, slots, devices, budget)
-    took = time_probes(groups, layers, data, devices, optimizer, progress, measured.not_run)
-    scaled = {s: took[s] for s in scale.values() if s in took}
-    if scaled:
-        scale_to_whole_steps(measured, scaled, calibration, devices[0])
-    else:
-        measured.time_source += "; not scaled to whole steps: no one-cell step was run"
-    if measured.memory_device is not None:
-        steps = {s: took[s] for s in scale.values() if s.b in held and s in took}
-        if measured.memory_device != devices[0]:  # bytes read on this process's stand-in: so are the steps' peaks
-            on = [measured.memory_device]  # for the peak only: two steps after tracing, without warming up
-            with _compat.custom_gradients_forgotten():
-                steps = {
-                    s: calibration_lib.split_step(
-                        layers, data, s.b, s.m, list(s.cut), on, optimizer, 2, warm=False, schedule=s.schedule
-                    )
-                    for s in steps
-                }
-        # the pipeline probe's own peaks, each device's (or logical CPUs' one allocator's total): a held ratio at its
-        # size where no step gave one
-        probe = took.get(pipeline) if pipeline is not None else None
-        peaks = probe.device_peaks if probe is not None else None
-        if probe is not None and not peaks and probe.peak_bytes is not None:
-            peaks = [probe.peak_bytes]
-        at_cut = held_ratio_of_cut(measured, pipeline, peaks, slots, calibration) if pipeline and peaks else None
-        fit_held_ratios(measured, steps, slots, at_cut)
-    if pipeline in took:
-        calibration = model_parallelism(measured, calibration, batch_size, pipeline, took[pipeline].seconds)
-    ks = [k for k in ks if never[k] in took and always[k] in took]
-    if ks:
-        seconds = {k: (took[never[k]].seconds, took[always[k]].seconds) for k in ks}
-        ran = {k: never[k] for k in ks}
-        measured.recompute_ratios = recompute_ratios(measured, calibration, batch_size, ran, seconds)
-        fitted = ", ".join(f"x{r:.2f} at K={k}" for k, r in measured.recompute_ratios.items())
-        measured.time_source += (
-            f"; recomputing a micro-batch {fitted} its forward (fitted to what recomputing all adds to a step)"
-        )
-    if replicated in took:
-        config = Config((n,), replicated.replicas, 1, "never", "gpipe")
-        calibration = dataclasses.replace(
-            calibration,
-            replica_parallelism=parallelism(measured, calibration, batch_size, config, took[replicated].seconds),
-            source=calibration.source
-            + f"; replicas' parallelism measured with {replicated.replicas} replicas of the model at M=1",
-        )
-    return calibration
+
+    def lean(shape: Shape) -> Shape:
+        return leaner(shape, measured, calibration, slots, devices, budget)
+
+    return Probes(
+        pipeline=lean(pipeline) if pipeline is not None else None,
+        scale={b: lean(s) for b, s in scale.items()},
+        held=held,
+        never={k: lean(s) for k, s in never.items()},
+        always={k: lean(s) for k, s in always.items()},
+        replicated=lean(replicated) if replicated is not None else None,
+    )
+
+
+def _fit_held(
+    measured: profile.Profile,
+    probes: Probes,
+    took: dict[Shape, calibration_lib.Probe],
+    layers: Any,
+    data: Any,
+    devices: list[str],
+    optimizer: Any,
+    calibration: Calibration,
+    slots: int,
+) -> None:
+    """The held ratios from the one-cell steps' peaks (re-run on ``measured.memory_device`` where the layers' bytes
+    were read on a stand-in), and from the pipeline probe's own peaks at its size where no step gave one; none where
+    the layers' bytes were not read."""
+    if measured.memory_device is None:
+        return
+    steps = {s: took[s] for s in probes.scale.values() if s.b in probes.held and s in took}
+    if measured.memory_device != devices[0]:  # bytes read on this process's stand-in: so are the steps' peaks
+        on = [measured.memory_device]  # for the peak only: two steps after tracing, without warming up
+        with _compat.custom_gradients_forgotten():
+            steps = {
+                s: calibration_lib.split_step(
+                    layers, data, s.b, s.m, list(s.cut), on, optimizer, 2, warm=False, schedule=s.schedule
+                )
+                for s in steps
+            }
+    # each device's peaks (or logical CPUs' one allocator's total)
+    probe = took.get(probes.pipeline) if probes.pipeline is not None else None
+    peaks = probe.device_peaks if probe is not None else None
+    if probe is not None and not peaks and probe.peak_bytes is not None:
+        peaks = [probe.peak_bytes]
+    pipeline = probes.pipeline
+    at_cut = held_ratio_of_cut(measured, pipeline, peaks, slots, calibration) if pipeline and peaks else None
+    fit_held_ratios(measured, steps, slots, at_cut)
+
+
+def _fit_recompute(
+    measured: profile.Profile,
+    probes: Probes,
+    took: dict[Shape, calibration_lib.Probe],
+    calibration: Calibration,
+    batch_size: int,
+) -> None:
+    """``measured.recompute_ratios`` from the K's whose steps ran both without and with recomputing."""
+    ks = [k for k in probes.never if probes.never[k] in took and probes.always[k] in took]
+    if not ks:
+        return
+    seconds = {k: (took[probes.never[k]].seconds, took[probes.always[k]].seconds) for k in ks}
+    ran = {k: probes.never[k] for k in ks}
+    measured.recompute_ratios = recompute_ratios(measured, calibration, batch_size, ran, seconds)
+    fitted = ", ".join(f"x{r:.2f} at K={k}" for k, r in measured.recompute_ratios.items())
+    measured.time_source += (
+        f"; recomputing a micro-batch {fitted} its forward (fitted to what recomputing all adds to a step)"
+    )
 
 
 def time_probes(
