@@ -43,3 +43,17 @@ def test_capacity_benchmark_writes_its_table_with_the_planned_configuration(tmp_
 def test_capacity_benchmark_refuses_a_bad_row():
     proc = run_script("benchmark_capacity.py", "--rows=plain,two")
     assert proc.returncode != 0 and "--rows=plain,two: each must be 'plain' or a K >= 1" in proc.stderr
+
+
+def test_the_search_starts_at_the_first_depth_a_row_can_take():
+    from tfpipe.scripts.memory_report import largest_under_budget
+
+    peaks = {blocks: 10.0 * blocks for blocks in range(1, 200)}  # a model of L blocks peaks at 10 L
+
+    def probe(blocks):
+        return {"blocks": blocks, "peak": peaks[blocks]}
+
+    found, capped, made = largest_under_budget(probe, 650.0, 128, first=8)
+    assert (found, capped) == (65, False) and made[0]["blocks"] == 8 and min(m["blocks"] for m in made) == 8
+    assert largest_under_budget(probe, 50.0, 128, first=8)[0] == 7  # the first depth is over: none fits
+    assert largest_under_budget(probe, 2000.0, 128, first=8)[:2] == (128, True)
