@@ -195,8 +195,9 @@ def written_devices(text: str) -> int:
 
 @functools.lru_cache(maxsize=64)
 def _orders_of(text: str) -> tuple[tuple[Task, ...], ...]:
-    """Each device's tasks of ``written``'s text."""
-    return tuple(tuple(_parse_task(t) or Task("?", -1, -1) for t in line.split()) for line in text.splitlines())
+    """Each device's tasks of a written schedule's text (``written``'s, or any text ``written`` reads)."""
+    lines = _written_text(text).splitlines()  # every token of which is a task
+    return tuple(tuple(task for t in line.split() if (task := _parse_task(t)) is not None) for line in lines)
 
 
 @functools.lru_cache(maxsize=64)
@@ -488,17 +489,7 @@ def in_flight(order: Sequence[Task], num_cells: int) -> list[int]:
 
     A micro-batch is held until its cell's last backward task: W where the order has W tasks, else B.
     """
-    split = {task.cell for task in order if task.kind == "W"}
-    held, peak = [0] * num_cells, [0] * num_cells
-    for task in order:
-        if task.kind == "F":
-            held[task.cell] += 1
-        elif task.kind == "W" and task.micro_batch == ALL:
-            held[task.cell] = 0
-        elif task.kind == ("W" if task.cell in split else "B"):
-            held[task.cell] -= 1
-        peak[task.cell] = max(peak[task.cell], held[task.cell])
-    return peak
+    return held_per_device(order, range(num_cells))  # as if each cell had a device of its own
 
 
 def held_per_device(order: Sequence[Task], where: Sequence[int]) -> list[int]:
@@ -507,7 +498,7 @@ def held_per_device(order: Sequence[Task], where: Sequence[int]) -> list[int]:
     ``where`` is each cell's device (``placement``).
     """
     split = {task.cell for task in order if task.kind == "W"}
-    held, peak = [0] * (max(where) + 1), [0] * (max(where) + 1)
+    held, peak = [0] * (max(where, default=-1) + 1), [0] * (max(where, default=-1) + 1)
     for task in order:
         d = where[task.cell]
         if task.kind == "F":

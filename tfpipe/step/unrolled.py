@@ -122,7 +122,6 @@ class Pipeline(Executor):
         self._tasks = Tasks(self.cells, self._wiring, self.schedule, self.remat, num_micro_batches)
         # Loops (tfpipe/step/looped.py) build in a time that does not grow with M, but their later steps are slower
         # than unrolled ones on CPUs (docs/benchmarks.md#the-first-step): the user chooses.
-        check_unroll(unroll, self.remat)
         self._loops = None if unroll else looped.Looped(self.cells, num_micro_batches, routes)
         large = 2 * len(self.cells) * num_micro_batches >= noinline_tasks([cell.device for cell in self.cells])
         for cell in self.cells:

@@ -149,6 +149,11 @@ def test_a_written_schedule_is_read_from_tfpipes_or_torchs_task_strings():
         Task("B", 1, 1),
     ]
     assert schedule.label(ours) == "a written schedule on 2 devices"
+    # torch's CSV text read as it is written, wherever a schedule is asked of
+    csv = "0F0,0F1,0I0,0W0,0I1,0W1\n1F0,1I0,1W0,1F1,1I1,1W1"
+    assert schedule.placement(csv, 2, 2) == [0, 1] and schedule.splits_backward(csv)
+    assert schedule.written_devices(csv) == 2 and schedule.check_written(csv, 2, 2) == csv
+    assert schedule.device_orders(csv, 2, 2, 2)[0][2:4] == [Task("B", 0, 0), Task("W", 0, 0)]
     # The 1F1B order written out runs as 1F1B does.
     assert schedule.predicted_bubble(ours, 2, 2, 2) == pytest.approx(schedule.predicted_bubble("1f1b", 2, 2))
 
