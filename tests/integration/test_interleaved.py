@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 import tfpipe
-from tests.util import cpu_devices, max_rel_error, mlp_layers, per_layer_error, small_unet, stateful_layers, unet_data
+from tests.util import cpu_devices, max_rel_error, mlp_layers, per_layer_error, stateful_layers, unet_error
 from tfpipe.step import schedule as schedule_lib
 
 SHARED = list(schedule_lib.SHARED_SCHEDULES)
@@ -55,14 +55,7 @@ def test_two_cells_per_device_give_gpipes_weights_with_dropout_and_batchnorm(sch
 
 @pytest.mark.parametrize("schedule", ["interleaved_1f1b", "zbv"])
 def test_two_cells_per_device_train_a_functional_unet_like_the_model(schedule):
-    x, y = unet_data()
-    reference = small_unet()
-    model = tfpipe.PipelineModel(small_unet(), balance=[3, 3, 3, 3], devices=cpu_devices(2), num_micro_batches=3,
-                                 schedule=schedule)  # fmt: skip
-    for net in (reference, model):
-        net.compile(optimizer="sgd", loss="mse")
-        net.fit(x, y, batch_size=7, epochs=2, shuffle=False, verbose=0)
-    assert max_rel_error(model.get_weights(), reference.get_weights()) < 1e-5
+    assert unet_error(cpu_devices(2), 3, schedule) < 1e-5
 
 
 def test_devices_are_the_k_devices_or_one_per_cell_as_the_schedule_places_them():
