@@ -34,13 +34,20 @@ from tfpipe.scripts.memory_report import MIB, largest_under_budget, mib  # noqa:
 from tfpipe.scripts.report import write_table  # noqa: E402
 
 FLAGS = flags.FLAGS
-flags.DEFINE_enum("model", "transformer", ["transformer", "llama"], "models/transformer.py, or a keras_hub Llama.")
+flags.DEFINE_enum(
+    "model",
+    "transformer",
+    ["transformer", "llama", "amoebanet"],
+    "models/transformer.py, a keras_hub Llama, or models/amoebanet.py's AmoebaNet-D (its depth L = 3 x blocks normal "
+    "cells, --dim its filters D, --vocab its classes, images of --image_size pixels).",
+)
 flags.DEFINE_list("rows", ["plain", "1", "2", "4"], "plain (Keras on one device) and the values of K to measure.")
 flags.DEFINE_integer("dim", 64, "Model width (feed-forward 4*dim; Llama's intermediate 2*dim).", lower_bound=8)
 flags.DEFINE_integer("heads", 4, "Attention heads of the Transformer.", lower_bound=1)
 flags.DEFINE_integer("seq_len", 128, "Tokens per sequence.", lower_bound=2)
 flags.DEFINE_integer("batch_size", 16, "Sequences per batch N.", lower_bound=1)
-flags.DEFINE_integer("vocab", 256, "Vocabulary size.", lower_bound=2)
+flags.DEFINE_integer("vocab", 256, "Vocabulary size (AmoebaNet: classes).", lower_bound=2)
+flags.DEFINE_integer("image_size", 64, "AmoebaNet's image height and width.", lower_bound=32)
 flags.DEFINE_integer("micro_batches", 4, "M of the tfpipe rows.", lower_bound=1)
 flags.DEFINE_float("budget_mib", 64.0, "Each device's allocator budget, MiB.", lower_bound=1.0)
 flags.DEFINE_integer("max_blocks", 64, "The deepest model probed.", lower_bound=1)
@@ -82,12 +89,20 @@ def child(config: dict[str, Any]) -> dict[str, Any]:
             task = hub.task("llama", vocabulary_size=config["vocab"], num_layers=blocks, hidden_dim=config["dim"])
             x = hub.inputs(task, 2 * n, config["seq_len"], config["vocab"])
             return task, x, x["token_ids"]
+        rng = np.random.default_rng(0)
+        if config["model"] == "amoebanet":
+            from tfpipe.models import amoebanet
+
+            layers = amoebanet.amoebanet_d(config["vocab"], 3 * blocks, config["dim"])
+            size = config["image_size"]
+            images = rng.normal(size=(2 * n, size, size, 3)).astype("float32")
+            return layers, images, rng.integers(0, config["vocab"], 2 * n)
         from tfpipe.models import transformer
 
         layers = transformer.transformer_lm(
             config["vocab"], config["seq_len"], blocks, config["dim"], 4 * config["dim"], config["heads"]
         )
-        x = np.random.default_rng(0).integers(0, config["vocab"], (2 * n, config["seq_len"]))
+        x = rng.integers(0, config["vocab"], (2 * n, config["seq_len"]))
         return layers, x, x
 
     loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
@@ -193,6 +208,7 @@ def probe(row: str, blocks: int) -> dict[str, Any]:
         "seq_len": FLAGS.seq_len,
         "batch_size": FLAGS.batch_size,
         "vocab": FLAGS.vocab,
+        "image_size": FLAGS.image_size,
         "micro_batches": FLAGS.micro_batches,
         "device_type": FLAGS.device_type,
         "budget_mib": FLAGS.budget_mib,
@@ -236,16 +252,23 @@ def _check_rows() -> list[str]:
 def table(found: list[dict[str, Any]]) -> str:
     """The capacity table: each row's deepest model under the budget, and its parameters against tfpipe K=1's."""
     base = next((f["params"] for f in found if f["row"] == "1" and f["params"]), None)
+    amoebanet = FLAGS.model == "amoebanet"
+    data = (
+        f"AmoebaNet-D (L, {FLAGS.dim}), {FLAGS.batch_size} images of {FLAGS.image_size}x{FLAGS.image_size}, "
+        f"{FLAGS.vocab} classes"
+        if amoebanet
+        else f"{FLAGS.model}: width {FLAGS.dim}, {FLAGS.batch_size} sequences of {FLAGS.seq_len} tokens, vocabulary "
+        f"{FLAGS.vocab}"
+    )
     lines = [
-        f"{FLAGS.model}: width {FLAGS.dim}, {FLAGS.batch_size} sequences of {FLAGS.seq_len} tokens, vocabulary "
-        f"{FLAGS.vocab}, Adam, budget {FLAGS.budget_mib:g} MiB per device (allocator peak); tfpipe "
+        f"{data}, Adam, budget {FLAGS.budget_mib:g} MiB per device (allocator peak); tfpipe "
         + (
             "as tfpipe.plan chose for each probe"
             if FLAGS.plan
             else f"at M={FLAGS.micro_batches}, remat='always', 1F1B above K=1"
         ),
         "",
-        "| row | blocks | parameters | x tfpipe K=1 | device peak (MiB) | client peak (MiB) | configuration |",
+        f"| row | {'normal cells L' if amoebanet else 'blocks'} | parameters | x tfpipe K=1 | device peak (MiB) | client peak (MiB) | configuration |",
         "| --- | --- | --- | --- | --- | --- | --- |",
     ]
     for f in found:
@@ -253,7 +276,7 @@ def table(found: list[dict[str, Any]]) -> str:
         capped = " (cap)" if f["capped"] else ""
         name = "plain Keras" if f["row"] == "plain" else f"tfpipe K={f['row']}"
         lines.append(
-            f"| {name} | {f['blocks']}{capped} | {f['params'] / 1e6:.2f}M | {ratio} | {mib(f['peak'])} | "
+            f"| {name} | {3 * f['blocks'] if amoebanet else f['blocks']}{capped} | {f['params'] / 1e6:.2f}M | {ratio} | {mib(f['peak'])} | "
             f"{mib(f['client_peak'])} | {f['config']} |"
         )
     return "\n".join(lines) + "\n"
