@@ -33,6 +33,29 @@ from tfpipe.step.unrolled import Pipeline
 
 
 @keras.saving.register_keras_serializable(package="tfpipe")
+def _settings(
+    layers: Any, graph: Any, units: int, plan: Any, memory_budget: Any, given: dict[str, Any]
+) -> tuple[settings_lib.Settings, bool, list[str] | None]:
+    """The constructor's settings, checked: as ``given``, as a ``Plan`` sets them, or one placeholder cell until the
+    first fit plans (``plan="auto"``); also whether it waits for that plan, and the devices it may plan over."""
+    chosen = {name: given[name] for name in ("balance", "num_partitions", "num_micro_batches", "remat", "schedule")}
+    auto = auto_plan.check(plan, memory_budget, chosen)
+    devices = given["devices"]
+    plan_devices = list(devices) if auto and devices is not None else None
+    settings = dict(given)
+    if auto:  # one placeholder cell until the first fit plans
+        settings.update(balance=[units], devices=None if devices is None else [devices_lib.check(devices[0])])
+        plan = None
+    if plan is not None:
+        planned = settings_lib.from_plan(plan, units, settings)
+        settings.update({k: planned[k] for k in ("balance", "devices", "num_micro_batches", "remat", "schedule")})
+    checked = settings_lib.check(
+        layers, graph, units, settings["balance"], settings["num_partitions"], settings["cost"], settings["devices"],
+        settings["num_micro_batches"], settings["remat"], settings["unroll"], settings["schedule"],
+    )  # fmt: skip
+    return checked, auto, plan_devices
+
+
 class PipelineModel(settings_lib.SettingsProperties, KerasEntryPoints, auto_plan.AutoPlan, saving.Saving, keras.Model):
     """A sequence of Keras layers cut into cells on devices and trained as a GPipe pipeline.
 
@@ -117,23 +140,9 @@ class PipelineModel(settings_lib.SettingsProperties, KerasEntryPoints, auto_plan
         graph = functional.Graph(layers) if functional.is_functional(layers) else None
         layers_ = graph.layers if graph is not None else layer_list(layers)
         units = len(graph.nodes) if graph is not None else len(layers_)
-        chosen: dict[str, Any] = dict(
-            balance=balance, num_partitions=num_partitions, num_micro_batches=num_micro_batches
-        )
-        chosen.update(remat=remat, schedule=schedule)
-        auto = auto_plan.check(plan, memory_budget, chosen)
-        plan_devices = list(devices) if auto and devices is not None else None
-        if auto:  # one placeholder cell until the first fit plans
-            balance, devices, plan = [units], None if devices is None else [devices_lib.check(devices[0])], None
-        if plan is not None:
-            given = dict(balance=balance, num_partitions=num_partitions, devices=devices)
-            given.update(num_micro_batches=num_micro_batches, remat=remat, schedule=schedule)
-            planned = settings_lib.from_plan(plan, units, given)
-            balance, devices, num_micro_batches = planned["balance"], planned["devices"], planned["num_micro_batches"]
-            remat, schedule = planned["remat"], planned["schedule"]
-        settings = settings_lib.check(
-            layers, graph, units, balance, num_partitions, cost, devices, num_micro_batches, remat, unroll, schedule
-        )
+        given = dict(balance=balance, num_partitions=num_partitions, devices=devices, cost=cost, unroll=unroll)
+        given.update(num_micro_batches=num_micro_batches, remat=remat, schedule=schedule)
+        settings, auto, plan_devices = _settings(layers, graph, units, plan, memory_budget, given)
         super().__init__(**kwargs)
         # XLA would compile the pipeline for one device (see compile); Keras' "auto" means XLA wherever a GPU
         # is, for an uncompiled model's predict too

@@ -13,6 +13,7 @@ predicted near the fastest are then timed on the devices, and the fastest measur
 from __future__ import annotations
 
 import copy
+import dataclasses
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -82,46 +83,103 @@ def plan(
     is not run, and the plan records its probes' largest peaks (``Plan.planning_peaks``). ``verbose``: 1 shows each
     phase, how far through it and the time left (``planning.progress``); 0 nothing.
     """
-    layer_seq = units_lib.of(layers)  # the layers, or a Functional model's nodes
-    batch_size = positive_int("batch_size", batch_size)
-    device_list = _devices(devices)
-    budget = plans.parse_bytes(memory_budget) if memory_budget is not None else None
-    space = search.Space(
-        num_devices=len(device_list),
-        micro_batches=_choices("num_micro_batches", num_micro_batches, search.MICRO_BATCHES, int),
-        schedules=_choices("schedules", schedules, schedule_lib.SCHEDULES, str, _one_cell_schedule),
-        remats=_choices("remats", remats, REMAT_MODES, str, check_mode),
-        replicas=bool(replicas),
-    )
-    slots = optimizer_slots(optimizer)
-    data = profile_lib.sample_of(layers, sample, input_shape)
-    sizes = search.micro_batch_sizes(batch_size, len(layer_seq), space)
-    if profile is not None and calibration is None:
-        raise ValueError(
-            "profile=plan.profile is reused with the calibration fitted to it: pass calibration=plan.calibration too."
-        )
-    bound = _max_seconds(max_seconds)
-    watch = calibration_lib.PeakWatch(device_list)
+    request = _Request.checked(
+        layers, batch_size, devices, memory_budget, sample, input_shape, optimizer, num_micro_batches, schedules,
+        remats, replicas, calibration, profile, repeats, verify, max_seconds,
+    )  # fmt: skip
+    watch = calibration_lib.PeakWatch(request.devices)
+    bound = request.max_seconds
     progress = Progress(verbose, max_seconds=bound if not isinstance(bound, str) else None, on_step=watch.read)
-    verify = _count("verify", verify)
-    progress.reserve = verify
-    if calibration is None:
-        progress.phase(f"measuring the {len(device_list)} devices (a task, a step, a transfer, an update)")
-        calibration = calibration_lib.calibrate(device_list, optimizer, budget=budget)
-    elif not isinstance(calibration, Calibration):
-        raise TypeError(f"calibration must be a tfpipe Calibration (plan.calibration), got {calibration!r}.")
-    if profile is not None:  # measured by an earlier plan of these layers, with this calibration fitted to it
-        measured = reused(profile, layer_seq)
-    else:  # each layer alone at three sizes (the smallest, the middle, the largest), the rest interpolated
-        alone = fitting.profile_sizes(sizes)
-        repeats = positive_int("repeats", repeats)
-        measured = profile_lib.measure(
-            layer_seq, data, alone, device_list[0], repeats=repeats, progress=progress, budget=budget
+    progress.reserve = request.verify
+    measured, fitted = _measured(request, calibration, profile, progress)
+    progress.phase("predicting every configuration")
+    candidates = search.run(measured, fitted, request.batch_size, request.space, request.budget, request.slots)
+    candidates = _timed(request, candidates, measured.not_run, progress)
+    progress.end()
+    watch.read()
+    chosen = plans.from_candidates(
+        candidates, request.devices, request.batch_size, request.budget, measured, fitted, request.slots
+    )
+    chosen.planning_seconds, chosen.planning_peaks = progress.seconds(), watch.peaks
+    return chosen
+
+
+@dataclasses.dataclass
+class _Request:
+    """``plan``'s arguments, checked: what the planner measures, searches and keeps to."""
+
+    layers: Any  # the planner's units: the layers, or a Functional model's nodes
+    data: Any  # a sample input
+    batch_size: int
+    devices: list[str]
+    budget: float | None
+    space: search.Space
+    optimizer: Any
+    slots: int
+    sizes: list[int]  # the micro-batch sizes the search may use
+    repeats: int
+    verify: int
+    max_seconds: float | str | None
+
+    @classmethod
+    def checked(
+        cls, layers: Any, batch_size: Any, devices: Any, memory_budget: Any, sample: Any, input_shape: Any,
+        optimizer: Any, num_micro_batches: Any, schedules: Any, remats: Any, replicas: Any, calibration: Any,
+        profile: Any, repeats: Any, verify: Any, max_seconds: Any,
+    ) -> _Request:  # fmt: skip
+        """Check ``plan``'s arguments, each with a message that names it, before anything is measured."""
+        units = units_lib.of(layers)
+        batch_size = positive_int("batch_size", batch_size)
+        device_list = _devices(devices)
+        space = search.Space(
+            num_devices=len(device_list),
+            micro_batches=_choices("num_micro_batches", num_micro_batches, search.MICRO_BATCHES, int),
+            schedules=_choices("schedules", schedules, schedule_lib.SCHEDULES, str, _one_cell_schedule),
+            remats=_choices("remats", remats, REMAT_MODES, str, check_mode),
+            replicas=bool(replicas),
         )
-    profile_lib.fill(measured, sizes)
+        if profile is not None and calibration is None:
+            raise ValueError(
+                "profile=plan.profile is reused with the calibration fitted to it: pass calibration=plan.calibration "
+                "too."
+            )
+        if calibration is not None and not isinstance(calibration, Calibration):
+            raise TypeError(f"calibration must be a tfpipe Calibration (plan.calibration), got {calibration!r}.")
+        return cls(
+            layers=units,
+            data=profile_lib.sample_of(layers, sample, input_shape),
+            batch_size=batch_size,
+            devices=device_list,
+            budget=plans.parse_bytes(memory_budget) if memory_budget is not None else None,
+            space=space,
+            optimizer=optimizer,
+            slots=optimizer_slots(optimizer),
+            sizes=search.micro_batch_sizes(batch_size, len(units), space),
+            repeats=positive_int("repeats", repeats),
+            verify=_count("verify", verify),
+            max_seconds=_max_seconds(max_seconds),
+        )
+
+
+def _measured(
+    request: _Request, calibration: Calibration | None, profile: profile_lib.Profile | None, progress: Progress
+) -> tuple[profile_lib.Profile, Calibration]:
+    """The layers' measurements and the devices' calibration fitted to them: measured (the devices, each layer alone
+    at three sizes, then whole steps within the time left), or reused from an earlier plan (``profile``)."""
+    if calibration is None:
+        progress.phase(f"measuring the {len(request.devices)} devices (a task, a step, a transfer, an update)")
+        calibration = calibration_lib.calibrate(request.devices, request.optimizer, budget=request.budget)
+    if profile is not None:  # measured by an earlier plan of these layers, with this calibration fitted to it
+        measured = reused(profile, request.layers)
+    else:  # each layer alone at three sizes (the smallest, the middle, the largest), the rest interpolated
+        measured = profile_lib.measure(
+            request.layers, request.data, fitting.profile_sizes(request.sizes), request.devices[0],
+            repeats=request.repeats, progress=progress, budget=request.budget,
+        )  # fmt: skip
+    profile_lib.fill(measured, request.sizes)
     if profile is None:
-        if bound == "auto":  # from the fastest configuration the layers alone predict
-            found = search.run(measured, calibration, batch_size, space, None, slots)
+        if request.max_seconds == "auto":  # from the fastest configuration the layers alone predict
+            found = search.run(measured, calibration, request.batch_size, request.space, None, request.slots)
             fastest = found[0].prediction.step_s if found else 0.0
             progress.max_seconds = max(AUTO_STEPS * fastest, AUTO_MIN_SECONDS)
             progress.end()
@@ -129,30 +187,32 @@ def plan(
                 f"planning within {progress.max_seconds:.0f} s (max_seconds='auto': {AUTO_STEPS} steps of "
                 f"{fastest * 1e3:.1f} ms, the fastest the layers alone predict, at least {AUTO_MIN_SECONDS:.0f} s)"
             )
-        recompute = set(space.remats) != {"never"}  # what recomputing costs, where the search may recompute
+        recompute = set(request.space.remats) != {"never"}  # what recomputing costs, where the search may recompute
         calibration = fitting.fit_model(
-            measured, layer_seq, data, batch_size, device_list, optimizer, calibration, slots, recompute,
-            space.replicas, progress, budget,
+            measured, request.layers, request.data, request.batch_size, request.devices, request.optimizer,
+            calibration, request.slots, recompute, request.space.replicas, progress, request.budget,
         )  # fmt: skip
     # what one W over all micro-batches joins
-    if not measured.joined_bytes and any(schedule_lib.batches_weights(s) for s in space.schedules):
+    if not measured.joined_bytes and any(schedule_lib.batches_weights(s) for s in request.space.schedules):
         with _compat.custom_gradients_forgotten():  # its traced copies hold no memory once measured
-            measured.joined_bytes = joined.bytes_per_sample(layer_seq, data, device_list[0])
+            measured.joined_bytes = joined.bytes_per_sample(request.layers, request.data, request.devices[0])
         measured.time_source += "; one W over all micro-batches also copies the rows it joins (traced per layer)"
-    progress.phase("predicting every configuration")
-    candidates = search.run(measured, calibration, batch_size, space, budget, slots)
+    return measured, calibration
+
+
+def _timed(
+    request: _Request, candidates: list[search.Candidate], not_run: list[str], progress: Progress
+) -> list[search.Candidate]:
+    """``candidates`` with the shortlist timed on the devices (``verify``), where the time left allows."""
+    verify = request.verify
     progress.reserve = 0
     if not progress.affords(1) and len(search.shortlist(candidates, verify)) >= 2:
-        measured.not_run.append("the shortlist not timed: no time left within max_seconds; chosen by prediction alone")
+        not_run.append("the shortlist not timed: no time left within max_seconds; chosen by prediction alone")
         verify = 0
-    candidates = verified(
-        candidates, layer_seq, data, batch_size, device_list, optimizer, verify, budget, progress, measured.not_run
-    )
-    progress.end()
-    watch.read()
-    chosen = plans.from_candidates(candidates, device_list, batch_size, budget, measured, calibration, slots)
-    chosen.planning_seconds, chosen.planning_peaks = progress.seconds(), watch.peaks
-    return chosen
+    return verified(
+        candidates, request.layers, request.data, request.batch_size, request.devices, request.optimizer, verify,
+        request.budget, progress, not_run,
+    )  # fmt: skip
 
 
 def verified(

@@ -314,6 +314,22 @@ def running_worker(device: str) -> tuple[LocalCluster, int] | None:
     return None
 
 
+def _tf_config() -> dict[str, Any]:
+    """The ``TF_CONFIG`` environment variable, read; a ValueError where it is missing or has no "cluster"."""
+    config = os.environ.get("TF_CONFIG")
+    if not config:
+        raise ValueError(
+            "connect() needs a cluster: pass a tf.train.ClusterSpec or a dict, or set TF_CONFIG "
+            'to {"cluster": {"worker": ["host:port", ...]}}.'
+        )
+    try:
+        read = json.loads(config)
+        read["cluster"]  # a KeyError, or a TypeError where TF_CONFIG is not an object
+    except (ValueError, KeyError, TypeError) as err:
+        raise ValueError(f'TF_CONFIG={config!r} has no readable "cluster" entry ({err}).') from None
+    return read
+
+
 def connect(
     cluster: Any = None,
     job: str = JOB,
@@ -349,17 +365,8 @@ def connect(
     max_restarts = _check_restarts(max_restarts)
     tf_config = None
     if cluster is None:
-        config = os.environ.get("TF_CONFIG")
-        if not config:
-            raise ValueError(
-                "connect() needs a cluster: pass a tf.train.ClusterSpec or a dict, or set TF_CONFIG "
-                'to {"cluster": {"worker": ["host:port", ...]}}.'
-            )
-        try:
-            tf_config = json.loads(config)
-            cluster = tf_config["cluster"]
-        except (ValueError, KeyError, TypeError) as err:
-            raise ValueError(f'TF_CONFIG={config!r} has no readable "cluster" entry ({err}).') from None
+        tf_config = _tf_config()
+        cluster = tf_config["cluster"]
     spec = cluster if isinstance(cluster, tf.train.ClusterSpec) else tf.train.ClusterSpec(cluster)
     if job not in spec.jobs:
         raise ValueError(f"The cluster has no job {job!r} (jobs: {spec.jobs}); name the job that runs the cells.")

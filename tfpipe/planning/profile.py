@@ -255,55 +255,88 @@ def measure(
     kinds: list[str | None] = []
     names = units_lib.names(units)
     known = None  # on a stand-in, the bytes are read first: a unit's bytes at a size are known before it runs there
-    if read_on not in (None, device):
-        assert read_on is not None and memory is not None  # stand_in's device, whose allocator counts
+    if read_on is not None and memory is not None and read_on != device:
         known = _bytes_on(units, sample, sizes, read_on, memory, budget, progress)
     if progress is not None:
         progress.phase(f"measuring each of the {len(names)} layers alone at {len(sizes)} micro-batch sizes", len(names))
     scaled: dict[int, set[int]] = {}  # size -> the units scaled to it from a smaller size, not run (over budget)
     alike: dict[str, list[list[tuple[float, float, float, float]]]] = {}  # kind -> its units timed, their costs
     copied = 0  # units given the times of those of their kind timed before them
-    over: list[int]  # the sizes a unit alone is predicted over the budget at: not run, scaled from a smaller one
     for walked in units_lib.walk(units, sample, sizes[-1], device):
         unit = len(outputs)
         with _compat.custom_gradients_forgotten():  # the copy, let go after, holds no memory then
-            kind = kind_of(walked.copy, walked.inputs)
-            kinds.append(kind)
+            kinds.append(kind_of(walked.copy, walked.inputs))
+            timed = alike.setdefault(kinds[-1], []) if kinds[-1] is not None else []
             given = known[unit] if known is not None else None
-            timed = alike.setdefault(kind, []) if kind is not None else []
-            if len(timed) >= ALIKE_TIMED:
-                per_size, over, copied = _as_timed(timed, given), [], copied + 1
-            else:
-                read = memory if read_on == device else None
-                per_size, over = _unit_costs(walked, sizes, device, read, repeats, budget, given)
-                timed.append(per_size)
-        for b, values in zip(sizes, per_size):
-            _append(by_batch[b], *values)
-        for b in over:
-            scaled.setdefault(b, set()).add(unit)
+            read = memory if read_on == device else None
+            per_size, over, as_timed = _own_or_alike(walked, timed, given, sizes, device, read, repeats, budget)
+        copied += as_timed
+        _record(by_batch, scaled, sizes, unit, per_size, over)
         if not nodes:  # a layer list's layers may be unbuilt: their built copies count
             weights.append(sum(_bytes(v) for v in walked.copy.weights))
             trainable.append(sum(_bytes(v) for v in walked.copy.trainable_variables))
         outputs.append(walked.crossing_bytes / sizes[-1])
         if progress is not None:
             progress.step(names[unit])
-    source = FROM_OUTPUTS
-    if read_on is not None:
-        source = MEASURED if read_on == device else f"{MEASURED} on {read_on}, this process's stand-in for {device}"
     for costs in by_batch.values():
         tie_alike(costs, kinds)
-    not_run = [
-        f"{len(units_)} unit(s) alone at {b} samples not run (predicted over the budget alone): scaled from a smaller "
-        f"size ({', '.join(names[u] for u in sorted(units_)[:3])}{', ...' if len(units_) > 3 else ''})"
-        for b, units_ in sorted(scaled.items())
-    ]
-    input_bytes = _bytes(tf.nest.map_structure(lambda t: np.asarray(t)[:1], sample))  # per sample
     found = Profile(
-        device, weights, trainable, input_bytes, outputs, by_batch, source, read_on, tied=tied, not_run=not_run
-    )
+        device, weights, trainable, _bytes(tf.nest.map_structure(lambda t: np.asarray(t)[:1], sample)), outputs,
+        by_batch, _source(read_on, device), read_on, tied=tied, not_run=_scaled_notes(scaled, names),
+    )  # fmt: skip
     if copied:
         found.time_source += f" ({copied} given the times of the first {ALIKE_TIMED} of their kind)"
     return found
+
+
+def _own_or_alike(
+    walked: Any,
+    timed: list[list[tuple[float, float, float, float]]],
+    given: tuple[list[tuple[float, float]], set[int]] | None,
+    sizes: list[int],
+    device: str,
+    read: str | None,
+    repeats: int,
+    budget: float | None,
+) -> tuple[list[tuple[float, float, float, float]], list[int], bool]:
+    """A unit's costs at each size, the sizes it is predicted over the budget at (scaled there, not run), and whether
+    it took the times of its kind's first ``ALIKE_TIMED`` (``timed``) rather than being timed itself."""
+    if len(timed) >= ALIKE_TIMED:
+        return _as_timed(timed, given), [], True
+    per_size, over = _unit_costs(walked, sizes, device, read, repeats, budget, given)
+    timed.append(per_size)
+    return per_size, over, False
+
+
+def _record(
+    by_batch: dict[int, LayerCosts],
+    scaled: dict[int, set[int]],
+    sizes: Sequence[int],
+    unit: int,
+    per_size: Sequence[tuple[float, float, float, float]],
+    over: Sequence[int],
+) -> None:
+    """Add ``unit``'s costs at each of ``sizes`` to ``by_batch``; note in ``scaled`` the sizes it was scaled to."""
+    for b, values in zip(sizes, per_size):
+        _append(by_batch[b], *values)
+    for b in over:
+        scaled.setdefault(b, set()).add(unit)
+
+
+def _source(read_on: str | None, device: str) -> str:
+    """Where a profile's bytes come from: the device's allocator, a stand-in's, or the units' outputs."""
+    if read_on is None:
+        return FROM_OUTPUTS
+    return MEASURED if read_on == device else f"{MEASURED} on {read_on}, this process's stand-in for {device}"
+
+
+def _scaled_notes(scaled: dict[int, set[int]], names: Sequence[str]) -> list[str]:
+    """``Profile.not_run``: at each size, the units not run alone there (predicted over the budget), scaled."""
+    return [
+        f"{len(units)} unit(s) alone at {b} samples not run (predicted over the budget alone): scaled from a smaller "
+        f"size ({', '.join(names[u] for u in sorted(units)[:3])}{', ...' if len(units) > 3 else ''})"
+        for b, units in sorted(scaled.items())
+    ]
 
 
 def _as_timed(
