@@ -7,7 +7,7 @@ import time
 import numpy as np
 from absl import app, flags
 
-from tfpipe.planning.balance import partition
+from tfpipe.balance import partition
 
 flags.DEFINE_list("sizes", ["100:8", "1000:16", "1000:64"], "Cases as layers:cells.")
 flags.DEFINE_integer("repeats", 3, "Timed runs per case; the median is printed.", lower_bound=1)

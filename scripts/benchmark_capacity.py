@@ -253,6 +253,7 @@ def table(found: list[dict[str, Any]]) -> str:
     """The capacity table: each row's deepest model under the budget, and its parameters against tfpipe K=1's."""
     base = next((f["params"] for f in found if f["row"] == "1" and f["params"]), None)
     amoebanet = FLAGS.model == "amoebanet"
+    depth = "normal cells L" if amoebanet else "blocks"
     data = (
         f"AmoebaNet-D (L, {FLAGS.dim}), {FLAGS.batch_size} images of {FLAGS.image_size}x{FLAGS.image_size}, "
         f"{FLAGS.vocab} classes"
@@ -268,15 +269,16 @@ def table(found: list[dict[str, Any]]) -> str:
             else f"at M={FLAGS.micro_batches}, remat='always', 1F1B above K=1"
         ),
         "",
-        f"| row | {'normal cells L' if amoebanet else 'blocks'} | parameters | x tfpipe K=1 | device peak (MiB) | client peak (MiB) | configuration |",
+        f"| row | {depth} | parameters | x tfpipe K=1 | device peak (MiB) | client peak (MiB) | configuration |",
         "| --- | --- | --- | --- | --- | --- | --- |",
     ]
     for f in found:
         ratio = f"{f['params'] / base:.2f}" if base and f["params"] else "-"
         capped = " (cap)" if f["capped"] else ""
         name = "plain Keras" if f["row"] == "plain" else f"tfpipe K={f['row']}"
+        blocks = 3 * f["blocks"] if amoebanet else f["blocks"]
         lines.append(
-            f"| {name} | {3 * f['blocks'] if amoebanet else f['blocks']}{capped} | {f['params'] / 1e6:.2f}M | {ratio} | {mib(f['peak'])} | "
+            f"| {name} | {blocks}{capped} | {f['params'] / 1e6:.2f}M | {ratio} | {mib(f['peak'])} | "
             f"{mib(f['client_peak'])} | {f['config']} |"
         )
     return "\n".join(lines) + "\n"

@@ -109,7 +109,7 @@ class Config:
 
     def placement(self) -> list[int]:
         """Each cell's (stage's) device, as tfpipe's schedule places them."""
-        from tfpipe.step import schedule
+        from tfpipe import schedule
 
         return schedule.placement(self.schedule, self.cells, self.k)
 
@@ -161,7 +161,7 @@ def configs(spec: dict[str, Any], k: int) -> list[Config]:
 
 def _v(schedule_name: str) -> int:
     """The cells per device of ``schedule_name``: ``--cells_per_device`` where it shares devices, else 1."""
-    from tfpipe.step import schedule
+    from tfpipe import schedule
 
     return FLAGS.cells_per_device if schedule.shares_devices(schedule_name) else 1
 
@@ -375,7 +375,7 @@ def main(argv: list[str]) -> None:
         raise app.UsageError("; ".join(bad or ["--pairs=0 times nothing: add --check"]) + f" ({known})")
     if importlib.util.find_spec("torch") is None:
         sys.exit('benchmark_peers.py needs torch: pip install -e ".[peers]"')
-    from tfpipe.distributed.cluster import LocalCluster
+    from tfpipe.cluster import LocalCluster
 
     k, rows, tables, began = FLAGS.partitions, [], [], time.perf_counter()
     peers = TorchPeers(k)  # its processes start while TensorFlow's workers do

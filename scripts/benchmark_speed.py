@@ -207,9 +207,9 @@ def main(argv: list[str]) -> None:
     for name, kinds in (("tie_embeddings", ("transformer",)), ("vocab", ("transformer", "hub:NAME"))):
         if FLAGS[name].present and ("hub:NAME" if hub else FLAGS.model) not in kinds:
             raise app.UsageError(f"--{name} applies to --model={' or '.join(kinds)}, not --model={FLAGS.model}")
+    from tfpipe import schedule
     from tfpipe.backward import remat
-    from tfpipe.distributed.cluster import LocalCluster
-    from tfpipe.step import schedule
+    from tfpipe.cluster import LocalCluster
 
     ks = [k for k in (1, 2, 4, 8, 16) if k <= FLAGS.max_partitions]
     ms = [int(m) for m in FLAGS.micro_batches]

@@ -29,10 +29,10 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
 from absl import app, flags  # noqa: E402
 
+from tfpipe import schedule  # noqa: E402
 from tfpipe.analysis.tasks import TRANSFER_TYPES, OpInfo, attribute, lookup, parse_task_name  # noqa: E402
 from tfpipe.scripts.report import write_table  # noqa: E402
 from tfpipe.scripts.timeline_analysis import Event, draw, ideal_costs, summarize, task_rows  # noqa: E402
-from tfpipe.step import schedule  # noqa: E402
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string(
@@ -302,7 +302,7 @@ def main(argv: list[str]) -> None:
         info, windows = profile_steps(devices, None, logdir)  # cells placed on them by the schedule
         host_device: dict[str, int] = {}
     else:
-        from tfpipe.distributed.cluster import LocalCluster
+        from tfpipe.cluster import LocalCluster
 
         with LocalCluster(k, threads_per_worker=1) as cluster:
             devices = cluster.devices

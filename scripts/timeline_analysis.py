@@ -6,8 +6,8 @@ from __future__ import annotations
 import dataclasses
 import statistics
 
+from tfpipe import schedule
 from tfpipe.analysis.tasks import PHASES, parse_task_name
-from tfpipe.step import schedule
 
 COLORS = {
     "forward": "#4C72B0",

@@ -155,7 +155,7 @@ def setup_devices(spec: str, partitions: int, stack: contextlib.ExitStack, every
             return [f"/CPU:{i}" for i in range(count)]
         return [f"/CPU:{i}" for i in range(count)][:partitions] if count >= partitions else None
     if spec.startswith("local:"):
-        from tfpipe.distributed.cluster import LocalCluster, WorkerError
+        from tfpipe.cluster import LocalCluster, WorkerError
 
         try:
             count = int(spec[6:])

@@ -22,13 +22,13 @@ import numpy as np
 import tensorflow as tf
 
 from tfpipe import _compat, messages
-from tfpipe.distributed import cluster as cluster_lib
+from tfpipe import cluster as cluster_lib
+from tfpipe import schedule as schedule_lib
 from tfpipe.distributed.sendrecv import any_remote
 from tfpipe.model import PipelineModel
 from tfpipe.planning import units as units_lib
 from tfpipe.planning.predict import Calibration, Config
 from tfpipe.planning.profile import median_seconds, memory_name
-from tfpipe.step import schedule as schedule_lib
 from tfpipe.step.unrolled import noinline_tasks
 
 _CALIBRATIONS: dict[tuple[Any, ...], Calibration] = {}  # one per set of devices and optimizer, per process

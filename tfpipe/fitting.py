@@ -19,8 +19,8 @@ import numpy as np
 import tensorflow as tf
 
 from tfpipe import _compat
+from tfpipe import balance as balance_lib
 from tfpipe import calibration as calibration_lib
-from tfpipe.planning import balance as balance_lib
 from tfpipe.planning import predict, profile
 from tfpipe.planning.plans import gib
 from tfpipe.planning.predict import Calibration, Config

@@ -15,6 +15,8 @@ import numpy as np
 import tensorflow as tf
 
 from tfpipe import _compat, auto_plan, messages, saving
+from tfpipe import balance as balance_lib
+from tfpipe import cost as cost_lib
 from tfpipe import settings as settings_lib
 from tfpipe import training as training_lib
 from tfpipe.distributed import devices as devices_lib
@@ -23,9 +25,7 @@ from tfpipe.partition import deferred, functional, hub, specs
 from tfpipe.partition import state as state_lib
 from tfpipe.partition.cell import Cell, hang, tie
 from tfpipe.partition.sequence import layer_list
-from tfpipe.planning import balance as balance_lib
 from tfpipe.planning import budget as budget_lib
-from tfpipe.planning import cost as cost_lib
 from tfpipe.planning import summary as summary_lib
 from tfpipe.step import microbatch, replicated
 from tfpipe.step.replicated import Replicated

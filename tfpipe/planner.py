@@ -22,6 +22,7 @@ import tensorflow as tf
 
 from tfpipe import _compat, auto_plan, fitting
 from tfpipe import calibration as calibration_lib
+from tfpipe import schedule as schedule_lib
 from tfpipe._args import positive_int
 from tfpipe.backward.remat import REMAT_MODES, check_mode
 from tfpipe.distributed import devices as devices_lib
@@ -32,7 +33,6 @@ from tfpipe.planning import units as units_lib
 from tfpipe.planning.plans import Plan
 from tfpipe.planning.predict import SLOTS, Calibration, Config
 from tfpipe.planning.progress import Progress
-from tfpipe.step import schedule as schedule_lib
 
 __all__ = ["Plan", "plan"]
 

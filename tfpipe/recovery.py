@@ -32,7 +32,7 @@ import tensorflow as tf
 from absl import logging
 
 from tfpipe import _compat
-from tfpipe.distributed import cluster as cluster_lib
+from tfpipe import cluster as cluster_lib
 from tfpipe.partition import state as state_lib
 
 PREEMPTED_EXIT_CODE = 128 + signal.SIGTERM  # what a shell reports for a process ended by SIGTERM

@@ -12,11 +12,11 @@ from typing import Any, TypeVar
 import keras
 import tensorflow as tf
 
+from tfpipe import schedule as schedule_lib
 from tfpipe.distributed import devices as devices_lib
 from tfpipe.partition import functional, specs
 from tfpipe.partition import state as state_lib
 from tfpipe.partition.sequence import copy_layer, layer_list
-from tfpipe.step import schedule as schedule_lib
 
 _Model = TypeVar("_Model", bound="Saving")  # the PipelineModel class a classmethod is called on
 

@@ -7,15 +7,15 @@ from typing import Any, NamedTuple
 
 import keras
 
+from tfpipe import balance as balance_lib
+from tfpipe import cost as cost_lib
+from tfpipe import schedule as schedule_lib
 from tfpipe._args import positive_int
 from tfpipe.backward import remat as remat_lib
 from tfpipe.distributed import devices as devices_lib
 from tfpipe.partition import functional
 from tfpipe.partition.cell import Cell
-from tfpipe.planning import balance as balance_lib
-from tfpipe.planning import cost as cost_lib
 from tfpipe.planning.plans import Plan
-from tfpipe.step import schedule as schedule_lib
 from tfpipe.step.replicated import Replicated
 from tfpipe.step.unrolled import Pipeline, check_remat, check_unroll
 

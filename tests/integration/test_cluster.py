@@ -18,7 +18,7 @@ def test_training_on_workers_matches_one_process(workers, schedule, replicas):  
     proc = run_fresh(f"""
         import numpy as np, keras
         import tfpipe
-        from tfpipe.distributed.cluster import LocalCluster
+        from tfpipe.cluster import LocalCluster
         from tests.util import max_rel_error, mlp_layers
 
         keras.utils.set_random_seed(0)
@@ -59,7 +59,7 @@ def test_outputs_and_their_gradients_cross_processes_through_explicit_sends_the_
         import numpy as np, keras, tensorflow as tf
         import tfpipe
         from tfpipe.distributed import sendrecv
-        from tfpipe.distributed.cluster import LocalCluster
+        from tfpipe.cluster import LocalCluster
         from tests.util import mlp_layers
 
         x = np.zeros((6, 5), "float32"); y = np.zeros((6, 3), "float32")
@@ -116,7 +116,7 @@ def test_a_functional_model_sends_each_skip_straight_to_the_worker_that_reads_it
         import numpy as np, keras, tensorflow as tf
         import tfpipe
         from tfpipe.models.unet import unet
-        from tfpipe.distributed.cluster import LocalCluster
+        from tfpipe.cluster import LocalCluster
         from tests.util import max_rel_error
 
         def make():
@@ -158,7 +158,7 @@ def test_a_functional_model_sends_each_skip_straight_to_the_worker_that_reads_it
 
 
 def test_cluster_arguments_and_connect_errors():
-    from tfpipe.distributed import cluster
+    from tfpipe import cluster
 
     with pytest.raises(ValueError, match="num_workers must be an integer >= 1, got 0"):
         cluster.LocalCluster(0)
@@ -240,7 +240,7 @@ def test_a_killed_or_stopped_worker_ends_fit_naming_the_worker(how):  # a stoppe
         """
         import os, signal, threading, time
         import numpy as np, keras, tfpipe
-        from tfpipe.distributed.cluster import LocalCluster, WorkerError
+        from tfpipe.cluster import LocalCluster, WorkerError
         killed = {}
         try:
             with LocalCluster(2, timeout=20) as cluster:
@@ -286,7 +286,7 @@ def test_resume_after_a_fault_reaches_the_uninterrupted_weights(tmp_path, how):
         f"""
         import os, signal, time
         import numpy as np, keras, tfpipe
-        from tfpipe.distributed.cluster import LocalCluster, WorkerError
+        from tfpipe.cluster import LocalCluster, WorkerError
         from tests.util import max_rel_error, mlp_layers
 
         x = np.random.default_rng(0).normal(size=(32, 5)).astype("float32")
@@ -352,7 +352,7 @@ def test_a_stopped_host_ends_fit_through_grpcs_ping_timeout_when_joined_with_con
             f"""
             import os, signal, threading, time
             import numpy as np, keras, tfpipe
-            from tfpipe.distributed.cluster import WorkerError
+            from tfpipe.cluster import WorkerError
             time.sleep(3)  # the servers start
             devices = tfpipe.cluster.connect({{"worker": {addresses!r}}}, timeout=10)
             print("OPTIONS", os.environ["TF_GRPC_DEFAULT_OPTIONS"])

@@ -39,7 +39,7 @@ def started_and_stopped():
         import os, time
         import tensorflow as tf
         from tfpipe.distributed import exposure
-        from tfpipe.distributed.cluster import LocalCluster
+        from tfpipe.cluster import LocalCluster
         os.environ.pop("TF_CPU_ALLOCATOR_USE_BFC", None)
 
         def bfc(pid):  # the allocator setting a worker runs with
@@ -145,7 +145,7 @@ def test_memory_info_reads_each_workers_allocator(started_and_stopped):
 def test_workers_die_with_a_killed_client():
     code = textwrap.dedent("""
         import time
-        from tfpipe.distributed.cluster import LocalCluster
+        from tfpipe.cluster import LocalCluster
         cluster = LocalCluster(2).start()
         print("PIDS", *cluster.pids, flush=True)
         time.sleep(300)
@@ -166,7 +166,7 @@ def test_workers_die_with_a_killed_client():
 def test_a_worker_that_cannot_start_is_a_clear_error_and_a_taken_port_is_retried():
     proc = run_fresh("""
         import socket
-        from tfpipe.distributed import cluster
+        from tfpipe import cluster
         taken = socket.socket()
         taken.bind(("127.0.0.1", 0))
         taken.listen()

@@ -6,7 +6,7 @@ import pytest
 
 import tfpipe
 from tests.util import cpu_devices, max_rel_error, mlp_layers, per_layer_error, stateful_layers, unet_error
-from tfpipe.step import schedule as schedule_lib
+from tfpipe import schedule as schedule_lib
 
 SHARED = list(schedule_lib.SHARED_SCHEDULES)
 

@@ -192,7 +192,7 @@ def test_timing_a_configuration_reads_each_workers_allocator_and_the_shared_ones
         cpu = tf.config.list_physical_devices("CPU")[0]
         tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
         from tfpipe import calibration
-        from tfpipe.distributed.cluster import LocalCluster
+        from tfpipe.cluster import LocalCluster
         from tfpipe.planning.predict import Config
 
         layers = [keras.layers.Dense(256, activation="tanh") for _ in range(4)]

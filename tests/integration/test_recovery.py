@@ -19,7 +19,7 @@ from tests.util import REPO, run_fresh
 TRAIN = """
 import os, signal, sys, time
 import numpy as np, keras, tfpipe
-from tfpipe.distributed.cluster import LocalCluster, WorkerError
+from tfpipe.cluster import LocalCluster, WorkerError
 from tests.util import max_rel_error, mlp_layers
 
 x = np.random.default_rng(0).normal(size=(32, 5)).astype("float32")

@@ -9,8 +9,8 @@ import time
 import pytest
 
 from tests.util import run_script
+from tfpipe import schedule
 from tfpipe.scripts import report
-from tfpipe.step import schedule
 
 
 @pytest.mark.slow  # a whole benchmark run (58 s); the suite's time: pytest -m slow runs it

@@ -50,7 +50,7 @@ def _ideal_bubble(stdout):
 
 
 def test_csv_has_every_task_of_the_schedule_and_a_summary(run):
-    from tfpipe.step import schedule
+    from tfpipe import schedule
 
     proc, out = run
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -67,7 +67,7 @@ def test_csv_has_every_task_of_the_schedule_and_a_summary(run):
 
 
 def test_zero_bubble_draws_its_w_tasks_and_its_own_ideal(tmp_path):
-    from tfpipe.step import schedule
+    from tfpipe import schedule
 
     out = str(tmp_path / "zb")
     proc = _smallest(out, "--schedule=zero_bubble", "--remat=never")
@@ -80,8 +80,8 @@ def test_zero_bubble_draws_its_w_tasks_and_its_own_ideal(tmp_path):
 
 
 def test_batched_w_draws_one_w_task_per_cell_counted_per_micro_batch(tmp_path):
+    from tfpipe import schedule
     from tfpipe.analysis.tasks import task_scope_name
-    from tfpipe.step import schedule
 
     out = str(tmp_path / "bw")
     proc = _smallest(out, "--schedule=gpipe_batched_w", "--remat=never")
@@ -96,7 +96,7 @@ def test_batched_w_draws_one_w_task_per_cell_counted_per_micro_batch(tmp_path):
 
 
 def test_two_cells_per_device_are_drawn_on_their_device_with_their_schedules_ideal(tmp_path):
-    from tfpipe.step import schedule
+    from tfpipe import schedule
 
     out = str(tmp_path / "il")
     proc = _smallest(out, "--schedule=interleaved_1f1b", "--cells_per_device=2", "--blocks=2")

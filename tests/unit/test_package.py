@@ -1,30 +1,30 @@
-"""The package's shape: the public API, the old module paths that still import, one-way layers.
+"""The package's shape: the public API at its public paths, one-way layers.
 
 Modules are sized by cohesion, one concept each, not by a line count (issue 65).
 """
 
 import ast
+import importlib
 import os
 
 import pytest
 
 import tfpipe
-from tests.util import REPO, run_fresh
-from tfpipe import _aliases
+from tests.util import REPO
 
 PACKAGE = os.path.join(REPO, "tfpipe")
 # Bottom to top: a module may import its own layer and the layers before it, never a later one.
 LAYERS = [
     {"_compat", "_args", "messages"},  # messages: how tfpipe says things, importing nothing of tfpipe
     {"graph"},
-    {"distributed"},
+    {"distributed", "cluster"},
     {"backward"},
     {"partition"},
-    {"step"},
-    {"planning"},
+    {"step", "schedule"},
+    {"planning", "cost", "balance"},
     {"saving", "training", "settings", "recovery", "keras_api", "auto_plan"},
     {"model"},
-    {"analysis", "calibration", "fitting", "planner", "__init__", "_aliases"},
+    {"analysis", "calibration", "fitting", "planner", "__init__"},
 ]
 
 
@@ -94,19 +94,10 @@ def test_the_manual_stays_short_readme_250_lines_benchmarks_400():
     assert not long, long
 
 
-def test_every_old_module_path_imports_the_moved_module_with_a_warning():
-    checks = "\n".join(
-        f"with pytest.warns(DeprecationWarning, match='tfpipe.{old} moved to {new}'):\n"
-        f"    import tfpipe.{old} as old\n"
-        f"assert old is importlib.import_module('{new}'), '{old}'"
-        for old, new in _aliases.MOVED.items()
-    )
-    result = run_fresh("import importlib, warnings, pytest, tfpipe\n" + checks + "\nprint('ok')")
-    assert result.stdout.strip().endswith("ok"), result.stderr[-2000:]
-
-
-def test_an_old_module_read_as_an_attribute_warns_and_an_unknown_one_is_an_attribute_error():
-    with pytest.warns(DeprecationWarning, match="tfpipe.pipeline moved to tfpipe.step.unrolled"):
-        assert tfpipe.pipeline.Pipeline.__module__ == "tfpipe.step.unrolled"
-    with pytest.raises(AttributeError, match="no attribute 'nothing'"):
+def test_internal_paths_of_old_are_gone_and_an_unknown_attribute_is_an_attribute_error():
+    # a 0.x library names its API in __all__; internal modules that moved have no second path (issue 65)
+    for old in ("pipeline", "cell", "checkpoint", "devices"):
+        with pytest.raises(ModuleNotFoundError, match=f"tfpipe.{old}"):
+            importlib.import_module(f"tfpipe.{old}")
+    with pytest.raises(AttributeError, match="has no attribute 'nothing'"):
         tfpipe.nothing  # noqa: B018

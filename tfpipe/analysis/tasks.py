@@ -7,9 +7,9 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
+from tfpipe import schedule
 from tfpipe.graph.names import GRADIENT_SUM, LOSS_FUNCTION, TASK_START, TRACED_VJP
-from tfpipe.step import schedule
-from tfpipe.step.schedule import task_scope_name
+from tfpipe.schedule import task_scope_name
 
 PHASES = ("forward", "loss", "recompute", "backward", "accumulate", "transfer", "optimizer", "other")
 TRANSFER_TYPES = ("_Send", "_Recv", "_HostSend", "_HostRecv")  # op types that move tensors between devices

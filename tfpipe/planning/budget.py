@@ -16,7 +16,7 @@ from typing import Any
 
 import keras
 
-from tfpipe.planning import balance as balance_lib
+from tfpipe import balance as balance_lib
 from tfpipe.planning.plans import gib, parse_bytes
 from tfpipe.planning.predict import SLOTS
 from tfpipe.planning.units import variable_bytes

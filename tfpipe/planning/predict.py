@@ -25,9 +25,9 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
+from tfpipe import schedule as schedule_lib
 from tfpipe.backward import remat as remat_lib
 from tfpipe.planning.profile import Profile
-from tfpipe.step import schedule as schedule_lib
 from tfpipe.step.unrolled import NOINLINE_TASKS
 
 # Where a step calls its cells without inlining them, each cell holds this many more copies of its weights'

@@ -27,11 +27,11 @@ import numpy as np
 import tensorflow as tf
 
 from tfpipe import _compat
+from tfpipe import cost as cost_lib
+from tfpipe.cost import _bytes
 from tfpipe.graph import cpu_gradients
 from tfpipe.partition import functional, hub, specs
-from tfpipe.planning import cost as cost_lib
 from tfpipe.planning import units as units_lib
-from tfpipe.planning.cost import _bytes
 from tfpipe.planning.progress import Progress
 
 MEASURED = "measured with get_memory_info"

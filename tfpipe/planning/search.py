@@ -14,12 +14,12 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
+from tfpipe import balance as balance_lib
+from tfpipe import schedule as schedule_lib
 from tfpipe.backward.remat import REMAT_MODES
-from tfpipe.planning import balance as balance_lib
 from tfpipe.planning import predict
 from tfpipe.planning.predict import Calibration, Config, Prediction
 from tfpipe.planning.profile import Profile
-from tfpipe.step import schedule as schedule_lib
 
 MICRO_BATCHES = (1, 2, 4, 8, 16, 32)
 # Predictions are within 10-20% of measured steps (docs/benchmarks.md#planning): among candidates predicted within this

@@ -12,10 +12,10 @@ from __future__ import annotations
 
 from collections import defaultdict
 
+from tfpipe import schedule as schedule_lib
 from tfpipe.planning import predict
 from tfpipe.planning.predict import Calibration, Config
 from tfpipe.planning.profile import Profile
-from tfpipe.step import schedule as schedule_lib
 
 
 def shared_peak_bytes(profile: Profile, calibration: Calibration, batch_size: int, config: Config, slots: int) -> float:

@@ -7,9 +7,9 @@ from typing import Any
 
 import numpy as np
 
-from tfpipe.planning import balance as balance_lib
-from tfpipe.planning import cost as cost_lib
-from tfpipe.step import schedule
+from tfpipe import balance as balance_lib
+from tfpipe import cost as cost_lib
+from tfpipe import schedule
 
 COLUMNS = ("Cell", "Device", "Layers", "Params", "Cost", "Share", "Out bytes/sample")
 WIDTHS = [4, 24, 0, 12, 20, 6, 16]  # 0: the layers column takes what the line length leaves

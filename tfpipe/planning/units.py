@@ -25,9 +25,9 @@ import numpy as np
 import tensorflow as tf
 
 from tfpipe import _compat
+from tfpipe.cost import _bytes, _restoring, _walk
 from tfpipe.partition import deferred, functional
 from tfpipe.partition.sequence import copy_layer, layer_list
-from tfpipe.planning.cost import _bytes, _restoring, _walk
 
 
 class Nodes:

@@ -14,12 +14,11 @@ from typing import Any
 
 import tensorflow as tf
 
-from tfpipe import _compat
+from tfpipe import _compat, schedule
 from tfpipe.distributed import devices
 from tfpipe.graph.names import TASK_END, TASK_START
 from tfpipe.partition.cell import Cell
-from tfpipe.step import schedule
-from tfpipe.step.schedule import task_scope_name
+from tfpipe.schedule import task_scope_name
 
 # Checks and prints touch no variable, so tf.function chains each after every other such op of every device, in the
 # order traced (a replica's loss waited on the replica's before it where Keras' losses check shapes at run time).

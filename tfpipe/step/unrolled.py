@@ -14,18 +14,19 @@ from typing import Any
 
 import tensorflow as tf
 
+from tfpipe import schedule
 from tfpipe.backward import remat as remat_lib
 from tfpipe.distributed import devices, sendrecv
 from tfpipe.graph.names import TASK_START
 from tfpipe.partition.cell import Cell, tie
 from tfpipe.partition.routes import Routes
-from tfpipe.step import looped, loss, microbatch, schedule
+from tfpipe.schedule import task_scope_name
+from tfpipe.step import looped, loss, microbatch
 from tfpipe.step.chain import Chain
 from tfpipe.step.executor import Executor, StepResult, step_result
 from tfpipe.step.gradients import sum_gradients, tied_gradients
 from tfpipe.step.handoff import Handoff
 from tfpipe.step.loss import LossFn
-from tfpipe.step.schedule import task_scope_name
 from tfpipe.step.tasks import Tasks
 from tfpipe.step.wiring import Wiring
 

@@ -14,13 +14,13 @@ from typing import Any
 
 import tensorflow as tf
 
+from tfpipe import schedule
 from tfpipe.distributed import sendrecv
 from tfpipe.partition.cell import Cell
 from tfpipe.partition.routes import MODEL_INPUT, Routes
-from tfpipe.step import schedule
+from tfpipe.schedule import task_scope_name
 from tfpipe.step.handoff import Handoff
 from tfpipe.step.leaves import flat
-from tfpipe.step.schedule import task_scope_name
 
 
 class Wiring:

@@ -7,6 +7,7 @@ import pytest
 import tensorflow as tf
 
 import tfpipe
+from tfpipe import schedule
 from tfpipe.analysis.tasks import (
     GRADIENT_SUM,
     PHASES,
@@ -22,8 +23,7 @@ from tfpipe.analysis.tasks import (
     parse_task_name,
     task_scope_name,
 )
-from tfpipe.step import schedule
-from tfpipe.step.schedule import Task
+from tfpipe.schedule import Task
 
 
 def test_task_names_round_trip():

@@ -5,7 +5,7 @@ import itertools
 import numpy as np
 import pytest
 
-from tfpipe.planning import balance
+from tfpipe import balance
 
 
 def test_uniform_split():

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from tests.util import run_fresh
-from tfpipe.planning import cost
+from tfpipe import cost
 
 
 def _flops(layers, sample):
@@ -171,7 +171,7 @@ def test_memory_with_the_bfc_allocator_counts_weights_and_activations():
     proc = run_fresh(
         """
         import keras, numpy as np
-        from tfpipe.planning import cost
+        from tfpipe import cost
         x = np.ones((32, 64), "float32")
         est = cost.estimate([keras.layers.Dense(512), keras.layers.Dense(8)], x, "memory")
         print("COSTS", *est.costs)

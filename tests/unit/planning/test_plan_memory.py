@@ -5,10 +5,10 @@ import dataclasses
 import pytest
 
 from tests.unit.planning.handmade import calibration, memory_bound_profile, profile
-from tfpipe.planning import balance as balance_lib
+from tfpipe import balance as balance_lib
+from tfpipe import schedule as schedule_lib
 from tfpipe.planning import predict, search
 from tfpipe.planning.predict import Config
-from tfpipe.step import schedule as schedule_lib
 
 
 def test_peak_bytes_of_one_cell_with_remat_never_and_always_by_hand():

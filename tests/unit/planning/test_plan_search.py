@@ -11,7 +11,7 @@ from tfpipe import fitting, planner
 from tfpipe.backward.remat import REMAT_MODES
 from tfpipe.planning import plans, predict, search
 from tfpipe.planning.predict import Config
-from tfpipe.step.schedule import SCHEDULES
+from tfpipe.schedule import SCHEDULES
 
 
 def test_one_cell_runs_every_task_one_after_another():

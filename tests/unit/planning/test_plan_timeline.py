@@ -6,9 +6,9 @@ import dataclasses
 import pytest
 
 from tests.unit.planning.handmade import calibration, profile
+from tfpipe import schedule as schedule_lib
 from tfpipe.planning import predict, shared_peak
 from tfpipe.planning.predict import Config
-from tfpipe.step import schedule as schedule_lib
 
 
 def _w_task(prof, config, batch, cell=0, cal=None):

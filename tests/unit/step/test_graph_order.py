@@ -8,8 +8,8 @@ import tensorflow as tf
 
 import tfpipe
 from tests.util import cpu_devices, mlp_layers, run_fresh
+from tfpipe import schedule
 from tfpipe.analysis.tasks import assign_tasks, task_scope_name
-from tfpipe.step import schedule
 
 
 def _train_graph(model, batch=4, optimizer="sgd"):

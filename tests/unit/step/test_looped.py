@@ -135,7 +135,8 @@ def test_unroll_is_checked_and_saved():
 @pytest.mark.parametrize("k,m", [(1, 3), (2, 4), (4, 3), (3, 8)])
 def test_the_loops_run_gpipes_clock_cycles(k, m):
     """Forward cycle t and backward iteration s (cycle M+K-2-s) run exactly schedule.gpipe's tasks."""
-    from tfpipe.step import looped, schedule
+    from tfpipe import schedule
+    from tfpipe.step import looped
 
     cycles = schedule.gpipe(k, m)
     for t in range(m + k - 1):

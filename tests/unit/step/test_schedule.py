@@ -2,8 +2,8 @@
 
 import pytest
 
-from tfpipe.step import schedule
-from tfpipe.step.schedule import Task
+from tfpipe import schedule
+from tfpipe.schedule import Task
 
 
 def test_forward_cycles_are_diagonals():

@@ -4,8 +4,8 @@ import itertools
 
 import pytest
 
-from tfpipe.step import schedule
-from tfpipe.step.schedule import Task
+from tfpipe import schedule
+from tfpipe.schedule import Task
 
 GRID = [(k, v, m) for k, v, m in itertools.product(range(1, 6), range(1, 4), range(1, 10))]
 

@@ -5,9 +5,9 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+from tfpipe import schedule
 from tfpipe.analysis import tasks
 from tfpipe.backward import remat
-from tfpipe.step import schedule
 from tfpipe.step.chain import Chain
 from tfpipe.step.unrolled import (
     NOINLINE_TASKS,

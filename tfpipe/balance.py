@@ -8,11 +8,11 @@ from typing import Any, Union
 
 import numpy as np
 
+from tfpipe import cost as cost_lib
+from tfpipe import schedule
 from tfpipe._args import positive_int
 from tfpipe.partition import functional
 from tfpipe.partition.sequence import layer_list
-from tfpipe.planning import cost as cost_lib
-from tfpipe.step import schedule
 
 
 def check(balance: Sequence[int], num_layers: int, unit: str = "layers") -> list[int]:
