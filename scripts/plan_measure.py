@@ -87,7 +87,7 @@ def measure(config: dict[str, Any]) -> dict[str, float]:
     import tensorflow as tf
 
     import tfpipe
-    from tfpipe.calibration import step_times, warm_up
+    from tfpipe.planner.calibration import step_times, warm_up
 
     peak = plan_devices.peak_reader(config)
     devices = peak.devices

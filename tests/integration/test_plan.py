@@ -191,7 +191,7 @@ def test_timing_a_configuration_reads_each_workers_allocator_and_the_shared_ones
         import json, numpy as np, keras, tensorflow as tf
         cpu = tf.config.list_physical_devices("CPU")[0]
         tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
-        from tfpipe import calibration
+        from tfpipe.planner import calibration
         from tfpipe.cluster import LocalCluster
         from tfpipe.planning.predict import Config
 

@@ -24,7 +24,7 @@ LAYERS = [
     {"planning", "cost", "balance"},
     {"saving", "training", "settings", "recovery", "keras_api", "auto_plan"},
     {"model"},
-    {"analysis", "calibration", "fitting", "planner", "__init__"},
+    {"analysis", "planner", "__init__"},
 ]
 
 

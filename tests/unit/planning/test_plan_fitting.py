@@ -4,8 +4,8 @@ own one-cell step, the parallelism and recomputation that predict the probes."""
 import pytest
 
 from tests.unit.planning.handmade import DEVICES, calibration, profile
-from tfpipe import calibration as calibration_lib
-from tfpipe import fitting
+from tfpipe.planner import calibration as calibration_lib
+from tfpipe.planner import probe_fits
 from tfpipe.planning import predict
 from tfpipe.planning import profile as profile_lib
 from tfpipe.planning import progress as progress_lib
@@ -14,14 +14,14 @@ from tfpipe.planning.predict import Config
 
 def test_spread_keeps_both_ends_and_spaces_the_rest_in_log_size():
     sizes = [2, 4, 8, 16, 32, 64, 128, 256]
-    assert fitting.spread(sizes, 8) == sizes
-    assert fitting.spread(sizes, 4) == [2, 8, 64, 256]
-    assert fitting.spread([16], 3) == [16]
+    assert probe_fits.spread(sizes, 8) == sizes
+    assert probe_fits.spread(sizes, 4) == [2, 8, 64, 256]
+    assert probe_fits.spread([16], 3) == [16]
     many = profile(sizes=tuple(2**i for i in range(11)))  # 1 to 1024: more sizes than SCALE_PROBES
-    stepped = list(fitting.scale_shapes(many, 1024, 3))
-    assert len(stepped) <= fitting.SCALE_PROBES + 1 and set(fitting.profile_sizes([2**i for i in range(11)])) <= set(
-        stepped
-    )
+    stepped = list(probe_fits.scale_shapes(many, 1024, 3))
+    assert len(stepped) <= probe_fits.SCALE_PROBES + 1 and set(
+        probe_fits.profile_sizes([2**i for i in range(11)])
+    ) <= set(stepped)
 
 
 def test_each_size_the_search_uses_is_scaled_to_its_own_step():
@@ -31,14 +31,14 @@ def test_each_size_the_search_uses_is_scaled_to_its_own_step():
     cal = calibration()
     prof = profile(sizes=(4, 32, 256))  # the layers alone at three sizes, the rest interpolated
     profile_lib.fill(prof, [4, 16, 32, 64, 256])
-    shapes = fitting.scale_shapes(prof, 256, 3)
+    shapes = probe_fits.scale_shapes(prof, 256, 3)
     assert [(s.b, s.m, s.cut) for s in shapes.values()] == [(b, min(256 // b, 8), (3,)) for b in per_micro_batch]
     update_s = sum(prof.trainable_bytes) * cal.update_s_per_byte
     steps = {
         s: calibration_lib.Probe(cal.step_s + update_s + s.m * (per_micro_batch[s.b] + 2 * cal.task_s), None)
         for s in shapes.values()
     }
-    fitting.scale_to_whole_steps(prof, steps, cal, "/CPU:0")
+    probe_fits.scale_to_whole_steps(prof, steps, cal, "/CPU:0")
     for b, seconds in per_micro_batch.items():
         costs = prof.costs(b)
         assert sum(costs.forward_s) + sum(costs.backward_s) == pytest.approx(seconds)
@@ -65,7 +65,7 @@ def test_every_probe_is_timed_once_in_the_same_rounds_and_the_fits_predict_them(
 
     for name, fake in (("split_step", split_step), ("replicated_step", replicated_step), ("in_rounds", in_rounds)):
         monkeypatch.setattr(calibration_lib, name, fake)
-    fitted = fitting.fit_model(prof, [None] * 3, None, 8, ["/CPU:0", "/CPU:1"], "sgd", cal, 0)
+    fitted = probe_fits.fit_model(prof, [None] * 3, None, 8, ["/CPU:0", "/CPU:1"], "sgd", cal, 0)
     assert len(rounds) == 1 and len(rounds[0]) == len(made) == len(set(made))  # one set of rounds, no probe twice
     # the layers as one cell at each size (M up to 8), K=2 at M=8 recomputing all or none, two replicas at M=1; the
     # one-cell step at M=8 is also K=1's step recomputing none
@@ -83,27 +83,27 @@ def test_every_probe_is_timed_once_in_the_same_rounds_and_the_fits_predict_them(
 
 def test_probes_keep_to_the_budget_in_groups_and_one_predicted_over_it_is_not_run():
     cal, prof = calibration(), profile(sizes=(1, 2, 4, 8), outputs=(4.0, 4.0, 4.0))
-    whole = fitting.Shape(8, 1, (3,))  # all three layers on one device at 8 rows
-    halves = fitting.Shape(1, 8, (2, 1))
-    small = fitting.Shape(1, 8, (3,))
-    peaks = {s: fitting.probe_bytes(s, prof, cal, 2, DEVICES)[0] for s in (whole, halves, small)}
-    kept = {s: fitting.probe_bytes(s, prof, cal, 2, DEVICES)[1] for s in (whole, halves, small)}
+    whole = probe_fits.Shape(8, 1, (3,))  # all three layers on one device at 8 rows
+    halves = probe_fits.Shape(1, 8, (2, 1))
+    small = probe_fits.Shape(1, 8, (3,))
+    peaks = {s: probe_fits.probe_bytes(s, prof, cal, 2, DEVICES)[0] for s in (whole, halves, small)}
+    kept = {s: probe_fits.probe_bytes(s, prof, cal, 2, DEVICES)[1] for s in (whole, halves, small)}
     # what a model keeps between steps: weights, two Adam slots per trainable weight, the batch on its first device
     assert kept[whole] == {"/CPU:0": 60.0 + 2 * 60.0 + 8 * 8.0}
     assert kept[halves] == {"/CPU:0": 30.0 + 2 * 30.0 + 8 * 8.0, "/CPU:1": 30.0 + 2 * 30.0}
     assert peaks[whole]["/CPU:0"] == pytest.approx(626.0) and peaks[small]["/CPU:0"] == pytest.approx(613.75)
     assert peaks[halves] == pytest.approx({"/CPU:0": 453.75, "/CPU:1": 192.75})
     # no budget: one group, all of them
-    assert fitting.within_budget([whole, halves, small], prof, cal, 2, DEVICES, None) == [[whole, halves, small]]
+    assert probe_fits.within_budget([whole, halves, small], prof, cal, 2, DEVICES, None) == [[whole, halves, small]]
     # under the whole-model probe's peak: it is not run, and the summary is told why; the other two fit alone, but
     # together /CPU:0 would keep both models (244 + 154) and the larger step's own bytes (369.75): one after the other
-    groups = fitting.within_budget([whole, halves, small], prof, cal, 2, DEVICES, 620.0)
+    groups = probe_fits.within_budget([whole, halves, small], prof, cal, 2, DEVICES, 620.0)
     assert groups == [[halves], [small]]
     assert prof.not_run == [
         "probe 8 rows x M=1 on 1 device(s) not run: predicted to peak at 626 B on /CPU:0, over the budget"
     ]
     # with room for both at once: one group
-    assert fitting.within_budget([halves, small], prof, cal, 2, DEVICES, 768.0) == [[halves, small]]
+    assert probe_fits.within_budget([halves, small], prof, cal, 2, DEVICES, 768.0) == [[halves, small]]
 
 
 def test_each_group_of_several_is_timed_in_its_own_rounds_and_a_time_bound_stops_the_building(monkeypatch):
@@ -120,13 +120,13 @@ def test_each_group_of_several_is_timed_in_its_own_rounds_and_a_time_bound_stops
 
     monkeypatch.setattr(calibration_lib, "split_step", split_step)
     monkeypatch.setattr(calibration_lib, "in_rounds", in_rounds)
-    shapes = [fitting.Shape(b, 1, (3,)) for b in (1, 2, 4)]
-    took = fitting.time_probes([shapes[:2], shapes[2:]], [None] * 3, None, DEVICES, "sgd")
+    shapes = [probe_fits.Shape(b, 1, (3,)) for b in (1, 2, 4)]
+    took = probe_fits.time_probes([shapes[:2], shapes[2:]], [None] * 3, None, DEVICES, "sgd")
     # the second group's one probe keeps its first timing: no rounds against nothing
     assert made == [1, 2, 4] and rounds == [[1, 2]] and set(took) == set(shapes)
     # under a time bound: after the first probe (100 s at a fake clock), no time for more
     clock = [0.0]
-    monkeypatch.setattr(fitting.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(probe_fits.time, "monotonic", lambda: clock[0])
     monkeypatch.setattr(progress_lib.time, "monotonic", lambda: clock[0])
 
     def slow(*args, **kwargs):
@@ -137,7 +137,7 @@ def test_each_group_of_several_is_timed_in_its_own_rounds_and_a_time_bound_stops
     made.clear()
     not_run: list[str] = []
     progress = progress_lib.Progress(0, max_seconds=150.0)
-    took = fitting.time_probes([shapes], [None] * 3, None, DEVICES, "sgd", progress, not_run)
+    took = probe_fits.time_probes([shapes], [None] * 3, None, DEVICES, "sgd", progress, not_run)
     assert made == [1] and list(took) == [shapes[0]]
     assert not_run == [
         "probe 2 rows x M=1 on 1 device(s) not run: no time left within max_seconds",
@@ -157,7 +157,7 @@ def _probes_under(budget, monkeypatch):
 
     monkeypatch.setattr(calibration_lib, "split_step", split_step)
     monkeypatch.setattr(calibration_lib, "in_rounds", lambda probes, kept, steps: probes)
-    fitted = fitting.fit_model(prof, [None] * 3, None, 8, DEVICES, "sgd", cal, 2, replicas=False, budget=budget)
+    fitted = probe_fits.fit_model(prof, [None] * 3, None, 8, DEVICES, "sgd", cal, 2, replicas=False, budget=budget)
     return fitted, prof, made
 
 
@@ -199,9 +199,9 @@ def test_a_probe_that_runs_out_of_memory_is_left_out_and_said(monkeypatch):
 
     monkeypatch.setattr(calibration_lib, "split_step", split_step)
     monkeypatch.setattr(calibration_lib, "in_rounds", lambda probes, kept, steps: probes)
-    shapes = [fitting.Shape(b, 1, (3,)) for b in (1, 2, 4)]
+    shapes = [probe_fits.Shape(b, 1, (3,)) for b in (1, 2, 4)]
     not_run: list[str] = []
-    took = fitting.time_probes([shapes], [None] * 3, None, DEVICES, "sgd", None, not_run)
+    took = probe_fits.time_probes([shapes], [None] * 3, None, DEVICES, "sgd", None, not_run)
     assert list(took) == [shapes[0], shapes[2]]
     assert not_run == ["probe 2 rows x M=1 on 1 device(s) ran out of memory on its devices"]
 
@@ -211,13 +211,13 @@ def test_the_cut_probes_own_peaks_give_the_held_ratio_at_its_size():
     # give what a micro-batch's activations held; the search then predicts it as measured
     cal = calibration(parallelism=2.0)
     prof = profile(sizes=(1, 2, 4, 8), outputs=(4.0, 4.0, 4.0), held=(4000.0, 3000.0, 2000.0))  # most of its peak
-    shape = fitting.Shape(1, 8, (2, 1), schedule="1f1b")
+    shape = probe_fits.Shape(1, 8, (2, 1), schedule="1f1b")
     config = Config((2, 1), 1, 8, "never", "1f1b")
     prof.held_ratios = {True: ([1], [0.6])}
     peaks = predict.peak_bytes(prof, 8, config, 2, cal.noinline_tasks, cal.across_processes)
     prof.held_ratios = {}
-    assert fitting.held_ratio_of_cut(prof, shape, peaks, 2, cal) == (1, pytest.approx(0.6))
-    fitting.fit_held_ratios(prof, {}, 2, fitting.held_ratio_of_cut(prof, shape, peaks, 2, cal))
+    assert probe_fits.held_ratio_of_cut(prof, shape, peaks, 2, cal) == (1, pytest.approx(0.6))
+    probe_fits.fit_held_ratios(prof, {}, 2, probe_fits.held_ratio_of_cut(prof, shape, peaks, 2, cal))
     assert predict.peak_bytes(prof, 8, config, 2, cal.noinline_tasks, cal.across_processes) == pytest.approx(peaks)
     assert "x0.60 at [1] samples" in prof.memory_source
 
@@ -226,9 +226,9 @@ def test_a_cut_probe_whose_activations_are_a_small_share_of_its_peak_fits_no_hel
     # weights and slots large against a micro-batch: a small error in their prediction would be read as the ratio
     cal, prof = calibration(parallelism=2.0), profile(sizes=(1, 2, 4, 8), outputs=(4.0, 4.0, 4.0))
     prof.weight_bytes = prof.trainable_bytes = [1e4, 1e4, 1e4]
-    shape = fitting.Shape(1, 8, (2, 1), schedule="1f1b")
+    shape = probe_fits.Shape(1, 8, (2, 1), schedule="1f1b")
     peaks = predict.peak_bytes(prof, 8, Config((2, 1), 1, 8, "never", "1f1b"), 2, cal.noinline_tasks)
-    assert fitting.held_ratio_of_cut(prof, shape, peaks, 2, cal) is None
+    assert probe_fits.held_ratio_of_cut(prof, shape, peaks, 2, cal) is None
 
 
 def test_a_probe_warms_up_its_steps_and_no_more():

@@ -7,8 +7,9 @@ import keras
 import pytest
 
 from tests.unit.planning.handmade import DEVICES, calibration, memory_bound_profile, profile
-from tfpipe import fitting, planner
+from tfpipe import planner
 from tfpipe.backward.remat import REMAT_MODES
+from tfpipe.planner import probe_fits
 from tfpipe.planning import plans, predict, search
 from tfpipe.planning.predict import Config
 from tfpipe.schedule import SCHEDULES
@@ -57,9 +58,11 @@ def test_cells_cut_over_devices_run_at_the_fitted_split_speed_and_one_cell_as_me
     assert halved == pytest.approx((1 + 2 + 3 + 2 + 4 + 6) / 2)
     # the planner fits it (and the recomputation ratio) by bisection on the prediction
     took = predict.step_seconds(prof, dataclasses.replace(cal, split_speed=1.7), 4, two).step_s
-    fitted = fitting.fit(lambda x: predict.step_seconds(prof, fitting.at_speed(cal, x), 4, two).step_s, took, 3.0, 1.0)
+    fitted = probe_fits.fit(
+        lambda x: predict.step_seconds(prof, probe_fits.at_speed(cal, x), 4, two).step_s, took, 3.0, 1.0
+    )
     assert fitted == pytest.approx(1.7, rel=1e-4)
-    assert fitting.fit(lambda x: x, 5.0, 3.0, 1.0) == 3.0 and fitting.fit(lambda x: x, 0.5, 3.0, 1.0) == 1.0
+    assert probe_fits.fit(lambda x: x, 5.0, 3.0, 1.0) == 3.0 and probe_fits.fit(lambda x: x, 0.5, 3.0, 1.0) == 1.0
 
 
 def test_two_gpipe_cells_follow_the_clock_cycles_by_hand():
@@ -109,11 +112,11 @@ def test_parallelism_found_from_a_measured_step_is_the_one_that_predicts_it(shap
     shared = dataclasses.replace(calibration(parallelism=parallelism), replica_parallelism=parallelism)
     took = predict.step_seconds(prof, shared, 16, shape).step_s
     # fitted on the whole step, the optimizer's update (which the devices also share) included
-    assert fitting.parallelism(prof, calibration(), 16, shape, took) == pytest.approx(parallelism, rel=1e-4)
+    assert probe_fits.parallelism(prof, calibration(), 16, shape, took) == pytest.approx(parallelism, rel=1e-4)
     # a step as fast as the devices side by side, or faster, is all of them
     every = dataclasses.replace(calibration(parallelism=2.0), replica_parallelism=2.0)
     free = predict.step_seconds(prof, every, 16, shape)
-    assert fitting.parallelism(prof, calibration(), 16, shape, 0.9 * free.step_s) == 2.0
+    assert probe_fits.parallelism(prof, calibration(), 16, shape, 0.9 * free.step_s) == 2.0
 
 
 def space(**kwargs):

@@ -1,12 +1,14 @@
 """The planner's last step by hand: which candidates it times, and that the fastest measured is chosen."""
 
 import dataclasses
+import time
 
 import pytest
 
 from tests.unit.planning.handmade import DEVICES, calibration, profile
-from tfpipe import calibration as calibration_lib
-from tfpipe import fitting, planner
+from tfpipe import planner
+from tfpipe.planner import calibration as calibration_lib
+from tfpipe.planner import probe_fits
 from tfpipe.planning import plans, predict, search
 from tfpipe.planning.predict import Config, Prediction
 
@@ -160,9 +162,9 @@ def test_recomputation_is_fitted_per_k_to_what_it_adds_to_a_step():
     seconds = {1: (24.0, 30.0), 2: (13.0, 18.0), 4: (10.0, 12.0)}
     prof = profile(**{k: (v,) * 4 for k, v in dict(forward=1.0, backward=2.0, trainable=0.0, held=1.0).items()})
     cal = calibration(parallelism=4.0)
-    shapes = {k: fitting.probe_shape(prof, 4, 8, k) for k in seconds}
+    shapes = {k: probe_fits.probe_shape(prof, 4, 8, k) for k in seconds}
     assert [shapes[k].cut for k in (1, 2, 4)] == [(4,), (2, 2), (1, 1, 1, 1)]
-    ratios = fitting.recompute_ratios(prof, cal, 8, shapes, seconds)
+    ratios = probe_fits.recompute_ratios(prof, cal, 8, shapes, seconds)
     assert sorted(ratios) == [1, 2, 4]
     for k, ratio in ratios.items():
         shape = shapes[k]
@@ -184,7 +186,7 @@ def test_the_shortlist_is_timed_one_at_a_time_while_max_seconds_leaves_time_for_
 
     clock = [0.0]
     monkeypatch.setattr(progress_lib.time, "monotonic", lambda: clock[0])
-    monkeypatch.setattr(planner.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(time, "monotonic", lambda: clock[0])
 
     def configured_step(layers, sample, batch_size, config, devices, optimizer):
         clock[0] += 50.0  # each configuration 50 s to trace, warm up and time

@@ -1,7 +1,7 @@
 """What the planner fits on the model's own probe steps: its layers' times scaled to whole steps, the parallelism and
 the cells' speed its devices give it, what recomputing a micro-batch costs, and the replicas' parallelism.
 
-Each probe trains copies of the user's layers with tfpipe's own step (``tfpipe.calibration``); each fitted value is
+Each probe trains copies of the user's layers with tfpipe's own step (``planner.calibration``); each fitted value is
 the one at which ``planning.predict`` gives the probe's measured time. All the probes are timed in the same rounds, in
 turn (``calibration.in_rounds``): a fast or slow spell of a shared machine then falls on one round of each, not on
 every step of one, so that the values fitted from different probes agree with one another.
@@ -20,7 +20,7 @@ import tensorflow as tf
 
 from tfpipe import _compat
 from tfpipe import balance as balance_lib
-from tfpipe import calibration as calibration_lib
+from tfpipe.planner import calibration as calibration_lib
 from tfpipe.planning import predict, profile
 from tfpipe.planning.plans import gib
 from tfpipe.planning.predict import Calibration, Config

@@ -4,7 +4,7 @@ What the plan rests on (``Plan.summary`` prints it): each layer's forward and ba
 time and held bytes, measured on copies on the first device (``planning.profile``), the
 times scaled to real one-cell steps of all the layers; the cost of a task, of a step, of
 moving a tensor and of the optimizer's update, measured once per set of devices, and how
-many devices' worth of compute this model gets from them (``calibration``, fitted in ``fitting``); and the
+many devices' worth of compute this model gets from them (``calibration``, fitted in ``probe_fits``); and the
 schedule simulated as data (``planning.predict``, ``planning.search``). The few configurations
 predicted near the fastest are then timed on the devices, and the fastest measured is chosen
 (``verify``; predictions are within 10-20%, so near-equal ones are for a measurement to order).
@@ -20,12 +20,13 @@ from typing import Any
 
 import tensorflow as tf
 
-from tfpipe import _compat, auto_plan, fitting
-from tfpipe import calibration as calibration_lib
+from tfpipe import _compat, auto_plan
 from tfpipe import schedule as schedule_lib
 from tfpipe._args import positive_int
 from tfpipe.backward.remat import REMAT_MODES, check_mode
 from tfpipe.distributed import devices as devices_lib
+from tfpipe.planner import calibration as calibration_lib
+from tfpipe.planner import probe_fits
 from tfpipe.planning import budget as budget_lib
 from tfpipe.planning import joined, plans, search
 from tfpipe.planning import profile as profile_lib
@@ -173,7 +174,7 @@ def _measured(
         measured = reused(profile, request.layers)
     else:  # each layer alone at three sizes (the smallest, the middle, the largest), the rest interpolated
         measured = profile_lib.measure(
-            request.layers, request.data, fitting.profile_sizes(request.sizes), request.devices[0],
+            request.layers, request.data, probe_fits.profile_sizes(request.sizes), request.devices[0],
             repeats=request.repeats, progress=progress, budget=request.budget,
         )  # fmt: skip
     profile_lib.fill(measured, request.sizes)
@@ -188,7 +189,7 @@ def _measured(
                 f"{fastest * 1e3:.1f} ms, the fastest the layers alone predict, at least {AUTO_MIN_SECONDS:.0f} s)"
             )
         recompute = set(request.space.remats) != {"never"}  # what recomputing costs, where the search may recompute
-        calibration = fitting.fit_model(
+        calibration = probe_fits.fit_model(
             measured, request.layers, request.data, request.batch_size, request.devices, request.optimizer,
             calibration, request.slots, recompute, request.space.replicas, progress, request.budget,
         )  # fmt: skip

@@ -5,7 +5,7 @@ tiny layer per device (the cost of a task and of a step), copies a tensor betwee
 devices (bandwidth) and times one optimizer update. ``split_step`` trains copies of the user's
 layers cut over devices (as one cell at each micro-batch size: a layer timed alone misses what a step's graph does with
 many micro-batches, tasks overlapping, kernels settled) and ``replicated_step`` as one replica on each device: what
-``tfpipe.fitting`` fits the planner's predictions to, timed together in rounds (``in_rounds``);
+``tfpipe.planner.probe_fits`` fits the planner's predictions to, timed together in rounds (``in_rounds``);
 ``configured_step`` trains them as one configuration the planner shortlisted, to time it.
 """
 
