@@ -64,6 +64,12 @@ flags.DEFINE_bool(
     "Each tfpipe probe trains the configuration tfpipe.plan chooses for it under the budget (its K devices, no "
     "replicas, chosen by prediction: verify=0); default: the fixed one of --micro_batches.",
 )
+flags.DEFINE_bool(
+    "constant_folding",
+    True,
+    "Grappler's constant folding in the training process (--noconstant_folding: off, as docs/guide/limitations.md "
+    "advises for long sequences: it folds every block's causal mask into that process at the first step).",
+)
 flags.DEFINE_string("out", None, "Write every probe to OUT.csv and the table to OUT.md.")
 flags.DEFINE_string("_child", None, "Internal: measure one configuration (JSON) and print the result.")
 
@@ -79,6 +85,8 @@ def child(config: dict[str, Any]) -> dict[str, Any]:
     import tfpipe
 
     keras.utils.set_random_seed(0)
+    if not config.get("constant_folding", True):
+        tf.config.optimizer.set_experimental_options({"constant_folding": False})
     blocks, k, n = config["blocks"], config["k"], config["batch_size"]
 
     def build() -> tuple[Any, Any, Any]:
@@ -213,6 +221,7 @@ def probe(row: str, blocks: int) -> dict[str, Any]:
         "device_type": FLAGS.device_type,
         "budget_mib": FLAGS.budget_mib,
         "plan": FLAGS.plan,
+        "constant_folding": FLAGS.constant_folding,
     }
     done = subprocess.run(
         [sys.executable, os.path.abspath(__file__), f"--_child={json.dumps(config)}"],
@@ -262,7 +271,7 @@ def table(found: list[dict[str, Any]]) -> str:
         f"{FLAGS.vocab}"
     )
     lines = [
-        f"{data}, Adam, budget {FLAGS.budget_mib:g} MiB per device (allocator peak); tfpipe "
+        f"{data}{'' if FLAGS.constant_folding else ', constant folding off'}, Adam, budget {FLAGS.budget_mib:g} MiB per device (allocator peak); tfpipe "
         + (
             "as tfpipe.plan chose for each probe"
             if FLAGS.plan
