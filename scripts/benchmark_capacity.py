@@ -263,6 +263,7 @@ def table(found: list[dict[str, Any]]) -> str:
     base = next((f["params"] for f in found if f["row"] == "1" and f["params"]), None)
     amoebanet = FLAGS.model == "amoebanet"
     depth = "normal cells L" if amoebanet else "blocks"
+    folding = "" if FLAGS.constant_folding else ", constant folding off in the training process"
     data = (
         f"AmoebaNet-D (L, {FLAGS.dim}), {FLAGS.batch_size} images of {FLAGS.image_size}x{FLAGS.image_size}, "
         f"{FLAGS.vocab} classes"
@@ -271,7 +272,7 @@ def table(found: list[dict[str, Any]]) -> str:
         f"{FLAGS.vocab}"
     )
     lines = [
-        f"{data}{'' if FLAGS.constant_folding else ', constant folding off'}, Adam, budget {FLAGS.budget_mib:g} MiB per device (allocator peak); tfpipe "
+        f"{data}{folding}, Adam, budget {FLAGS.budget_mib:g} MiB per device (allocator peak); tfpipe "
         + (
             "as tfpipe.plan chose for each probe"
             if FLAGS.plan
