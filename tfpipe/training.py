@@ -15,6 +15,7 @@ import tensorflow as tf
 
 from tfpipe import _compat
 from tfpipe.distributed import grouped
+from tfpipe.leaves import flat
 from tfpipe.step import microbatch
 
 DEFAULT_REDUCTION = "sum_over_batch_size"  # what compile() gives a loss given as a string or function
@@ -81,7 +82,7 @@ class MicroBatchLoss:
         or targets that are not dense tensors."""
         if not self._traceable:
             return None
-        leaves = [t for t in tf.nest.flatten((self._ys[j], self._sws[j])) if t is not None]
+        leaves = flat((self._ys[j], self._sws[j]))
         if any(isinstance(t, (tf.SparseTensor, tf.RaggedTensor)) for t in leaves):
             return None  # the traced function takes dense tensors; these losses run per micro-batch as before
         return [tf.convert_to_tensor(t) for t in leaves] + [self._weight(j)]

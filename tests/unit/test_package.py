@@ -15,7 +15,7 @@ from tests.util import REPO
 PACKAGE = os.path.join(REPO, "tfpipe")
 # Bottom to top: a module may import its own layer and the layers before it, never a later one.
 LAYERS = [
-    {"_compat", "_args", "messages"},  # messages: how tfpipe says things, importing nothing of tfpipe
+    {"_compat", "_args", "messages", "leaves"},  # messages: how tfpipe says things, importing nothing of tfpipe
     {"graph"},
     {"distributed", "cluster"},
     {"backward"},

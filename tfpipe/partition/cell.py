@@ -12,7 +12,7 @@ from typing import Any, NamedTuple
 import keras
 import tensorflow as tf
 
-from tfpipe import _compat
+from tfpipe import _compat, leaves
 from tfpipe.backward import remat, traced_vjp
 from tfpipe.distributed import devices, grouped
 from tfpipe.graph import cpu_gradients
@@ -291,7 +291,7 @@ class Cell:
     @staticmethod
     def _signature(x: Any, trainable: Sequence[Any], non_trainable: Sequence[Any], training: bool):
         """(key of a trace, its flat arguments, how many of them are inputs) for inputs like these."""
-        xs = [t for t in tf.nest.flatten(x) if t is not None]
+        xs = leaves.flat(x)
         xs = [t if isinstance(t, tf.TensorSpec) else tf.convert_to_tensor(t) for t in xs]
         args = xs + list(trainable) + list(non_trainable)
         key = (
@@ -317,21 +317,20 @@ class Cell:
         found: dict[str, Any] = {}
 
         def body(*flat: tf.Tensor) -> list[tf.Tensor]:
-            it = iter(flat[:n_x])
-            x_in = tf.nest.pack_sequence_as(x, [None if leaf is None else next(it) for leaf in tf.nest.flatten(x)])
+            x_in = tf.nest.pack_sequence_as(x, leaves.fill(x, flat[:n_x]))
             old = list(flat[n_x + n_w :])
             with self._placed():
                 y, new_state, added = self.run_inline(list(flat[n_x : n_x + n_w]), old, x_in, training)
             found["y"] = y
             found["changed"] = [k for k, (new, was) in enumerate(zip(new_state, old)) if new is not was]
-            return [t for t in tf.nest.flatten(y) if t is not None] + [new_state[k] for k in found["changed"]] + [added]
+            return leaves.flat(y) + [new_state[k] for k in found["changed"]] + [added]
 
         self._layer_runs += 1
         specs = [tf.TensorSpec(a.shape, a.dtype) for a in args]
         function = tf.function(body, autograph=False, **self.function_options()).get_concrete_function(*specs)
-        leaves = tf.nest.flatten(found["y"])
-        template = tf.nest.pack_sequence_as(found["y"], [None if t is None else 0 for t in leaves])
-        return CellTrace(function, template, [i for i, t in enumerate(leaves) if t is not None], found["changed"])
+        outs = tf.nest.flatten(found["y"])
+        template = tf.nest.pack_sequence_as(found["y"], [None if t is None else 0 for t in outs])
+        return CellTrace(function, template, [i for i, t in enumerate(outs) if t is not None], found["changed"])
 
     def describe(self, width: int | None = None) -> str:
         """The cell's layers: all names when few, else first and last with the count; cut to ``width`` characters

@@ -10,6 +10,7 @@ import tensorflow as tf
 
 from tfpipe.backward import replay
 from tfpipe.graph import calls
+from tfpipe.leaves import flat
 
 
 @dataclasses.dataclass
@@ -37,7 +38,7 @@ class CellTrace:
 
     @staticmethod
     def _args(x: Any, trainable: Sequence[tf.Tensor], non_trainable: Sequence[tf.Tensor]) -> list[tf.Tensor]:
-        xs = [tf.convert_to_tensor(t) for t in tf.nest.flatten(x) if t is not None]
+        xs = [tf.convert_to_tensor(t) for t in flat(x)]
         return [*xs, *trainable, *non_trainable]
 
     def _unpack(self, outputs: Sequence[tf.Tensor], non_trainable: Sequence[tf.Tensor]):

@@ -11,11 +11,10 @@ from typing import Any
 
 import tensorflow as tf
 
-from tfpipe import _compat
+from tfpipe import _compat, leaves
 from tfpipe.backward.gradients import differentiable
 from tfpipe.distributed import devices
 from tfpipe.partition.cell import Cell, add_dense
-from tfpipe.step import leaves
 from tfpipe.step.loop_cycles import Cycle, LoopOutputs, Loops, array, empty, rows
 
 # loss_grads(j, y_j) -> (micro-batch j's weighted loss, gradients of the scaled loss for the leaves of y_j)

@@ -18,11 +18,11 @@ from typing import Any
 import tensorflow as tf
 
 from tfpipe.distributed import devices
+from tfpipe.leaves import fill, flat
 from tfpipe.partition.cell import Cell, tie
 from tfpipe.partition.routes import Routes
 from tfpipe.step import loop_backward, loss
 from tfpipe.step.executor import Executor, StepResult, step_result
-from tfpipe.step.leaves import fill, flat
 from tfpipe.step.loop_backward import LossGrads
 from tfpipe.step.loop_cycles import (
     Cycle,

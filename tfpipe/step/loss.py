@@ -17,9 +17,9 @@ import tensorflow as tf
 from tfpipe.distributed import devices
 from tfpipe.graph import calls
 from tfpipe.graph.names import LOSS_FUNCTION
+from tfpipe.leaves import flat
 from tfpipe.partition.cell import Cell, hang
 from tfpipe.step import microbatch
-from tfpipe.step.leaves import flat
 
 LossFn = Callable[[int, Any], tf.Tensor]
 

@@ -8,7 +8,7 @@ from typing import Any, ContextManager, Union
 
 import tensorflow as tf
 
-from tfpipe.step.leaves import flat
+from tfpipe.leaves import flat
 
 Size = Union[int, tf.Tensor]
 SHORT_BATCH = "tfpipe: a training batch is smaller than"  # the in-graph check's message starts so

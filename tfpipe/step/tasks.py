@@ -16,12 +16,12 @@ import tensorflow as tf
 from tfpipe import schedule
 from tfpipe.backward import remat as remat_lib
 from tfpipe.distributed import devices
+from tfpipe.leaves import fill, flat
 from tfpipe.partition import state
 from tfpipe.partition.cell import Cell, add_dense
 from tfpipe.step import loss
 from tfpipe.step.chain import Chain
 from tfpipe.step.handoff import Handoff
-from tfpipe.step.leaves import fill, flat
 from tfpipe.step.wiring import Wiring
 
 

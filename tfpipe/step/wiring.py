@@ -16,11 +16,11 @@ import tensorflow as tf
 
 from tfpipe import schedule
 from tfpipe.distributed import sendrecv
+from tfpipe.leaves import flat
 from tfpipe.partition.cell import Cell
 from tfpipe.partition.routes import MODEL_INPUT, Routes
 from tfpipe.schedule import task_scope_name
 from tfpipe.step.handoff import Handoff
-from tfpipe.step.leaves import flat
 
 
 class Wiring:
