@@ -24,16 +24,6 @@ PLANNER: list[Callable[..., Any]] = []  # tfpipe.plan, registered by tfpipe.plan
 AUTO = "auto"
 
 
-# PipelineModel's defaults for the settings a plan chooses
-DEFAULTS = {
-    "balance": None,
-    "num_partitions": None,
-    "num_micro_batches": 1,
-    "remat": "except_last",
-    "schedule": "gpipe",
-}
-
-
 def check(plan: Any, memory_budget: Any, given: dict[str, Any]) -> bool:
     """Whether ``plan`` is "auto"; with it, the settings the plan chooses must be left at their defaults.
 
@@ -49,7 +39,7 @@ def check(plan: Any, memory_budget: Any, given: dict[str, Any]) -> bool:
         return False
     if memory_budget is not None:
         parse_bytes(memory_budget)  # a bad budget is an error now, not at the first fit
-    clashes = [name for name, value in given.items() if value != DEFAULTS[name]]
+    clashes = [name for name, value in given.items() if value != settings_lib.PLANNED_DEFAULTS[name]]
     if clashes:
         raise ValueError(
             f'plan="auto" chooses {", ".join(clashes)}; leave {"it" if len(clashes) == 1 else "them"} out (devices '
@@ -107,7 +97,7 @@ class AutoPlan(keras.Model):
         """As saved once planned; before, ``plan="auto"`` with the budget and devices, to be planned when loaded."""
         config = super().get_config()
         if self._auto_pending:
-            for name in DEFAULTS:
+            for name in settings_lib.PLANNED_DEFAULTS:
                 config.pop(name, None)
             config.update(plan=AUTO, memory_budget=self._auto_budget, devices=self._auto_devices)
         return config

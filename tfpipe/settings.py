@@ -19,6 +19,15 @@ from tfpipe.planning.plans import Plan
 from tfpipe.step.replicated import Replicated
 from tfpipe.step.unrolled import Pipeline, check_remat, check_unroll
 
+# PipelineModel's defaults for the settings a plan chooses (its signature keeps them: tests/unit/test_settings.py)
+PLANNED_DEFAULTS: dict[str, Any] = {
+    "balance": None,
+    "num_partitions": None,
+    "num_micro_batches": 1,
+    "remat": "except_last",
+    "schedule": "gpipe",
+}
+
 
 class Settings(NamedTuple):
     """The constructor's arguments, checked: the split asked for, M, how steps are built, the devices."""
@@ -229,8 +238,7 @@ def from_plan(plan: Any, units: int, given: dict[str, Any]) -> dict[str, Any]:
         )
     clashes = [name for name in ("balance", "num_partitions", "devices") if given[name] is not None]
     planned = plan.pipeline_arguments()
-    defaults = {"num_micro_batches": 1, "remat": "except_last", "schedule": "gpipe"}
-    clashes += [n for n, d in defaults.items() if given[n] != d and given[n] != planned[n]]
+    clashes += [n for n, d in PLANNED_DEFAULTS.items() if d is not None and given[n] != d and given[n] != planned[n]]
     if clashes:
         raise ValueError(
             f"plan= sets {', '.join(clashes)}; leave {'it' if len(clashes) == 1 else 'them'} out, or drop plan= and "
