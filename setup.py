@@ -6,11 +6,11 @@ setup(
     name="tfpipe",
     version="0.1.0",
     description="GPipe pipeline parallelism for TensorFlow 2 and Keras 3",
-    # Only `tfpipe` goes into site-packages: the reference models and the scripts stay in models/ and scripts/ in
-    # the repository and install as tfpipe.models and tfpipe.scripts, so `python scripts/train.py` imports them
-    # without path edits and no top-level `models` or `scripts` package clashes with another project's.
-    packages=find_packages(include=["tfpipe", "tfpipe.*"]) + ["tfpipe.models", "tfpipe.scripts"],
-    package_dir={"tfpipe.models": "models", "tfpipe.scripts": "scripts"},
+    # Only `tfpipe` goes into site-packages: the reference models stay in models/ in the repository and install as
+    # tfpipe.models, so no top-level `models` package clashes with another project's. The user's tools (scripts/)
+    # and the benchmarks (benchmarks/) are not installed: they run from the repository, which each puts on its path.
+    packages=find_packages(include=["tfpipe", "tfpipe.*"]) + ["tfpipe.models"],
+    package_dir={"tfpipe.models": "models"},
     python_requires=">=3.10",
     install_requires=[
         "tensorflow>=2.21,<2.22",
@@ -44,7 +44,7 @@ setup(
         # tfpipe itself never imports it
         "hub": ["keras-hub>=0.32,<0.33"],
         "timeline": ["matplotlib>=3.7"],  # scripts/timeline.py draws its PNG with it
-        # scripts/benchmark_peers.py times torch.distributed.pipelining beside tfpipe, in processes of its own;
+        # benchmarks/benchmark_peers.py times torch.distributed.pipelining beside tfpipe, in processes of its own;
         # tfpipe itself never imports torch
         "peers": ["torch>=2.9,<2.15"],
     },

@@ -17,10 +17,13 @@ processes' resident peak is printed beside it.
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
 import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository (not installed)
+
+import json
+import subprocess
 import time
 from typing import Any
 
@@ -29,8 +32,8 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
 from absl import app, flags  # noqa: E402
 
-from tfpipe.scripts import plan_measure  # noqa: E402
-from tfpipe.scripts.report import write_table  # noqa: E402
+from scripts import plan_measure  # noqa: E402
+from scripts.report import write_table  # noqa: E402
 
 FLAGS = flags.FLAGS
 flags.DEFINE_enum(

@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository (not installed)
+
 import statistics
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from tfpipe.scripts import plan_devices
+from scripts import plan_devices
 
 # The grid of configurations --grid measures: (K, R, M, remat, schedule); those needing more devices are skipped
 GRID = [

@@ -19,12 +19,15 @@ is 1 if any result is not the expected one (a failure not in ``EXPECTED_FAILURES
 
 from __future__ import annotations
 
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository (not installed)
+
 import dataclasses
 import gc
 import json
-import os
 import subprocess
-import sys
 import time
 import traceback
 from collections.abc import Sequence
@@ -389,7 +392,7 @@ def main(argv: list[str]) -> int:
         if expectations and name in EXPECTED_FAILURES:
             print(f"* {name}: {EXPECTED_FAILURES[name]}")
     if FLAGS.out:
-        from tfpipe.scripts.report import write_table
+        from scripts.report import write_table
 
         table = [r.csv_fields() for r in rows]  # a failed row has no error columns: every row's columns
         write_table(FLAGS.out, table, markdown(rows, title), list(dict.fromkeys(k for r in table for k in r)))

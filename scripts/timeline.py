@@ -16,10 +16,13 @@ needs matplotlib) and a summary.
 
 from __future__ import annotations
 
-import glob
 import os
-import re
 import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository (not installed)
+
+import glob
+import re
 import tempfile
 import threading
 import time
@@ -29,10 +32,10 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
 from absl import app, flags  # noqa: E402
 
+from scripts.report import write_table  # noqa: E402
+from scripts.timeline_analysis import Event, draw, ideal_costs, summarize, task_rows  # noqa: E402
 from tfpipe import schedule  # noqa: E402
 from tfpipe.analysis.tasks import TRANSFER_TYPES, OpInfo, attribute, lookup, parse_task_name  # noqa: E402
-from tfpipe.scripts.report import write_table  # noqa: E402
-from tfpipe.scripts.timeline_analysis import Event, draw, ideal_costs, summarize, task_rows  # noqa: E402
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string(
@@ -188,7 +191,7 @@ def _layers_and_data():
     rng = np.random.default_rng(0)
     n = FLAGS.batch_size
     if FLAGS.model == "transformer":
-        from tfpipe.scripts.data import random_lm
+        from scripts.data import random_lm
 
         return random_lm(n, FLAGS.seq_len, FLAGS.blocks, FLAGS.dim)
     import keras

@@ -11,10 +11,13 @@ python scripts/train.py --plan --devices=cpu:4 --memory_budget=64MiB  # tfpipe.p
 
 from __future__ import annotations
 
-import contextlib
-import json
 import os
 import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository (not installed)
+
+import contextlib
+import json
 import tempfile
 import time
 from typing import Any
@@ -57,11 +60,11 @@ def quiet_gpu_probe():
 with quiet_gpu_probe():  # importing tfpipe starts TensorFlow; its first device query probes for CUDA
     import tensorflow as tf
 
-    from tfpipe.scripts import hub_models
+    from scripts import hub_models
 
     tf.config.list_physical_devices()
 
-from tfpipe.scripts.train_flags import (  # noqa: E402
+from scripts.train_flags import (  # noqa: E402
     FLAGS,
     MODEL_FLAGS,
     MODELS,
@@ -73,7 +76,7 @@ from tfpipe.scripts.train_flags import (  # noqa: E402
     parse_flags,
     plan_choices,
 )
-from tfpipe.scripts.train_task import make_task  # noqa: E402
+from scripts.train_task import make_task  # noqa: E402
 
 
 def check_flags() -> None:
@@ -119,7 +122,7 @@ def check_flags() -> None:
     if FLAGS.max_restarts and not (FLAGS.model_dir and FLAGS.devices.startswith("local:")):
         raise UsageError("--max_restarts restarts --devices=local:N workers from the backup in --model_dir; give both")
     if FLAGS.dataset != "synthetic":
-        from tfpipe.scripts.data import parse_tfds
+        from scripts.data import parse_tfds
 
         try:
             parse_tfds(FLAGS.dataset)

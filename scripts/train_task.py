@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository (not installed)
+
 import dataclasses
 from typing import Any
 
-from tfpipe.scripts import hub_models
-from tfpipe.scripts.train_flags import FLAGS, UsageError, ints
+from scripts import hub_models
+from scripts.train_flags import FLAGS, UsageError, ints
 
 
 @dataclasses.dataclass
@@ -41,7 +46,7 @@ def _batches(arrays: tuple, batch: int, seed: int):
 
 
 def _tfds(kind: str):
-    from tfpipe.scripts.data import load_tfds
+    from scripts.data import load_tfds
 
     try:
         return load_tfds(
@@ -60,7 +65,7 @@ def make_task() -> Task:
     """The model's layers, loss, metrics and data as the flags say."""
     import keras
 
-    from tfpipe.scripts import data
+    from scripts import data
 
     if FLAGS.model == "transformer" or hub_models.is_hub(FLAGS.model):
         if FLAGS.dataset == "synthetic":

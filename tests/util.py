@@ -106,9 +106,11 @@ def run_fresh(code: str, env: dict | None = None, timeout: int = 300) -> subproc
 
 
 def run_script(name: str, *flags: str, timeout: int = 600) -> subprocess.CompletedProcess:
-    """Run ``scripts/<name>`` with ``flags`` in a fresh process, TensorFlow's C++ logging off."""
+    """Run ``scripts/<name>``, or ``benchmarks/<name>`` for a benchmark, with ``flags`` in a fresh process,
+    TensorFlow's C++ logging off."""
+    folder = "benchmarks" if os.path.exists(os.path.join(REPO, "benchmarks", name)) else "scripts"
     return subprocess.run(
-        [sys.executable, os.path.join(REPO, "scripts", name), *flags],
+        [sys.executable, os.path.join(REPO, folder, name), *flags],
         capture_output=True,
         text=True,
         timeout=timeout,

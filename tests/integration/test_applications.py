@@ -8,8 +8,8 @@ import csv
 
 import pytest
 
+from scripts import sweep_applications as sweep
 from tests.util import run_script
-from tfpipe.scripts import sweep_applications as sweep
 
 TOLERANCE = 1e-5
 

@@ -11,8 +11,8 @@ import json
 
 import pytest
 
+from scripts import hosts as hosts_lib
 from tests.util import run_fresh
-from tfpipe.scripts import hosts as hosts_lib
 
 WHY = hosts_lib.available()
 pytestmark = pytest.mark.skipif(WHY is not None, reason=f"simulated hosts need network namespaces: {WHY}")
@@ -21,7 +21,7 @@ HEADER = """
 import json, os, signal, subprocess, sys, threading, time
 import numpy as np, keras, tensorflow as tf
 import tfpipe
-from tfpipe.scripts.hosts import Hosts
+from scripts.hosts import Hosts
 from tests.util import max_rel_error, mlp_layers
 from tfpipe.distributed.faults import WorkerError
 

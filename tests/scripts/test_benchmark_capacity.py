@@ -46,7 +46,7 @@ def test_capacity_benchmark_refuses_a_bad_row():
 
 
 def test_the_search_starts_at_the_first_depth_a_row_can_take():
-    from tfpipe.scripts.memory_report import largest_under_budget
+    from benchmarks.memory_report import largest_under_budget
 
     peaks = {blocks: 10.0 * blocks for blocks in range(1, 200)}  # a model of L blocks peaks at 10 L
 

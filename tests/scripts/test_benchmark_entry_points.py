@@ -1,4 +1,4 @@
-"""scripts/benchmark_entry_points.py at toy size: every Keras entry point timed at K=1 and K=2 against fit's."""
+"""benchmarks/benchmark_entry_points.py at toy size: every Keras entry point timed at K=1 and K=2 against fit's."""
 
 import csv
 

@@ -1,12 +1,12 @@
-"""scripts/benchmark_hosts.py end to end: both setups in turn on a tiny MLP; a latency the kernel cannot add fails
+"""benchmarks/benchmark_hosts.py end to end: both setups in turn on a tiny MLP; a latency the kernel cannot add fails
 in one line."""
 
 import re
 
 import pytest
 
+from scripts import hosts
 from tests.util import run_script
-from tfpipe.scripts import hosts
 
 WHY = hosts.available()
 pytestmark = pytest.mark.skipif(WHY is not None, reason=f"simulated hosts need network namespaces: {WHY}")

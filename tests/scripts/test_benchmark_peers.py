@@ -1,4 +1,4 @@
-"""scripts/benchmark_peers.py runs in its smallest mode against torch (skipped where torch is not installed)."""
+"""benchmarks/benchmark_peers.py runs in its smallest mode against torch (skipped where torch is not installed)."""
 
 import csv
 

@@ -67,7 +67,7 @@ def test_soak_benchmark_samples_both_modes_and_leaves_no_worker(tmp_path):
 def test_soak_verdict_judges_the_last_training_step_and_reports_the_idle_sample_beside_it():
     # Threads, memory and descriptors are judged from warm-up to the last step; the idle sample never changes that.
     proc = run_fresh("""
-        from tfpipe.scripts import benchmark_soak as soak
+        from benchmarks import benchmark_soak as soak
 
         def rows(process, rss, threads, idle):
             out = [{"mode": "connect", "step": step, "idle_s": 0.0, "process": process, "rss_mb": r, "threads": t,

@@ -8,9 +8,9 @@ import time
 
 import pytest
 
+from scripts import report
 from tests.util import run_script
 from tfpipe import schedule
-from tfpipe.scripts import report
 
 
 @pytest.mark.slow  # a whole benchmark run (58 s); the suite's time: pytest -m slow runs it

@@ -1,4 +1,4 @@
-"""scripts/gpu_checks.py's CPU dry run: every GPU check's command runs, within its budget, and says how it went."""
+"""benchmarks/gpu_checks.py's CPU dry run: every GPU check's command runs, within its budget, and says how it went."""
 
 import pytest
 

@@ -25,7 +25,7 @@ def _train(runs: list[list[str]], before: str = "", timeout: int = 600) -> tuple
         tf.config.set_logical_device_configuration(tf.config.list_physical_devices("CPU")[0],
                                                    [tf.config.LogicalDeviceConfiguration()] * 2)
         sys.argv = ["train.py"]
-        from tfpipe.scripts import train
+        from scripts import train
         {before}
         reports = []
         for flags in {runs!r}:
@@ -76,7 +76,7 @@ def test_bad_hub_flags_name_the_fix():
     proc = run_fresh(f"""
         import contextlib, io, json, sys
         sys.argv = ["train.py"]
-        from tfpipe.scripts import train
+        from scripts import train
         results = []
         for i, flags in enumerate({[flags for flags, _ in cases]!r}):
             if i == {len(cases) - 1}:

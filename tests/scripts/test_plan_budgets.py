@@ -2,7 +2,7 @@
 
 import pytest
 
-from tfpipe.scripts import plan_measure
+from scripts import plan_measure
 
 
 def test_a_grid_row_is_run_as_it_was_cut():

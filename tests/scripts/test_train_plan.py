@@ -77,7 +77,7 @@ def test_bad_plan_flags_name_the_flag():
         tf.config.set_logical_device_configuration(tf.config.list_physical_devices("CPU")[0],
                                                    [tf.config.LogicalDeviceConfiguration()] * 2)
         sys.argv = ["train.py"]
-        from tfpipe.scripts import train
+        from scripts import train
         tf.config.set_logical_device_configuration = lambda *args: None  # set once, above, for every run
         results = []
         for flags in {[flags for flags, _ in BAD_PLANS]!r}:
@@ -90,7 +90,7 @@ def test_bad_plan_flags_name_the_flag():
                     code = exit.code
             results.append([code, err.getvalue()])
         print("RESULTS", json.dumps(results))
-        from tfpipe.scripts import train_flags
+        from scripts import train_flags
         train.FLAGS.unparse_flags()
         train.parse_flags(["train.py", "--plan", "--remat=never", "--schedule=1f1b", "--plan_micro_batches=2,4"])
         print("NARROWED", json.dumps(train_flags.plan_choices()))

@@ -60,7 +60,7 @@ def test_other_schedules_train_from_the_command_line():
     proc = run_fresh(f"""
         import contextlib, io, sys
         sys.argv = ["train.py"]
-        from tfpipe.scripts import train
+        from scripts import train
         for schedule in ["1f1b", "zero_bubble", "gpipe_batched_w"]:
             train.FLAGS.unparse_flags()
             out = io.StringIO()
@@ -134,7 +134,7 @@ def test_tfds_image_and_text_data_sets_train_under_mock_data():
                                                    [tf.config.LogicalDeviceConfiguration()] * 2)
         from absl import app
         sys.argv = ["train.py"]
-        from tfpipe.scripts import train
+        from scripts import train
         reports = {}
         with tfds.testing.mock_data(num_examples=64):
             for name, flags in [("mnist", ["--model=resnet", "--stage_blocks=1,1", "--width=4", "--image_size=16"]),
@@ -197,7 +197,7 @@ def test_bad_flags_name_the_flag():
         import contextlib, io, json, sys
         import tensorflow as tf
         sys.argv = ["train.py"]
-        from tfpipe.scripts import train
+        from scripts import train
         # Logical devices are set once per process; these runs all stop before a cell is placed.
         tf.config.set_logical_device_configuration = lambda *args: None
         results = []
@@ -250,7 +250,7 @@ def test_a_failed_import_inside_tensorflow_datasets_is_shown_as_it_is(tmp_path):
 def test_a_data_set_that_is_not_there_and_cannot_be_downloaded_is_one_line(monkeypatch):
     import socket
 
-    from tfpipe.scripts import data
+    from scripts import data
 
     class Missing:  # what tfds.builder gives for a data set that is not in the data directory
         data_dir = "/data/mnist/3.0.1"
@@ -297,7 +297,7 @@ def test_the_data_extra_brings_what_the_tfds_download_path_imports(tmp_path):
 
 def test_the_learning_rate_decays_to_a_tenth_over_the_run_when_its_length_is_known():
     proc = run_fresh("""
-        from tfpipe.scripts import train
+        from scripts import train
         train.FLAGS(["train.py", "--epochs=2", "--learning_rate=0.01"])
         schedule = train.learning_rate(5)  # 5 batches an epoch: 10 steps
         print("RESULT", float(schedule(0)), float(schedule(5)), float(schedule(10)), train.learning_rate(-2))

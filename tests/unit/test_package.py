@@ -82,7 +82,7 @@ def test_dependencies_point_one_way():
     upward = []
     for path, name in _modules():
         for imported in _imports(path) - {name}:
-            if imported in {"models", "scripts"} or _layer(imported) > _layer(name):
+            if imported == "models" or _layer(imported) > _layer(name):
                 upward.append(f"{os.path.relpath(path, REPO)} imports tfpipe.{imported}")
     assert not upward, upward
 

@@ -5,7 +5,7 @@ Eigen re-packs the transposed weight on every call, a cost that does not shrink
 with the rows, so on a micro-batch it costs several forwards ``x @ W``, while
 ``(W @ dy^T)^T`` gives the same numbers for little more than one
 (docs/notes/2026-11-benchmark-passes.md#where-a-backward-tasks-time-goes;
-scripts/benchmark_kernels.py). Cells on a CPU trace their layers under
+benchmarks/benchmark_kernels.py). Cells on a CPU trace their layers under
 ``tf.Graph.gradient_override_map`` so that their MatMuls get this gradient; other
 code in the process and cells on accelerators keep TensorFlow's own.
 

@@ -135,6 +135,21 @@ def smallest_cut(unit_bytes: Sequence[float], budget: float) -> tuple[int, list[
     return low, balance_lib.partition(unit_bytes, low)
 
 
+def smallest_shared_cut(unit_bytes: Sequence[float], budget: float, per_device: int) -> tuple[int, list[int]] | None:
+    """Where each device holds ``per_device`` cells: the fewest devices whose cut by state into ``per_device`` cells
+    each keeps every device's cells within ``budget``, laid out round robin or as a V (the larger of the two), and
+    that cut; None if no number of devices up to one unit per cell does."""
+    for devices in range(1, len(unit_bytes) // per_device + 1):
+        cut = balance_lib.partition(unit_bytes, per_device * devices)
+        starts = [sum(cut[:i]) for i in range(len(cut) + 1)]
+        cells = [sum(unit_bytes[a:b]) for a, b in zip(starts, starts[1:])]
+        round_robin = [sum(cells[d::devices]) for d in range(devices)]
+        v = [sum(cells[c] for c in (d, 2 * devices - 1 - d) if c < len(cells)) for d in range(devices)]
+        if max(round_robin) <= budget and (per_device != 2 or max(v) <= budget):
+            return devices, cut
+    return None
+
+
 def check(states: Sequence[CellState], limits: Sequence[float], unit_bytes: Sequence[float], optimizer: str) -> None:
     """Raise a ValueError for the first cell whose state exceeds its device's budget (``budget``'s docstring); a
     state that sums several cells of one device (``per_device``) names them all."""
@@ -142,12 +157,7 @@ def check(states: Sequence[CellState], limits: Sequence[float], unit_bytes: Sequ
         if state.total <= limit:
             continue
         worst = max(s.total for s in states)
-        found = smallest_cut(unit_bytes, min(limits))
-        fewest = (
-            f"K={found[0]} cells cut by state (balance={found[1]}) would hold it within {gib(min(limits))} each"
-            if found
-            else f"no cut holds it within {gib(min(limits))}: one unit alone needs {gib(max(unit_bytes), up=True)}"
-        )
+        fewest = _fewest(states, unit_bytes, min(limits))
         parts = [f"weights {gib(state.weights)}", f"their gradients {gib(state.gradients)}"]
         parts += [f"{optimizer}'s slots {gib(state.slots)}"] if state.slots else []
         fewer = ", or an optimizer with fewer slots" if state.slots else ""
@@ -157,6 +167,26 @@ def check(states: Sequence[CellState], limits: Sequence[float], unit_bytes: Sequ
             f"({', '.join(parts)}), over that device's memory_budget of {gib(limit)}; activations come on top. "
             f"{fewest}; or give each device a budget of at least {gib(worst, up=True)}{fewer}."
         )
+
+
+def _fewest(states: Sequence[CellState], unit_bytes: Sequence[float], budget: float) -> str:
+    """What would hold the state within ``budget``: the fewest cells cut by state, or where devices hold several
+    cells each, the fewest devices of that many cells."""
+    shared = max(len(s.cells) for s in states)
+    if shared > 1:
+        found = smallest_shared_cut(unit_bytes, budget, shared)
+        if found:
+            return (
+                f"{found[0]} devices of {shared} cells each, cut by state (balance={found[1]}), would hold it within "
+                f"{gib(budget)} a device"
+            )
+        if max(unit_bytes) <= budget:
+            return f"no number of devices of {shared} cells each holds it within {gib(budget)}: fewer cells a device"
+    else:
+        found = smallest_cut(unit_bytes, budget)
+        if found:
+            return f"K={found[0]} cells cut by state (balance={found[1]}) would hold it within {gib(budget)} each"
+    return f"no cut holds it within {gib(budget)}: one unit alone needs {gib(max(unit_bytes), up=True)}"
 
 
 def _which(i: int, state: CellState) -> str:

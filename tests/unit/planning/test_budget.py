@@ -82,5 +82,14 @@ def test_cells_sharing_a_device_are_held_to_its_budget_together():
     )
     model.compile(optimizer="adam", loss="mse")
     x = np.zeros((8, 256), "float32")
-    with pytest.raises(ValueError, match=r"Cells 0 and 2 on /CPU:0 need at least 2.01 MiB for their state"):
+    with pytest.raises(ValueError, match=r"Cells 0 and 2 on /CPU:0 need at least 2.01 MiB for their state") as err:
         model.fit(x, x, verbose=0)
+    # the hint counts devices of two cells each, not cells: no number of them holds two 1.01 MiB cells in 1.5 MiB
+    assert "no number of devices of 2 cells each holds it within 1.5 MiB" in str(err.value)
+
+
+def test_the_fewest_devices_of_several_cells_each():
+    # eight equal units, two cells a device: each device holds a quarter of the units at 2 devices, an eighth at 4
+    assert budget.smallest_shared_cut([1.0] * 8, 2.5, 2) == (4, [1] * 8)
+    assert budget.smallest_shared_cut([1.0] * 8, 4.0, 2) == (2, [2] * 4)
+    assert budget.smallest_shared_cut([3.0] + [1.0] * 7, 2.5, 2) is None  # one unit alone is over

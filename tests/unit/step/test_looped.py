@@ -43,7 +43,7 @@ def test_dropout_and_batchnorm_in_loops_match_the_unrolled_step():
 
 def test_embedding_gradients_in_loops_match_the_unrolled_step():
     """An LM with an Embedding (sparse gradients) and int token inputs, uneven micro-batches."""
-    from tfpipe.scripts.data import random_lm
+    from scripts.data import random_lm
 
     def make(unroll):
         keras.utils.set_random_seed(0)

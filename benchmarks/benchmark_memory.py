@@ -4,21 +4,24 @@ Each configuration runs in a fresh child process (this script with ``--_child=JS
 CPU allocator, which counts the bytes. Part 1 fits GPipe's activation-memory model; part 2 searches the largest
 L under a budget. The method, in full: docs/benchmarks.md, "Memory: GPipe Table 1", "How it is measured".
 
-    python scripts/benchmark_memory.py                             # defaults: L=4 table, 2 GiB budget, M=8
-    python scripts/benchmark_memory.py --out=docs/results/memory            # also write .csv and .md
-    python scripts/benchmark_memory.py --max_blocks=32              # the full remat search (about 20 min)
-    python scripts/benchmark_memory.py --schedules --table_micro_batches=2,4,8,16   # GPipe, 1F1B, zero bubble; K=2
-    python scripts/benchmark_memory.py --device_type=GPU --budget_gib=4    # on the first GPU (two logical ones for K=2)
+    python benchmarks/benchmark_memory.py                             # defaults: L=4 table, 2 GiB budget, M=8
+    python benchmarks/benchmark_memory.py --out=docs/results/memory            # also write .csv and .md
+    python benchmarks/benchmark_memory.py --max_blocks=32              # the full remat search (about 20 min)
+    python benchmarks/benchmark_memory.py --schedules --table_micro_batches=2,4,8,16   # GPipe, 1F1B, zero bubble; K=2
+    python benchmarks/benchmark_memory.py --device_type=GPU --budget_gib=4    # on the first GPU (two logical ones for K=2)
 """
 
 from __future__ import annotations
 
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository (not installed)
+
 import concurrent.futures
 import json
-import os
 import resource
 import subprocess
-import sys
 import threading
 import time
 from typing import Any
@@ -28,9 +31,9 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
 from absl import app, flags  # noqa: E402
 
-from tfpipe.scripts import memory_report  # noqa: E402
-from tfpipe.scripts.memory_report import GIB, MIB, largest_under_budget  # noqa: E402
-from tfpipe.scripts.report import write_table  # noqa: E402
+from benchmarks import memory_report  # noqa: E402
+from benchmarks.memory_report import GIB, MIB, largest_under_budget  # noqa: E402
+from scripts.report import write_table  # noqa: E402
 
 FLAGS = flags.FLAGS
 flags.DEFINE_integer("blocks", 4, "L, the Transformer blocks of the activation table (part 1).", lower_bound=1)

@@ -6,10 +6,10 @@ device setup happens once per process). It reports the seconds of the first
 steps, and the process's peak resident memory; the build (split, cells, variables) is
 also reported on its own.
 
-    python scripts/benchmark_scale.py                               # K=2 and K=8 at M=32, 8-block Transformer
-    python scripts/benchmark_scale.py --configs=2x4,2x16,2x32,8x32 --out=docs/results/scale
-    python scripts/benchmark_scale.py --configs=2x32,8x32 --unroll=true,false   # the unrolled graph against the loops
-    python scripts/benchmark_scale.py --configs=keras,2x32   # beside the same layers in a plain keras.Sequential
+    python benchmarks/benchmark_scale.py                               # K=2 and K=8 at M=32, 8-block Transformer
+    python benchmarks/benchmark_scale.py --configs=2x4,2x16,2x32,8x32 --out=docs/results/scale
+    python benchmarks/benchmark_scale.py --configs=2x32,8x32 --unroll=true,false   # the unrolled graph against the loops
+    python benchmarks/benchmark_scale.py --configs=keras,2x32   # beside the same layers in a plain keras.Sequential
 
 ``keras`` in ``--configs`` times the same layers as a plain ``keras.Sequential`` on one
 device: what a user compares a first step with.
@@ -17,16 +17,19 @@ device: what a user compares a first step with.
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
 import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository (not installed)
+
+import json
+import subprocess
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
 from absl import app, flags  # noqa: E402
 
-from tfpipe.scripts.report import write_table  # noqa: E402
+from scripts.report import write_table  # noqa: E402
 
 FLAGS = flags.FLAGS
 flags.DEFINE_list(
@@ -55,7 +58,7 @@ if k:
                                                [tf.config.LogicalDeviceConfiguration()] * k)
 import keras, numpy as np
 import tfpipe
-from tfpipe.scripts.data import random_lm
+from scripts.data import random_lm
 keras.utils.set_random_seed(0)
 layers, x, y = random_lm(batch, seq, blocks, dim)
 began = time.perf_counter()

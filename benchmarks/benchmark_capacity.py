@@ -8,10 +8,10 @@ tfpipe from each worker's (``LocalCluster.memory_info``), beside the training pr
 (``--model=llama``) is built under ``tfpipe.deferred_weights()``, so its weights are made on the workers; the
 Transformer is a layer list, whose cells are built on their devices.
 
-    python scripts/benchmark_capacity.py                                  # small defaults, a few minutes
-    python scripts/benchmark_capacity.py --model=llama --out=docs/results/capacity_llama
-    python scripts/benchmark_capacity.py --seq_len=512 --batch_size=32 --budget_mib=1024   # GPipe's scale (hours)
-    python scripts/benchmark_capacity.py --device_type=GPU --budget_mib=2048 --rows=plain,1,2,4  # logical GPUs
+    python benchmarks/benchmark_capacity.py                                  # small defaults, a few minutes
+    python benchmarks/benchmark_capacity.py --model=llama --out=docs/results/capacity_llama
+    python benchmarks/benchmark_capacity.py --seq_len=512 --batch_size=32 --budget_mib=1024   # GPipe's scale (hours)
+    python benchmarks/benchmark_capacity.py --device_type=GPU --budget_mib=2048 --rows=plain,1,2,4  # logical GPUs
 
 Each row runs one fixed configuration (``--micro_batches``, ``remat="always"``, 1F1B above K=1, cut by FLOPs), or
 with ``--plan`` the one ``tfpipe.plan`` chooses for each probe under the budget (minutes of planning per probe).
@@ -19,10 +19,13 @@ with ``--plan`` the one ``tfpipe.plan`` chooses for each probe under the budget 
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
 import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository (not installed)
+
+import json
+import subprocess
 from typing import Any
 
 os.environ.setdefault("TF_CPU_ALLOCATOR_USE_BFC", "true")  # before TensorFlow starts, here and in the workers
@@ -30,8 +33,8 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
 from absl import app, flags  # noqa: E402
 
-from tfpipe.scripts.memory_report import MIB, largest_under_budget, mib  # noqa: E402
-from tfpipe.scripts.report import write_table  # noqa: E402
+from benchmarks.memory_report import MIB, largest_under_budget, mib  # noqa: E402
+from scripts.report import write_table  # noqa: E402
 
 FLAGS = flags.FLAGS
 flags.DEFINE_enum(

@@ -1,5 +1,5 @@
 """The memory benchmark's model of a step's peak bytes (GPipe's a*N + b*(L/K)*(N/M), fitted and checked) and its
-tables (scripts/benchmark_memory.py)."""
+tables (benchmarks/benchmark_memory.py)."""
 
 from __future__ import annotations
 

@@ -28,22 +28,26 @@ PipelineModel overhead within 5% of plain Keras; remat "always" at most 35%
 slower than "never" (recomputing the forward adds about one forward to a step
 whose backward costs about two, i.e. about +33%, so that target has little slack).
 
-    python scripts/benchmark_overhead.py                          # 4 blocks, dim 128, seq 32, batch 32
-    python scripts/benchmark_overhead.py --repeats=9 --out=docs/results/overhead   # also write .csv and .md
-    python scripts/benchmark_overhead.py --device=/GPU:0                  # all three on a GPU
-    python scripts/benchmark_overhead.py --device=/GPU:0 --jit_compile    # and both with XLA
+    python benchmarks/benchmark_overhead.py                          # 4 blocks, dim 128, seq 32, batch 32
+    python benchmarks/benchmark_overhead.py --repeats=9 --out=docs/results/overhead   # also write .csv and .md
+    python benchmarks/benchmark_overhead.py --device=/GPU:0                  # all three on a GPU
+    python benchmarks/benchmark_overhead.py --device=/GPU:0 --jit_compile    # and both with XLA
 """
 
 from __future__ import annotations
 
 import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository (not installed)
+
 from typing import Any
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
 from absl import app, flags  # noqa: E402
 
-from tfpipe.scripts.report import median_step_seconds, write_table  # noqa: E402
+from scripts.report import median_step_seconds, write_table  # noqa: E402
 
 FLAGS = flags.FLAGS
 flags.DEFINE_integer("blocks", 4, "Transformer blocks.", lower_bound=1)

@@ -1,7 +1,7 @@
-"""The torch side of scripts/benchmark_peers.py: one process per pipeline stage, driven over stdin.
+"""The torch side of benchmarks/benchmark_peers.py: one process per pipeline stage, driven over stdin.
 
 Started by ``TorchPeers`` (never imported by tfpipe or by the TensorFlow process) as
-``python scripts/peers_torch.py RANK WORLD PORT``. Every process runs with one intra-op and one
+``python benchmarks/peers_torch.py RANK WORLD PORT``. Every process runs with one intra-op and one
 inter-op thread and joins a gloo process group on 127.0.0.1:PORT. Each reads one JSON command
 per line on stdin and answers with one line on stdout that starts with ``@@`` (anything else
 there is torch's own output and is ignored):

@@ -15,21 +15,24 @@ the table gives min / median / max over the rounds and the median per-round rati
 - ``evaluate``, ``predict``: Keras' test / predict batch begin to end.
 
 torch.distributed.pipelining has one entry point, its schedule's ``step()`` in a loop: with torch installed (the
-``peers`` extra) each round also runs ``scripts/benchmark_peers.py`` on the same model at K=1 and K=2, M=1 (one pair,
+``peers`` extra) each round also runs ``benchmarks/benchmark_peers.py`` on the same model at K=1 and K=2, M=1 (one pair,
 its own workers and torch processes), and the table gives torch's step beside tfpipe's ``fit`` of that round.
 
-    python scripts/benchmark_entry_points.py                            # the floor and 20 x Dense(512), M=1
-    python scripts/benchmark_entry_points.py --models=floor --rounds=5 --out=docs/results/entry_points
+    python benchmarks/benchmark_entry_points.py                            # the floor and 20 x Dense(512), M=1
+    python benchmarks/benchmark_entry_points.py --models=floor --rounds=5 --out=docs/results/entry_points
 """
 
 from __future__ import annotations
 
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository (not installed)
+
 import csv
 import importlib.util
-import os
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 from typing import Any
@@ -38,7 +41,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
 from absl import app, flags  # noqa: E402
 
-from tfpipe.scripts.report import timed_fit, warm_up, write_table  # noqa: E402
+from scripts.report import timed_fit, warm_up, write_table  # noqa: E402
 
 FLAGS = flags.FLAGS
 WIDTHS = {"floor": 16, "mlp256": 256, "mlp512": 512}

@@ -10,8 +10,8 @@ layer's weight gradient over the whole batch against the same rows in micro-batc
 stack's forward and backward in micro-batches with its weight gradients taken per
 micro-batch (as tfpipe does) or once over all of them (a design not built).
 
-    python scripts/benchmark_kernels.py                      # width 768, 8 layers, rows 256, 32
-    python scripts/benchmark_kernels.py --dim=1024 --rows=128,16
+    python benchmarks/benchmark_kernels.py                      # width 768, 8 layers, rows 256, 32
+    python benchmarks/benchmark_kernels.py --dim=1024 --rows=128,16
 """
 
 from __future__ import annotations

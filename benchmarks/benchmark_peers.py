@@ -1,7 +1,7 @@
 """tfpipe against torch.distributed.pipelining: the same model, the same machine, one run, runs interleaved.
 
 tfpipe's cells run on ``LocalCluster`` worker processes with one thread each; torch's stages
-(scripts/peers_torch.py) on as many processes joined by gloo on loopback, one thread each. Both sides train the same
+(benchmarks/peers_torch.py) on as many processes joined by gloo on loopback, one thread each. Both sides train the same
 layers (the same shapes, FLOPs, loss and SGD step) and keep their models and processes alive for a configuration: a
 "run" is ``--warmup`` untimed then ``--steps`` timed steps of the live model, and its figure is the median step.
 Runs alternate, tfpipe first, ``--pairs`` pairs per configuration, after one warm-up per side (tfpipe: untimed steps
@@ -16,23 +16,26 @@ the loss back in the client; scripts/report.py ``timed_fit``). torch, on rank 0:
 stepped); at K=1 forward, backward, step, zero_grad. Garbage (earlier rows' models) is collected before each row is
 built, never inside a run.
 
-    python scripts/benchmark_peers.py                          # every model, K=2, M in 1,4,8,16: ~20 min, 2 cores
-    python scripts/benchmark_peers.py --models=floor,mlp512 --micro_batches=1,8 --pairs=3 --out=/tmp/peers
-    python scripts/benchmark_peers.py --check --pairs=0         # only: both sides' losses from the same weights
+    python benchmarks/benchmark_peers.py                          # every model, K=2, M in 1,4,8,16: ~20 min, 2 cores
+    python benchmarks/benchmark_peers.py --models=floor,mlp512 --micro_batches=1,8 --pairs=3 --out=/tmp/peers
+    python benchmarks/benchmark_peers.py --check --pairs=0         # only: both sides' losses from the same weights
 Needs the ``peers`` extra (torch); tfpipe itself never imports torch, nor does this process.
 """
 
 from __future__ import annotations
+
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository (not installed)
 
 import contextlib
 import dataclasses
 import gc
 import importlib.util
 import json
-import os
 import socket
 import subprocess
-import sys
 import tempfile
 import time
 from typing import Any
@@ -42,7 +45,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 import numpy as np  # noqa: E402
 from absl import app, flags  # noqa: E402
 
-from tfpipe.scripts.report import timed_fit, warm_up, write_table  # noqa: E402
+from scripts.report import timed_fit, warm_up, write_table  # noqa: E402
 
 FLAGS = flags.FLAGS
 MODELS = ("floor", "mlp256", "mlp512", "mlp1024", "transformer")
@@ -215,7 +218,7 @@ def keras_weights(layers: list[Any]) -> dict[str, np.ndarray]:
 
 
 class TorchPeers:
-    """K torch processes (scripts/peers_torch.py), one stage each, alive for the whole benchmark."""
+    """K torch processes (benchmarks/peers_torch.py), one stage each, alive for the whole benchmark."""
 
     def __init__(self, k: int):
         """Start the K processes on a free loopback port (each answers once when it has joined the group)."""

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
 import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository (not installed)
+
+import json
+import subprocess
 import tempfile
 import time
 from typing import Any
@@ -14,7 +17,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
 from absl import app, flags  # noqa: E402
 
-from tfpipe.scripts.soak_processes import fd_kinds, free_port, sample, start_servers, thread_pools  # noqa: E402
+from benchmarks.soak_processes import fd_kinds, free_port, sample, start_servers, thread_pools  # noqa: E402
 
 FLAGS = flags.FLAGS
 flags.DEFINE_integer("steps", 2000, "Training steps per mode.", lower_bound=1)
@@ -329,7 +332,7 @@ def main(argv: list[str]) -> None:
     failed = [f"{s['mode']} {s['process']}" for s in summarize(rows) if not s["ok"]]
     print(f"\nTarget {'MISSED by ' + ', '.join(failed) if failed else 'met by every process'}.")
     if FLAGS.out:
-        from tfpipe.scripts.report import write_table
+        from scripts.report import write_table
 
         write_table(FLAGS.out, rows, table, FIELDS)
         plot(rows, FLAGS.out + ".png")

@@ -13,11 +13,11 @@ steps are excluded (by default up to 100 of them, for 5 s, so that TensorFlow's
 executor has learnt its kernels' costs) and the median step time is used. Every size in --dims x
 --batch_sizes gets its own tables, all from one run.
 
-    python scripts/benchmark_speed.py                       # Transformer, K in {1, 2}, M in {1, 2, 4, 8, 16, 32}
-    python scripts/benchmark_speed.py --model=mlp --dims=256,1024 --batch_sizes=128,1024 --remat=never
-    python scripts/benchmark_speed.py --max_partitions=4 --out=docs/results/speed   # also K=4; write .csv and .md
-    python scripts/benchmark_speed.py --replicas=2     # also R=2 replicas of each K, on 2K workers
-    python scripts/benchmark_speed.py --model=hub:llama --blocks=4 --dims=128   # a keras_hub causal LM (hub extra)
+    python benchmarks/benchmark_speed.py                       # Transformer, K in {1, 2}, M in {1, 2, 4, 8, 16, 32}
+    python benchmarks/benchmark_speed.py --model=mlp --dims=256,1024 --batch_sizes=128,1024 --remat=never
+    python benchmarks/benchmark_speed.py --max_partitions=4 --out=docs/results/speed   # also K=4; write .csv and .md
+    python benchmarks/benchmark_speed.py --replicas=2     # also R=2 replicas of each K, on 2K workers
+    python benchmarks/benchmark_speed.py --model=hub:llama --blocks=4 --dims=128   # a keras_hub causal LM (hub extra)
 
 With --replicas=R, R x K entries run R data-parallel replicas of the K cells on R x K
 workers, each replica on 1/R of the batch; their ideal is R x K*M/(M+K-1). On a
@@ -27,14 +27,18 @@ machine with fewer cores than workers those entries only indicate: the workers s
 from __future__ import annotations
 
 import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository (not installed)
+
 from collections.abc import Callable, Sequence
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
 from absl import app, flags  # noqa: E402
 
-from tfpipe.scripts import hub_models  # noqa: E402
-from tfpipe.scripts.report import StepTimes, timed_fit, warm_up, write_table  # noqa: E402
+from scripts import hub_models  # noqa: E402
+from scripts.report import StepTimes, timed_fit, warm_up, write_table  # noqa: E402
 
 FLAGS = flags.FLAGS
 MODELS = ("transformer", "amoebanet", "mlp", "unet", "resnet50")
@@ -116,7 +120,7 @@ def _layers_and_data(dim: int, n: int):
 
     rng = np.random.default_rng(0)
     if FLAGS.model == "transformer":
-        from tfpipe.scripts.data import random_lm
+        from scripts.data import random_lm
 
         return random_lm(n, FLAGS.seq_len, FLAGS.blocks, dim, FLAGS.vocab, tied=FLAGS.tie_embeddings)
     if hub_models.is_hub(FLAGS.model):

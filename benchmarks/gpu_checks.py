@@ -9,8 +9,8 @@ to ``--out_dir`` (``$OUT`` on the device machine) under the names docs/benchmark
 last line) is printed and written as ``summary.md``. ``--dry_run`` runs the
 same steps on the CPU at toy sizes, to check the command before a GPU is lent (tests/scripts/test_gpu_checks.py).
 
-    python scripts/gpu_checks.py --out_dir="$OUT"         # on the GPU machine
-    python scripts/gpu_checks.py --dry_run --out_dir=/tmp/gpu_checks
+    python benchmarks/gpu_checks.py --out_dir="$OUT"         # on the GPU machine
+    python benchmarks/gpu_checks.py --dry_run --out_dir=/tmp/gpu_checks
 """
 
 from __future__ import annotations
@@ -33,7 +33,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def steps(dry_run: bool, out: str) -> list[tuple[str, list[str], int]]:
     """(name, command, its own time limit in seconds) of each check; toy sizes on the CPU for a dry run."""
-    python, script = sys.executable, lambda name: os.path.join(REPO, "scripts", name)
+    python = sys.executable
+    script = lambda name: os.path.join(REPO, "benchmarks" if name.startswith("benchmark_") else "scripts", name)
     device, kind = ("/CPU:0", "CPU") if dry_run else ("/GPU:0", "GPU")
     overhead = ["--blocks=1", "--dim=16", "--steps=2", "--repeats=1"] if dry_run else ["--repeats=3", "--steps=20"]
     overhead.append("--jit_compile")  # with and without XLA per cell

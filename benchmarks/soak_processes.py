@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository (not installed)
+
 import collections
 import ctypes
-import os
 import signal
 import socket
 import subprocess
-import sys
 import tempfile
 import time
 from typing import Any
@@ -46,7 +49,7 @@ def fd_kinds(pid: int) -> dict[str, int]:
 
 def thread_pools(pid: int) -> dict[str, int]:
     """Threads of ``pid`` by Linux thread name, a trailing number dropped ('grpc_global_tim', 'tf_inter_op')."""
-    from tfpipe.scripts.report import pool_name
+    from scripts.report import pool_name
 
     pools: collections.Counter[str] = collections.Counter()
     for tid in os.listdir(f"/proc/{pid}/task"):

@@ -9,8 +9,8 @@ holding one replica's gradients (``--tensors`` matrices of ``dim x dim`` float32
 - collective: ``CollectiveReduceV2`` (ring) on both workers in one function, this
   process being the only client, the group leader set in every server's config.
 
-    python scripts/benchmark_replica_sums.py                       # dims 256, 768, 1024
-    python scripts/benchmark_replica_sums.py --dims=768 --nocollective
+    python benchmarks/benchmark_replica_sums.py                       # dims 256, 768, 1024
+    python benchmarks/benchmark_replica_sums.py --dims=768 --nocollective
 """
 
 from __future__ import annotations

@@ -10,23 +10,26 @@ Two setups of K single-thread worker servers, each run in a fresh process per ro
 Each round runs both, in turn; the figure is the ratio hosts / loopback within each round (min, median, max).
 Needs root and ``ip`` for the hosts.
 
-    python scripts/benchmark_hosts.py                       # 20 x Dense(512), batch 256, K=2, M=4
-    python scripts/benchmark_hosts.py --delay_ms=1          # with 1 ms each way (where netem exists)
+    python benchmarks/benchmark_hosts.py                       # 20 x Dense(512), batch 256, K=2, M=4
+    python benchmarks/benchmark_hosts.py --delay_ms=1          # with 1 ms each way (where netem exists)
 """
 
 from __future__ import annotations
 
-import json
 import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository (not installed)
+
+import json
 import statistics
 import subprocess
-import sys
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
 from absl import app, flags  # noqa: E402
 
-from tfpipe.scripts.report import write_table  # noqa: E402
+from scripts.report import write_table  # noqa: E402
 
 FLAGS = flags.FLAGS
 flags.DEFINE_integer("workers", 2, "Worker servers (K cells, one each).", lower_bound=2)
@@ -50,8 +53,8 @@ def child(config: dict) -> dict:
     import numpy as np
 
     import tfpipe
-    from tfpipe.scripts.hosts import Hosts
-    from tfpipe.scripts.report import median_step_seconds
+    from scripts.hosts import Hosts
+    from scripts.report import median_step_seconds
 
     keras.utils.set_random_seed(0)
     n = config["batch_size"] * (WARMUP + config["steps"])
@@ -99,7 +102,7 @@ def main(argv: list[str]) -> None:
     if FLAGS._child:
         print(json.dumps(child(json.loads(FLAGS._child))), flush=True)
         return
-    from tfpipe.scripts.hosts import available
+    from scripts.hosts import available
 
     why = available()
     if why is not None:
