@@ -8,7 +8,7 @@ L under a budget. The method, in full: docs/benchmarks.md, "Memory: GPipe Table 
     python benchmarks/benchmark_memory.py --out=docs/results/memory            # also write .csv and .md
     python benchmarks/benchmark_memory.py --max_blocks=32              # the full remat search (about 20 min)
     python benchmarks/benchmark_memory.py --schedules --table_micro_batches=2,4,8,16   # GPipe, 1F1B, zero bubble; K=2
-    python benchmarks/benchmark_memory.py --device_type=GPU --budget_gib=4    # on the first GPU (two logical ones for K=2)
+    python benchmarks/benchmark_memory.py --device_type=GPU --budget_gib=4    # the first GPU (two logical for K=2)
 """
 
 from __future__ import annotations

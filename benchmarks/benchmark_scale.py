@@ -8,7 +8,7 @@ also reported on its own.
 
     python benchmarks/benchmark_scale.py                               # K=2 and K=8 at M=32, 8-block Transformer
     python benchmarks/benchmark_scale.py --configs=2x4,2x16,2x32,8x32 --out=docs/results/scale
-    python benchmarks/benchmark_scale.py --configs=2x32,8x32 --unroll=true,false   # the unrolled graph against the loops
+    python benchmarks/benchmark_scale.py --configs=2x32,8x32 --unroll=true,false   # unrolled graph against loops
     python benchmarks/benchmark_scale.py --configs=keras,2x32   # beside the same layers in a plain keras.Sequential
 
 ``keras`` in ``--configs`` times the same layers as a plain ``keras.Sequential`` on one
