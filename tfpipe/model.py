@@ -32,7 +32,6 @@ from tfpipe.step.replicated import Replicated
 from tfpipe.step.unrolled import Pipeline
 
 
-@keras.saving.register_keras_serializable(package="tfpipe")
 def _settings(
     layers: Any, graph: Any, units: int, plan: Any, memory_budget: Any, given: dict[str, Any]
 ) -> tuple[settings_lib.Settings, bool, list[str] | None]:
@@ -56,6 +55,7 @@ def _settings(
     return checked, auto, plan_devices
 
 
+@keras.saving.register_keras_serializable(package="tfpipe")
 class PipelineModel(settings_lib.SettingsProperties, KerasEntryPoints, auto_plan.AutoPlan, saving.Saving, keras.Model):
     """A sequence of Keras layers cut into cells on devices and trained as a GPipe pipeline.
 
