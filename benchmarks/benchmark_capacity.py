@@ -10,7 +10,8 @@ Transformer is a layer list, whose cells are built on their devices.
 
     python benchmarks/benchmark_capacity.py                                  # small defaults, a few minutes
     python benchmarks/benchmark_capacity.py --model=llama --out=docs/results/capacity_llama
-    python benchmarks/benchmark_capacity.py --seq_len=512 --batch_size=32 --budget_mib=1024   # GPipe's scale (hours)
+    python benchmarks/benchmark_capacity.py --noconstant_folding --dim=128 --seq_len=512 --batch_size=32 \\
+        --budget_mib=1024                                                 # GPipe's activations (hours)
     python benchmarks/benchmark_capacity.py --device_type=GPU --budget_mib=2048 --rows=plain,1,2,4  # logical GPUs
 
 Each row runs one fixed configuration (``--micro_batches``, ``remat="always"``, 1F1B above K=1, cut by FLOPs), or
