@@ -37,7 +37,7 @@ def _settings(
 ) -> tuple[settings_lib.Settings, bool, list[str] | None]:
     """The constructor's settings, checked: as ``given``, as a ``Plan`` sets them, or one placeholder cell until the
     first fit plans (``plan="auto"``); also whether it waits for that plan, and the devices it may plan over."""
-    chosen = {name: given[name] for name in ("balance", "num_partitions", "num_micro_batches", "remat", "schedule")}
+    chosen = {name: given[name] for name in settings_lib.PLANNED_DEFAULTS}
     auto = auto_plan.check(plan, memory_budget, chosen)
     devices = given["devices"]
     plan_devices = list(devices) if auto and devices is not None else None

@@ -17,6 +17,7 @@ from typing import Any
 import keras
 
 from tfpipe import balance as balance_lib
+from tfpipe import schedule as schedule_lib
 from tfpipe.planning.plans import gib, parse_bytes
 from tfpipe.planning.predict import SLOTS
 from tfpipe.planning.units import variable_bytes
@@ -123,8 +124,7 @@ def smallest_cut(unit_bytes: Sequence[float], budget: float) -> tuple[int, list[
 
     def cut_within(k: int) -> list[int] | None:
         cut = balance_lib.partition(unit_bytes, k)
-        starts = [sum(cut[:i]) for i in range(k + 1)]
-        return cut if max(sum(unit_bytes[a:b]) for a, b in zip(starts, starts[1:])) <= budget else None
+        return cut if max(_cell_bytes(unit_bytes, cut)) <= budget else None
 
     if max(unit_bytes) > budget:
         return None
@@ -139,15 +139,25 @@ def smallest_shared_cut(unit_bytes: Sequence[float], budget: float, per_device: 
     """Where each device holds ``per_device`` cells: the fewest devices whose cut by state into ``per_device`` cells
     each keeps every device's cells within ``budget``, laid out round robin or as a V (the larger of the two), and
     that cut; None if no number of devices up to one unit per cell does."""
+    layouts = ["interleaved_1f1b"] + (["zbv"] if per_device == 2 else [])  # round robin; a V holds two a device
     for devices in range(1, len(unit_bytes) // per_device + 1):
         cut = balance_lib.partition(unit_bytes, per_device * devices)
-        starts = [sum(cut[:i]) for i in range(len(cut) + 1)]
-        cells = [sum(unit_bytes[a:b]) for a, b in zip(starts, starts[1:])]
-        round_robin = [sum(cells[d::devices]) for d in range(devices)]
-        v = [sum(cells[c] for c in (d, 2 * devices - 1 - d) if c < len(cells)) for d in range(devices)]
-        if max(round_robin) <= budget and (per_device != 2 or max(v) <= budget):
+        cells = _cell_bytes(unit_bytes, cut)
+        for layout in layouts:
+            held = [0.0] * devices
+            for cell, device in enumerate(schedule_lib.placement(layout, len(cells), devices)):
+                held[device] += cells[cell]
+            if max(held) > budget:
+                break
+        else:
             return devices, cut
     return None
+
+
+def _cell_bytes(unit_bytes: Sequence[float], cut: Sequence[int]) -> list[float]:
+    """Each cell's bytes under ``cut`` (units per cell)."""
+    starts = [sum(cut[:i]) for i in range(len(cut) + 1)]
+    return [sum(unit_bytes[a:b]) for a, b in zip(starts, starts[1:])]
 
 
 def check(states: Sequence[CellState], limits: Sequence[float], unit_bytes: Sequence[float], optimizer: str) -> None:

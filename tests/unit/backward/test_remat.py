@@ -22,6 +22,11 @@ def _inputs():
     return x, w, dy
 
 
+def _traced_vjps():
+    """A cell's traced VJPs with no device scope, inlined and not compiled (``Cell.function_options``' keys)."""
+    return TracedVJPs(contextlib.nullcontext, lambda: {"experimental_attributes": None, "jit_compile": None})
+
+
 def _reference(x, w, dy):
     with tf.GradientTape() as tape:
         tape.watch([x, w])
@@ -57,7 +62,7 @@ def test_constant_sources_get_no_gradient_and_running_sums_are_added_to():
 
 def test_a_recomputed_vjp_in_a_graph_is_one_function_traced_once_per_cell():
     x, w, dy = _inputs()
-    traced = TracedVJPs(contextlib.nullcontext, lambda: {"experimental_attributes": None, "jit_compile": None})
+    traced = _traced_vjps()
 
     @tf.function
     def step(x, w, dy):
@@ -97,7 +102,7 @@ def test_the_flags_a_cell_reads_say_which_forward_runs():
         seen.append((remat.unrecorded(), traced_vjp.in_vjp_trace()))
         return _fn(x, w)
 
-    traced = TracedVJPs(contextlib.nullcontext, lambda: {"experimental_attributes": None, "jit_compile": None})
+    traced = _traced_vjps()
 
     @tf.function
     def step(x, w, dy):
