@@ -1,18 +1,20 @@
 """``PipelineModel(layers, plan="auto", memory_budget=...)``: planned by the first fit, on its own training batch.
 
 The planner needs the batch size and a batch to measure with, which a Keras user gives to
-``fit``, not to the constructor. So the model starts as one placeholder cell, and the first
-``fit`` (or ``train_on_batch``) runs ``tfpipe.plan`` on its first batch, then cuts the
-layers as the plan says before any step is traced. ``tfpipe.planner`` sits above the model
-and registers itself here (``PLANNER``), so the model needs no import of it.
+``fit``, not to the constructor. So the model starts as one placeholder cell, remembers what
+to plan over (``Pending``), and its first ``fit`` (or ``train_on_batch``) calls ``plan_on``
+with the first batch, then cuts the layers as the plan says before any step is traced.
+
+``tfpipe.planner`` sits above the model (its calibration builds models), so ``plan_on`` imports
+it when it is called: the one call in the package that runs upward, made once, at the first fit
+of a model made with ``plan="auto"`` (tests/unit/test_package.py names it).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import dataclasses
 from typing import Any
 
-import keras
 import numpy as np
 import tensorflow as tf
 
@@ -20,7 +22,6 @@ from tfpipe import _compat, messages
 from tfpipe import settings as settings_lib
 from tfpipe.planning.plans import parse_bytes
 
-PLANNER: list[Callable[..., Any]] = []  # tfpipe.plan, registered by tfpipe.planner
 AUTO = "auto"
 
 
@@ -66,62 +67,27 @@ def first_batch(x: Any, batch_size: int | None) -> tuple[Any, int]:
     return tf.nest.map_structure(lambda t: np.asarray(t[:size]), x), size
 
 
-class AutoPlan(keras.Model):
-    """The part of ``PipelineModel`` that plans itself at the first fit when made with ``plan="auto"``."""
+@dataclasses.dataclass(frozen=True)
+class Pending:
+    """What a model made with ``plan="auto"`` plans over at its first fit."""
 
-    _graph: Any = None  # PipelineModel's: a Functional model's nodes, or None for a layer sequence
-    _auto_budget: Any = None
-    _auto_devices: list[Any] | None = None  # as given: one list of devices, unchecked until planned
-    _auto_pending = False
-    plan: Any = None  # the tfpipe.Plan the model follows, once there is one
+    memory_budget: Any  # as given to the constructor, checked
+    devices: list[Any] | None  # as given: one list of devices, unchecked until planned; None: the planner's
 
-    def _wait_for_plan(self, memory_budget: Any, devices: list[Any] | None) -> None:
-        """Plan at the first fit, over ``devices`` (None: the planner's default) under ``memory_budget``."""
-        self._auto_budget, self._auto_devices, self._auto_pending = memory_budget, devices, True
 
-    def _plan_now(self, x: Any, batch_size: int | None) -> None:
-        """If still to plan: plan on fit's first batch and cut the layers as the plan says."""
-        if not self._auto_pending:
-            return
-        if not PLANNER:
-            raise RuntimeError('plan="auto" needs tfpipe.planner; import tfpipe (not only tfpipe.model).')
-        sample, size = first_batch(x, batch_size)
-        optimizer = self.optimizer if isinstance(self.optimizer, keras.optimizers.Optimizer) else "adam"
-        messages.say(f"tfpipe: planning {self.name!r} for batches of {size} (plan='auto'): measuring its layers.")
-        planned = self._graph.model if self._graph is not None else self.pipeline_layers
-        plan = PLANNER[0](planned, size, self._auto_devices, self._auto_budget, sample=sample, optimizer=optimizer)
-        self._follow(plan)
-        messages.say(f"tfpipe: planned {self.name!r}: {plan.candidates[0].config.describe()}.")
+def plan_on(name: str, planned: Any, pending: Pending, x: Any, batch_size: int | None, optimizer: Any) -> Any:
+    """``tfpipe.plan`` of ``planned`` (the model's layers or Functional model) on fit's first batch of ``x``."""
+    from tfpipe.planner import choose  # above the model: see the module's docstring
 
-    def get_config(self) -> dict[str, Any]:
-        """As saved once planned; before, ``plan="auto"`` with the budget and devices, to be planned when loaded."""
-        config = super().get_config()
-        if self._auto_pending:
-            for name in settings_lib.PLANNED_DEFAULTS:
-                config.pop(name, None)
-            config.update(plan=AUTO, memory_budget=self._auto_budget, devices=self._auto_devices)
-        return config
+    sample, size = first_batch(x, batch_size)
+    messages.say(f"tfpipe: planning {name!r} for batches of {size} (plan='auto'): measuring its layers.")
+    plan = choose.plan(planned, size, pending.devices, pending.memory_budget, sample=sample, optimizer=optimizer)
+    messages.say(f"tfpipe: planned {name!r}: {plan.candidates[0].config.describe()}.")
+    return plan
 
-    def _follow(self, plan: Any) -> None:
-        """Take the plan's settings and cut; variables already made move to their new cells' devices."""
-        arguments = plan.pipeline_arguments()
-        graph = self._graph
-        units = len(graph.nodes) if graph is not None else len(self.pipeline_layers)
-        settings = settings_lib.check(
-            graph.model if graph is not None else self.pipeline_layers,
-            graph,
-            units,
-            arguments["balance"],
-            None,
-            self._cost,
-            arguments["devices"],
-            arguments["num_micro_batches"],
-            arguments["remat"],
-            self._unroll,
-            arguments["schedule"],
-        )
-        self._keep_settings(settings)
-        self._make_pipeline(settings.cell_sizes)
-        self.plan, self._auto_pending = plan, False
-        if self.built:  # a deferred model's weights are made now, on the planned cells' devices
-            self._move_variables(seeds_only=False)
+
+def unplanned_config(config: dict[str, Any], pending: Pending) -> dict[str, Any]:
+    """A model's config saved before its first fit planned it: ``plan="auto"``, to be planned when loaded."""
+    config = {k: v for k, v in config.items() if k not in settings_lib.PLANNED_DEFAULTS}
+    config.update(plan=AUTO, memory_budget=pending.memory_budget, devices=pending.devices)
+    return config

@@ -1,26 +1,30 @@
 """PipelineModel: a keras.Model whose train, test and predict steps run the layers as a GPipe pipeline.
 
-Here: how the model is made (the layers cut into cells on devices), built, called and trained a step. Its
-settings' properties are in ``tfpipe.settings``, compile/fit/evaluate/predict in ``tfpipe.keras_api``, saving,
-loading and conversion in ``tfpipe.saving``.
+One class, in the order a user meets it: made (the layers cut into cells on devices), its settings read back,
+built, called, trained a step, compiled and run by Keras' loops, saved. It holds its parts rather than
+inheriting them: the checked settings (``tfpipe.settings.Settings``), the pipeline that runs the cells
+(``tfpipe.step``), what ``plan="auto"`` plans over until the first fit (``tfpipe.auto_plan``); saving and
+conversion are functions of the model (``tfpipe.saving``).
 """
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import keras
 import numpy as np
 import tensorflow as tf
 
-from tfpipe import _compat, auto_plan, messages, saving
+from tfpipe import _compat, auto_plan, messages, recovery, saving
 from tfpipe import balance as balance_lib
 from tfpipe import cost as cost_lib
 from tfpipe import settings as settings_lib
 from tfpipe import training as training_lib
 from tfpipe.distributed import devices as devices_lib
-from tfpipe.keras_api import KerasEntryPoints
+from tfpipe.distributed import faults
+from tfpipe.keras_api import with_fewer_rewrites
 from tfpipe.partition import deferred, functional, hub, specs
 from tfpipe.partition import state as state_lib
 from tfpipe.partition.cell import Cell, hang, tie
@@ -55,8 +59,11 @@ def _settings(
     return checked, auto, plan_devices
 
 
+_Model = TypeVar("_Model", bound="PipelineModel")  # the class a classmethod is called on
+
+
 @keras.saving.register_keras_serializable(package="tfpipe")
-class PipelineModel(settings_lib.SettingsProperties, KerasEntryPoints, auto_plan.AutoPlan, saving.Saving, keras.Model):
+class PipelineModel(keras.Model):
     """A sequence of Keras layers cut into cells on devices and trained as a GPipe pipeline.
 
     Args:
@@ -149,7 +156,10 @@ class PipelineModel(settings_lib.SettingsProperties, KerasEntryPoints, auto_plan
         self.jit_compile = False
         self.pipeline_layers = layers_  # tracked first, so weights are ordered as in keras.Sequential
         self._graph = graph  # a Functional model's nodes, or None for a layer sequence
-        self._keep_settings(settings)
+        self._settings = settings
+        self._balance: list[int] = []  # the cut made: layers (or nodes) per cell, once known
+        self._auto = auto_plan.Pending(memory_budget, plan_devices) if auto else None  # until the first fit plans
+        self._memory_budget = None if auto else memory_budget
         self._estimate: cost_lib.Estimate | None = None
         self._inputs: Any = None  # symbolic inputs the model was built for, batch dimension included
         self._built_spec: tuple[Any, Any] | None = None  # (inputs, outputs) as build ran the layers on them
@@ -158,11 +168,8 @@ class PipelineModel(settings_lib.SettingsProperties, KerasEntryPoints, auto_plan
         cell_sizes = settings.cell_sizes if settings.cell_sizes is not None else self._split_early(layers, units)
         if cell_sizes is not None:
             self._make_pipeline(cell_sizes)
-        self._memory_budget = None if auto else memory_budget
         if memory_budget is not None and not auto:
             budget_lib.budgets(memory_budget, self._devices)  # a bad budget is an error now
-        if auto:  # before the graph's weights move: a deferred model's are made once planned, on their devices
-            self._wait_for_plan(memory_budget, plan_devices)
         if graph is not None:  # its layers are built: so is this model, for the graph's inputs
             self.check_memory_budget(None)  # before a deferred model's weights are made
             self._move_variables(seeds_only=False)
@@ -171,21 +178,88 @@ class PipelineModel(settings_lib.SettingsProperties, KerasEntryPoints, auto_plan
         if isinstance(layers, keras.Model):  # the user's model keeps these layers, and so their devices
             saving.keep_off_xla(layers, self._devices)
 
-    def _keep_settings(self, settings: settings_lib.Settings) -> None:
-        """Keep the checked arguments (all but the balance, which ``_make_pipeline`` keeps once known)."""
-        self._cost = settings.cost
-        self._num_cells, self._m, self._remat = settings.num_cells, settings.num_micro_batches, settings.remat
-        self._replica_devices = settings.replica_devices
-        self._devices = list(settings.replica_devices[0])  # replica 0's cells own the variables
-        self._unroll = settings.unroll
-        self._schedule = settings.schedule
-        self._num_devices = settings.num_devices
+    plan: Any = None  # the tfpipe.Plan the model follows, once there is one
 
+    # The settings, read back -------------------------------------------------------------------------
+    @property
+    def balance(self) -> list[int] | None:
+        """Layers per cell; ``None`` until built when ``num_partitions`` splits by an estimated cost."""
+        return list(self._balance) if self._pipeline else None
+
+    @property
+    def devices(self) -> list[str] | list[list[str]]:
+        """The device of each cell; with replicas, one such list per replica."""
+        if self.num_replicas > 1:
+            return [list(row) for row in self._settings.replica_devices]
+        return self._devices
+
+    @property
+    def _devices(self) -> list[str]:
+        """Replica 0's device of each cell: its cells own the variables."""
+        return list(self._settings.replica_devices[0])
+
+    @property
+    def num_replicas(self) -> int:
+        """R, the number of data-parallel replicas of the pipeline (1 unless ``devices`` gives R lists)."""
+        return len(self._settings.replica_devices)
+
+    @property
+    def num_partitions(self) -> int:
+        """K, the number of cells."""
+        return self._settings.num_cells
+
+    @property
+    def num_devices(self) -> int:
+        """The devices the cells are laid over: K, or K/v where the schedule puts v cells on each device."""
+        return self._settings.num_devices
+
+    @property
+    def num_micro_batches(self) -> int:
+        """M, the number of micro-batches per mini-batch."""
+        return self._settings.num_micro_batches
+
+    @property
+    def remat(self) -> str:
+        """The re-materialization mode."""
+        return self._settings.remat
+
+    @property
+    def unroll(self) -> bool:
+        """Whether each step is an unrolled graph of tasks (True) or two loops over clock cycles (False)."""
+        return self._settings.unroll
+
+    @property
+    def schedule(self) -> str:
+        """The order of the tasks: one of ``tfpipe.schedule.ALL_SCHEDULES`` (``"gpipe"`` by default), or a written
+        schedule's text (``tfpipe.schedule.written``)."""
+        return self._settings.schedule
+
+    @property
+    def unrolled(self) -> bool | None:
+        """How the step is built now (loops fall back to unrolled if a cell cannot be traced); None before a split."""
+        return self._pipeline.unroll if self._pipeline else None
+
+    @property
+    def cost(self) -> cost_lib.Cost:
+        """The per-layer cost used to balance the cells and shown by ``summary``."""
+        return self._settings.cost
+
+    @property
+    def output_names(self) -> list[str] | None:
+        """The Functional model's output names, which ``compile`` matches dict losses and metrics to (else None)."""
+        return list(self._graph.model.output_names) if self._graph is not None else None
+
+    @property
+    def cells(self) -> list[Cell]:
+        """The cells, in pipeline order (empty until the balance is known)."""
+        return list(self._pipeline.cells) if self._pipeline else []
+
+    # Cutting the layers into cells ---------------------------------------------------------------------
     def _split_early(self, layers: Any, units: int) -> list[int] | None:
         """The balance for ``num_partitions`` where it can be found before ``build``; else None (build splits)."""
-        if self._num_cells in (1, units):
-            return balance_lib.uniform(units, self._num_cells)  # the only split there is
-        if callable(self._cost) or self._graph is not None:  # a callable needs no shapes; the graph knows them
+        if self.num_partitions in (1, units):
+            return balance_lib.uniform(units, self.num_partitions)  # the only split there is
+        if callable(self.cost) or self._graph is not None:  # a callable needs no shapes; the graph knows them
             return self._split_by_cost(None)
         if isinstance(layers, keras.Model) and layers.built and layers.inputs:
             return self._split_by_cost(layers.inputs[0] if len(layers.inputs) == 1 else layers.inputs)
@@ -205,14 +279,14 @@ class PipelineModel(settings_lib.SettingsProperties, KerasEntryPoints, auto_plan
         pipelines = [
             Pipeline(
                 cells if r == 0 else replicated.replica_cells(cells, devices),
-                self._m,
-                self._remat,
-                self._unroll,
+                self.num_micro_batches,
+                self.remat,
+                self.unroll,
                 routes,
-                self._schedule,
-                self._num_devices,
+                self.schedule,
+                self.num_devices,
             )
-            for r, devices in enumerate(self._replica_devices)
+            for r, devices in enumerate(self._settings.replica_devices)
         ]
         self._pipeline = pipelines[0] if len(pipelines) == 1 else Replicated(pipelines)
         self._apply_cells_jit()
@@ -247,7 +321,7 @@ class PipelineModel(settings_lib.SettingsProperties, KerasEntryPoints, auto_plan
                         continue
                     placed.add(id(variable))
                     if deferred.waiting(variable):
-                        if not self._auto_pending:  # plan="auto": made once the plan has cut the model
+                        if self._auto is None:  # plan="auto": made once the plan has cut the model
                             blocks.append(deferred.place(variable, device))
                     elif (
                         device is not None
@@ -256,6 +330,31 @@ class PipelineModel(settings_lib.SettingsProperties, KerasEntryPoints, auto_plan
                     ):
                         _compat.move_variable(variable, device)
         deferred.finish(blocks)
+
+    # Planned by the first fit (plan="auto") ---------------------------------------------------------
+    def _plan_first(self, x: Any, batch_size: int | None) -> None:
+        """If still to plan: plan on fit's first batch of ``x`` and cut the layers as the plan says."""
+        if self._auto is None:
+            return
+        optimizer = self.optimizer if isinstance(self.optimizer, keras.optimizers.Optimizer) else "adam"
+        planned = self._graph.model if self._graph is not None else self.pipeline_layers
+        self._follow(auto_plan.plan_on(self.name, planned, self._auto, x, batch_size, optimizer))
+
+    def _follow(self, plan: Any) -> None:
+        """Take the plan's settings and cut; variables already made move to their new cells' devices."""
+        arguments = plan.pipeline_arguments()
+        graph = self._graph
+        units = len(graph.nodes) if graph is not None else len(self.pipeline_layers)
+        self._settings = settings_lib.check(
+            graph.model if graph is not None else self.pipeline_layers, graph, units, arguments["balance"], None,
+            self.cost, arguments["devices"], arguments["num_micro_batches"], arguments["remat"], self.unroll,
+            arguments["schedule"],
+        )  # fmt: skip
+        assert self._settings.cell_sizes is not None  # a plan gives the balance
+        self._make_pipeline(self._settings.cell_sizes)
+        self.plan, self._auto = plan, None
+        if self.built:  # a deferred model's weights are made now, on the planned cells' devices
+            self._move_variables(seeds_only=False)
 
     def check_memory_budget(self, optimizer: Any = "model") -> None:
         """Refuse a cut whose cells' state (weights, gradients, ``optimizer``'s slots) exceeds ``memory_budget``.
@@ -287,18 +386,19 @@ class PipelineModel(settings_lib.SettingsProperties, KerasEntryPoints, auto_plan
         """Estimate every layer's cost for inputs shaped ``input_shape``; return the optimal balance."""
         self._estimate = self._estimate_costs(input_shape)
         return balance_lib.partition(
-            self._estimate.costs, self._num_cells, boundary_bytes=self._estimate.output_bytes or None
+            self._estimate.costs, self.num_partitions, boundary_bytes=self._estimate.output_bytes or None
         )
 
     def _estimate_costs(self, input_shape: Any) -> cost_lib.Estimate:
         """Per-layer costs; string costs are measured on copies fed with a generated micro-batch."""
         if self._graph is not None:
             batch = specs.first_batch_dim(input_shape) if input_shape is not None else None
-            return cost_lib.estimate_graph(self._graph, self._cost, batch, self._m)
+            return cost_lib.estimate_graph(self._graph, self.cost, batch, self.num_micro_batches)
         sample = None
-        if not callable(self._cost):
-            sample = specs.estimation_sample(specs.symbolic(input_shape), specs.first_batch_dim(input_shape), self._m)
-        return cost_lib.estimate(self.pipeline_layers, sample, self._cost)
+        if not callable(self.cost):
+            m = self.num_micro_batches
+            sample = specs.estimation_sample(specs.symbolic(input_shape), specs.first_batch_dim(input_shape), m)
+        return cost_lib.estimate(self.pipeline_layers, sample, self.cost)
 
     # Building and calling ------------------------------------------------------------------
     def build(self, input_shape: Any) -> None:
@@ -407,11 +507,11 @@ class PipelineModel(settings_lib.SettingsProperties, KerasEntryPoints, auto_plan
         sizes = microbatch.sizes(x, self._pipeline.num_micro_batches)  # R x M with replicas
         xs, ys, sws = self._split(sizes, x, y, sample_weight)
         loss_fn = training_lib.MicroBatchLoss(self, PipelineModel.compute_loss, xs, ys, sws, sizes)
-        if self._num_cells * self._pipeline.num_micro_batches > 1 and not tf.executing_eagerly():  # once per trace
+        if self.num_partitions * self._pipeline.num_micro_batches > 1 and not tf.executing_eagerly():  # once per trace
             loops = not self._pipeline.unroll
             messages.say(
                 messages.building_step(
-                    self.name, self._num_cells, self.num_micro_batches, self.remat, loops, self.num_replicas
+                    self.name, self.num_partitions, self.num_micro_batches, self.remat, loops, self.num_replicas
                 )
             )
         scale = self.optimizer.scale_loss(tf.constant(1.0)) if self.optimizer is not None else 1.0
@@ -440,10 +540,153 @@ class PipelineModel(settings_lib.SettingsProperties, KerasEntryPoints, auto_plan
         with devices_lib.scope(self._devices[-1]):
             return xs, microbatch.split(y, sizes), microbatch.split(sample_weight, sizes)
 
+    # Compiling -----------------------------------------------------------------------------------
+    def compile(self, *args: Any, jit_compile: Any = "auto", **kwargs: Any) -> None:
+        """Keras ``compile``; ``jit_compile=True`` compiles each cell's tasks by XLA on the cell's device.
+
+        The step itself is never one XLA cluster, which would ignore the cells' devices. ``"auto"`` (Keras'
+        default, which means XLA wherever a GPU is) and False leave the cells to TensorFlow's executor.
+        """
+        if jit_compile not in (True, False, "auto"):
+            raise ValueError(f"jit_compile must be True, False or 'auto', got {jit_compile!r}.")
+        if jit_compile is True and kwargs.get("run_eagerly"):
+            warnings.warn("run_eagerly=True runs the cells' layers eagerly: jit_compile=True is ignored.", stacklevel=2)
+        super().compile(*args, jit_compile=False, **kwargs)
+        self._cells_jit = jit_compile is True and not self.run_eagerly
+        self._apply_cells_jit()
+        if hasattr(self, "_compile_config"):  # saved and loaded with the user's choice, not the outer step's
+            self._compile_config.config["jit_compile"] = jit_compile
+        if self.optimizer is not None:
+            training_lib.place_on_variable_devices(self.optimizer)
+            training_lib.check_slices_finite(self.optimizer)
+
+    @property
+    def cells_jit_compile(self) -> bool:
+        """Whether each cell's traced tasks are compiled by XLA on its device (``compile(jit_compile=True)``)."""
+        return self._cells_jit
+
+    def _apply_cells_jit(self) -> None:
+        for pipeline in getattr(self._pipeline, "pipelines", [self._pipeline] if self._pipeline else []):
+            for cell in pipeline.cells:
+                cell.jit_compile = self._cells_jit
+
+    # The step functions Keras' loops call --------------------------------------------------------
+    def make_train_function(self, force: bool = False) -> Callable:
+        """Keras' train function; a step that calls its cells runs with fewer Grappler passes.
+
+        See ``with_fewer_rewrites``.
+        """
+        return self._made("train_function", super().make_train_function, force)
+
+    def make_test_function(self, force: bool = False) -> Callable:
+        """Keras' test function, as ``make_train_function`` makes it."""
+        return self._made("test_function", super().make_test_function, force)
+
+    def make_predict_function(self, force: bool = False) -> Callable:
+        """Keras' predict function, as ``make_train_function`` makes it."""
+        return self._made("predict_function", super().make_predict_function, force)
+
+    def _made(self, name: str, make: Callable[[bool], Any], force: bool) -> Callable:
+        if getattr(self, name) is None or force:
+            make(force)
+            made = with_fewer_rewrites(getattr(self, name), self._calls_cells)
+            setattr(self, name, recovery.skipping(made, self) if name == "train_function" else made)
+        return getattr(self, name)
+
+    def _calls_cells(self) -> bool:
+        """Whether the step is unrolled with the cells called as functions TensorFlow does not inline."""
+        pipeline = self._pipeline
+        cells = pipeline.cells if pipeline is not None and pipeline.unroll else []
+        return any(cell.noinline and cell.traceable for cell in cells)  # not on TPU cores: cells run inline there
+
+    # Keras' loops ----------------------------------------------------------------------------------
+    def fit(self, x: Any = None, y: Any = None, batch_size: int | None = None, *args: Any, **kwargs: Any):
+        """Keras ``fit``; checks first that no training batch will be smaller than num_micro_batches.
+
+        A keras_hub task's ``preprocessor`` is applied to the data first, as the task's own ``fit`` does.
+        With a ``keras.callbacks.BackupAndRestore`` callback, SIGTERM writes a backup and ends the process, and
+        a dead worker of ``LocalCluster(max_restarts=N)`` or ``connect(max_restarts=N)`` is recovered from
+        within this call (``tfpipe.recovery``).
+        """
+        if self.preprocess is not None:
+            x, kwargs = hub.for_fit(self.preprocess, x, y, batch_size, kwargs)
+            y = batch_size = None
+        self._plan_first(x, batch_size)  # plan="auto": planned on the first batch (tfpipe.auto_plan)
+        split = kwargs.get("validation_split") or 0.0
+        training_lib.check_batches(x, batch_size, split, self.num_micro_batches, self.num_replicas)
+        keras_fit = super().fit
+        positional = len(args) > 2  # fit(x, y, batch_size, epochs, verbose, callbacks, ...)
+        given = args[2] if positional else kwargs.get("callbacks")
+
+        def run(callbacks: list) -> Any:
+            self._before_tracing(x, y, kwargs.get("sample_weight"))
+            self.check_memory_budget()
+            call_args = (*args[:2], callbacks, *args[3:]) if positional else args
+            call_kwargs = kwargs if positional else dict(kwargs, callbacks=callbacks)
+            with faults.reporting(), training_lib.short_batch_errors():  # named workers, short messages
+                return keras_fit(x, y, batch_size, *call_args, **call_kwargs)
+
+        return recovery.fit(self, run, given)
+
+    def evaluate(self, x: Any = None, y: Any = None, batch_size: int | None = None, *args: Any, **kwargs: Any):
+        """Keras ``evaluate``, after the task's ``preprocessor`` as in ``fit``."""
+        if self.preprocess is not None and not kwargs.get("_use_cached_eval_dataset"):  # fit's validation: done
+            x, kwargs = hub.for_evaluate(self.preprocess, x, y, batch_size, kwargs)
+            y = batch_size = None
+        self._before_tracing(x, y, kwargs.get("sample_weight"))
+        with faults.reporting():
+            return super().evaluate(x, y, batch_size, *args, **kwargs)
+
+    def predict(self, x: Any, batch_size: int | None = None, *args: Any, **kwargs: Any):
+        """Keras ``predict``, after the task's ``preprocessor`` as in ``fit``."""
+        if self.preprocess is not None:
+            x, batch_size = hub.for_predict(self.preprocess, x, batch_size), None
+        self._before_tracing(None, None, None)
+        with faults.reporting():
+            return super().predict(x, batch_size, *args, **kwargs)
+
+    def train_on_batch(self, x: Any = None, y: Any = None, sample_weight: Any = None, *args: Any, **kwargs: Any):
+        """Keras ``train_on_batch``, with the variables created before the step is traced."""
+        if self.preprocess is not None:
+            x, y, sample_weight = hub.for_batch(self.preprocess, x, y, sample_weight)
+        self._plan_first(x, None)
+        self._before_tracing(x, y, sample_weight)
+        self.check_memory_budget()
+        with faults.reporting():
+            return super().train_on_batch(x, y, sample_weight, *args, **kwargs)
+
+    def test_on_batch(self, x: Any = None, y: Any = None, sample_weight: Any = None, *args: Any, **kwargs: Any):
+        """Keras ``test_on_batch``, with the variables created before the step is traced."""
+        if self.preprocess is not None:
+            x, y, sample_weight = hub.for_batch(self.preprocess, x, y, sample_weight)
+        self._before_tracing(x, y, sample_weight)
+        with faults.reporting():
+            return super().test_on_batch(x, y, sample_weight, *args, **kwargs)
+
+    def predict_on_batch(self, x: Any) -> Any:
+        """Keras ``predict_on_batch``, after the task's ``preprocessor``."""
+        if self.preprocess is not None:
+            x = hub.for_batch(self.preprocess, x)[0]
+        self._before_tracing(None, None, None)
+        with faults.reporting():
+            return super().predict_on_batch(x)
+
+    @property
+    def preprocess(self) -> hub.Preprocess | None:
+        """The keras_hub task's ``preprocess_samples``, applied to the data by fit, evaluate and predict; else None."""
+        return hub.preprocess_of(self._graph.model) if self._graph is not None else None
+
+    def _before_tracing(self, x: Any, y: Any, sample_weight: Any) -> None:
+        """Variables created, and explicit transfers between processes prepared, before Keras traces a step."""
+        if x is not None:
+            training_lib.build_before_tracing(self, x, y, sample_weight)
+        if self._pipeline is not None:
+            self._pipeline.prepare()
+
     # Presentation -------------------------------------------------------------------------------
     def layer_costs(self) -> cost_lib.Estimate | None:
         """Per-layer costs under ``cost``: those the split used, else estimated now (needs a built model)."""
-        if self._estimate is None and (callable(self._cost) or self._inputs is not None):
+        if self._estimate is None and (callable(self.cost) or self._inputs is not None):
             self._estimate = self._estimate_costs(self._inputs)
         return self._estimate
 
@@ -469,3 +712,85 @@ class PipelineModel(settings_lib.SettingsProperties, KerasEntryPoints, auto_plan
         Ends with the predicted pipeline efficiency: M / (M + K - 1) times mean / max cell cost.
         """
         summary_lib.print_summary(self, line_length, print_fn)
+
+    # Saving, loading and conversion (tfpipe.saving) -------------------------------------------------
+    def get_config(self) -> dict[str, Any]:
+        """The layers, the split, devices, M, remat, unroll and schedule; before ``plan="auto"`` has planned, the
+        budget and devices to plan over when loaded (``tfpipe.saving.model_config``)."""
+        config = saving.model_config(self, self._graph.model if self._graph is not None else None, self._memory_budget)
+        return config if self._auto is None else auto_plan.unplanned_config(config, self._auto)
+
+    @classmethod
+    def from_config(cls: type[_Model], config: dict[str, Any], custom_objects: Any = None) -> _Model:
+        """A model from ``get_config``; saved devices this machine lacks are replaced by its own (with a warning)."""
+        return saving.model_from_config(cls, config, custom_objects)
+
+    def get_build_config(self) -> dict[str, Any] | None:
+        """The shapes and dtypes of the inputs the model was built for."""
+        return {"inputs": specs.to_config(self._inputs)} if self._inputs is not None else None
+
+    def build_from_config(self, config: dict[str, Any] | None) -> None:
+        """Build for the inputs recorded by ``get_build_config`` (loading then finds every variable)."""
+        if config and "inputs" in config:
+            self.build(specs.from_config(config["inputs"]))
+
+    def compile_from_config(self, config: dict[str, Any]) -> None:
+        """Compile as saved, creating the optimizer's variables on their devices so that its state loads."""
+        self.compile(**keras.saving.deserialize_keras_object(config))
+        if self.optimizer is not None and self.built:
+            self.optimizer.build(self.trainable_variables)
+
+    @property
+    def _tfpipe_seed_states(self) -> saving.SeedStates:
+        # Keras saves every KerasSaveable attribute of a model, so this one puts the seed
+        # states in their own group (a keras.Sequential loading the file ignores it). Set
+        # without Keras' attribute tracking, so that it is not one of the model's layers.
+        if "_seed_saver" not in self.__dict__:
+            states = saving.SeedStates(lambda: state_lib.seed_states(self.pipeline_layers))
+            object.__setattr__(self, "_seed_saver", states)
+        return self.__dict__["_seed_saver"]
+
+    @classmethod
+    def from_sequential(cls: type[_Model], model: keras.Sequential, *, copy: bool = True, **kwargs: Any) -> _Model:
+        """A PipelineModel of a Sequential's layers; ``kwargs`` as for the constructor.
+
+        ``copy=True`` (default) clones the layers and copies their weights, so the new
+        variables are created on the cells' devices and the Sequential is left alone.
+        ``copy=False`` shares the layer objects, and with them the variables, wherever
+        they already are.
+        """
+        return saving.from_sequential(cls, model, copy, kwargs)
+
+    def to_sequential(self, *, copy: bool = False) -> keras.Sequential:
+        """The same layers as a plain ``keras.Sequential`` (for serving or export), built if this model is.
+
+        ``copy=False`` (default) shares the layers and weights: training one trains the
+        other. ``copy=True`` clones the layers and copies the current weights.
+        """
+        if self._graph is not None:
+            raise TypeError(
+                f"PipelineModel {self.name!r} was made from the Functional model {self._graph.model.name!r}; "
+                "use to_functional() to get it back."
+            )
+        sequential = saving.to_sequential(self.pipeline_layers, self._inputs, f"{self.name}_sequential", copy)
+        if not copy:  # copies are made on one device; shared weights stay on the cells'
+            saving.keep_off_xla(sequential, self._devices)
+        return sequential
+
+    def to_functional(self, *, copy: bool = False) -> keras.Model:
+        """The Functional model this one was made from: the same graph over the same layers.
+
+        ``copy=False`` (default) returns that model, sharing the layers and weights. ``copy=True``
+        clones it (``keras.models.clone_model``) with the current weights.
+        """
+        if self._graph is None:
+            raise TypeError(
+                f"PipelineModel {self.name!r} was made from a layer sequence, not a Functional model; "
+                "use to_sequential() (or keras.Sequential(model.pipeline_layers))."
+            )
+        model = self._graph.model
+        if not copy:
+            return model
+        clone = keras.models.clone_model(model)
+        clone.set_weights(model.get_weights())
+        return clone

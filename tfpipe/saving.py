@@ -14,11 +14,9 @@ import tensorflow as tf
 
 from tfpipe import schedule as schedule_lib
 from tfpipe.distributed import devices as devices_lib
-from tfpipe.partition import functional, specs
-from tfpipe.partition import state as state_lib
 from tfpipe.partition.sequence import copy_layer, layer_list
 
-_Model = TypeVar("_Model", bound="Saving")  # the PipelineModel class a classmethod is called on
+_Model = TypeVar("_Model", bound=keras.Model)  # the PipelineModel class from_config is called on
 
 
 class SeedStates(keras.layers.Layer):
@@ -108,141 +106,54 @@ def to_sequential(layers: Sequence[keras.layers.Layer], inputs: Any | None, name
     return sequential
 
 
-class Saving(keras.Model):
-    """PipelineModel's saving, loading and conversion methods.
+def model_config(model: Any, source: keras.Model | None, memory_budget: Any) -> dict[str, Any]:
+    """A PipelineModel's config: its layers (or ``source``, the Functional model it was made from), the split
+    (balance once known, else K and the cost), devices, M, remat, unroll, schedule and a budget for all devices.
 
-    A base class of ``PipelineModel`` alone: it reads the settings and layers that the model's constructor sets.
+    A callable ``cost`` cannot be saved; its balance is, so a loaded model is split the same way.
     """
+    config: dict[str, Any] = {
+        "name": model.name,
+        "trainable": model.trainable,
+        "dtype": keras.dtype_policies.serialize(model.dtype_policy),
+        "devices": model.devices,
+        "num_micro_batches": model.num_micro_batches,
+        "remat": model.remat,
+        "unroll": model.unroll,
+        "schedule": model.schedule,
+        "cost": model.cost if isinstance(model.cost, str) else "flops",
+    }
+    if source is not None:
+        config["model"] = keras.saving.serialize_keras_object(source)
+    else:
+        config["layers"] = [layer_config(layer) for layer in model.pipeline_layers]
+    if model.balance is not None:
+        config["balance"] = model.balance
+    else:
+        config["num_partitions"] = model.num_partitions
+    if isinstance(memory_budget, (int, float, str)):  # one for all devices; per device, its devices may change
+        config["memory_budget"] = memory_budget
+    return config
 
-    _graph: functional.Graph | None
-    _inputs: Any
-    _cost: Any
-    _m: int
-    _remat: str
-    _unroll: bool
-    _schedule: str
-    _num_cells: int
-    _devices: list[str]
-    pipeline_layers: list[keras.layers.Layer]
 
-    def get_config(self) -> dict[str, Any]:
-        """The layers, the split (balance once known, else K and the cost), devices, M and remat.
-
-        A callable ``cost`` cannot be saved; its balance is, so a loaded model is split the same way.
-        """
-        config: dict[str, Any] = {
-            "name": self.name,
-            "trainable": self.trainable,
-            "dtype": keras.dtype_policies.serialize(self.dtype_policy),
-            "devices": self.devices,
-            "num_micro_batches": self._m,
-            "remat": self._remat,
-            "unroll": self._unroll,
-            "schedule": self._schedule,
-            "cost": self._cost if isinstance(self._cost, str) else "flops",
-        }
-        if self._graph is not None:
-            config["model"] = keras.saving.serialize_keras_object(self._graph.model)
-        else:
-            config["layers"] = [layer_config(layer) for layer in self.pipeline_layers]
-        if self.balance is not None:
-            config["balance"] = self.balance
-        else:
-            config["num_partitions"] = self._num_cells
-        if isinstance(getattr(self, "_memory_budget", None), (int, float, str)):  # per device: its devices may change
-            config["memory_budget"] = self._memory_budget
-        return config
-
-    @classmethod
-    def from_config(cls: type[_Model], config: dict[str, Any], custom_objects: Any = None) -> _Model:
-        """A model from ``get_config``; saved devices this machine lacks are replaced by its own (with a warning)."""
-        config = dict(config)
-        if "model" in config:  # a Functional model
-            layers = keras.saving.deserialize_keras_object(config.pop("model"), custom_objects=custom_objects)
-        else:
-            layers = [
-                keras.saving.deserialize_keras_object(c, custom_objects=custom_objects) for c in config.pop("layers")
-            ]
-        if config.get("plan") == "auto":  # saved before its first fit planned it: planned by the next
-            saved = config.pop("devices")
-            return cls(layers, devices=None if saved is None else devices_lib.restore(saved, len(saved))[0], **config)
-        num_cells = len(config["balance"]) if config.get("balance") else config["num_partitions"]
-        devices: list[str] | list[list[str]] | None
-        devices, why = devices_lib.restore(config.pop("devices"), num_cells)
-        if why and schedule_lib.shares_devices(config.get("schedule", "gpipe")):
-            devices = None  # the schedule lays the cells over this machine's devices its own way
-            placer = schedule_lib.label(schedule_lib.check_name(config["schedule"]))
-            why = why.split("; ")[0] + f"; the cells go to this machine's devices as schedule {placer} places them"
-        if why:
-            warnings.warn(f"Loading PipelineModel {config.get('name')!r}: {why}.", stacklevel=2)
-        return cls(layers, devices=devices, **config)
-
-    def get_build_config(self) -> dict[str, Any] | None:
-        """The shapes and dtypes of the inputs the model was built for."""
-        return {"inputs": specs.to_config(self._inputs)} if self._inputs is not None else None
-
-    def build_from_config(self, config: dict[str, Any] | None) -> None:
-        """Build for the inputs recorded by ``get_build_config`` (loading then finds every variable)."""
-        if config and "inputs" in config:
-            self.build(specs.from_config(config["inputs"]))
-
-    def compile_from_config(self, config: dict[str, Any]) -> None:
-        """Compile as saved, creating the optimizer's variables on their devices so that its state loads."""
-        self.compile(**keras.saving.deserialize_keras_object(config))
-        if self.optimizer is not None and self.built:
-            self.optimizer.build(self.trainable_variables)
-
-    @property
-    def _tfpipe_seed_states(self) -> SeedStates:
-        # Keras saves every KerasSaveable attribute of a model, so this one puts the seed
-        # states in their own group (a keras.Sequential loading the file ignores it). Set
-        # without Keras' attribute tracking, so that it is not one of the model's layers.
-        if "_seed_saver" not in self.__dict__:
-            states = SeedStates(lambda: state_lib.seed_states(self.pipeline_layers))
-            object.__setattr__(self, "_seed_saver", states)
-        return self.__dict__["_seed_saver"]
-
-    @classmethod
-    def from_sequential(cls: type[_Model], model: keras.Sequential, *, copy: bool = True, **kwargs: Any) -> _Model:
-        """A PipelineModel of a Sequential's layers; ``kwargs`` as for the constructor.
-
-        ``copy=True`` (default) clones the layers and copies their weights, so the new
-        variables are created on the cells' devices and the Sequential is left alone.
-        ``copy=False`` shares the layer objects, and with them the variables, wherever
-        they already are.
-        """
-        return from_sequential(cls, model, copy, kwargs)
-
-    def to_sequential(self, *, copy: bool = False) -> keras.Sequential:
-        """The same layers as a plain ``keras.Sequential`` (for serving or export), built if this model is.
-
-        ``copy=False`` (default) shares the layers and weights: training one trains the
-        other. ``copy=True`` clones the layers and copies the current weights.
-        """
-        if self._graph is not None:
-            raise TypeError(
-                f"PipelineModel {self.name!r} was made from the Functional model {self._graph.model.name!r}; "
-                "use to_functional() to get it back."
-            )
-        sequential = to_sequential(self.pipeline_layers, self._inputs, f"{self.name}_sequential", copy)
-        if not copy:  # copies are made on one device; shared weights stay on the cells'
-            keep_off_xla(sequential, self._devices)
-        return sequential
-
-    def to_functional(self, *, copy: bool = False) -> keras.Model:
-        """The Functional model this one was made from: the same graph over the same layers.
-
-        ``copy=False`` (default) returns that model, sharing the layers and weights. ``copy=True``
-        clones it (``keras.models.clone_model``) with the current weights.
-        """
-        if self._graph is None:
-            raise TypeError(
-                f"PipelineModel {self.name!r} was made from a layer sequence, not a Functional model; "
-                "use to_sequential() (or keras.Sequential(model.pipeline_layers))."
-            )
-        model = self._graph.model
-        if not copy:
-            return model
-        clone = keras.models.clone_model(model)
-        clone.set_weights(model.get_weights())
-        return clone
+def model_from_config(cls: Callable[..., _Model], config: dict[str, Any], custom_objects: Any = None) -> _Model:
+    """``cls`` made from ``model_config``'s config; saved devices this machine lacks are replaced by its own (with a
+    warning)."""
+    config = dict(config)
+    if "model" in config:  # a Functional model
+        layers = keras.saving.deserialize_keras_object(config.pop("model"), custom_objects=custom_objects)
+    else:
+        layers = [keras.saving.deserialize_keras_object(c, custom_objects=custom_objects) for c in config.pop("layers")]
+    if config.get("plan") == "auto":  # saved before its first fit planned it: planned by the next
+        saved = config.pop("devices")
+        return cls(layers, devices=None if saved is None else devices_lib.restore(saved, len(saved))[0], **config)
+    num_cells = len(config["balance"]) if config.get("balance") else config["num_partitions"]
+    devices: list[str] | list[list[str]] | None
+    devices, why = devices_lib.restore(config.pop("devices"), num_cells)
+    if why and schedule_lib.shares_devices(config.get("schedule", "gpipe")):
+        devices = None  # the schedule lays the cells over this machine's devices its own way
+        placer = schedule_lib.label(schedule_lib.check_name(config["schedule"]))
+        why = why.split("; ")[0] + f"; the cells go to this machine's devices as schedule {placer} places them"
+    if why:
+        warnings.warn(f"Loading PipelineModel {config.get('name')!r}: {why}.", stacklevel=3)
+    return cls(layers, devices=devices, **config)

@@ -1,11 +1,9 @@
-"""A PipelineModel's settings: the constructor's arguments checked, and the read-only properties that give them back."""
+"""A PipelineModel's settings: the constructor's arguments checked, or taken from a plan, as one ``Settings``."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from typing import Any, NamedTuple
-
-import keras
 
 from tfpipe import balance as balance_lib
 from tfpipe import cost as cost_lib
@@ -14,10 +12,8 @@ from tfpipe._args import positive_int
 from tfpipe.backward import remat as remat_lib
 from tfpipe.distributed import devices as devices_lib
 from tfpipe.partition import functional
-from tfpipe.partition.cell import Cell
 from tfpipe.planning.plans import Plan
-from tfpipe.step.replicated import Replicated
-from tfpipe.step.unrolled import Pipeline, check_remat, check_unroll
+from tfpipe.step.unrolled import check_remat, check_unroll
 
 # PipelineModel's defaults for the settings a plan chooses (its signature keeps them: tests/unit/test_settings.py)
 PLANNED_DEFAULTS: dict[str, Any] = {
@@ -134,94 +130,6 @@ def _slots(row: list[str] | None, where: list[int], k: int) -> list[str] | None:
             f"each cell): give the {k} devices instead, e.g. devices={slots!r}."
         )
     return slots
-
-
-class SettingsProperties(keras.Model):
-    """PipelineModel's read-only properties: its settings, and the split and cells they led to.
-
-    A base class of ``PipelineModel`` alone: it reads what the model's constructor and build set.
-    """
-
-    _balance: list[int]
-    _replica_devices: list[list[str]]
-    _devices: list[str]
-    _num_cells: int
-    _m: int
-    _remat: str
-    _unroll: bool
-    _schedule: str
-    _num_devices: int
-    _cost: cost_lib.Cost
-    _graph: functional.Graph | None
-    _pipeline: Pipeline | Replicated | None
-
-    @property
-    def balance(self) -> list[int] | None:
-        """Layers per cell; ``None`` until built when ``num_partitions`` splits by an estimated cost."""
-        return list(self._balance) if self._pipeline else None
-
-    @property
-    def devices(self) -> list[str] | list[list[str]]:
-        """The device of each cell; with replicas, one such list per replica."""
-        if len(self._replica_devices) > 1:
-            return [list(row) for row in self._replica_devices]
-        return list(self._devices)
-
-    @property
-    def num_replicas(self) -> int:
-        """R, the number of data-parallel replicas of the pipeline (1 unless ``devices`` gives R lists)."""
-        return len(self._replica_devices)
-
-    @property
-    def num_partitions(self) -> int:
-        """K, the number of cells."""
-        return self._num_cells
-
-    @property
-    def num_devices(self) -> int:
-        """The devices the cells are laid over: K, or K/v where the schedule puts v cells on each device."""
-        return self._num_devices
-
-    @property
-    def num_micro_batches(self) -> int:
-        """M, the number of micro-batches per mini-batch."""
-        return self._m
-
-    @property
-    def remat(self) -> str:
-        """The re-materialization mode."""
-        return self._remat
-
-    @property
-    def unroll(self) -> bool:
-        """Whether each step is an unrolled graph of tasks (True) or two loops over clock cycles (False)."""
-        return self._unroll
-
-    @property
-    def schedule(self) -> str:
-        """The order of the tasks: one of ``tfpipe.schedule.ALL_SCHEDULES`` (``"gpipe"`` by default), or a written
-        schedule's text (``tfpipe.schedule.written``)."""
-        return self._schedule
-
-    @property
-    def unrolled(self) -> bool | None:
-        """How the step is built now (loops fall back to unrolled if a cell cannot be traced); None before a split."""
-        return self._pipeline.unroll if self._pipeline else None
-
-    @property
-    def cost(self) -> cost_lib.Cost:
-        """The per-layer cost used to balance the cells and shown by ``summary``."""
-        return self._cost
-
-    @property
-    def output_names(self) -> list[str] | None:
-        """The Functional model's output names, which ``compile`` matches dict losses and metrics to (else None)."""
-        return list(self._graph.model.output_names) if self._graph is not None else None
-
-    @property
-    def cells(self) -> list[Cell]:
-        """The cells, in pipeline order (empty until the balance is known)."""
-        return list(self._pipeline.cells) if self._pipeline else []
 
 
 def from_plan(plan: Any, units: int, given: dict[str, Any]) -> dict[str, Any]:

@@ -47,16 +47,27 @@ def _modules() -> list[tuple[str, str]]:
     return found
 
 
-def _imports(path: str) -> set[str]:
-    """The first names under tfpipe that ``path`` imports (``from tfpipe.step import x`` -> "step")."""
-    names = set()
-    for node in ast.walk(ast.parse(open(path).read())):
-        if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "tfpipe":
-            parts = node.module.split(".")
-            names.update([parts[1]] if len(parts) > 1 else [alias.name for alias in node.names])
-        elif isinstance(node, ast.Import):
-            names.update(a.name.split(".")[1] for a in node.names if a.name.startswith("tfpipe."))
-    return names
+def _tfpipe_names(node: ast.AST) -> set[str]:
+    """The first names under tfpipe that an import node imports (``from tfpipe.step import x`` -> "step")."""
+    if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "tfpipe":
+        parts = node.module.split(".")
+        return {parts[1]} if len(parts) > 1 else {alias.name for alias in node.names}
+    if isinstance(node, ast.Import):
+        return {a.name.split(".")[1] for a in node.names if a.name.startswith("tfpipe.")}
+    return set()
+
+
+def _imports(path: str) -> tuple[set[str], set[str]]:
+    """What ``path`` imports of tfpipe: when it is loaded, and from inside its functions (when they are called)."""
+    tree = ast.parse(open(path).read())
+    in_functions = [n for f in ast.walk(tree) if isinstance(f, ast.FunctionDef) for n in ast.walk(f)]
+    called = set().union(*(_tfpipe_names(n) for n in in_functions))
+    loaded = set().union(*(_tfpipe_names(n) for n in ast.walk(tree) if n not in in_functions))
+    return loaded, called
+
+
+# The one call that runs upward: plan="auto" plans with tfpipe.planner, which builds models, at the first fit.
+CALLS_UP = {("auto_plan", "planner")}
 
 
 def test_public_api_is_what_all_names():
@@ -78,13 +89,24 @@ def test_public_api_is_what_all_names():
     assert callable(by_time) and callable(partition) and callable(connect) and LocalCluster.__name__ == "LocalCluster"
 
 
-def test_dependencies_point_one_way():
+def test_dependencies_point_one_way_and_no_module_registers_itself():
     upward = []
     for path, name in _modules():
-        for imported in _imports(path) - {name}:
+        loaded, called = _imports(path)
+        for imported, when in [(i, "loads") for i in loaded] + [(i, "calls") for i in called - loaded]:
+            if imported == name or (when == "calls" and (name, imported) in CALLS_UP):
+                continue
             if imported == "models" or _layer(imported) > _layer(name):
-                upward.append(f"{os.path.relpath(path, REPO)} imports tfpipe.{imported}")
+                upward.append(f"{os.path.relpath(path, REPO)} {when} tfpipe.{imported}")
     assert not upward, upward
+    # nothing is appended to another module's registry when tfpipe is imported (issue 65)
+    for path, _ in _modules():
+        tree = ast.parse(open(path).read())
+        registering = [
+            n for n in tree.body if isinstance(n, ast.Expr) and isinstance(n.value, ast.Call)
+            and isinstance(n.value.func, ast.Attribute) and n.value.func.attr in ("append", "register", "update")
+        ]  # fmt: skip
+        assert not registering, f"{os.path.relpath(path, REPO)} registers at import: {ast.unparse(registering[0])}"
 
 
 def test_the_manual_stays_short_readme_250_lines_benchmarks_400():

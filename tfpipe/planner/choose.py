@@ -20,7 +20,7 @@ from typing import Any
 
 import tensorflow as tf
 
-from tfpipe import _compat, auto_plan
+from tfpipe import _compat
 from tfpipe import schedule as schedule_lib
 from tfpipe._args import positive_int
 from tfpipe.backward.remat import REMAT_MODES, check_mode
@@ -336,6 +336,3 @@ def optimizer_slots(optimizer: Any) -> int:
     if name not in SLOTS:
         raise ValueError(f"Unknown optimizer {optimizer!r} for the planner; use one of {sorted(SLOTS)}.")
     return SLOTS[name]
-
-
-auto_plan.PLANNER.append(plan)  # PipelineModel(plan="auto") plans with it at the first fit
