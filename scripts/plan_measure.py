@@ -142,7 +142,7 @@ def compare(
     ``shared``: the devices share one allocator (logical CPUs), whose peak is their bytes' sum at one moment: it is
     compared with that, predicted (``shared_peak_bytes``); else the devices' peaks add up.
     """
-    from tfpipe.planning.shared_peak import shared_peak_bytes
+    from tfpipe.planning.predict import shared_peak_bytes
 
     chosen = []
     for config in configs:

@@ -16,7 +16,7 @@ import os
 import random
 import timeit
 import warnings
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Union
 
 import keras
@@ -25,10 +25,9 @@ import tensorflow as tf
 
 from tfpipe._args import positive_int
 from tfpipe.partition import functional, hub, specs
-from tfpipe.partition.sequence import copy_layer, layer_list
+from tfpipe.partition.sequence import layer_list
 from tfpipe.planning import flops as flops_lib
-
-op_flops = flops_lib.op_flops  # moved to tfpipe.planning.flops; kept here for code that imported it from cost
+from tfpipe.planning.walk import restoring_random_state, same_layer_key, tensor_bytes, walk
 
 KINDS = ("flops", "params", "time", "memory")
 Cost = Union[str, Callable[[keras.layers.Layer], float]]
@@ -87,10 +86,10 @@ def estimate(layers: Any, sample: Any, cost: Cost = "flops", device: str | None 
     # Run eagerly even while Keras traces a step; but only then: allocations made under
     # init_scope do not show in get_memory_info (measured with TF 2.21).
     eager = contextlib.nullcontext() if tf.executing_eagerly() else tf.init_scope()
-    with eager, tf.device(device), _restoring(seeds):
+    with eager, tf.device(device), restoring_random_state(seeds):
         x = tf.nest.map_structure(tf.convert_to_tensor, sample)
         measured: dict[int, tuple[float, str | None]] = {}  # id(copy) -> its cost: a reused copy is measured once
-        for index, layer, copy, x_in, y in _walk(layers, x, run):
+        for index, layer, copy, x_in, y in walk(layers, x, run):
             if callable(cost):
                 value, note = float(cost(layer)), None
             else:
@@ -100,7 +99,7 @@ def estimate(layers: Any, sample: Any, cost: Cost = "flops", device: str | None 
                 value, note = measured[id(copy)]
             _check_value(value, index, layer)
             result.costs.append(value)
-            result.output_bytes.append(_bytes(y) / batch)
+            result.output_bytes.append(tensor_bytes(y) / batch)
             if note:
                 result.notes[index] = note
     _warn_fallbacks(result, [f"layer {i} ({layer.name})" for i, layer in enumerate(layers)])
@@ -148,7 +147,7 @@ def estimate_graph(
                 key = f"node {index}"
                 if cost == "flops":  # traced, not run: specs, and identical nodes counted once
                     x = tuple(keras.KerasTensor(specs.filled((n,) + tuple(t.shape[1:]), length), t.dtype) for t in spec)
-                    key = _same_layer_key(node.operation, x) or key
+                    key = same_layer_key(node.operation, x) or key
                 else:
                     x = tuple(tf.convert_to_tensor(a) for a in specs.estimation_sample(spec, n, 1, length))
                 assert measure is not None  # every kind but a callable is measured
@@ -188,68 +187,6 @@ class _NodeCall:
     def __call__(self, x: Sequence[Any], training: bool | None = None) -> list[Any]:
         with keras.StatelessScope():  # the model's own layers: measured, nothing assigned
             return self._node.run(dict(zip(self._node.inputs, x)), training)
-
-
-@contextlib.contextmanager
-def _restoring(seeds: tuple) -> Iterator[None]:
-    try:
-        yield
-    finally:
-        random.setstate(seeds[0])
-        np.random.set_state(seeds[1])
-
-
-# Walking the sequence ----------------------------------------------------------------------
-def _walk(layers: Sequence[keras.layers.Layer], x: Any, run: bool) -> Iterator[tuple]:
-    """For each layer: (index, layer, a built copy, its input, its output); inputs are values if ``run``.
-
-    Without running (FLOPs, parameters), a layer configured like an earlier one and fed the same
-    spec shares that one's copy: a Transformer's identical blocks are copied, built and traced once.
-    """
-    spec = specs.symbolic(x, keep_batch=True)
-    seen: dict[str, tuple[keras.layers.Layer, Any]] = {}
-    for index, layer in enumerate(layers):
-        key = None if run else _same_layer_key(layer, spec)
-        if key is not None and key in seen:
-            copy, out_spec = seen[key]
-            yield index, layer, copy, spec, out_spec
-            spec = out_spec
-            continue
-        copy = copy_layer(layer, "to estimate its cost", "pass balance=[...] or a cost callable instead")
-        try:
-            out_spec = copy(spec)
-        except Exception as err:  # noqa: BLE001 - any failure here means the shapes do not fit
-            origin = "the sample" if index == 0 else f"layer {index - 1} ({layers[index - 1].name})"
-            raise ValueError(
-                f"Layer {index} ({layer.name}) cannot take the input {_describe(spec)} from {origin}: "
-                f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}. Give a sample shaped like "
-                "the model's real input batch."
-            ) from None
-        y = copy(x, training=False) if run else out_spec
-        if key is not None:
-            seen[key] = (copy, out_spec)
-        yield index, layer, copy, (x if run else spec), y
-        x, spec = y, specs.detached(out_spec)  # not the chain of every copy before: their weights may go
-
-
-def _same_layer_key(layer: keras.layers.Layer, spec: Any) -> str | None:
-    """What makes two layers' costs and outputs equal: class, configuration but the name, input spec."""
-    try:
-        config = {k: v for k, v in layer.get_config().items() if k != "name"}
-        return f"{type(layer).__module__}.{type(layer).__qualname__}|{config!r}|{_describe(spec)}"
-    except Exception:  # noqa: BLE001 - no usable config: copy it on its own
-        return None
-
-
-def _describe(spec: Any) -> str:
-    return str(tf.nest.map_structure(lambda t: f"{t.dtype}{list(t.shape)}", spec))
-
-
-def _bytes(structure: Any) -> float:
-    total = 0
-    for t in tf.nest.flatten(structure):
-        total += math.prod(int(d) for d in t.shape) * np.dtype(keras.backend.standardize_dtype(t.dtype)).itemsize
-    return float(total)
 
 
 def batch_size(sample: Any) -> int:
@@ -367,5 +304,5 @@ def _peak_bytes(copy: keras.layers.Layer, x: Any, device: str) -> float:
     del grads
     if peak == 0:
         raise ValueError(_NO_MEMORY_INFO.format(device=device))
-    weights = sum(_bytes(v) for v in copy.weights)
+    weights = sum(tensor_bytes(v) for v in copy.weights)
     return float(peak - base + weights)

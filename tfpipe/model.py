@@ -520,8 +520,7 @@ class PipelineModel(keras.Model):
             training_lib.unscale_for_distribution(result.loss), sample_weight=microbatch.batch_size(x)
         )
         if result.variables:
-            with training_lib.beside_inputs():
-                self.optimizer.apply_gradients(zip(result.gradients, result.variables))
+            training_lib.apply_on_variable_devices(self.optimizer, result.gradients, result.variables)
         self._assign(result.state_updates)
         with devices_lib.scope(self._devices[-1]):
             y_pred = hang(microbatch.merge(result.outputs))

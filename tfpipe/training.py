@@ -183,6 +183,20 @@ def _device_of(variable: Any) -> str:
     return (variable.value if isinstance(variable, keras.Variable) else variable).device
 
 
+def apply_on_variable_devices(optimizer: keras.optimizers.Optimizer, gradients: Any, variables: Any) -> None:
+    """The optimizer step of a pipelined ``train_step``: each variable's update on that variable's device.
+
+    The gradients arrive on the devices of their cells. ``place_on_variable_devices`` (installed by
+    ``compile``, so that the slots ``build`` makes are placed too) runs each update, and the step counter
+    and learning rate it reads, there; the ops Keras' optimizer wrappers add without a device (a
+    LossScaleOptimizer's finite check and unscaling) go beside their inputs instead of to the client.
+    """
+    place_on_variable_devices(optimizer)  # compiled models have it; a no-op then
+    check_slices_finite(optimizer)
+    with beside_inputs():
+        optimizer.apply_gradients(zip(gradients, variables))
+
+
 def place_on_variable_devices(optimizer: keras.optimizers.Optimizer) -> None:
     """Create each optimizer slot, and run each variable's update, on that variable's device.
 

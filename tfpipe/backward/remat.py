@@ -15,7 +15,6 @@ reads the records' split VJPs: ``batch_weights`` and ``batched_weight_vjp``, at 
 
 from __future__ import annotations
 
-import contextvars
 import functools
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -40,12 +39,17 @@ __all__ = [
     "batched_weight_vjp",
     "check_mode",
     "recomputes",
-    "unrecorded",
 ]
 
 REMAT_MODES = ("always", "except_last", "never")
 
-_UNRECORDED: contextvars.ContextVar[bool] = contextvars.ContextVar("tfpipe_unrecorded", default=False)
+# How a Checkpoint runs its function, told to it as ``fn(*sources, *extras, forward=...)`` so that the cell it runs
+# knows (``Cell.run_traced``): RECORDED, a forward that a tape records (a kept micro-batch's, or a recomputation
+# outside a traced VJP); UNRECORDED, the first forward of a micro-batch to recompute, which nothing records (a traced
+# cell may run its cheapest form); REPLAYED, the forward again inside a traced VJP (a traced cell replays
+# TensorFlow's own differentiation of its forward, so that the recomputation is the forward's own ops).
+RECORDED, UNRECORDED, REPLAYED = "recorded", "unrecorded", "replayed"
+FORWARDS = (RECORDED, UNRECORDED, REPLAYED)
 
 
 def _after(anchors: Sequence[tf.Tensor], tensors: Sequence[tf.Tensor]) -> list[tf.Tensor]:
@@ -78,11 +82,6 @@ def recomputes(remat: str, micro_batch: int, num_micro_batches: int) -> bool:
     if remat == "except_last":
         return micro_batch < num_micro_batches - 1
     return False
-
-
-def unrecorded() -> bool:
-    """Whether the forward being made here is one that no tape records (a recomputed micro-batch's)."""
-    return _UNRECORDED.get()
 
 
 class Checkpoint:
@@ -133,13 +132,9 @@ class Checkpoint:
             self._parts.part("forward", recompute=False)(self._env)
             self.outputs = self._parts.unpack(self._env)
         elif recompute:
-            token = _UNRECORDED.set(True)
-            try:
-                self.outputs = fn(*self._sources, *self._extras)
-            finally:
-                _UNRECORDED.reset(token)
+            self.outputs = fn(*self._sources, *self._extras, forward=UNRECORDED)
         else:
-            self._tape, self.outputs = self._record(self._sources, self._extras)
+            self._tape, self.outputs = self._record(self._sources, self._extras, RECORDED)
 
     @property
     def sources(self) -> list[tf.Tensor]:
@@ -151,12 +146,12 @@ class Checkpoint:
         """Where the whole VJP is traced: only a recomputation can be (a kept one has its tape)."""
         return self._cache if self._recompute else None
 
-    def _record(self, sources: Sequence[tf.Tensor], extras: Sequence[tf.Tensor]):
+    def _record(self, sources: Sequence[tf.Tensor], extras: Sequence[tf.Tensor], forward: str):
         tape = tf.GradientTape(watch_accessed_variables=False)
         with tape:
             for i in self._wanted:
                 tape.watch(sources[i])
-            outputs = self._fn(*sources, *extras)
+            outputs = self._fn(*sources, *extras, forward=forward)
         return tape, outputs
 
     def vjp(
@@ -175,7 +170,7 @@ class Checkpoint:
         if self._traced is not None and not tf.executing_eagerly():
             return self._traced_vjp(select, output_grads, list(accumulate or []))
         if self._recompute:
-            tape, outputs = self._record(self._sources, self._extras)
+            tape, outputs = self._record(self._sources, self._extras, RECORDED)
         else:
             tape, outputs = self._tape, self.outputs
         self._tape = None  # a kept tape is used once; let its activations go
@@ -259,7 +254,7 @@ class Checkpoint:
             assert self._split_at is not None and self._select is not None  # a split Checkpoint's
             sources, extras = list(flat[:n_src]), list(flat[n_src:])
             with traced.tracing():
-                outputs = self._fn(*sources, *extras)
+                outputs = self._fn(*sources, *extras, forward=REPLAYED)
                 targets = [t for t in self._select(outputs) if differentiable(t)]
                 dys = [_compat.placeholder(t.dtype, t.shape) for t in targets]
                 wanted = [sources[i] for i in self._wanted]
@@ -366,7 +361,7 @@ class Checkpoint:
             sums = flat[n_src + n_ex + n_in :]
             with cache.tracing():
                 sources = _after([g for g in grads_in if g is not None], sources)
-                tape, outputs = self._record(sources, extras)
+                tape, outputs = self._record(sources, extras, REPLAYED)
                 grads = self._gradient(tape, outputs, sources, select, grads_in)
             out: list[tf.Tensor] = []
             for i, g in zip(self._wanted, grads):

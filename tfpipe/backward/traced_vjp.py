@@ -10,7 +10,6 @@ sums of running gradients, and the parts of split VJPs, per graph.
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import dataclasses
 import weakref
 from collections.abc import Callable, Iterator, Sequence
@@ -20,13 +19,6 @@ import tensorflow as tf
 
 from tfpipe.graph import calls
 from tfpipe.graph.names import GRADIENT_SUM, SPLIT_FORWARD, TRACED_VJP
-
-_IN_VJP_TRACE: contextvars.ContextVar[bool] = contextvars.ContextVar("tfpipe_in_vjp_trace", default=False)
-
-
-def in_vjp_trace() -> bool:
-    """Whether a ``TracedVJPs`` function is being traced here (a cell then runs its layers inline)."""
-    return _IN_VJP_TRACE.get()
 
 
 @dataclasses.dataclass
@@ -118,10 +110,6 @@ class TracedVJPs:
 
     @contextlib.contextmanager
     def tracing(self) -> Iterator[None]:
-        """The context of a traced body: the cell's scope, and cells run inline within."""
-        token = _IN_VJP_TRACE.set(True)
-        try:
-            with self._scope():
-                yield
-        finally:
-            _IN_VJP_TRACE.reset(token)
+        """The context of a traced body: the cell's scope."""
+        with self._scope():
+            yield

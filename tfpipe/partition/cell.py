@@ -236,6 +236,7 @@ class Cell:
         non_trainable: Sequence[tf.Tensor],
         x: Any,
         training: bool,
+        forward: str = remat.RECORDED,
     ) -> tuple[Any, list[tf.Tensor], tf.Tensor]:
         """What ``run_inline`` returns, through one function call op traced once per input signature and graph.
 
@@ -251,7 +252,9 @@ class Cell:
         """
         if not self._traceable or tf.executing_eagerly():
             return self.run_inline(trainable, non_trainable, x, training)
-        if traced_vjp.in_vjp_trace():  # a recomputation: TensorFlow's differentiation of the forward, replayed
+        if forward not in remat.FORWARDS:
+            raise ValueError(f"forward={forward!r}; use one of {remat.FORWARDS} (tfpipe.backward.remat).")
+        if forward == remat.REPLAYED:  # a recomputation in a traced VJP: TensorFlow's differentiation of the forward
             trace = self._outer_trace(x, trainable, non_trainable, training)
             replayed = trace.replay(x, trainable, non_trainable) if trace is not None else None
             if replayed is not None:
@@ -261,7 +264,7 @@ class Cell:
         trace = self.traced(x, trainable, non_trainable, training)
         if trace is None:
             return self.run_inline(trainable, non_trainable, x, training)
-        return trace.apply(x, trainable, non_trainable, cheap=remat.unrecorded())
+        return trace.apply(x, trainable, non_trainable, cheap=forward == remat.UNRECORDED)
 
     def traced(
         self, x: Any, trainable: Sequence[Any], non_trainable: Sequence[Any], training: bool
@@ -344,22 +347,25 @@ class Cell:
         return text + count
 
 
-def tie(cells: Sequence[Cell]) -> list[tuple[keras.Variable, int]]:
-    """Each trainable variable once, with the first cell that uses it; later cells borrow it (tied weights).
+def tie(cells: Sequence[Cell]) -> None:
+    """Mark in each cell the variables an earlier cell also uses (``Cell.borrowed``: tied weights).
 
     A variable used by several cells (an embedding tied to the output projection) lives on the
     device of the first; each cell differentiates its own use and the pipeline sums the gradients
     there (``step.gradients.tied_gradients``). Its regularizer and its parameters count once, in the
-    first cell, as in plain Keras.
+    first cell, as in plain Keras. Called where the cells' variables may have changed: when the model
+    is built or remade, and as an executor starts a step (a deferred model's weights are made late).
     """
-    first: dict[int, tuple[keras.Variable, int]] = {}
+    seen: set[int] = set()
     for cell in cells:
-        cell.borrowed = set()
-        for v in cell.trainable_variables + cell.non_trainable_variables:
-            if first.setdefault(id(v), (v, cell.index))[1] != cell.index:
-                cell.borrowed.add(id(v))
-    trainable = {id(v) for cell in cells for v in cell.trainable_variables}
-    return [pair for key, pair in first.items() if key in trainable]
+        mine = {id(v) for v in cell.trainable_variables + cell.non_trainable_variables}
+        cell.borrowed = mine & seen
+        seen |= mine
+
+
+def owned(cells: Sequence[Cell]) -> list[tuple[keras.Variable, int]]:
+    """Each trainable variable once, in order, with the first cell that uses it (as ``tie`` marked them)."""
+    return [(v, cell.index) for cell in cells for v in cell.trainable_variables if id(v) not in cell.borrowed]
 
 
 def add_dense(grads: Sequence[Any], extra: Sequence[tf.Tensor | None]) -> list[Any]:

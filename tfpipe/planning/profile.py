@@ -28,11 +28,11 @@ import tensorflow as tf
 
 from tfpipe import _compat
 from tfpipe import cost as cost_lib
-from tfpipe.cost import _bytes
 from tfpipe.graph import cpu_gradients
 from tfpipe.partition import functional, hub, specs
 from tfpipe.planning import units as units_lib
 from tfpipe.planning.progress import Progress
+from tfpipe.planning.walk import tensor_bytes
 
 MEASURED = "measured with get_memory_info"
 FROM_OUTPUTS = "estimated from output sizes (the allocator reports no bytes: set TF_CPU_ALLOCATOR_USE_BFC=true)"
@@ -273,15 +273,15 @@ def measure(
         copied += as_timed
         _record(by_batch, scaled, sizes, unit, per_size, over)
         if not nodes:  # a layer list's layers may be unbuilt: their built copies count
-            weights.append(sum(_bytes(v) for v in walked.copy.weights))
-            trainable.append(sum(_bytes(v) for v in walked.copy.trainable_variables))
+            weights.append(sum(tensor_bytes(v) for v in walked.copy.weights))
+            trainable.append(sum(tensor_bytes(v) for v in walked.copy.trainable_variables))
         outputs.append(walked.crossing_bytes / sizes[-1])
         if progress is not None:
             progress.step(names[unit])
     for costs in by_batch.values():
         tie_alike(costs, kinds)
     found = Profile(
-        device, weights, trainable, _bytes(tf.nest.map_structure(lambda t: np.asarray(t)[:1], sample)), outputs,
+        device, weights, trainable, tensor_bytes(tf.nest.map_structure(lambda t: np.asarray(t)[:1], sample)), outputs,
         by_batch, _source(read_on, device), read_on, tied=tied, not_run=_scaled_notes(scaled, names),
     )  # fmt: skip
     if copied:
@@ -372,7 +372,7 @@ def _bytes_on(
         for i, walked in enumerate(units_lib.walk(units, sample, sizes[-1], read_on)):
             with _compat.custom_gradients_forgotten():
                 measured, fixed = _Measured([walked.copy], read_on), _alone_bytes(walked)
-                in_per_row = _bytes(walked.inputs) / sizes[-1]
+                in_per_row = tensor_bytes(walked.inputs) / sizes[-1]
                 got: list[tuple[float, float]] = []
                 over: set[int] = set()
                 last, at = (0.0, 0.0), 0
@@ -401,8 +401,8 @@ def _alone_bytes(walked: Any) -> float:
     """What measuring a walked unit holds whatever its rows: its weights and their gradients, and its input and output
     at the walk's size (the rows it is measured on are cut from them)."""
     copy = walked.copy
-    weights = sum(_bytes(v) for v in copy.weights) + sum(_bytes(v) for v in copy.trainable_variables)
-    return float(weights + _bytes(walked.inputs) + _bytes(walked.outputs))
+    weights = sum(tensor_bytes(v) for v in copy.weights) + sum(tensor_bytes(v) for v in copy.trainable_variables)
+    return float(weights + tensor_bytes(walked.inputs) + tensor_bytes(walked.outputs))
 
 
 def _unit_costs(
@@ -421,8 +421,8 @@ def _unit_costs(
     budget there), or else estimated from the unit's output.
     """
     x_in, measured = walked.inputs, _Measured([walked.copy], device)
-    fixed, in_per_row = _alone_bytes(walked), _bytes(x_in) / sizes[-1]
-    out_per_row = _bytes(walked.outputs) / sizes[-1]
+    fixed, in_per_row = _alone_bytes(walked), tensor_bytes(x_in) / sizes[-1]
+    out_per_row = tensor_bytes(walked.outputs) / sizes[-1]
     costs: list[tuple[float, float, float, float]] = []
     over: list[int] = []
     ran: tuple[int, float, float, float, float] | None = None  # the largest size run: b, f_s, b_s, held, working

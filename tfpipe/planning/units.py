@@ -25,9 +25,10 @@ import numpy as np
 import tensorflow as tf
 
 from tfpipe import _compat
-from tfpipe.cost import _bytes, _restoring, _walk
 from tfpipe.partition import deferred, functional
 from tfpipe.partition.sequence import copy_layer, layer_list
+from tfpipe.planning import walk as walk_lib
+from tfpipe.planning.walk import restoring_random_state, tensor_bytes
 
 
 class Nodes:
@@ -155,11 +156,11 @@ class Walked:
 def walk(units: Any, sample: Any, rows: int, device: str) -> Iterator[Walked]:
     """Each unit in order on ``device``, on a copy, fed ``rows`` rows made from ``sample`` (the seeds restored)."""
     units = of(units)
-    with tf.device(device), _restoring((random.getstate(), np.random.get_state())):
+    with tf.device(device), restoring_random_state((random.getstate(), np.random.get_state())):
         x = tf.nest.map_structure(lambda t: tf.convert_to_tensor(_resized(t, rows)), sample)
         if not isinstance(units, Nodes):
-            for _, _, copy, x_in, y in _walk(list(units), x, run=True):
-                yield Walked(copy, x_in, y, _bytes(y))
+            for _, _, copy, x_in, y in walk_lib.walk(list(units), x, run=True):
+                yield Walked(copy, x_in, y, tensor_bytes(y))
             return
         yield from _walk_nodes(units, x, device)
 
@@ -200,7 +201,7 @@ def _walk_nodes(units: Nodes, x: Any, device: str) -> Iterator[Walked]:
         for k in [k for k, end in last_read.items() if end <= index and k in values]:
             del values[k]  # read for the last time: not held by the walk
         live = [values[k] for k, end in last_read.items() if end > index and k in values]
-        yield Walked(copy, inputs, outputs, _bytes(live))
+        yield Walked(copy, inputs, outputs, tensor_bytes(live))
         if last_use[id(node.operation)] == index:  # measured for the last time: its weights go, so that the walk
             for variable in getattr(node.operation, "variables", []):  # holds one node's, not the model's
                 _compat.release(variable)

@@ -9,7 +9,8 @@ import keras
 import tensorflow as tf
 
 from tfpipe.distributed import devices
-from tfpipe.partition.cell import Cell, tie
+from tfpipe.partition import cell as cell_lib
+from tfpipe.partition.cell import Cell
 
 
 def tied_gradients(cells: Sequence[Cell], grads: Sequence[Any]) -> tuple[list[keras.Variable], list[Any]]:
@@ -18,7 +19,7 @@ def tied_gradients(cells: Sequence[Cell], grads: Sequence[Any]) -> tuple[list[ke
 
     ``grads[i]`` is cell i's list aligned with its ``trainable_variables`` (None where it has none).
     """
-    owned = tie(cells)
+    owned = cell_lib.owned(cells)
     per_variable: dict[int, list[Any]] = {id(v): [] for v, _ in owned}
     for cell, g in zip(cells, grads):
         for v, gv in zip(cell.trainable_variables, g or [None] * len(cell.trainable_variables)):

@@ -22,7 +22,7 @@ from typing import Any
 import tensorflow as tf
 
 from tfpipe.distributed import devices
-from tfpipe.partition.cell import Cell, tie
+from tfpipe.partition.cell import Cell, owned
 from tfpipe.step.executor import Executor, StepResult
 from tfpipe.step.gradients import sum_gradients
 from tfpipe.step.loss import LossFn
@@ -110,7 +110,7 @@ class Replicated(Executor):
         if primary.loss is not None:
             with devices.scope(self.cells[-1].device):
                 combined.loss = tf.add_n([r.loss for r in results])
-            for n, (_, first) in enumerate(tie(self.cells)):
+            for n, (_, first) in enumerate(owned(self.cells)):
                 with devices.scope(self.cells[first].device):
                     combined.gradients.append(sum_gradients([r.gradients[n] for r in results]))
         if fractions is not None:

@@ -85,14 +85,15 @@ class Tasks:
         return share, reg_weight
 
     def _cell_function(self, cell: Cell, n_w: int, training: bool, backward: bool) -> Callable[..., Any]:
-        """The cell as fn(x, *trainable, *seeds, share, penalty weight) -> (outputs, new state, added losses)."""
+        """The cell as fn(x, *trainable, *seeds, share, penalty weight, forward=) -> (outputs, new state, added losses);
+        ``forward`` says which forward it is (``remat.RECORDED`` and the rest), as a ``Checkpoint`` runs it."""
         # Weight regularizers count once per step: in micro-batch 0's task, or after the cell's one W
         # under gpipe_batched_w, whose W batches only what is the same function in every micro-batch.
         regularized = backward and cell.has_regularizers and self.schedule != "gpipe_batched_w"
 
-        def fn(x_in, *rest):
+        def fn(x_in, *rest, forward=remat_lib.RECORDED):
             w, s, (share_, reg_weight_) = rest[:n_w], rest[n_w:-2], rest[-2:]
-            y, new_state, added = cell.run_traced(list(w), list(s), x_in, training=training)
+            y, new_state, added = cell.run_traced(list(w), list(s), x_in, training=training, forward=forward)
             added = added * share_  # add_loss terms are batch means, as Keras normalizes them
             if regularized:
                 added = added + reg_weight_ * cell.regularization_loss(list(w))
@@ -107,7 +108,7 @@ class Tasks:
         flat_x = flat(x)
         n_x = len(flat_x)
         record = remat_lib.Checkpoint(
-            lambda *src: fn(tf.nest.pack_sequence_as(x, fill(x, src)), *src[n_x:]),
+            lambda *src, forward: fn(tf.nest.pack_sequence_as(x, fill(x, src)), *src[n_x:], forward=forward),
             flat_x + list(trainable),
             recompute=remat_lib.recomputes(self.remat, j, self.num_micro_batches),
             constant=self.wiring.constants(i, n_x),

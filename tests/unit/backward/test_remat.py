@@ -10,7 +10,7 @@ from tfpipe.backward import remat
 from tfpipe.backward.traced_vjp import TracedVJPs
 
 
-def _fn(x, w):
+def _fn(x, w, forward=remat.RECORDED):  # a Checkpoint says which forward runs
     return tf.tanh(tf.matmul(x, w)) * 2.0
 
 
@@ -91,15 +91,14 @@ def test_split_vjp_gives_inputs_at_b_and_weights_at_w():
         remat.Checkpoint(_fn, [x, w], recompute=False).input_vjp([dy])
 
 
-def test_the_flags_a_cell_reads_say_which_forward_runs():
-    # Cell.run_traced reads them: a forward no tape records (recomputed later), and the VJP's recomputation
-    from tfpipe.backward import traced_vjp
-
+def test_the_function_is_told_which_forward_it_runs():
+    # Cell.run_traced is told: a forward no tape records (recomputed later), the VJP's recomputation (replayed),
+    # and a forward a tape records (kept, or recomputed eagerly)
     x, w, dy = _inputs()
     seen = []
 
-    def fn(x, w):
-        seen.append((remat.unrecorded(), traced_vjp.in_vjp_trace()))
+    def fn(x, w, forward):
+        seen.append(forward)
         return _fn(x, w)
 
     traced = _traced_vjps()
@@ -110,4 +109,5 @@ def test_the_flags_a_cell_reads_say_which_forward_runs():
 
     step(x, w, dy)
     remat.Checkpoint(fn, [x, w], recompute=False)
-    assert seen == [(True, False), (False, True), (False, False)]
+    remat.Checkpoint(fn, [x, w], recompute=True).vjp(lambda o: [o], [dy])
+    assert seen == [remat.UNRECORDED, remat.REPLAYED, remat.RECORDED, remat.UNRECORDED, remat.RECORDED]

@@ -6,6 +6,7 @@ import pytest
 
 from tests.util import run_fresh
 from tfpipe import cost
+from tfpipe.planning import walk
 
 
 def _flops(layers, sample):
@@ -109,8 +110,8 @@ def test_output_bytes_per_sample_and_params():
 
 def test_identical_layers_on_the_same_input_are_copied_and_traced_once(monkeypatch):
     copies = []
-    real = cost.copy_layer
-    monkeypatch.setattr(cost, "copy_layer", lambda layer, *args: copies.append(layer.name) or real(layer, *args))
+    real = walk.copy_layer
+    monkeypatch.setattr(walk, "copy_layer", lambda layer, *args: copies.append(layer.name) or real(layer, *args))
     layers = [keras.layers.Dense(8, activation="tanh", name=f"d{i}") for i in range(4)] + [keras.layers.Dense(3)]
     layers.insert(1, keras.layers.Dense(8, activation="relu", name="other"))  # another configuration
     estimate = cost.estimate(layers, np.zeros((2, 8), "float32"))

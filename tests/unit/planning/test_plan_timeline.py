@@ -7,7 +7,7 @@ import pytest
 
 from tests.unit.planning.handmade import calibration, profile
 from tfpipe import schedule as schedule_lib
-from tfpipe.planning import predict, shared_peak
+from tfpipe.planning import predict
 from tfpipe.planning.predict import Config
 
 
@@ -63,7 +63,7 @@ def test_one_device_s_shared_peak_is_its_own_peak():
     for remat in ("never", "always"):
         config = Config((3,), 1, 4, remat, "gpipe")
         own = predict.peak_bytes(prof, 8, config, 2)[0]
-        assert shared_peak.shared_peak_bytes(prof, calibration(), 8, config, 2) == pytest.approx(own)
+        assert predict.shared_peak_bytes(prof, calibration(), 8, config, 2) == pytest.approx(own)
 
 
 def test_devices_sharing_one_allocator_peak_together_only_where_the_schedule_holds_together():
@@ -73,7 +73,7 @@ def test_devices_sharing_one_allocator_peak_together_only_where_the_schedule_hol
     held = sum(c.static + c.cell_input + c.activations for c in cell)
     # the most: all held while cell 1's backward runs; by cell 0's, cell 1 has let its micro-batch go
     expected = max(held + cell[1].working, held - cell[1].cell_input - cell[1].activations + cell[0].working)
-    assert shared_peak.shared_peak_bytes(prof, calibration(), 2, config, slots) == pytest.approx(expected)
+    assert predict.shared_peak_bytes(prof, calibration(), 2, config, slots) == pytest.approx(expected)
     assert sum(predict.peak_bytes(prof, 2, config, slots)) == pytest.approx(held + sum(c.working for c in cell))
     # 1F1B on four cells: cell i holds its most (K - i) at different moments; the sum of peaks overstates
     deep = profile(
@@ -82,11 +82,11 @@ def test_devices_sharing_one_allocator_peak_together_only_where_the_schedule_hol
     )  # fmt: skip
     ones = Config((1, 1, 1, 1), 1, 8, "never", "1f1b")
     apart = sum(predict.peak_bytes(deep, 16, ones, slots))
-    together = shared_peak.shared_peak_bytes(deep, calibration(), 16, ones, slots)
+    together = predict.shared_peak_bytes(deep, calibration(), 16, ones, slots)
     assert together < apart
     # GPipe holds every micro-batch on every cell at the end of its forwards: nearly the sum
     gpipe = Config((1, 1, 1, 1), 1, 8, "never", "gpipe")
-    assert shared_peak.shared_peak_bytes(deep, calibration(), 16, gpipe, slots) == pytest.approx(
+    assert predict.shared_peak_bytes(deep, calibration(), 16, gpipe, slots) == pytest.approx(
         sum(predict.peak_bytes(deep, 16, gpipe, slots)) - 3 * 5.0 * 2 / 4
     )
 
@@ -99,5 +99,5 @@ def test_the_shared_peak_is_at_most_the_sum_of_the_devices_peaks(schedule, remat
     prof = profile()
     for replicas in (1, 2):
         config = Config((2, 1), replicas, 4, remat, schedule)
-        together = shared_peak.shared_peak_bytes(prof, calibration(), 16, config, 2)
+        together = predict.shared_peak_bytes(prof, calibration(), 16, config, 2)
         assert 0 < together <= sum(predict.peak_bytes(prof, 16, config, 2)) * (1 + 1e-9)

@@ -19,7 +19,7 @@ from tfpipe.step.unrolled import (
 )
 
 
-def _fn(x, w, b):
+def _fn(x, w, b, forward=remat.RECORDED):  # a Checkpoint says which forward runs
     h = tf.tanh(tf.matmul(x, w) + b)
     return h, tf.reduce_sum(h * h)
 
@@ -52,7 +52,7 @@ def test_checkpoint_vjp_matches_gradient_tape(recompute, in_graph):
 def test_checkpoint_recompute_runs_the_function_again_and_keep_runs_it_once():
     calls = []
 
-    def fn(x):
+    def fn(x, forward):
         calls.append(1)
         return x * 3.0
 
@@ -66,7 +66,7 @@ def test_checkpoint_recompute_runs_the_function_again_and_keep_runs_it_once():
 def test_checkpoint_integer_and_leading_constant_sources_get_no_gradient():
     x, ids, w = tf.constant([[1.0, 2.0]]), tf.constant([1]), tf.constant([[2.0], [3.0]])
 
-    def fn(x, ids, w):
+    def fn(x, ids, w, forward):
         return tf.matmul(x, w) * tf.cast(ids, tf.float32)[:, None]
 
     grads = remat.Checkpoint(fn, [x, ids, w], recompute=True, constant=1).vjp(lambda out: [out], [tf.ones((1, 1))])
@@ -76,11 +76,11 @@ def test_checkpoint_integer_and_leading_constant_sources_get_no_gradient():
 
 def test_checkpoint_without_output_gradients_gives_zeros():
     x = tf.constant([1.0, 2.0])
-    grads = remat.Checkpoint(lambda x: x * 2.0, [x], recompute=False).vjp(lambda out: [out], [None])
+    grads = remat.Checkpoint(lambda x, forward: x * 2.0, [x], recompute=False).vjp(lambda out: [out], [None])
     assert grads[0].numpy().tolist() == [0.0, 0.0]
 
 
-def _embed_dense(ids, table, w, scale):
+def _embed_dense(ids, table, w, scale, forward=remat.RECORDED):
     """An embedding lookup (sparse gradient for ``table``) then a dense layer; ``scale`` is an extra input."""
     return tf.reduce_sum(tf.tanh(tf.matmul(tf.gather(table, ids), w)) * scale, axis=1)
 
@@ -161,7 +161,7 @@ class FakeCell:
     def regularization_loss(self, trainable):
         return tf.constant(0.0)
 
-    def run_traced(self, trainable, non_trainable, x, training):
+    def run_traced(self, trainable, non_trainable, x, training, forward=remat.RECORDED):
         self.log.append(self.index)
         return x * trainable[0], [], tf.constant(0.0)
 
