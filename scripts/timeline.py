@@ -5,7 +5,7 @@ worker processes themselves for ``local:N``: every TensorFlow server also serves
 the profiler), attributes each executed op to its task by the graph (each task's
 ops follow its ``F_i_j/task_start`` / ``B_i_j/task_start`` / ``W_i_j/task_start`` marker) and to a phase
 (forward, loss, recompute, backward, accumulate, transfer, optimizer, other) with
-``tfpipe.analysis.tasks``, and writes OUT.csv (one row per step, device, task and phase),
+``tfpipe.analysis.graph_tasks``, and writes OUT.csv (one row per step, device, task and phase),
 OUT.png (the measured timeline above the ideal one, ``tfpipe.schedule.simulate``;
 needs matplotlib) and a summary.
 
@@ -35,7 +35,7 @@ from absl import app, flags  # noqa: E402
 from scripts.report import write_table  # noqa: E402
 from scripts.timeline_analysis import Event, draw, ideal_costs, summarize, task_rows  # noqa: E402
 from tfpipe import schedule  # noqa: E402
-from tfpipe.analysis.tasks import TRANSFER_TYPES, OpInfo, attribute, lookup, parse_task_name  # noqa: E402
+from tfpipe.analysis.graph_tasks import TRANSFER_TYPES, OpInfo, attribute, lookup, parse_task_name  # noqa: E402
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string(

@@ -7,7 +7,7 @@ import dataclasses
 import statistics
 
 from tfpipe import schedule
-from tfpipe.analysis.tasks import PHASES, parse_task_name
+from tfpipe.analysis.graph_tasks import PHASES, parse_task_name
 
 COLORS = {
     "forward": "#4C72B0",

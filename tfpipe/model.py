@@ -434,7 +434,7 @@ class PipelineModel(keras.Model):
                 inputs = layer(inputs, training=False)
             return inputs
         assert self._pipeline is not None  # made by build, which Keras runs before call
-        sizes = microbatch.sizes(inputs, self._pipeline.num_micro_batches, allow_empty=not training)
+        sizes = microbatch.sizes(inputs, self._pipeline.micro_batches_per_step, allow_empty=not training)
         parts = microbatch.split(inputs, sizes)
         result = self._pipeline.forward(parts, training=training, fractions=microbatch.fractions(sizes))
         if result.added_loss is not None:  # the layers' add_loss terms, which Keras' evaluate adds to the loss
@@ -504,10 +504,12 @@ class PipelineModel(keras.Model):
         if not self.built:
             self.build(x)
         assert self._pipeline is not None  # made by build
-        sizes = microbatch.sizes(x, self._pipeline.num_micro_batches)  # R x M with replicas
+        sizes = microbatch.sizes(x, self._pipeline.micro_batches_per_step)  # R x M with replicas
         xs, ys, sws = self._split(sizes, x, y, sample_weight)
         loss_fn = training_lib.MicroBatchLoss(self, PipelineModel.compute_loss, xs, ys, sws, sizes)
-        if self.num_partitions * self._pipeline.num_micro_batches > 1 and not tf.executing_eagerly():  # once per trace
+        if (
+            self.num_partitions * self._pipeline.micro_batches_per_step > 1 and not tf.executing_eagerly()
+        ):  # once per trace
             loops = not self._pipeline.unroll
             messages.say(
                 messages.building_step(

@@ -81,7 +81,7 @@ def test_zero_bubble_draws_its_w_tasks_and_its_own_ideal(tmp_path):
 
 def test_batched_w_draws_one_w_task_per_cell_counted_per_micro_batch(tmp_path):
     from tfpipe import schedule
-    from tfpipe.analysis.tasks import task_scope_name
+    from tfpipe.analysis.graph_tasks import task_scope_name
 
     out = str(tmp_path / "bw")
     proc = _smallest(out, "--schedule=gpipe_batched_w", "--remat=never")

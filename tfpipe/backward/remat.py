@@ -376,7 +376,7 @@ class Checkpoint:
                     out.append(g)
             return out
 
-        body.__name__ = TRACED_VJP  # how tfpipe.analysis.tasks recognizes the call in a step's graph
+        body.__name__ = TRACED_VJP  # how tfpipe.analysis.graph_tasks recognizes the call in a step's graph
         cache.num_traces += 1
         # Running sums are typed without a static shape: a sparse gradient's slot gets an empty placeholder.
         specs = [tf.TensorSpec(a.shape, a.dtype) for a in args[: len(args) - len(summed)]]

@@ -89,7 +89,7 @@ class TracedVJPs:
             def body(*flat: tf.Tensor) -> list[tf.Tensor]:
                 return [x + y for x, y in zip(flat[:n], flat[n:])]
 
-            body.__name__ = GRADIENT_SUM  # how tfpipe.analysis.tasks recognizes the call in a step's graph
+            body.__name__ = GRADIENT_SUM  # how tfpipe.analysis.graph_tasks recognizes the call in a step's graph
             specs = [tf.TensorSpec(t.shape, t.dtype) for t in args]
             function = tf.function(body, autograph=False, **self.options())
             traces[key] = Traced(function.get_concrete_function(*specs), frozenset())
@@ -98,7 +98,7 @@ class TracedVJPs:
     def wrap(self, function: Any, specs: Sequence[tf.TensorSpec], part: str) -> Any:
         """A part of a split VJP (``backward.split_vjp``) as the function a task calls, inlined or not as the cell is.
 
-        Named so that tfpipe.analysis.tasks tells a forward part from a gradient part.
+        Named so that tfpipe.analysis.graph_tasks tells a forward part from a gradient part.
         """
 
         def body(*flat: tf.Tensor) -> Any:

@@ -31,7 +31,7 @@ OPTIMIZERS = ("pruning", "common_subgraph_elimination", "constfold", "dependency
 def slimmed(function: Any, name: str, options: dict[str, Any]) -> Any:
     """``function`` (a ConcreteFunction of flat tensors) traced again from its Grappler-cleaned body.
 
-    The new function is named ``name`` (how tfpipe.analysis.tasks knows it) and is made with the ``tf.function``
+    The new function is named ``name`` (how tfpipe.analysis.graph_tasks knows it) and is made with the ``tf.function``
     options ``options``.
     A body that captures tensors or has control outputs (stateful ops run for their effect)
     is returned as it is: pruning to the outputs would drop those.

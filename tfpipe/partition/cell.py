@@ -352,7 +352,7 @@ def tie(cells: Sequence[Cell]) -> None:
 
     A variable used by several cells (an embedding tied to the output projection) lives on the
     device of the first; each cell differentiates its own use and the pipeline sums the gradients
-    there (``step.gradients.tied_gradients``). Its regularizer and its parameters count once, in the
+    there (``step.sums.tied_gradients``). Its regularizer and its parameters count once, in the
     first cell, as in plain Keras. Called where the cells' variables may have changed: when the model
     is built or remade, and as an executor starts a step (a deferred model's weights are made late).
     """

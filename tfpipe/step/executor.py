@@ -17,8 +17,8 @@ import tensorflow as tf
 
 from tfpipe.distributed import devices
 from tfpipe.partition.cell import Cell
-from tfpipe.step.gradients import sum_on_devices, tied_gradients
 from tfpipe.step.loss import LossFn
+from tfpipe.step.sums import sum_on_devices, tied_gradients
 
 
 @dataclasses.dataclass
@@ -51,7 +51,11 @@ class Executor(Protocol):
 
         @property
         def num_micro_batches(self) -> int:
-            """Micro-batches per step: M, or R x M for R replicas."""
+            """M, the micro-batches of one pipeline (of each replica's)."""
+
+        @property
+        def micro_batches_per_step(self) -> int:
+            """The pieces a step's batch is split into: M, or R x M for R replicas."""
 
         @property
         def unroll(self) -> bool:
@@ -59,7 +63,8 @@ class Executor(Protocol):
 
     else:
         cells: list[Cell]  # the cells that own the variables, in pipeline order
-        num_micro_batches: int  # micro-batches per step: M, or R x M for R replicas
+        num_micro_batches: int  # M, the micro-batches of one pipeline (of each replica's)
+        micro_batches_per_step: int  # the pieces a step's batch is split into: M, or R x M for R replicas
         unroll: bool  # whether a step is an unrolled graph of tasks (False: loops over clock cycles)
 
     def prepare(self) -> None:

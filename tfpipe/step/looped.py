@@ -50,10 +50,12 @@ class Looped(Executor):
 
     cells: list[Cell]
     num_micro_batches: int
+    micro_batches_per_step: int  # M: one pipeline's step splits its batch M ways
     unroll = False
 
     def __init__(self, cells: Sequence[Cell], num_micro_batches: int, routes: Routes | None = None):
         self.cells, self.num_micro_batches, self.routes = list(cells), num_micro_batches, routes
+        self.micro_batches_per_step = num_micro_batches
         tpu = [cell.device for cell in self.cells if devices.tpu_core(cell.device) is not None]
         if tpu:
             raise ValueError(

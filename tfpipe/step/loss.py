@@ -154,7 +154,7 @@ def _traced(
             )
             return [loss, *grads]
 
-        body.__name__ = LOSS_FUNCTION  # how tfpipe.analysis.tasks recognizes the call in a step's graph
+        body.__name__ = LOSS_FUNCTION  # how tfpipe.analysis.graph_tasks recognizes the call in a step's graph
         function = tf.function(body, autograph=False, **options)
         with devices.scope(device):
             loss_fn.traces[key] = function.get_concrete_function(*specs, tf.TensorSpec([], tf.float32))

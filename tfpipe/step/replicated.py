@@ -24,8 +24,8 @@ import tensorflow as tf
 from tfpipe.distributed import devices
 from tfpipe.partition.cell import Cell, owned
 from tfpipe.step.executor import Executor, StepResult
-from tfpipe.step.gradients import sum_gradients
 from tfpipe.step.loss import LossFn
+from tfpipe.step.sums import sum_gradients
 from tfpipe.step.unrolled import Pipeline
 
 
@@ -54,6 +54,11 @@ class Replicated(Executor):
 
     @property
     def num_micro_batches(self) -> int:
+        """M, each replica's micro-batches."""
+        return self.pipelines[0].num_micro_batches
+
+    @property
+    def micro_batches_per_step(self) -> int:
         """All replicas' micro-batches together: R x M."""
         return sum(p.num_micro_batches for p in self.pipelines)
 
@@ -92,8 +97,8 @@ class Replicated(Executor):
         return self._combine(results, fractions)
 
     def _slices(self, inputs: Sequence[Any], fractions: Sequence[Any] | None):
-        if len(inputs) != self.num_micro_batches:
-            raise ValueError(f"{len(inputs)} micro-batches for replicas that take {self.num_micro_batches}.")
+        if len(inputs) != self.micro_batches_per_step:
+            raise ValueError(f"{len(inputs)} micro-batches for replicas that take {self.micro_batches_per_step}.")
         first = 0
         for pipeline in self.pipelines:
             end = first + pipeline.num_micro_batches

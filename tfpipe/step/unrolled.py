@@ -24,9 +24,9 @@ from tfpipe.schedule import task_scope_name
 from tfpipe.step import looped, loss, microbatch
 from tfpipe.step.chain import Chain
 from tfpipe.step.executor import Executor, StepResult, step_result
-from tfpipe.step.gradients import sum_gradients, tied_gradients
 from tfpipe.step.handoff import Handoff
 from tfpipe.step.loss import LossFn
+from tfpipe.step.sums import sum_gradients, tied_gradients
 from tfpipe.step.tasks import Tasks
 from tfpipe.step.wiring import Wiring
 
@@ -101,6 +101,7 @@ class Pipeline(Executor):
 
     cells: list[Cell]
     num_micro_batches: int
+    micro_batches_per_step: int  # M: one pipeline's step splits its batch M ways
 
     def __init__(
         self,
@@ -118,7 +119,7 @@ class Pipeline(Executor):
         self.schedule = schedule.check_name(schedule_name)
         self.remat = check_remat(remat_lib.check_mode(remat), self.schedule)
         check_unroll(unroll, self.remat, self.schedule)
-        self.num_micro_batches = num_micro_batches
+        self.num_micro_batches = self.micro_batches_per_step = num_micro_batches
         self._wiring = Wiring(self.cells, routes)
         self._tasks = Tasks(self.cells, self._wiring, self.schedule, self.remat, num_micro_batches)
         # Loops (tfpipe/step/looped.py) build in a time that does not grow with M, but their later steps are slower

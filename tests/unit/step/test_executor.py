@@ -9,7 +9,7 @@ import tensorflow as tf
 
 from tests.util import cpu_devices
 from tfpipe.partition.cell import Cell
-from tfpipe.step import gradients, looped
+from tfpipe.step import looped, sums
 from tfpipe.step.executor import Executor
 from tfpipe.step.replicated import Replicated
 from tfpipe.step.unrolled import Pipeline
@@ -69,10 +69,10 @@ def test_the_loops_are_chosen_before_a_step_and_a_model_they_cannot_run_is_unrol
 
 def test_sum_gradients_keeps_slices_unless_one_is_dense():
     rows = tf.IndexedSlices(tf.ones((1, 2)), tf.constant([1]), tf.constant([3, 2]))
-    both = gradients.sum_gradients([rows, None, rows])
+    both = sums.sum_gradients([rows, None, rows])
     assert isinstance(both, tf.IndexedSlices) and both.indices.dtype == tf.int64
     np.testing.assert_allclose(tf.convert_to_tensor(both).numpy(), [[0, 0], [2, 2], [0, 0]])
-    mixed = gradients.sum_gradients([rows, tf.ones((3, 2))])
+    mixed = sums.sum_gradients([rows, tf.ones((3, 2))])
     np.testing.assert_allclose(mixed.numpy(), [[1, 1], [2, 2], [1, 1]])
-    assert gradients.sum_gradients([None, None]) is None
-    assert float(gradients.sum_on_devices([tf.constant(1.0), tf.constant(2.0)])) == 3.0
+    assert sums.sum_gradients([None, None]) is None
+    assert float(sums.sum_on_devices([tf.constant(1.0), tf.constant(2.0)])) == 3.0

@@ -9,7 +9,7 @@ import tensorflow as tf
 import tfpipe
 from tests.util import cpu_devices, mlp_layers, run_fresh
 from tfpipe import schedule
-from tfpipe.analysis.tasks import assign_tasks, task_scope_name
+from tfpipe.analysis.graph_tasks import assign_tasks, task_scope_name
 
 
 def _train_graph(model, batch=4, optimizer="sgd"):
@@ -22,7 +22,7 @@ def _train_graph(model, batch=4, optimizer="sgd"):
 
 
 def _task_ops(graph):
-    """Ops of each task, its start marker included, by creation order (tfpipe.analysis.tasks.assign_tasks)."""
+    """Ops of each task, its start marker included, by creation order (tfpipe.analysis.graph_tasks.assign_tasks)."""
     ops = graph.get_operations()
     found = {}
     for op, task in zip(ops, assign_tasks([op.name for op in ops])):

@@ -9,7 +9,7 @@ import tfpipe
 from tests.integration.test_transparency import _one_step_each
 from tests.unit.partition.test_state import _noisy_layers
 from tests.util import cpu_devices, max_rel_error, mlp_layers
-from tfpipe.analysis.tasks import LOSS_FUNCTION
+from tfpipe.analysis.graph_tasks import LOSS_FUNCTION
 
 
 @pytest.mark.parametrize("k,m,n", [(1, 4, 10), (2, 4, 8), (3, 3, 10), (4, 5, 12)])

@@ -5,7 +5,7 @@ import tensorflow as tf
 
 import tfpipe
 from tests.util import cpu_devices, mlp_layers
-from tfpipe.analysis.tasks import LOSS_FUNCTION
+from tfpipe.analysis.graph_tasks import LOSS_FUNCTION
 from tfpipe.training import MicroBatchLoss
 
 

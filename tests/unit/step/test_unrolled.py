@@ -6,7 +6,7 @@ import pytest
 import tensorflow as tf
 
 from tfpipe import schedule
-from tfpipe.analysis import tasks
+from tfpipe.analysis import graph_tasks as tasks
 from tfpipe.backward import remat
 from tfpipe.step.chain import Chain
 from tfpipe.step.unrolled import (

@@ -1,4 +1,4 @@
-"""tfpipe.analysis.tasks reads tasks and phases back from op names: rules on plain lists, then one real traced step."""
+"""tfpipe.analysis.graph_tasks reads tasks and phases back from op names: rules on lists, then a traced step."""
 
 import types
 
@@ -8,7 +8,7 @@ import tensorflow as tf
 
 import tfpipe
 from tfpipe import schedule
-from tfpipe.analysis.tasks import (
+from tfpipe.analysis.graph_tasks import (
     GRADIENT_SUM,
     PHASES,
     TASK_START,
