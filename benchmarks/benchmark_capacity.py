@@ -55,6 +55,9 @@ flags.DEFINE_integer("image_size", 64, "AmoebaNet's image height and width.", lo
 flags.DEFINE_integer("micro_batches", 4, "M of the tfpipe rows.", lower_bound=1)
 flags.DEFINE_float("budget_mib", 64.0, "Each device's allocator budget, MiB.", lower_bound=1.0)
 flags.DEFINE_integer("max_blocks", 64, "The deepest model probed.", lower_bound=1)
+flags.DEFINE_integer(
+    "start_blocks", 1, "The first depth probed (times K for a tfpipe row): doubling starts there.", lower_bound=1
+)
 flags.DEFINE_enum(
     "device_type",
     "CPU",
@@ -308,7 +311,7 @@ def main(argv: list[str]) -> None:
     for row in rows:
         print(f"{row}: the deepest model under {FLAGS.budget_mib:g} MiB per device (doubling, then bisection)")
         # K cells need K layers: a model of K blocks has at least that many, whatever else it holds.
-        first = max(1, int(row)) if row != "plain" else 1
+        first = FLAGS.start_blocks * (max(1, int(row)) if row != "plain" else 1)
         blocks, capped, made = largest_under_budget(lambda b, r=row: probe(r, b), budget, FLAGS.max_blocks, first)
         probes += made
         best = next((m for m in made if m["blocks"] == blocks), None)
