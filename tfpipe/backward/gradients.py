@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import tensorflow as tf
@@ -12,8 +13,24 @@ def differentiable(t: Any) -> bool:
     return t is not None and t.dtype.is_floating
 
 
-def add(a: Any, b: Any) -> Any:
-    """Sum two gradients; sparse ones (embeddings) stay sparse by concatenating their slices."""
-    if isinstance(a, tf.IndexedSlices) and isinstance(b, tf.IndexedSlices):
-        return tf.IndexedSlices(tf.concat([a.values, b.values], 0), tf.concat([a.indices, b.indices], 0), a.dense_shape)
-    return tf.convert_to_tensor(a) + tf.convert_to_tensor(b)
+def sum_gradients(grads: Sequence[Any]) -> Any:
+    """The sum of one variable's gradients; None where none flows.
+
+    Slices (an embedding's) stay slices, their rows concatenated, unless one of the gradients is dense:
+    Keras' optimizers update only a slice's rows (an embedding's moments decay only where the batch has
+    tokens), so densifying them would change Adam's step. An embedding's rows and a dense gradient of
+    the same table (tied to an output projection) add densely.
+    """
+    present = [g for g in grads if g is not None]
+    if len(present) <= 1:
+        return present[0] if present else None
+    if all(isinstance(g, tf.IndexedSlices) for g in present):
+        indices = [tf.cast(g.indices, tf.int64) for g in present]  # one dtype, whatever each slice's
+        shape = next((g.dense_shape for g in present if g.dense_shape is not None), None)
+        return tf.IndexedSlices(tf.concat([g.values for g in present], 0), tf.concat(indices, 0), shape)
+    return tf.add_n([tf.convert_to_tensor(g) for g in present])
+
+
+def add_each(grads: Sequence[Any], extra: Sequence[Any]) -> list[Any]:
+    """Each gradient of ``grads`` plus its ``extra`` (``sum_gradients`` of the pair)."""
+    return [sum_gradients([g, e]) for g, e in zip(grads, extra, strict=True)]

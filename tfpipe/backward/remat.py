@@ -24,7 +24,7 @@ import tensorflow as tf
 from tfpipe import _compat
 from tfpipe.backward import batched_w
 from tfpipe.backward import split_vjp as split_lib
-from tfpipe.backward.gradients import add, differentiable
+from tfpipe.backward.gradients import differentiable, sum_gradients
 from tfpipe.backward.traced_vjp import Traced, TracedVJPs
 from tfpipe.graph import calls, slim
 from tfpipe.graph.names import TRACED_VJP
@@ -34,7 +34,6 @@ __all__ = [
     "REMAT_MODES",
     "Checkpoint",
     "TracedVJPs",
-    "add",
     "batch_weights",
     "batched_weight_vjp",
     "check_mode",
@@ -287,7 +286,7 @@ class Checkpoint:
                 result[i] = total
         for k, i in pairs:
             if (k, i) not in dense:
-                result[i] = add(accumulate[k], result[i])
+                result[i] = sum_gradients([accumulate[k], result[i]])
         return result
 
     def _gradient(self, tape, outputs, sources, select, output_grads) -> list[Any]:
@@ -340,7 +339,7 @@ class Checkpoint:
                 result[i] = tf.IndexedSlices(values, indices, shape)
                 k = i - (n_src - n_acc)
                 if k >= 0 and accumulate[k] is not None:
-                    result[i] = add(accumulate[k], result[i])
+                    result[i] = sum_gradients([accumulate[k], result[i]])
             else:
                 result[i] = next(outputs)
         return result

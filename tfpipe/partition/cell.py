@@ -366,15 +366,3 @@ def tie(cells: Sequence[Cell]) -> None:
 def owned(cells: Sequence[Cell]) -> list[tuple[keras.Variable, int]]:
     """Each trainable variable once, in order, with the first cell that uses it (as ``tie`` marked them)."""
     return [(v, cell.index) for cell in cells for v in cell.trainable_variables if id(v) not in cell.borrowed]
-
-
-def add_dense(grads: Sequence[Any], extra: Sequence[tf.Tensor | None]) -> list[Any]:
-    """Each gradient of ``grads`` plus its dense ``extra``; None counts as zero.
-
-    Slices stay slices where nothing is added: Keras' optimizers update only their rows (an
-    embedding's moments decay only where the batch has tokens), so densifying them changes Adam's step.
-    """
-    added = []
-    for g, e in zip(grads, extra, strict=True):
-        added.append(g if e is None else e if g is None else tf.convert_to_tensor(g) + e)
-    return added

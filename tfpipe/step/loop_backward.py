@@ -12,9 +12,9 @@ from typing import Any
 import tensorflow as tf
 
 from tfpipe import _compat, leaves
-from tfpipe.backward.gradients import differentiable
+from tfpipe.backward.gradients import add_each, differentiable
 from tfpipe.distributed import devices
-from tfpipe.partition.cell import Cell, add_dense
+from tfpipe.partition.cell import Cell
 from tfpipe.step.loop_cycles import Cycle, LoopOutputs, Loops, array, empty, rows
 
 # loss_grads(j, y_j) -> (micro-batch j's weighted loss, gradients of the scaled loss for the leaves of y_j)
@@ -110,7 +110,7 @@ def _weight_gradients(loops: Loops, vjps: list[CycleVJP], sums, sparse, scales, 
                     grads.append(next(dense))
             if cell.has_regularizers and loops.first == 0:  # once per step, outside the loops; replica 0 takes them
                 penalty, extra = cell.regularization_gradients(trainable, scales[k])
-                grads = add_dense(grads, extra)
+                grads = add_each(grads, extra)
                 result.added[k] = result.added[k] + penalty
             result.grads.append(grads)
 

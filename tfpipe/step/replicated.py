@@ -21,11 +21,11 @@ from typing import Any
 
 import tensorflow as tf
 
+from tfpipe.backward.gradients import sum_gradients
 from tfpipe.distributed import devices
 from tfpipe.partition.cell import Cell, owned
 from tfpipe.step.executor import Executor, StepResult
 from tfpipe.step.loss import LossFn
-from tfpipe.step.sums import sum_gradients
 from tfpipe.step.unrolled import Pipeline
 
 

@@ -8,6 +8,7 @@ from typing import Any
 import keras
 import tensorflow as tf
 
+from tfpipe.backward.gradients import sum_gradients
 from tfpipe.distributed import devices
 from tfpipe.partition import cell as cell_lib
 from tfpipe.partition.cell import Cell
@@ -29,21 +30,6 @@ def tied_gradients(cells: Sequence[Cell], grads: Sequence[Any]) -> tuple[list[ke
         with devices.scope(cells[first].device):
             gradients.append(sum_gradients(per_variable[id(v)]))
     return [v for v, _ in owned], gradients
-
-
-def sum_gradients(grads: Sequence[Any]) -> Any:
-    """The sum of one variable's gradients (None where none flows; slices stay slices unless one is dense)."""
-    present = [g for g in grads if g is not None]
-    if len(present) <= 1:
-        return present[0] if present else None
-    if all(isinstance(g, tf.IndexedSlices) for g in present):
-        return tf.IndexedSlices(
-            tf.concat([g.values for g in present], 0),
-            tf.concat([tf.cast(g.indices, tf.int64) for g in present], 0),
-            next((g.dense_shape for g in present if g.dense_shape is not None), None),
-        )
-    # An embedding's rows and a dense gradient of the same table (tied to an output projection): add densely.
-    return tf.add_n([tf.convert_to_tensor(g) for g in present])
 
 
 def sum_on_devices(terms: Sequence[tf.Tensor]) -> tf.Tensor:

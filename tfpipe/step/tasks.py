@@ -15,10 +15,11 @@ import tensorflow as tf
 
 from tfpipe import schedule
 from tfpipe.backward import remat as remat_lib
+from tfpipe.backward.gradients import add_each
 from tfpipe.distributed import devices
 from tfpipe.leaves import fill, flat
 from tfpipe.partition import state
-from tfpipe.partition.cell import Cell, add_dense
+from tfpipe.partition.cell import Cell
 from tfpipe.step import loss
 from tfpipe.step.chain import Chain
 from tfpipe.step.handoff import Handoff
@@ -213,5 +214,5 @@ class Tasks:
             if cell.has_regularizers:
                 with devices.scope(cell.device):
                     penalty, extra = cell.regularization_gradients(step.weights[i][0], step.scales[i])
-                    step.grads[i] = add_dense(step.running(i), extra)
+                    step.grads[i] = add_each(step.running(i), extra)
                     step.added.append(penalty)

@@ -16,6 +16,7 @@ import tensorflow as tf
 
 from tfpipe import schedule
 from tfpipe.backward import remat as remat_lib
+from tfpipe.backward.gradients import sum_gradients
 from tfpipe.distributed import devices, sendrecv
 from tfpipe.graph.names import TASK_START
 from tfpipe.partition.cell import Cell, tie
@@ -26,7 +27,7 @@ from tfpipe.step.chain import Chain
 from tfpipe.step.executor import Executor, StepResult, step_result
 from tfpipe.step.handoff import Handoff
 from tfpipe.step.loss import LossFn
-from tfpipe.step.sums import sum_gradients, tied_gradients
+from tfpipe.step.sums import tied_gradients
 from tfpipe.step.tasks import Tasks
 from tfpipe.step.wiring import Wiring
 

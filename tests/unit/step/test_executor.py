@@ -8,6 +8,7 @@ import pytest
 import tensorflow as tf
 
 from tests.util import cpu_devices
+from tfpipe.backward.gradients import add_each, sum_gradients
 from tfpipe.partition.cell import Cell
 from tfpipe.step import looped, sums
 from tfpipe.step.executor import Executor
@@ -67,12 +68,14 @@ def test_the_loops_are_chosen_before_a_step_and_a_model_they_cannot_run_is_unrol
         assert pipeline._loop_plan(parts, True) is None  # chosen once: no second warning
 
 
-def test_sum_gradients_keeps_slices_unless_one_is_dense():
+def test_sum_gradients_keeps_slices_unless_one_is_dense_and_adds_each_pair():
     rows = tf.IndexedSlices(tf.ones((1, 2)), tf.constant([1]), tf.constant([3, 2]))
-    both = sums.sum_gradients([rows, None, rows])
+    both = sum_gradients([rows, None, rows])
     assert isinstance(both, tf.IndexedSlices) and both.indices.dtype == tf.int64
     np.testing.assert_allclose(tf.convert_to_tensor(both).numpy(), [[0, 0], [2, 2], [0, 0]])
-    mixed = sums.sum_gradients([rows, tf.ones((3, 2))])
+    mixed = sum_gradients([rows, tf.ones((3, 2))])
     np.testing.assert_allclose(mixed.numpy(), [[1, 1], [2, 2], [1, 1]])
-    assert sums.sum_gradients([None, None]) is None
+    assert sum_gradients([None, None]) is None
+    got = add_each([rows, None, tf.ones(2)], [None, tf.ones(2), tf.ones(2)])
+    assert got[0] is rows and float(got[1][0]) == 1.0 and float(got[2][0]) == 2.0
     assert float(sums.sum_on_devices([tf.constant(1.0), tf.constant(2.0)])) == 3.0
