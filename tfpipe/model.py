@@ -128,6 +128,8 @@ class PipelineModel(keras.Model):
         (``tfpipe.planning.budget``).
     """
 
+    plan: Any = None  # with plan="auto": the tfpipe.Plan the first fit made
+
     def __init__(
         self,
         layers: Sequence[keras.layers.Layer] | keras.Sequential,
@@ -177,8 +179,6 @@ class PipelineModel(keras.Model):
             self.build(graph.model.input)
         if isinstance(layers, keras.Model):  # the user's model keeps these layers, and so their devices
             saving.keep_off_xla(layers, self._devices)
-
-    plan: Any = None  # the tfpipe.Plan the model follows, once there is one
 
     # The settings, read back -------------------------------------------------------------------------
     @property
