@@ -231,14 +231,16 @@ def probe(row: str, blocks: int) -> dict[str, Any]:
         "constant_folding": FLAGS.constant_folding,
     }
     done = subprocess.run(
-        [sys.executable, os.path.abspath(__file__), f"--_child={json.dumps(config)}"],
+        [sys.executable, "-X", "faulthandler", os.path.abspath(__file__), f"--_child={json.dumps(config)}"],
         capture_output=True,
         text=True,
         timeout=TIMEOUT_S,
     )
     lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
     if done.returncode or not lines:
-        print(f"  {row} L={blocks}: failed ({done.stderr.strip().splitlines()[-1:]}), counted over the budget")
+        said = done.stderr.strip().splitlines()
+        why = [line for line in said if "Error" in line or "Fatal" in line][-1:] or said[-1:]
+        print(f"  {row} L={blocks}: failed (exit {done.returncode}: {why}), counted over the budget")
         return {
             "row": row,
             "blocks": blocks,

@@ -37,7 +37,7 @@ def test_devices_of_one_allocator_are_compared_with_their_predicted_peak_togethe
     import types
 
     from tests.unit.planning.handmade import calibration, profile
-    from tfpipe.planning import predict, search, shared_peak
+    from tfpipe.planning import predict, search
 
     prof, cal = profile(), calibration()
     config = predict.Config((1, 1, 1), 1, 8, "never", "1f1b")
@@ -49,7 +49,7 @@ def test_devices_of_one_allocator_are_compared_with_their_predicted_peak_togethe
     apart = plan_measure.compare(plan, [shape], measured, 1)[0]["memory_error"]
     together = plan_measure.compare(plan, [shape], measured, 1, shared=True)[0]["memory_error"]
     assert apart == round(sum(peaks) / 1000.0 - 1, 3)
-    assert together == round(shared_peak.shared_peak_bytes(prof, cal, 16, config, 2) / 1000.0 - 1, 3) < apart
+    assert together == round(predict.shared_peak_bytes(prof, cal, 16, config, 2) / 1000.0 - 1, 3) < apart
 
 
 def test_planning_rows_scale_the_budget_from_gpipes_peak_per_worker_and_count_steps_of_the_choice():
