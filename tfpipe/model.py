@@ -342,14 +342,11 @@ class PipelineModel(keras.Model):
 
     def _follow(self, plan: Any) -> None:
         """Take the plan's settings and cut; variables already made move to their new cells' devices."""
-        arguments = plan.pipeline_arguments()
         graph = self._graph
         units = len(graph.nodes) if graph is not None else len(self.pipeline_layers)
-        self._settings = settings_lib.check(
-            graph.model if graph is not None else self.pipeline_layers, graph, units, arguments["balance"], None,
-            self.cost, arguments["devices"], arguments["num_micro_batches"], arguments["remat"], self.unroll,
-            arguments["schedule"],
-        )  # fmt: skip
+        layers = graph.model if graph is not None else self.pipeline_layers
+        given = dict(settings_lib.PLANNED_DEFAULTS, devices=None, cost=self.cost, unroll=self.unroll)
+        self._settings = _settings(layers, graph, units, plan, None, given)[0]  # as plan=<the plan> would set them
         assert self._settings.cell_sizes is not None  # a plan gives the balance
         self._make_pipeline(self._settings.cell_sizes)
         self.plan, self._auto = plan, None
@@ -507,9 +504,8 @@ class PipelineModel(keras.Model):
         sizes = microbatch.sizes(x, self._pipeline.micro_batches_per_step)  # R x M with replicas
         xs, ys, sws = self._split(sizes, x, y, sample_weight)
         loss_fn = training_lib.MicroBatchLoss(self, PipelineModel.compute_loss, xs, ys, sws, sizes)
-        if (
-            self.num_partitions * self._pipeline.micro_batches_per_step > 1 and not tf.executing_eagerly()
-        ):  # once per trace
+        tasks = self.num_partitions * self._pipeline.micro_batches_per_step
+        if tasks > 1 and not tf.executing_eagerly():  # once per trace
             loops = not self._pipeline.unroll
             messages.say(
                 messages.building_step(

@@ -186,13 +186,12 @@ def _device_of(variable: Any) -> str:
 def apply_on_variable_devices(optimizer: keras.optimizers.Optimizer, gradients: Any, variables: Any) -> None:
     """The optimizer step of a pipelined ``train_step``: each variable's update on that variable's device.
 
-    The gradients arrive on the devices of their cells. ``place_on_variable_devices`` (installed by
-    ``compile``, so that the slots ``build`` makes are placed too) runs each update, and the step counter
-    and learning rate it reads, there; the ops Keras' optimizer wrappers add without a device (a
-    LossScaleOptimizer's finite check and unscaling) go beside their inputs instead of to the client.
+    The gradients arrive on the devices of their cells. The hooks ``compile`` installed on the optimizer
+    (``place_on_variable_devices``, before ``build`` makes the slots, so that they are placed too, and
+    ``check_slices_finite``) run each update, and the step counter and learning rate it reads, there; the
+    ops Keras' optimizer wrappers add without a device (a LossScaleOptimizer's finite check and unscaling)
+    go beside their inputs instead of to the client.
     """
-    place_on_variable_devices(optimizer)  # compiled models have it; a no-op then
-    check_slices_finite(optimizer)
     with beside_inputs():
         optimizer.apply_gradients(zip(gradients, variables))
 
