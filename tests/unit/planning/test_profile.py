@@ -30,14 +30,24 @@ def test_a_layers_kind_is_its_class_configuration_and_inputs_not_its_name():
     assert profile_lib.kind_of(Unconfigured(), x8) is None  # compared with nothing: timed on its own
 
 
-def test_a_measured_profile_gives_alike_layers_one_time_and_others_their_own():
+def test_a_measured_profile_gives_alike_layers_one_time_and_others_their_own(monkeypatch):
+    real, calls = profile_lib._unit_costs, []
+
+    def unit_costs(*args, **kwargs):
+        # the real run, with times that tell the calls apart: tiny layers' measured times can all round to 0 s
+        per_size, over = real(*args, **kwargs)
+        calls.append(float(len(calls) + 1))
+        return [(calls[-1], 10 * calls[-1], held, working) for _, _, held, working in per_size], over
+
+    monkeypatch.setattr(profile_lib, "_unit_costs", unit_costs)
     layers = [keras.layers.Dense(64, activation="tanh") for _ in range(4)] + [keras.layers.Dense(8)]
     measured = profile_lib.measure(layers, np.zeros((16, 64), "float32"), [4, 16], "/CPU:0", repeats=3)
     # the layers are not built: their weights are counted on the built copies that were measured
     assert measured.weight_bytes == measured.trainable_bytes == [(64 * 64 + 64) * 4.0] * 4 + [(64 * 8 + 8) * 4.0]
+    assert calls == [1.0, 2.0, 3.0]  # two of the four alike Dense(64), then the Dense(8)
     for costs in measured.by_batch.values():
-        assert len(set(costs.forward_s[:4])) == 1 and len(set(costs.backward_s[:4])) == 1
-        assert costs.forward_s[4] != costs.forward_s[0]  # Dense(8) is timed alone
+        assert costs.forward_s == [1.5] * 4 + [3.0]  # the mean of the two timed, and Dense(8) its own
+        assert costs.backward_s == [15.0] * 4 + [30.0]
 
 
 def test_alike_layers_past_the_first_two_are_not_timed_but_given_their_mean(monkeypatch):
