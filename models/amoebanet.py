@@ -43,6 +43,36 @@ def _batch_norm() -> keras.layers.BatchNormalization:
     return keras.layers.BatchNormalization(momentum=0.9, epsilon=1e-5)  # PyTorch's defaults, as in torchgpipe
 
 
+class PointwiseConv(keras.layers.Layer):
+    """A 1x1 convolution without bias; a stride keeps every stride-th pixel first, then convolves.
+
+    The same numbers as a strided 1x1 ``Conv2D``, without its kernel: TensorFlow 2.21's oneDNN filter gradient of a
+    strided 1x1 convolution crashes the process on one image with under 16 input channels (a micro-batch of one row,
+    which the planner measures; docs/guide/limitations.md).
+    """
+
+    def __init__(self, filters: int, strides: int | tuple[int, int] = 1, **kwargs: Any):
+        super().__init__(**kwargs)
+        self.filters = filters
+        self.strides = tuple(strides) if isinstance(strides, (list, tuple)) else (strides, strides)
+        self.conv = keras.layers.Conv2D(filters, 1, use_bias=False)
+
+    def build(self, input_shape):
+        self.conv.build(input_shape)
+
+    def compute_output_shape(self, input_shape):
+        n, h, w, _ = input_shape
+        sh, sw = self.strides
+        return (n, None if h is None else -(-h // sh), None if w is None else -(-w // sw), self.filters)
+
+    def call(self, x):
+        sh, sw = self.strides
+        return self.conv(x[:, ::sh, ::sw, :] if (sh, sw) != (1, 1) else x)
+
+    def get_config(self) -> dict[str, Any]:
+        return {**super().get_config(), "filters": self.filters, "strides": self.strides}
+
+
 class ReluConvBN(keras.layers.Layer):
     """ReLU, convolution without bias, BatchNorm."""
 
@@ -53,7 +83,10 @@ class ReluConvBN(keras.layers.Layer):
         self.filters = filters
         self.kernel_size = tuple(kernel_size) if isinstance(kernel_size, (list, tuple)) else kernel_size
         self.strides = tuple(strides) if isinstance(strides, (list, tuple)) else strides
-        self.conv = keras.layers.Conv2D(filters, kernel_size, strides=strides, padding="same", use_bias=False)
+        if kernel_size in (1, (1, 1)):
+            self.conv = PointwiseConv(filters, strides)
+        else:
+            self.conv = keras.layers.Conv2D(filters, kernel_size, strides=strides, padding="same", use_bias=False)
         self.bn = _batch_norm()
 
     def build(self, input_shape):
@@ -83,9 +116,9 @@ class FactorizedReduce(keras.layers.Layer):
             raise ValueError(f"FactorizedReduce(filters={filters}) needs an even filter count (two halves).")
         super().__init__(**kwargs)
         self.filters = filters
-        self.conv1 = keras.layers.Conv2D(filters // 2, 1, strides=2, use_bias=False)
+        self.conv1 = PointwiseConv(filters // 2, 2)
         self.pad = keras.layers.ZeroPadding2D(((0, 1), (0, 1)))
-        self.conv2 = keras.layers.Conv2D(filters // 2, 1, strides=2, use_bias=False)
+        self.conv2 = PointwiseConv(filters // 2, 2)
         self.bn = _batch_norm()
 
     def build(self, input_shape):

@@ -3,10 +3,11 @@
 import keras
 import numpy as np
 import pytest
+import tensorflow as tf
 
 import tfpipe
 from tests.util import cpu_devices, max_rel_error
-from tfpipe.models.amoebanet import amoebanet_d, amoebanet_loss
+from tfpipe.models.amoebanet import PointwiseConv, amoebanet_d, amoebanet_loss
 from tfpipe.models.resnet import resnet, resnet_loss
 from tfpipe.models.transformer import transformer_lm, transformer_loss
 
@@ -137,6 +138,31 @@ def test_amoebanet_parameter_count(num_layers, num_filters):
     net = _sequential(amoebanet_d(1000, num_layers, num_filters), IMAGE)
     assert net.count_params() == amoebanet_parameters(num_layers, num_filters, 1000, 4)
     assert _trainable_count(net) == amoebanet_parameters(num_layers, num_filters, 1000, 2)
+
+
+@pytest.mark.parametrize("size", [31, 32])
+def test_a_strided_pointwise_conv_gives_a_strided_conv2ds_values_and_gradients(size):
+    x = tf.random.stateless_normal((2, size, size, 8), seed=(1, 2))
+    conv = PointwiseConv(6, 2)
+    with tf.GradientTape(persistent=True) as tape:
+        tape.watch(x)
+        y = conv(x)
+        ref = tf.nn.conv2d(x, conv.conv.kernel, strides=2, padding="SAME")
+    assert y.shape == ref.shape == conv.compute_output_shape(x.shape) == (2, 16, 16, 6)
+    np.testing.assert_allclose(y, ref, atol=1e-6)
+    for got, want in zip(tape.gradient(y, [x, conv.conv.kernel]), tape.gradient(ref, [x, conv.conv.kernel])):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)  # sums of 512 products: rounding
+
+
+def test_amoebanet_trains_on_one_image():
+    # a reduction cell's 1x1 stride-2 convolutions: TensorFlow 2.21's oneDNN kernel of that gradient crashed the
+    # process on one image of 8 channels, which tfpipe.plan measures (a micro-batch of one row)
+    net = _sequential(amoebanet_d(5, 3, 32), IMAGE)
+    x = tf.random.stateless_uniform((1, *IMAGE), seed=(3, 4))
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_sum(net(x, training=True))
+    grads = tape.gradient(loss, net.trainable_variables)
+    assert all(g is not None and np.isfinite(g).all() for g in grads)
 
 
 def transformer_parameters(vocab, length, blocks, dim, hidden):
