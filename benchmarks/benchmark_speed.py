@@ -212,7 +212,6 @@ def main(argv: list[str]) -> None:
         if FLAGS[name].present and ("hub:NAME" if hub else FLAGS.model) not in kinds:
             raise app.UsageError(f"--{name} applies to --model={' or '.join(kinds)}, not --model={FLAGS.model}")
     from tfpipe import schedule
-    from tfpipe.backward import remat
     from tfpipe.cluster import LocalCluster
 
     ks = [k for k in (1, 2, 4, 8, 16) if k <= FLAGS.max_partitions]
@@ -250,7 +249,7 @@ def main(argv: list[str]) -> None:
                     )
                     rate = n / times.median_s
                     ideal = r * schedule.ideal_speedup(k, m)
-                    recomputed = [j for j in range(m) if remat.recomputes(FLAGS.remat, j, m)]
+                    recomputed = list(range({"always": m, "except_last": m - 1, "never": 0}[FLAGS.remat]))
                     allowed = r * schedule.allowed_speedup(FLAGS.schedule, k, m, recomputed)
                     # Over one worker at this M, which recomputes as much: what the schedule allows beside it.
                     allowed_same_m = allowed / schedule.allowed_speedup(FLAGS.schedule, 1, m, recomputed)

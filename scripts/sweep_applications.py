@@ -145,16 +145,12 @@ def build(name: str, size: int, classes: int) -> Any:
     return getattr(keras.applications, name)(weights=None, input_shape=(size, size, 3), classes=classes)
 
 
-def largest_node(graph: Any) -> tuple[str, float]:
-    """The node whose layer holds the most parameters (a layer called twice counted once), and its share."""
-    import keras
-
-    counts: dict[int, tuple[str, int]] = {}
-    for node in graph.nodes:
-        if isinstance(node.operation, keras.layers.Layer):
-            counts.setdefault(id(node.operation), (node.name, node.operation.count_params()))
-    total = sum(n for _, n in counts.values())
-    name, most = max(counts.values(), key=lambda c: c[1], default=("", 0))
+def largest_node(model: Any) -> tuple[str, float]:
+    """The layer of a Functional model that holds the most parameters (a layer called twice counted once), and its
+    share."""
+    counts = [(layer.name, layer.count_params()) for layer in model.layers]
+    total = sum(n for _, n in counts)
+    name, most = max(counts, key=lambda c: c[1], default=("", 0))
     return name, most / total if total else 0.0
 
 
@@ -224,15 +220,13 @@ def run_model(
     import numpy as np
 
     import tfpipe
-    from tfpipe.partition import functional
 
     began = time.perf_counter()
     row = Row(name, size=input_size(name, size))
     try:
         reference = build(name, row.size, classes)
-        graph = functional.Graph(reference)
-        row.params, row.nodes = reference.count_params(), len(graph.nodes)
-        row.largest, row.largest_share = largest_node(graph)
+        row.params = reference.count_params()
+        row.largest, row.largest_share = largest_node(reference)
         rng = np.random.default_rng(0)  # one batch of random images (of Keras' float type) and labels
         x = rng.standard_normal((batch, row.size, row.size, 3)).astype(keras.config.floatx())
         y = rng.integers(0, classes, batch)
@@ -248,6 +242,7 @@ def run_model(
                 devices=[f"/CPU:{i}" for i in range(k)],
             )
             row.balance[k] = model.balance
+            row.nodes = sum(model.balance)  # the nodes of the model's graph, each in one cell
             if len(model.balance) != k or not all(cell.layers for cell in model.cells):
                 failures.append(f"K={k}: cells {model.balance}")
             got_weights, _ = _train(model, model.pipeline_layers, x, y, learning_rate, () if chain else starts)

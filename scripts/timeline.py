@@ -50,7 +50,7 @@ flags.DEFINE_integer("batch_size", 64, "Global batch.", lower_bound=1)
 flags.DEFINE_integer("blocks", 8, "Transformer blocks / MLP hidden layers.", lower_bound=1)
 flags.DEFINE_integer("dim", 256, "Transformer model dimension / MLP width.", lower_bound=8)
 flags.DEFINE_integer("seq_len", 32, "Transformer sequence length.", lower_bound=2)
-flags.DEFINE_string("remat", "except_last", "Re-materialization mode.")
+flags.DEFINE_enum("remat", "except_last", ["always", "except_last", "never"], "Re-materialization mode.")
 flags.DEFINE_enum(
     "schedule",
     "gpipe",
@@ -286,12 +286,6 @@ def main(argv: list[str]) -> None:
             import matplotlib  # noqa: F401
         except ImportError:
             sys.exit('timeline.py needs matplotlib for the PNG: pip install -e ".[timeline]" (or pass --nopng).')
-    from tfpipe.backward import remat
-
-    try:
-        remat.check_mode(FLAGS.remat)
-    except ValueError as err:
-        raise app.UsageError(str(err)) from None
     os.makedirs(os.path.dirname(os.path.abspath(FLAGS.out)), exist_ok=True)
 
     import tensorflow as tf
