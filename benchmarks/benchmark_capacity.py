@@ -25,6 +25,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository (not installed)
 
+import functools
 import json
 import subprocess
 from typing import Any
@@ -86,7 +87,6 @@ TIMEOUT_S = 1800
 def child(config: dict[str, Any]) -> dict[str, Any]:
     """Train ``config``'s model two Adam steps; its parameters and the peaks of every device and of this process."""
     import keras
-    import numpy as np
     import tensorflow as tf
 
     import tfpipe
@@ -94,32 +94,8 @@ def child(config: dict[str, Any]) -> dict[str, Any]:
     keras.utils.set_random_seed(0)
     if not config.get("constant_folding", True):
         tf.config.optimizer.set_experimental_options({"constant_folding": False})
-    blocks, k, n = config["blocks"], config["k"], config["batch_size"]
-
-    def build() -> tuple[Any, Any, Any]:
-        """The model (layers or a task), its inputs for two batches, and its targets."""
-        if config["model"] == "llama":
-            from tfpipe.models import hub
-
-            task = hub.task("llama", vocabulary_size=config["vocab"], num_layers=blocks, hidden_dim=config["dim"])
-            x = hub.inputs(task, 2 * n, config["seq_len"], config["vocab"])
-            return task, x, x["token_ids"]
-        rng = np.random.default_rng(0)
-        if config["model"] == "amoebanet":
-            from tfpipe.models import amoebanet
-
-            layers = amoebanet.amoebanet_d(config["vocab"], 3 * blocks, config["dim"])
-            size = config["image_size"]
-            images = rng.normal(size=(2 * n, size, size, 3)).astype("float32")
-            return layers, images, rng.integers(0, config["vocab"], 2 * n)
-        from tfpipe.models import transformer
-
-        layers = transformer.transformer_lm(
-            config["vocab"], config["seq_len"], blocks, config["dim"], 4 * config["dim"], config["heads"]
-        )
-        x = rng.integers(0, config["vocab"], (2 * n, config["seq_len"]))
-        return layers, x, x
-
+    k, n = config["k"], config["batch_size"]
+    build = functools.partial(_build, config)
     loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
     if config.get("device_type") == "GPU":
         return _on_logical_gpus(config, build, loss)
@@ -145,6 +121,34 @@ def child(config: dict[str, Any]) -> dict[str, Any]:
             "client_peak": client,
             "config": chosen,
         }
+
+
+def _build(config: dict[str, Any]) -> tuple[Any, Any, Any]:
+    """``config``'s model (layers or a task), its inputs for two batches, and its targets."""
+    import numpy as np
+
+    blocks, n = config["blocks"], config["batch_size"]
+    if config["model"] == "llama":
+        from tfpipe.models import hub
+
+        task = hub.task("llama", vocabulary_size=config["vocab"], num_layers=blocks, hidden_dim=config["dim"])
+        x = hub.inputs(task, 2 * n, config["seq_len"], config["vocab"])
+        return task, x, x["token_ids"]
+    rng = np.random.default_rng(0)
+    if config["model"] == "amoebanet":
+        from tfpipe.models import amoebanet
+
+        layers = amoebanet.amoebanet_d(config["vocab"], 3 * blocks, config["dim"])
+        size = config["image_size"]
+        images = rng.normal(size=(2 * n, size, size, 3)).astype("float32")
+        return layers, images, rng.integers(0, config["vocab"], 2 * n)
+    from tfpipe.models import transformer
+
+    layers = transformer.transformer_lm(
+        config["vocab"], config["seq_len"], blocks, config["dim"], 4 * config["dim"], config["heads"]
+    )
+    x = rng.integers(0, config["vocab"], (2 * n, config["seq_len"]))
+    return layers, x, x
 
 
 def _on_logical_gpus(config: dict[str, Any], build: Any, loss: Any) -> dict[str, Any]:

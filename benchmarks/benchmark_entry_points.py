@@ -123,19 +123,11 @@ def torch_steps(model: str, steps: int, micro_batches: list[int]) -> dict[str, f
 def main(argv: list[str]) -> None:
     """Rounds of every entry point at K=1 and K=2 for each model; the table of medians and ratios to fit."""
     del argv
-    import keras
     import numpy as np
 
     import tfpipe
 
-    unknown = [m for m in FLAGS.models if m not in WIDTHS]
-    if unknown:
-        raise app.UsageError(f"--models: unknown {unknown}; use {', '.join(WIDTHS)}")
-    with_torch = FLAGS.torch and importlib.util.find_spec("torch") is not None
-    if FLAGS.torch and not with_torch:
-        print("torch is not installed (pip install -e '.[peers]'): its step() is not timed", flush=True)
-    if with_torch and (FLAGS.layers != 20 or FLAGS.batch_size != 512):
-        raise app.UsageError("torch's figure is benchmark_peers.py's model: 20 layers, batch 512; or give --notorch")
+    with_torch = _check_flags()
     micro_batches = [int(m) for m in FLAGS.micro_batches]
     rows = []
     with tfpipe.cluster.LocalCluster(2, threads_per_worker=1) as cluster:
@@ -144,45 +136,82 @@ def main(argv: list[str]) -> None:
             rng = np.random.default_rng(0)
             x = rng.standard_normal((batch * (FLAGS.steps + 1), width)).astype("float32")
             y = np.tanh(x)
-            keras.utils.set_random_seed(0)  # plain Keras in this process: what its own entry points cost against fit
-            plain = keras.Sequential([keras.Input((width,))] + [keras.layers.Dense(width, activation="tanh")
-                                                                 for _ in range(FLAGS.layers)])  # fmt: skip
-            plain.compile(optimizer="sgd", loss="mse", jit_compile=False)
-            warm_up(plain, x, y, batch, FLAGS.warmup_s)
-            models = {"plain Keras": plain}
-            for k, m in [(1, 1)] + [(2, m) for m in micro_batches]:
-                keras.utils.set_random_seed(0)
-                layers = [keras.layers.Dense(width, activation="tanh") for _ in range(FLAGS.layers)]
-                model = tfpipe.PipelineModel(
-                    layers, num_partitions=k, devices=cluster.devices[:k], num_micro_batches=m, remat="never"
-                )
-                model.compile(optimizer="sgd", loss="mse")
-                warm_up(model, x, y, batch, FLAGS.warmup_s)
-                models[f"K={k}, M={m}"] = model
-            found: dict[str, list[dict[str, float]]] = {label: [] for label in models}
-            for r in range(FLAGS.rounds):
-                for label, model in models.items():
-                    found[label].append(measure(model, x, y, batch, FLAGS.steps))
-                    shown = ", ".join(f"{e} {found[label][-1][e] * 1e3:.1f}" for e in ENTRY_POINTS)
-                    print(f"  {name} {label} round {r}: {shown} ms", flush=True)
-                if with_torch:
-                    for label, seconds in torch_steps(name, FLAGS.steps, micro_batches).items():
-                        found[label][-1]["torch step()"] = seconds
-                        print(f"  {name} {label} round {r}: torch {seconds * 1e3:.1f} ms", flush=True)
-            for entry in ENTRY_POINTS + (("torch step()",) if with_torch else ()):
-                row: dict[str, Any] = {"model": name, "entry": entry}
-                for label, runs in found.items():
-                    ms = [f[entry] * 1e3 for f in runs if entry in f]
-                    if not ms:  # torch has no plain-Keras column
-                        row[f"{label} ms"], row[f"{label} x fit"] = "-", "-"
-                        continue
-                    row[f"{label} ms"] = f"{min(ms):.1f} / {statistics.median(ms):.1f} / {max(ms):.1f}"
-                    row[f"{label} x fit"] = round(statistics.median(f[entry] / f["fit"] for f in runs if entry in f), 2)
-                rows.append(row)
+            models = _warmed_models(cluster.devices, width, x, y, micro_batches)
+            found = _rounds(name, models, x, y, micro_batches, with_torch)
+            rows += _entry_rows(name, found, with_torch)
     text = markdown(rows)
     print(text)
     if FLAGS.out:
         write_table(FLAGS.out, rows, text)
+
+
+def _check_flags() -> bool:
+    """Reject unknown models and torch's figure at another size; whether torch's step is timed too."""
+    unknown = [m for m in FLAGS.models if m not in WIDTHS]
+    if unknown:
+        raise app.UsageError(f"--models: unknown {unknown}; use {', '.join(WIDTHS)}")
+    with_torch = FLAGS.torch and importlib.util.find_spec("torch") is not None
+    if FLAGS.torch and not with_torch:
+        print("torch is not installed (pip install -e '.[peers]'): its step() is not timed", flush=True)
+    if with_torch and (FLAGS.layers != 20 or FLAGS.batch_size != 512):
+        raise app.UsageError("torch's figure is benchmark_peers.py's model: 20 layers, batch 512; or give --notorch")
+    return with_torch
+
+
+def _warmed_models(devices: list[str], width: int, x: Any, y: Any, micro_batches: list[int]) -> dict[str, Any]:
+    """Plain Keras and tfpipe at K=1, M=1 and K=2 at each M (on ``devices``), compiled and warmed up, by label."""
+    import keras
+
+    import tfpipe
+
+    batch = FLAGS.batch_size
+    keras.utils.set_random_seed(0)  # plain Keras in this process: what its own entry points cost against fit
+    plain = keras.Sequential([keras.Input((width,))] + [keras.layers.Dense(width, activation="tanh")
+                                                         for _ in range(FLAGS.layers)])  # fmt: skip
+    plain.compile(optimizer="sgd", loss="mse", jit_compile=False)
+    warm_up(plain, x, y, batch, FLAGS.warmup_s)
+    models = {"plain Keras": plain}
+    for k, m in [(1, 1)] + [(2, m) for m in micro_batches]:
+        keras.utils.set_random_seed(0)
+        layers = [keras.layers.Dense(width, activation="tanh") for _ in range(FLAGS.layers)]
+        model = tfpipe.PipelineModel(layers, num_partitions=k, devices=devices[:k], num_micro_batches=m, remat="never")
+        model.compile(optimizer="sgd", loss="mse")
+        warm_up(model, x, y, batch, FLAGS.warmup_s)
+        models[f"K={k}, M={m}"] = model
+    return models
+
+
+def _rounds(
+    name: str, models: dict[str, Any], x: Any, y: Any, micro_batches: list[int], with_torch: bool
+) -> dict[str, list[dict[str, float]]]:
+    """--rounds of every entry point of every model in turn (and torch's step), printed; each round's figures."""
+    found: dict[str, list[dict[str, float]]] = {label: [] for label in models}
+    for r in range(FLAGS.rounds):
+        for label, model in models.items():
+            found[label].append(measure(model, x, y, FLAGS.batch_size, FLAGS.steps))
+            shown = ", ".join(f"{e} {found[label][-1][e] * 1e3:.1f}" for e in ENTRY_POINTS)
+            print(f"  {name} {label} round {r}: {shown} ms", flush=True)
+        if with_torch:
+            for label, seconds in torch_steps(name, FLAGS.steps, micro_batches).items():
+                found[label][-1]["torch step()"] = seconds
+                print(f"  {name} {label} round {r}: torch {seconds * 1e3:.1f} ms", flush=True)
+    return found
+
+
+def _entry_rows(name: str, found: dict[str, list[dict[str, float]]], with_torch: bool) -> list[dict[str, Any]]:
+    """The table's rows of one model: per entry point, each setup's min / median / max and median ratio to fit."""
+    rows = []
+    for entry in ENTRY_POINTS + (("torch step()",) if with_torch else ()):
+        row: dict[str, Any] = {"model": name, "entry": entry}
+        for label, runs in found.items():
+            ms = [f[entry] * 1e3 for f in runs if entry in f]
+            if not ms:  # torch has no plain-Keras column
+                row[f"{label} ms"], row[f"{label} x fit"] = "-", "-"
+                continue
+            row[f"{label} ms"] = f"{min(ms):.1f} / {statistics.median(ms):.1f} / {max(ms):.1f}"
+            row[f"{label} x fit"] = round(statistics.median(f[entry] / f["fit"] for f in runs if entry in f), 2)
+        rows.append(row)
+    return rows
 
 
 def markdown(rows: list[dict[str, Any]]) -> str:

@@ -277,38 +277,11 @@ def main(argv: list[str]) -> None:
         f"{os.environ['TF_CPU_ALLOCATOR_USE_BFC']}",
         flush=True,
     )
-    probes = Probes()
-    with concurrent.futures.ThreadPoolExecutor(FLAGS.jobs) as pool:  # longest task first
-        remat_search = pool.submit(
-            largest_under_budget, lambda blocks: probes.run("remat", blocks, m_search), budget, FLAGS.max_blocks
-        )
-        table = {m: pool.submit(probes.run, "remat", big_l, m) for m in ms}
-        plain = pool.submit(probes.run, "plain", big_l, 1)
-        plain_search = pool.submit(
-            largest_under_budget, lambda blocks: probes.run("plain", blocks, 1), budget, FLAGS.max_blocks
-        )
-        remat_points = {m: f.result() for m, f in table.items()}
-        plain_point = plain.result()
-        largest = {"plain": plain_search.result(), "remat": remat_search.result()}
-
+    remat_points, plain_point, largest = _probe_both_parts(ms, big_l, m_search, budget)
     a, b, m_lo, m_hi = memory_report.fit_model(remat_points, big_l, n)
     fitted = {("remat", big_l, m_lo), ("remat", big_l, m_hi)}
     rows = [memory_report.row("activation", r, a, b, n, fitted) for r in [plain_point] + [remat_points[m] for m in ms]]
-    for model, (blocks, capped, made) in largest.items():
-        rows += [memory_report.row("probe", r, a, b, n, fitted, budget=budget) for r in made]
-        top = [r for r in made if r["blocks"] == blocks]
-        rows.append(
-            {
-                "section": "largest",
-                "model": model,
-                "blocks": blocks,
-                "M": m_search if model == "remat" else 1,
-                "before_bytes": top[0]["before"] if top else "",
-                "peak_bytes": top[0]["peak"] if top else "",
-                "fits_budget": True,
-                "note": "cap" if capped else "",
-            }
-        )
+    rows += _search_rows(largest, a, b, n, fitted, budget, m_search)
     text = memory_report.report(rows, a, b, m_lo, m_hi, n, largest, budget)
     print("\n" + text)
     if FLAGS.out:
@@ -329,6 +302,55 @@ def main(argv: list[str]) -> None:
             "note",
         ]
         write_table(FLAGS.out, rows, text, fields)
+
+
+def _probe_both_parts(
+    ms: list[int], big_l: int, m_search: int, budget: float
+) -> tuple[dict[int, dict[str, Any]], dict[str, Any], dict[str, tuple[int, bool, list[dict[str, Any]]]]]:
+    """Run part 1's points (remat at each M, plain Keras) and part 2's two searches, --jobs children at a time."""
+    probes = Probes()
+    with concurrent.futures.ThreadPoolExecutor(FLAGS.jobs) as pool:  # longest task first
+        remat_search = pool.submit(
+            largest_under_budget, lambda blocks: probes.run("remat", blocks, m_search), budget, FLAGS.max_blocks
+        )
+        table = {m: pool.submit(probes.run, "remat", big_l, m) for m in ms}
+        plain = pool.submit(probes.run, "plain", big_l, 1)
+        plain_search = pool.submit(
+            largest_under_budget, lambda blocks: probes.run("plain", blocks, 1), budget, FLAGS.max_blocks
+        )
+        remat_points = {m: f.result() for m, f in table.items()}
+        plain_point = plain.result()
+        largest = {"plain": plain_search.result(), "remat": remat_search.result()}
+    return remat_points, plain_point, largest
+
+
+def _search_rows(
+    largest: dict[str, tuple[int, bool, list[dict[str, Any]]]],
+    a: float,
+    b: float,
+    n: int,
+    fitted: set[tuple[str, int, int]],
+    budget: float,
+    m_search: int,
+) -> list[dict[str, Any]]:
+    """Part 2's CSV rows: each search's probes beside their predictions, then the largest L it found."""
+    rows = []
+    for model, (blocks, capped, made) in largest.items():
+        rows += [memory_report.row("probe", r, a, b, n, fitted, budget=budget) for r in made]
+        top = [r for r in made if r["blocks"] == blocks]
+        rows.append(
+            {
+                "section": "largest",
+                "model": model,
+                "blocks": blocks,
+                "M": m_search if model == "remat" else 1,
+                "before_bytes": top[0]["before"] if top else "",
+                "peak_bytes": top[0]["peak"] if top else "",
+                "fits_budget": True,
+                "note": "cap" if capped else "",
+            }
+        )
+    return rows
 
 
 def _schedules(ms: list[int]) -> None:

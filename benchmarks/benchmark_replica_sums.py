@@ -22,6 +22,7 @@ import statistics
 import subprocess
 import sys
 import time
+from typing import Any
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
@@ -78,75 +79,99 @@ def _median_ms(fn, repeats: int) -> float:
 
 
 def main(argv: list[str]) -> None:
+    """Start two servers; time the in-graph sum of each --dims, then (with --collective) the collective."""
     del argv
     addresses, procs = _start_servers(2)
     try:
-        import tensorflow as tf
-        from tensorflow.python.eager import context
-        from tensorflow.python.ops import collective_ops
-
-        context.context().configure_collective_ops(collective_leader=LEADER)
-        tf.config.threading.set_inter_op_parallelism_threads(1)
-        tf.config.experimental_connect_to_cluster(tf.train.ClusterSpec({JOB: addresses}))
-        d0, d1 = (f"/job:{JOB}/task:{k}/device:CPU:0" for k in range(2))
-        grads = {}
+        devices = _connect(addresses)
         print(f"2 single-thread workers on loopback, {FLAGS.tensors} gradients per replica; median of {FLAGS.repeats}")
         print("dim  MB per replica  in-graph sum + back (ms)  GB/s moved")
-        for dim in (int(d) for d in FLAGS.dims):
-            pair = []
-            for device in (d0, d1):
-                with tf.device(device):
-                    pair.append([tf.Variable(tf.random.normal([dim, dim])) for _ in range(FLAGS.tensors)])
-            grads[dim] = pair
-
-            @tf.function
-            def in_graph(pair=pair):
-                out = []
-                for a, b in zip(*pair):
-                    with tf.device(d0):
-                        total = tf.add_n([a * 1.0, b * 1.0])
-                    with tf.device(d1):
-                        out.append(total * 1.0)
-                with tf.device(d0):
-                    return tf.add_n([tf.reduce_sum(t) for t in out])
-
-            ms = _median_ms(in_graph, FLAGS.repeats)
-            mb = FLAGS.tensors * dim * dim * 4 / 2**20
-            print(f"{dim:4d}  {mb:14.1f}  {ms:24.1f}  {2 * mb / 1024 / (ms / 1e3):10.2f}", flush=True)
+        grads = _time_in_graph(devices)
         if not FLAGS.collective:
             return
         print("dim  collective ring all-reduce (ms)")
-        for key, (dim, pair) in enumerate(grads.items()):
-
-            @tf.function
-            def collective(pair=pair, key=key):
-                out = []
-                for k, tensors in enumerate(zip(*pair)):
-                    for device, t in zip((d0, d1), tensors):
-                        with tf.device(device):
-                            out.append(
-                                collective_ops.all_reduce_v2(
-                                    t * 1.0,
-                                    2,
-                                    1,
-                                    1000 * key + k + 1,
-                                    communication_hint="ring",
-                                    timeout=FLAGS.collective_timeout,
-                                )
-                            )
-                with tf.device(d0):
-                    return tf.add_n([tf.reduce_sum(t) for t in out])
-
-            try:
-                print(f"{dim:4d}  {_median_ms(collective, FLAGS.repeats):.1f}", flush=True)
-            except tf.errors.OpError as err:
-                lines = [line.strip() for line in err.message.splitlines() if line.strip()]
-                why = next((line for line in lines if "timed out" in line), lines[0] if lines else "")
-                print(f"{dim:4d}  failed: {type(err).__name__}: {why}")
-                return
+        _time_collectives(grads, devices)
     finally:
         for p in procs:
             p.kill()
+
+
+def _connect(addresses: list[str]) -> tuple[str, str]:
+    """Connect this process to the servers at ``addresses`` as the collectives' only client; their two CPUs."""
+    import tensorflow as tf
+    from tensorflow.python.eager import context
+
+    context.context().configure_collective_ops(collective_leader=LEADER)
+    tf.config.threading.set_inter_op_parallelism_threads(1)
+    tf.config.experimental_connect_to_cluster(tf.train.ClusterSpec({JOB: addresses}))
+    d0, d1 = (f"/job:{JOB}/task:{k}/device:CPU:0" for k in range(2))
+    return d0, d1
+
+
+def _time_in_graph(devices: tuple[str, str]) -> dict[int, list[list[Any]]]:
+    """Print each dim's in-graph sum and copy back; return each dim's gradients of both replicas."""
+    import tensorflow as tf
+
+    d0, d1 = devices
+    grads = {}
+    for dim in (int(d) for d in FLAGS.dims):
+        pair = []
+        for device in (d0, d1):
+            with tf.device(device):
+                pair.append([tf.Variable(tf.random.normal([dim, dim])) for _ in range(FLAGS.tensors)])
+        grads[dim] = pair
+
+        @tf.function
+        def in_graph(pair=pair):
+            out = []
+            for a, b in zip(*pair):
+                with tf.device(d0):
+                    total = tf.add_n([a * 1.0, b * 1.0])
+                with tf.device(d1):
+                    out.append(total * 1.0)
+            with tf.device(d0):
+                return tf.add_n([tf.reduce_sum(t) for t in out])
+
+        ms = _median_ms(in_graph, FLAGS.repeats)
+        mb = FLAGS.tensors * dim * dim * 4 / 2**20
+        print(f"{dim:4d}  {mb:14.1f}  {ms:24.1f}  {2 * mb / 1024 / (ms / 1e3):10.2f}", flush=True)
+    return grads
+
+
+def _time_collectives(grads: dict[int, list[list[Any]]], devices: tuple[str, str]) -> None:
+    """Print each dim's ring all-reduce of ``grads`` over both workers; stop at the first that fails."""
+    import tensorflow as tf
+    from tensorflow.python.ops import collective_ops
+
+    d0, d1 = devices
+    for key, (dim, pair) in enumerate(grads.items()):
+
+        @tf.function
+        def collective(pair=pair, key=key):
+            out = []
+            for k, tensors in enumerate(zip(*pair)):
+                for device, t in zip((d0, d1), tensors):
+                    with tf.device(device):
+                        out.append(
+                            collective_ops.all_reduce_v2(
+                                t * 1.0,
+                                2,
+                                1,
+                                1000 * key + k + 1,
+                                communication_hint="ring",
+                                timeout=FLAGS.collective_timeout,
+                            )
+                        )
+            with tf.device(d0):
+                return tf.add_n([tf.reduce_sum(t) for t in out])
+
+        try:
+            print(f"{dim:4d}  {_median_ms(collective, FLAGS.repeats):.1f}", flush=True)
+        except tf.errors.OpError as err:
+            lines = [line.strip() for line in err.message.splitlines() if line.strip()]
+            why = next((line for line in lines if "timed out" in line), lines[0] if lines else "")
+            print(f"{dim:4d}  failed: {type(err).__name__}: {why}")
+            return
 
 
 if __name__ == "__main__":

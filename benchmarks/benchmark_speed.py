@@ -32,6 +32,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository (not installed)
 
 from collections.abc import Callable, Sequence
+from typing import Any
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
@@ -199,19 +200,9 @@ def time_entry(
 
 
 def main(argv: list[str]) -> None:
+    """Time the reference and every pipelined entry of each size; print the tables and write them."""
     del argv
-    hub = hub_models.is_hub(FLAGS.model)
-    try:
-        if hub:
-            hub_models.check(FLAGS.model)
-        elif FLAGS.model not in MODELS:
-            raise ValueError(f"use one of {', '.join(MODELS)} or hub:NAME, e.g. hub:gpt2")
-    except ValueError as err:
-        raise app.UsageError(f"--model={FLAGS.model}: {err}") from None
-    for name, kinds in (("tie_embeddings", ("transformer",)), ("vocab", ("transformer", "hub:NAME"))):
-        if FLAGS[name].present and ("hub:NAME" if hub else FLAGS.model) not in kinds:
-            raise app.UsageError(f"--{name} applies to --model={' or '.join(kinds)}, not --model={FLAGS.model}")
-    from tfpipe import schedule
+    hub = _check_model_flags()
     from tfpipe.cluster import LocalCluster
 
     ks = [k for k in (1, 2, 4, 8, 16) if k <= FLAGS.max_partitions]
@@ -224,15 +215,7 @@ def main(argv: list[str]) -> None:
         with LocalCluster(k * rs[-1], threads_per_worker=1) as cluster:
             for r, (dim, n) in [(r, size) for r in rs for size in sizes]:
                 size = f"dim={dim} batch={n}"
-                known = next((r for r in rows if r["size"] == size), None)
-                if known is None:  # the reference: one worker, K=1, M=1, no recomputation
-                    # Best of two: the first model on fresh workers ran up to 25% slow (measured).
-                    times = [time_entry(cluster.devices[:1], 1, "never", dim, n, pids=cluster.pids) for _ in range(2)]
-                    ref = min(times, key=lambda t: t.median_s)
-                    base, base_cpu = n / ref.median_s, 1e3 * ref.cpu_s
-                    print(f"{size}: reference K=1 M=1 remat='never' {base:8.1f} examples/s  {_cpu(ref)}", flush=True)
-                else:
-                    base, base_cpu = known["reference"], known["reference_cpu_ms"]
+                reference = _reference(cluster, rows, size, dim, n)
                 for m in ms:
                     if n < m * r:
                         continue
@@ -247,68 +230,124 @@ def main(argv: list[str]) -> None:
                         cluster.pids,
                         FLAGS.jit_compile,
                     )
-                    rate = n / times.median_s
-                    ideal = r * schedule.ideal_speedup(k, m)
-                    recomputed = list(range({"always": m, "except_last": m - 1, "never": 0}[FLAGS.remat]))
-                    allowed = r * schedule.allowed_speedup(FLAGS.schedule, k, m, recomputed)
-                    # Over one worker at this M, which recomputes as much: what the schedule allows beside it.
-                    allowed_same_m = allowed / schedule.allowed_speedup(FLAGS.schedule, 1, m, recomputed)
-                    one_cell = next(
-                        (
-                            e["examples_per_s"]
-                            for e in rows
-                            if e["size"] == size and e["K"] * e["R"] == 1 and e["M"] == m
-                        ),
-                        rate,
-                    )
-                    rows.append(
-                        {
-                            "size": size,
-                            "R": r,
-                            "K": k,
-                            "M": m,
-                            "remat": FLAGS.remat,
-                            "schedule": FLAGS.schedule,
-                            "optimizer": FLAGS.optimizer,
-                            "jit_compile": FLAGS.jit_compile,
-                            "tie_embeddings": FLAGS.tie_embeddings,
-                            "examples_per_s": rate,
-                            "reference": base,
-                            "speedup": rate / base,
-                            "ideal": ideal,
-                            "of_ideal": rate / base / ideal,
-                            "allowed": allowed,
-                            "of_allowed": rate / base / allowed,
-                            "speedup_same_m": rate / one_cell,
-                            "of_ideal_same_m": rate / one_cell / ideal,
-                            "allowed_same_m": allowed_same_m,
-                            "of_allowed_same_m": rate / one_cell / allowed_same_m,
-                            # A perfect pipeline of one worker's micro-batches at this M: its kernels on
-                            # smaller matrices set this bound before any cost of pipelining.
-                            "microbatches_allow": allowed_same_m * one_cell / base,
-                            "cpu_ms": 1e3 * times.cpu_s,
-                            "waiting_ms": 1e3 * times.waiting_s,
-                            "cores_busy": times.cores_busy,
-                            "reference_cpu_ms": base_cpu,
-                            # No step can take less than its CPU spread over every core of the machine.
-                            "cores_allow": n / base * cores / times.cpu_s,
-                            "cores": cores,
-                            **({"threads": _thread_line(times)} if FLAGS.threads else {}),
-                        }
-                    )
-                    print(
-                        f"{size} {f'R={r} ' if r > 1 else ''}K={k} M={m:>2}: {rate:8.1f} examples/s  "
-                        f"speed-up {rate / base:5.2f}  ideal "
-                        f"{ideal:5.2f}  measured/ideal {rate / base / ideal:5.2f}  (schedule allows {allowed:4.2f}: "
-                        f"{rate / base / allowed:4.2f}; over K=1 at this M: "
-                        f"{rate / one_cell:5.2f}, {rate / one_cell / ideal:5.2f} of ideal; one worker's micro-batches "
-                        f"allow {rows[-1]['microbatches_allow']:.2f}x)  {_cpu(times)}; "
-                        f"the {cores} cores allow {rows[-1]['cores_allow']:.2f}x",
-                        flush=True,
-                    )
-                    if FLAGS.threads:
-                        print(f"  CPU / wait for a core, ms per step: {rows[-1]['threads']}", flush=True)
-    table = "\n\n".join(
+                    rows.append(_entry_row(rows, size, r, k, m, n, times, reference, cores))
+                    _print_entry(rows[-1], times)
+    table = _tables(rows, ms, hub)
+    print("\n" + table)
+    if FLAGS.out:
+        write_table(FLAGS.out, rows, table)
+
+
+def _check_model_flags() -> bool:
+    """Reject a --model, or a flag of another model, that cannot work; return whether --model is a hub:NAME."""
+    hub = hub_models.is_hub(FLAGS.model)
+    try:
+        if hub:
+            hub_models.check(FLAGS.model)
+        elif FLAGS.model not in MODELS:
+            raise ValueError(f"use one of {', '.join(MODELS)} or hub:NAME, e.g. hub:gpt2")
+    except ValueError as err:
+        raise app.UsageError(f"--model={FLAGS.model}: {err}") from None
+    for name, kinds in (("tie_embeddings", ("transformer",)), ("vocab", ("transformer", "hub:NAME"))):
+        if FLAGS[name].present and ("hub:NAME" if hub else FLAGS.model) not in kinds:
+            raise app.UsageError(f"--{name} applies to --model={' or '.join(kinds)}, not --model={FLAGS.model}")
+    return hub
+
+
+def _reference(cluster: Any, rows: list[dict], size: str, dim: int, n: int) -> tuple[float, float]:
+    """The reference of ``size`` (examples/s, CPU ms per step): timed at its first row, else taken from ``rows``."""
+    known = next((r for r in rows if r["size"] == size), None)
+    if known is not None:
+        return known["reference"], known["reference_cpu_ms"]
+    # The reference: one worker, K=1, M=1, no recomputation.
+    # Best of two: the first model on fresh workers ran up to 25% slow (measured).
+    times = [time_entry(cluster.devices[:1], 1, "never", dim, n, pids=cluster.pids) for _ in range(2)]
+    ref = min(times, key=lambda t: t.median_s)
+    base, base_cpu = n / ref.median_s, 1e3 * ref.cpu_s
+    print(f"{size}: reference K=1 M=1 remat='never' {base:8.1f} examples/s  {_cpu(ref)}", flush=True)
+    return base, base_cpu
+
+
+def _entry_row(
+    rows: list[dict],
+    size: str,
+    r: int,
+    k: int,
+    m: int,
+    n: int,
+    times: StepTimes,
+    reference: tuple[float, float],
+    cores: int,
+) -> dict:
+    """The row of one timed entry: its speed against the reference, K=1 at the same M, the ideal and the bounds."""
+    from tfpipe import schedule
+
+    base, base_cpu = reference
+    rate = n / times.median_s
+    ideal = r * schedule.ideal_speedup(k, m)
+    recomputed = list(range({"always": m, "except_last": m - 1, "never": 0}[FLAGS.remat]))
+    allowed = r * schedule.allowed_speedup(FLAGS.schedule, k, m, recomputed)
+    # Over one worker at this M, which recomputes as much: what the schedule allows beside it.
+    allowed_same_m = allowed / schedule.allowed_speedup(FLAGS.schedule, 1, m, recomputed)
+    one_cell = next(
+        (e["examples_per_s"] for e in rows if e["size"] == size and e["K"] * e["R"] == 1 and e["M"] == m),
+        rate,
+    )
+    return {
+        "size": size,
+        "R": r,
+        "K": k,
+        "M": m,
+        "remat": FLAGS.remat,
+        "schedule": FLAGS.schedule,
+        "optimizer": FLAGS.optimizer,
+        "jit_compile": FLAGS.jit_compile,
+        "tie_embeddings": FLAGS.tie_embeddings,
+        "examples_per_s": rate,
+        "reference": base,
+        "speedup": rate / base,
+        "ideal": ideal,
+        "of_ideal": rate / base / ideal,
+        "allowed": allowed,
+        "of_allowed": rate / base / allowed,
+        "speedup_same_m": rate / one_cell,
+        "of_ideal_same_m": rate / one_cell / ideal,
+        "allowed_same_m": allowed_same_m,
+        "of_allowed_same_m": rate / one_cell / allowed_same_m,
+        # A perfect pipeline of one worker's micro-batches at this M: its kernels on
+        # smaller matrices set this bound before any cost of pipelining.
+        "microbatches_allow": allowed_same_m * one_cell / base,
+        "cpu_ms": 1e3 * times.cpu_s,
+        "waiting_ms": 1e3 * times.waiting_s,
+        "cores_busy": times.cores_busy,
+        "reference_cpu_ms": base_cpu,
+        # No step can take less than its CPU spread over every core of the machine.
+        "cores_allow": n / base * cores / times.cpu_s,
+        "cores": cores,
+        **({"threads": _thread_line(times)} if FLAGS.threads else {}),
+    }
+
+
+def _print_entry(row: dict, times: StepTimes) -> None:
+    """One timed entry's line (and with --threads its CPU by thread), as it is timed."""
+    r, rate = row["R"], row["examples_per_s"]
+    print(
+        f"{row['size']} {f'R={r} ' if r > 1 else ''}K={row['K']} M={row['M']:>2}: {rate:8.1f} examples/s  "
+        f"speed-up {row['speedup']:5.2f}  ideal "
+        f"{row['ideal']:5.2f}  measured/ideal {row['of_ideal']:5.2f}  (schedule allows {row['allowed']:4.2f}: "
+        f"{row['of_allowed']:4.2f}; over K=1 at this M: "
+        f"{row['speedup_same_m']:5.2f}, {row['of_ideal_same_m']:5.2f} of ideal; one worker's micro-batches "
+        f"allow {row['microbatches_allow']:.2f}x)  {_cpu(times)}; "
+        f"the {row['cores']} cores allow {row['cores_allow']:.2f}x",
+        flush=True,
+    )
+    if FLAGS.threads:
+        print(f"  CPU / wait for a core, ms per step: {row['threads']}", flush=True)
+
+
+def _tables(rows: list[dict], ms: list[int], hub: bool) -> str:
+    """Every size's heading (the flags it ran with) and its three tables."""
+    return "\n\n".join(
         f"### {FLAGS.model} {size}, remat={FLAGS.remat!r}, unroll={FLAGS.unroll}, schedule={FLAGS.schedule!r}"
         + (f", optimizer={FLAGS.optimizer!r}" if FLAGS.optimizer != "sgd" else "")
         + (f", steps_per_execution={FLAGS.steps_per_execution}" if FLAGS.steps_per_execution > 1 else "")
@@ -319,9 +358,6 @@ def main(argv: list[str]) -> None:
         + _markdown([r for r in rows if r["size"] == size], ms)
         for size in dict.fromkeys(r["size"] for r in rows)
     )
-    print("\n" + table)
-    if FLAGS.out:
-        write_table(FLAGS.out, rows, table)
 
 
 def _cpu(times: StepTimes) -> str:
@@ -338,6 +374,23 @@ def _thread_line(times: StepTimes) -> str:
     return "; ".join(f"{key} {1e3 * run:.2f}/{1e3 * wait:.2f}" for key, (run, wait) in busiest if run + wait >= 5e-6)
 
 
+def _speedup_entry(
+    key: str, share: str, allowed: str, allowed_share: str, limit: bool = False
+) -> Callable[[dict], str]:
+    """A speed-up table's entry of a row: the speed-up ``key``, its ``share`` of the ideal, of what is ``allowed``
+    where that differs, and with ``limit`` of what one worker's micro-batches allow; then examples/s."""
+
+    def entry(row: dict) -> str:
+        note = f"{100 * row[share]:.0f}% of {row['ideal']:.2f}x"
+        if abs(row[allowed] - row["ideal"]) >= 5e-3:
+            note += f"; {100 * row[allowed_share]:.0f}% of the {row[allowed]:.2f}x allowed"
+        if limit and row["K"] * row["R"] > 1:  # what one worker's micro-batches and the schedule allow together
+            note += f"; {100 * row[key] / row['microbatches_allow']:.0f}% of the limit {row['microbatches_allow']:.2f}x"
+        return f"{row[key]:.2f}x ({note}), {row['examples_per_s']:.0f}/s"
+
+    return entry
+
+
 def _markdown(rows: list[dict], ms: list[int]) -> str:
     """Three tables, K (or R x K) rows and M columns: speed-up over K=1 M=1, over K=1 at the same M, and CPU.
 
@@ -349,32 +402,18 @@ def _markdown(rows: list[dict], ms: list[int]) -> str:
     cost the machine: CPU time of the client and the workers, how many cores that kept busy, and
     the speed-up over the reference that the machine's cores allow at that CPU per step.
     """
-
-    def speedup(key: str, share: str, allowed: str, allowed_share: str, limit: bool = False) -> Callable[[dict], str]:
-        def entry(row: dict) -> str:
-            note = f"{100 * row[share]:.0f}% of {row['ideal']:.2f}x"
-            if abs(row[allowed] - row["ideal"]) >= 5e-3:
-                note += f"; {100 * row[allowed_share]:.0f}% of the {row[allowed]:.2f}x allowed"
-            if limit and row["K"] * row["R"] > 1:  # what one worker's micro-batches and the schedule allow together
-                note += (
-                    f"; {100 * row[key] / row['microbatches_allow']:.0f}% of the limit {row['microbatches_allow']:.2f}x"
-                )
-            return f"{row[key]:.2f}x ({note}), {row['examples_per_s']:.0f}/s"
-
-        return entry
-
     reference_cpu = rows[0]["reference_cpu_ms"]
     tables = []
     for title, entry in (
         (
             "Speed-up over one worker, K=1, M=1, no re-materialization (the limit: what the schedule allows times "
             "one worker's speed at this M, its kernels on smaller matrices)",
-            speedup("speedup", "of_ideal", "allowed", "of_allowed", limit=True),
+            _speedup_entry("speedup", "of_ideal", "allowed", "of_allowed", limit=True),
         ),
         (
             "Speed-up over K=1 at the same M and remat (diagnostic; its share of what the schedule allows is the "
             "share of the bound that one worker's micro-batches set)",
-            speedup("speedup_same_m", "of_ideal_same_m", "allowed_same_m", "of_allowed_same_m"),
+            _speedup_entry("speedup_same_m", "of_ideal_same_m", "allowed_same_m", "of_allowed_same_m"),
         ),
         (
             f"CPU per step, every process (the reference: {reference_cpu:.1f} ms), the cores it kept busy, and the "

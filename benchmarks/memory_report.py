@@ -12,6 +12,7 @@ FLAGS = flags.FLAGS
 GIB, MIB = 1 << 30, 1 << 20
 MODEL_TARGET = 0.25  # held-out points within 25% of the fitted GPipe model
 RATIO_TARGET = 3.0  # remat holds at least 3x the blocks of plain Keras under the budget
+_NAMES = {"plain": "plain Keras", "remat": 'PipelineModel remat="always"'}  # the tables' names of the models
 
 
 def fit_model(points: dict[int, dict[str, Any]], blocks: int, n: int) -> tuple[float, float, int, int]:
@@ -80,7 +81,19 @@ def report(
     budget: float,
 ) -> str:
     """Both parts as markdown tables, with the fitted constants, the held-out errors and the targets."""
-    names = {"plain": "plain Keras", "remat": 'PipelineModel remat="always"'}
+    lines = _activation_part(rows, a, b, m_lo, m_hi, n)
+    lines += _budget_part(rows, a, b, n, budget)
+    lines.append("")
+    lines += _ratio_lines(largest, budget)
+    lines.append(
+        "'model extrapolates': the L at which the part-1 model, plus the bytes in use before the step, "
+        "reaches the budget (an extrapolation, not a measurement)."
+    )
+    return "\n".join(lines)
+
+
+def _activation_part(rows: list[dict[str, Any]], a: float, b: float, m_lo: int, m_hi: int, n: int) -> list[str]:
+    """Part 1: the activation table, the fitted model and its held-out errors against the target."""
     act = [r for r in rows if r["section"] == "activation"]
     lines = [
         f"Part 1: one training step, L={act[0]['blocks']} blocks, K=1, N = {mib(n)} MiB "
@@ -93,7 +106,7 @@ def report(
     for r in act:
         err = "fitted" if r["fitted"] else f"{100 * r['rel_error']:+.1f}%"
         lines.append(
-            f"| {names[r['model']]} | {r['M']} | {mib(r['transient_bytes'])} | "
+            f"| {_NAMES[r['model']]} | {r['M']} | {mib(r['transient_bytes'])} | "
             f"{r['transient_over_N']:.1f} | {mib(r['predicted_bytes'])} | {err} | "
             f"{mib(r['before_bytes'])} | {mib(r['peak_bytes'])} | {mib(r['max_rss_bytes'])} |"
         )
@@ -103,7 +116,7 @@ def report(
     )
     held_out = [r for r in act if not r["fitted"]] + remat_probes
     worst = max(abs(r["rel_error"]) for r in held_out) if held_out else float("nan")
-    lines += [
+    return lines + [
         "",
         f"Model: predicted = a*N + b*(L/K)*(N/M), fitted on remat M={m_lo} and M={m_hi} at "
         f"L={act[0]['blocks']}: a = {a:.2f}, b = {b:.2f} (in units of N).",
@@ -114,7 +127,11 @@ def report(
         f"{'met' if worst <= MODEL_TARGET else 'missed'} (worst {100 * worst:.1f}%).",
         "",
     ]
-    lines += [
+
+
+def _budget_part(rows: list[dict[str, Any]], a: float, b: float, n: int, budget: float) -> list[str]:
+    """Part 2's table: each model's largest L under the budget, its peak, the model's extrapolation, the probes."""
+    lines = [
         f"Part 2: largest L whose training step peaks under {budget / GIB:g} GiB (measured peak, not an "
         "allocation limit; doubling then bisection, one fresh process per probe)",
         "",
@@ -134,29 +151,27 @@ def report(
         peak = mib(top["peak_bytes"]) if top["peak_bytes"] != "" else "-"
         before = top["before_bytes"] if top["before_bytes"] != "" else probes[0]["before_bytes"]
         guess = extrapolated_blocks(a, b, top["M"], n, before, budget)
-        lines.append(f"| {names[model]} | {top['M']} | {top['blocks']}{cap} | {peak} | {guess:.1f} | {shown} |")
+        lines.append(f"| {_NAMES[model]} | {top['M']} | {top['blocks']}{cap} | {peak} | {guess:.1f} | {shown} |")
+    return lines
+
+
+def _ratio_lines(largest: dict[str, tuple[int, bool, list]], budget: float) -> list[str]:
+    """The largest L of remat over plain Keras's, against the target (or why there is no ratio)."""
     (plain_l, plain_cap, _), (remat_l, remat_cap, _) = largest["plain"], largest["remat"]
-    lines.append("")
     if plain_cap:
-        lines.append(f"Both searches reached --max_blocks={FLAGS.max_blocks}: raise it to compare.")
-    elif plain_l == 0:
-        lines.append(f"Plain Keras does not fit even one block in {budget / GIB:g} GiB; remat fits {remat_l}.")
-    else:
-        ratio = remat_l / plain_l
-        bound = (
-            f" (a lower bound: the remat search stopped at --max_blocks={FLAGS.max_blocks}, still under budget)"
-            if remat_cap
-            else ""
-        )
-        lines.append(
-            f"Ratio remat / plain: {ratio:.2f}x{bound}; target >= {RATIO_TARGET:g}x -> "
-            f"{'met' if ratio >= RATIO_TARGET else ('not shown' if remat_cap else 'missed')}."
-        )
-    lines.append(
-        "'model extrapolates': the L at which the part-1 model, plus the bytes in use before the step, "
-        "reaches the budget (an extrapolation, not a measurement)."
+        return [f"Both searches reached --max_blocks={FLAGS.max_blocks}: raise it to compare."]
+    if plain_l == 0:
+        return [f"Plain Keras does not fit even one block in {budget / GIB:g} GiB; remat fits {remat_l}."]
+    ratio = remat_l / plain_l
+    bound = (
+        f" (a lower bound: the remat search stopped at --max_blocks={FLAGS.max_blocks}, still under budget)"
+        if remat_cap
+        else ""
     )
-    return "\n".join(lines)
+    return [
+        f"Ratio remat / plain: {ratio:.2f}x{bound}; target >= {RATIO_TARGET:g}x -> "
+        f"{'met' if ratio >= RATIO_TARGET else ('not shown' if remat_cap else 'missed')}."
+    ]
 
 
 def largest_under_budget(

@@ -142,8 +142,6 @@ def compare(
     ``shared``: the devices share one allocator (logical CPUs), whose peak is their bytes' sum at one moment: it is
     compared with that, predicted (``shared_peak_bytes``); else the devices' peaks add up.
     """
-    from tfpipe.planning.predict import shared_peak_bytes
-
     chosen = []
     for config in configs:
         shape = config if isinstance(config, tuple) else _shape(config)
@@ -154,47 +152,39 @@ def compare(
     for _ in range(repeats):
         for i, candidate in enumerate(chosen):
             cfg = candidate.config
-            measured[i].append(
-                run(
-                    {
-                        "balance": list(cfg.balance),
-                        "replicas": cfg.num_replicas,
-                        "m": cfg.num_micro_batches,
-                        "remat": cfg.remat,
-                        "schedule": cfg.schedule,
-                    }
-                )
-            )
+            measured[i].append(run(_config_of(cfg)))
             print(f"  measured {cfg.describe()}: {measured[i][-1]['step_s'] * 1e3:.1f} ms", flush=True)
-    rows = []
-    for i, candidate in enumerate(chosen):
-        cfg, pred = candidate.config, candidate.prediction
-        step = statistics.median(m["step_s"] for m in measured[i])
-        peak = statistics.median(m["peak_bytes"] for m in measured[i])
-        process = [m["process_bytes"] for m in measured[i] if m.get("process_bytes") is not None]
-        predicted = sum(pred.peak_bytes)
-        if shared:
-            predicted = shared_peak_bytes(plan.profile, plan.calibration, plan.batch_size, cfg, plan.optimizer_slots)
-        rows.append(
-            {
-                "K": cfg.num_partitions,
-                "R": cfg.num_replicas,
-                "M": cfg.num_micro_batches,
-                "remat": cfg.remat,
-                "schedule": cfg.schedule,
-                "balance": "-".join(map(str, cfg.balance)),
-                "predicted_ms": round(pred.step_s * 1e3, 2),
-                "measured_ms": round(step * 1e3, 2),
-                "time_error": round(pred.step_s / step - 1, 3),
-                "predicted_mib": round(predicted / MIB, 2),
-                "measured_mib": round(peak / MIB, 2),
-                "memory_error": round(predicted / peak - 1, 3),
-                "fits": candidate.fits,
-                # workers: their processes' resident peak, beside their allocators' (measured_mib)
-                "process_mib": round(statistics.median(process) / MIB, 2) if process else None,
-            }
-        )
-    return rows
+    return [_compared_row(plan, candidate, measured[i], shared) for i, candidate in enumerate(chosen)]
+
+
+def _compared_row(plan: Any, candidate: Any, measured: Sequence[dict[str, float]], shared: bool) -> dict[str, Any]:
+    """One configuration's row: the medians of its ``measured`` runs beside the plan's predictions, and the errors."""
+    from tfpipe.planning.predict import shared_peak_bytes
+
+    cfg, pred = candidate.config, candidate.prediction
+    step = statistics.median(m["step_s"] for m in measured)
+    peak = statistics.median(m["peak_bytes"] for m in measured)
+    process = [m["process_bytes"] for m in measured if m.get("process_bytes") is not None]
+    predicted = sum(pred.peak_bytes)
+    if shared:
+        predicted = shared_peak_bytes(plan.profile, plan.calibration, plan.batch_size, cfg, plan.optimizer_slots)
+    return {
+        "K": cfg.num_partitions,
+        "R": cfg.num_replicas,
+        "M": cfg.num_micro_batches,
+        "remat": cfg.remat,
+        "schedule": cfg.schedule,
+        "balance": "-".join(map(str, cfg.balance)),
+        "predicted_ms": round(pred.step_s * 1e3, 2),
+        "measured_ms": round(step * 1e3, 2),
+        "time_error": round(pred.step_s / step - 1, 3),
+        "predicted_mib": round(predicted / MIB, 2),
+        "measured_mib": round(peak / MIB, 2),
+        "memory_error": round(predicted / peak - 1, 3),
+        "fits": candidate.fits,
+        # workers: their processes' resident peak, beside their allocators' (measured_mib)
+        "process_mib": round(statistics.median(process) / MIB, 2) if process else None,
+    }
 
 
 BUDGET_FIELDS = [

@@ -7,7 +7,7 @@ import dataclasses
 import os
 import re
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 
@@ -47,23 +47,13 @@ def timed_fit(
     with ``by_thread`` also per thread name, this process as 'client' and ``pids`` as 'worker0', ...
     """
     import keras
-    import numpy as np
 
     times: list[float] = []  # per step, one entry per timed call
     steps = 0  # steps timed
     last = -(-len(x) // batch_size) - 1
-    watched = [os.getpid(), *pids]
-    roles = {"client": os.getpid(), **{f"worker{i}": pid for i, pid in enumerate(pids)}}
     marks: list[tuple[float, float, float]] = []
     named: list[dict[str, tuple[float, float]]] = []  # thread_seconds at the two marks
-
-    def mark() -> None:
-        now = time.perf_counter()
-        if not by_thread:
-            marks.append((now, *scheduler_seconds(watched)))
-            return
-        named.append(thread_seconds(roles))  # one reading, so that the names add up to the total
-        marks.append((now, sum(run for run, _ in named[-1].values()), sum(wait for _, wait in named[-1].values())))
+    mark = _cpu_marker(pids, by_thread, marks, named)
 
     class Timer(keras.callbacks.Callback):
         """Times each call of the train function from its begin to its end callback."""
@@ -88,6 +78,41 @@ def timed_fit(
     model.fit(x, y, batch_size=batch_size, epochs=1, shuffle=False, verbose=0, callbacks=[Timer()])
     if len(marks) < 2:
         raise ValueError(f"no step of the fit came after the {warmup} warm-up steps: give it more data")
+    return _step_times(times, steps, marks, named)
+
+
+def _cpu_marker(
+    pids: Sequence[int],
+    by_thread: bool,
+    marks: list[tuple[float, float, float]],
+    named: list[dict[str, tuple[float, float]]],
+) -> Callable[[], None]:
+    """A function that appends (now, CPU, wait for a core) of this process and ``pids`` to ``marks``, and with
+    ``by_thread`` each thread name's reading to ``named``."""
+    watched = [os.getpid(), *pids]
+    roles = {"client": os.getpid(), **{f"worker{i}": pid for i, pid in enumerate(pids)}}
+
+    def mark() -> None:
+        now = time.perf_counter()
+        if not by_thread:
+            marks.append((now, *scheduler_seconds(watched)))
+            return
+        named.append(thread_seconds(roles))  # one reading, so that the names add up to the total
+        marks.append((now, sum(run for run, _ in named[-1].values()), sum(wait for _, wait in named[-1].values())))
+
+    return mark
+
+
+def _step_times(
+    times: list[float],
+    steps: int,
+    marks: list[tuple[float, float, float]],
+    named: list[dict[str, tuple[float, float]]],
+) -> StepTimes:
+    """The timed steps' median and, per step, the CPU and wait for a core between the two marks (per thread name
+    where ``named`` has its readings)."""
+    import numpy as np
+
     (t0, cpu0, wait0), (t1, cpu1, wait1) = marks
     cpu, wait = (cpu1 - cpu0) / steps, (wait1 - wait0) / steps
     threads: dict[str, tuple[float, float]] = {}

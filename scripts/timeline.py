@@ -26,6 +26,7 @@ import re
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
@@ -202,25 +203,9 @@ def _layers_and_data():
 
 def profile_steps(devices: list[str], addresses: list[str] | None, logdir: str):
     """Build, warm up and profile the steps; return (graph op info, step windows in ns)."""
-    import keras
     import tensorflow as tf
 
-    import tfpipe
-
-    keras.utils.set_random_seed(0)
-    layers, x, y = _layers_and_data()
-    model = tfpipe.PipelineModel(
-        layers,
-        num_partitions=FLAGS.cells_per_device * len(devices),
-        devices=devices,
-        num_micro_batches=FLAGS.micro_batches,
-        remat=FLAGS.remat,
-        schedule=FLAGS.schedule,
-    )
-    optimizer = keras.optimizers.SGD(1e-3) if FLAGS.optimizer == "sgd" else keras.optimizers.Adam(1e-4)
-    model.compile(optimizer=optimizer, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-    model.build((None,) + x.shape[1:])
-    model.optimizer.build(model.trainable_variables)
+    model, x, y = _compiled_model(devices)
     data = (tf.constant(x), tf.constant(y))
     model._before_tracing(x, y, None)  # noqa: SLF001 - what fit does before tracing: the explicit sends
     began = time.perf_counter()
@@ -243,6 +228,38 @@ def profile_steps(devices: list[str], addresses: list[str] | None, logdir: str):
         windows = [run_one() for _ in range(FLAGS.steps)]
         tf.profiler.experimental.stop()
         return info, windows
+    return info, _profile_workers(run_one, addresses, logdir, step_s)
+
+
+def _compiled_model(devices: list[str]) -> tuple[Any, Any, Any]:
+    """The seeded PipelineModel over ``devices``, compiled and built with its optimizer, and one batch (x, y)."""
+    import keras
+
+    import tfpipe
+
+    keras.utils.set_random_seed(0)
+    layers, x, y = _layers_and_data()
+    model = tfpipe.PipelineModel(
+        layers,
+        num_partitions=FLAGS.cells_per_device * len(devices),
+        devices=devices,
+        num_micro_batches=FLAGS.micro_batches,
+        remat=FLAGS.remat,
+        schedule=FLAGS.schedule,
+    )
+    optimizer = keras.optimizers.SGD(1e-3) if FLAGS.optimizer == "sgd" else keras.optimizers.Adam(1e-4)
+    model.compile(optimizer=optimizer, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    model.build((None,) + x.shape[1:])
+    model.optimizer.build(model.trainable_variables)
+    return model, x, y
+
+
+def _profile_workers(
+    run_one: Callable[[], tuple[int, int]], addresses: list[str], logdir: str, step_s: float
+) -> list[tuple[int, int]]:
+    """The profiled steps' windows, the workers at ``addresses`` traced into ``logdir`` while they run."""
+    import tensorflow as tf
+
     # The workers' servers also serve the profiler: trace them from a thread while this one runs the steps.
     lead = 1.5  # seconds for the trace to start on every worker before the steps run
     duration_ms = int(1000 * (lead + 1.0 + 2.0 * step_s * FLAGS.steps))
@@ -262,50 +279,16 @@ def profile_steps(devices: list[str], addresses: list[str] | None, logdir: str):
     tracer.join()
     if failure:
         raise RuntimeError(f"Profiling the workers failed: {failure[0]}")
-    return info, windows
+    return windows
 
 
 def main(argv: list[str]) -> None:
     """Check the flags, profile the steps, write the CSV and PNG, print the summary."""
     del argv
-    kind, k = _parse_devices(FLAGS.devices)
-    ratio = _ideal_costs(FLAGS.ideal_costs)
-    if FLAGS.batch_size < FLAGS.micro_batches:
-        raise app.UsageError(
-            f"--batch_size={FLAGS.batch_size} is smaller than --micro_batches="
-            f"{FLAGS.micro_batches}; every micro-batch needs an example."
-        )
-    if FLAGS.cells_per_device > 1 and not schedule.shares_devices(FLAGS.schedule):
-        raise app.UsageError(
-            f"--cells_per_device={FLAGS.cells_per_device} needs a schedule that shares devices "
-            f"({', '.join(schedule.SHARED_SCHEDULES)}); --schedule={FLAGS.schedule} puts one cell on each."
-        )
+    kind, k, ratio = _check_flags()
     have_plot = FLAGS.png
-    if have_plot:
-        try:
-            import matplotlib  # noqa: F401
-        except ImportError:
-            sys.exit('timeline.py needs matplotlib for the PNG: pip install -e ".[timeline]" (or pass --nopng).')
     os.makedirs(os.path.dirname(os.path.abspath(FLAGS.out)), exist_ok=True)
-
-    import tensorflow as tf
-
-    logdir = tempfile.mkdtemp(prefix="tfpipe_timeline_")
-    if kind == "cpu":
-        tf.config.set_logical_device_configuration(
-            tf.config.list_physical_devices("CPU")[0], [tf.config.LogicalDeviceConfiguration()] * k
-        )
-        devices = [f"/CPU:{i}" for i in range(k)]
-        info, windows = profile_steps(devices, None, logdir)  # cells placed on them by the schedule
-        host_device: dict[str, int] = {}
-    else:
-        from tfpipe.cluster import LocalCluster
-
-        with LocalCluster(k, threads_per_worker=1) as cluster:
-            devices = cluster.devices
-            info, windows = profile_steps(devices, cluster.addresses, logdir)
-            host_device = {a.replace(":", "_"): i for i, a in enumerate(cluster.addresses)}
-    events = read_trace(logdir, host_device, info, {d: i for i, d in enumerate(devices)})
+    devices, events, windows = _profile(kind, k)
     rows = task_rows(events, windows, devices)
     write_table(
         FLAGS.out,
@@ -336,6 +319,51 @@ def main(argv: list[str]) -> None:
             f"{FLAGS.model}, K={n} on {k} {kind}, M={m}, batch {FLAGS.batch_size}, remat {FLAGS.remat}: last profiled "
             f"step {(last[1] - last[0]) / 1e6:.1f} ms measured vs {ideal_ms:.1f} ms ideal",
         )
+
+
+def _check_flags() -> tuple[str, int, float | None]:
+    """Reject flags that cannot work (and --png without matplotlib); the device kind, their count, the B/F ratio."""
+    kind, k = _parse_devices(FLAGS.devices)
+    ratio = _ideal_costs(FLAGS.ideal_costs)
+    if FLAGS.batch_size < FLAGS.micro_batches:
+        raise app.UsageError(
+            f"--batch_size={FLAGS.batch_size} is smaller than --micro_batches="
+            f"{FLAGS.micro_batches}; every micro-batch needs an example."
+        )
+    if FLAGS.cells_per_device > 1 and not schedule.shares_devices(FLAGS.schedule):
+        raise app.UsageError(
+            f"--cells_per_device={FLAGS.cells_per_device} needs a schedule that shares devices "
+            f"({', '.join(schedule.SHARED_SCHEDULES)}); --schedule={FLAGS.schedule} puts one cell on each."
+        )
+    if FLAGS.png:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            sys.exit('timeline.py needs matplotlib for the PNG: pip install -e ".[timeline]" (or pass --nopng).')
+    return kind, k, ratio
+
+
+def _profile(kind: str, k: int) -> tuple[list[str], list[Event], list[tuple[int, int]]]:
+    """Profile the steps on ``k`` devices of ``kind`` (cpu or local); the devices, the ops run, the step windows."""
+    import tensorflow as tf
+
+    logdir = tempfile.mkdtemp(prefix="tfpipe_timeline_")
+    if kind == "cpu":
+        tf.config.set_logical_device_configuration(
+            tf.config.list_physical_devices("CPU")[0], [tf.config.LogicalDeviceConfiguration()] * k
+        )
+        devices = [f"/CPU:{i}" for i in range(k)]
+        info, windows = profile_steps(devices, None, logdir)  # cells placed on them by the schedule
+        host_device: dict[str, int] = {}
+    else:
+        from tfpipe.cluster import LocalCluster
+
+        with LocalCluster(k, threads_per_worker=1) as cluster:
+            devices = cluster.devices
+            info, windows = profile_steps(devices, cluster.addresses, logdir)
+            host_device = {a.replace(":", "_"): i for i, a in enumerate(cluster.addresses)}
+    events = read_trace(logdir, host_device, info, {d: i for i, d in enumerate(devices)})
+    return devices, events, windows
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import statistics
+from typing import Any
 
 from tfpipe import schedule
 from tfpipe.analysis.graph_tasks import PHASES, parse_task_name
@@ -168,11 +169,25 @@ def draw(
     import matplotlib.pyplot as plt
     from matplotlib.patches import Patch
 
-    t0 = window[0]
-    span = (window[1] - t0) / 1e6
-    ideal_span = max(end for _, _, end in ideal)
+    span = (window[1] - window[0]) / 1e6
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(16, 2.2 + 1.1 * len(device_names) * 2), sharex=False)
     shared = len(set(where)) < len(where)  # several cells per device: labels name the cell too
+    _draw_measured(top, events, window, device_names, shared, title)
+    _draw_ideal(bottom, ideal, where, device_names, shared, span)
+    fig.legend(
+        handles=[Patch(color=COLORS[p], label=p) for p in PHASES], ncol=len(PHASES), fontsize=7, loc="lower center"
+    )
+    fig.tight_layout(rect=(0, 0.05, 1, 1))
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _draw_measured(
+    top: Any, events: list[Event], window: tuple[int, int], device_names: list[str], shared: bool, title: str
+) -> None:
+    """The measured step on axes ``top``: a bar per run of a task's phase on each device, the long ones labelled."""
+    t0 = window[0]
+    span = (window[1] - t0) / 1e6
     for d in range(len(device_names)):
         mine = [e for e in events if e.device == d and t0 <= e.start <= window[1]]
         for (task, phase), begin, end in _runs(mine):
@@ -188,6 +203,18 @@ def draw(
     top.set_xlim(0, span)
     top.set_xlabel("ms since the step was called (measured)")
     top.set_title(title, fontsize=9)
+
+
+def _draw_ideal(
+    bottom: Any,
+    ideal: list[tuple[schedule.Task, float, float]],
+    where: list[int],
+    device_names: list[str],
+    shared: bool,
+    span: float,
+) -> None:
+    """The ideal schedule on axes ``bottom``, on the measured step's scale (``span`` ms): a bar per task."""
+    ideal_span = max(end for _, _, end in ideal)
     for task, begin, end in ideal:
         phase = "forward" if task.kind == "F" else "backward"  # W tasks too: labelled W
         bottom.barh(
@@ -208,12 +235,6 @@ def draw(
     bottom.invert_yaxis()
     bottom.set_xlim(0, span)  # the same scale as the measured step
     bottom.set_xlabel("ms (ideal schedule: same task order and costs, no transfers, no waiting)")
-    fig.legend(
-        handles=[Patch(color=COLORS[p], label=p) for p in PHASES], ncol=len(PHASES), fontsize=7, loc="lower center"
-    )
-    fig.tight_layout(rect=(0, 0.05, 1, 1))
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
 
 
 def _runs(events: list[Event]) -> list[tuple[tuple[str, str], int, int]]:

@@ -76,7 +76,7 @@ from scripts.train_flags import (  # noqa: E402
     parse_flags,
     plan_choices,
 )
-from scripts.train_task import make_task  # noqa: E402
+from scripts.train_task import Task, make_task  # noqa: E402
 
 
 def check_flags() -> None:
@@ -220,6 +220,7 @@ def run() -> dict:
 
 
 def _run(stack: contextlib.ExitStack) -> dict:
+    """Set up the devices, build the task and the model, train it; return the report."""
     balance = ints("balance")
     partitions = len(balance) if balance else FLAGS.partitions
     if FLAGS.plan:  # every device, for the plan to choose from
@@ -229,17 +230,39 @@ def _run(stack: contextlib.ExitStack) -> dict:
 
     import keras
 
-    import tfpipe
-
     keras.utils.set_random_seed(FLAGS.seed)
+    task = _task()
+    model = _compiled_model(task, devices, balance, partitions)
+    if FLAGS.model_dir:
+        os.makedirs(FLAGS.model_dir, exist_ok=True)
+    extra, resumed = callbacks(FLAGS.model_dir)
+    if resumed is not None:  # restore now (BackupAndRestore would at fit) so the starting loss is the resumed one
+        model.optimizer.build(model.trainable_variables)
+        model.load_weights(os.path.join(FLAGS.model_dir, "backup", "latest.weights.h5"))
+        print(f"resuming from epoch {resumed} (backup in {os.path.join(FLAGS.model_dir, 'backup')})")
+    report = _train(model, task, extra, resumed)
+    _print_report(report, model, task.scored)
+    return report
+
+
+def _task() -> Task:
+    """The task the flags ask for, its builders' errors mapped to the flags."""
     try:
-        task = make_task()
+        return make_task()
     except ValueError as err:  # the model builders name their argument; map it to the flags
         raise UsageError(f"--model={FLAGS.model} sizes: {err}") from None
     except ImportError as err:  # keras_hub missing after all (scripts/hub_models.py names the extra)
         if err.name != "keras_hub":
             raise
         raise UsageError(str(err)) from None
+
+
+def _compiled_model(task: Task, devices: Any, balance: list[int] | None, partitions: int) -> Any:
+    """The PipelineModel of ``task`` (planned with --plan, else as the flags cut it), built, compiled, summarized."""
+    import keras
+
+    import tfpipe
+
     model = None
     if FLAGS.plan:
         try:
@@ -267,13 +290,11 @@ def _run(stack: contextlib.ExitStack) -> dict:
     ](learning_rate(int(task.dataset.cardinality())))
     model.compile(optimizer=optimizer, loss=task.loss, jit_compile=FLAGS.jit_compile, **task.metrics)
     model.summary()
-    if FLAGS.model_dir:
-        os.makedirs(FLAGS.model_dir, exist_ok=True)
-    extra, resumed = callbacks(FLAGS.model_dir)
-    if resumed is not None:  # restore now (BackupAndRestore would at fit) so the starting loss is the resumed one
-        model.optimizer.build(model.trainable_variables)
-        model.load_weights(os.path.join(FLAGS.model_dir, "backup", "latest.weights.h5"))
-        print(f"resuming from epoch {resumed} (backup in {os.path.join(FLAGS.model_dir, 'backup')})")
+    return model
+
+
+def _train(model: Any, task: Task, extra: list, resumed: int | None) -> dict:
+    """Fit ``model`` on the task, scored on a few batches before and after (and the held-out ones); the report."""
     probe = task.dataset.take(4).cache()  # the same few batches before and after training
     start_loss, start_acc = model.evaluate(probe, verbose=0)
     # One iterator for the whole run: handed the finite data set, Keras makes a new iterator at every epoch's
@@ -296,7 +317,7 @@ def _run(stack: contextlib.ExitStack) -> dict:
     final_loss, final_acc = model.evaluate(probe, verbose=0)
     held_acc = float(model.evaluate(task.held_out, verbose=0)[1]) if task.held_out is not None else None
     steps = FLAGS.steps or int(task.dataset.cardinality())
-    report = {
+    return {
         "start_loss": float(start_loss),
         "start_accuracy": float(start_acc),
         "final_loss": float(final_loss),
@@ -311,20 +332,24 @@ def _run(stack: contextlib.ExitStack) -> dict:
         "micro_batches": model.num_micro_batches,
         "replicas": model.num_replicas,
     }
+
+
+def _print_report(report: dict, model: Any, scored: str) -> None:
+    """The report's three lines: loss and accuracy, speed, and how the model was cut."""
+    held_acc = report["held_out_accuracy"]
     print(
         f"\nloss {report['start_loss']:.3f} -> {report['final_loss']:.3f}, "
-        f"accuracy {report['start_accuracy']:.3f} -> {report['final_accuracy']:.3f} ({task.scored})"
+        f"accuracy {report['start_accuracy']:.3f} -> {report['final_accuracy']:.3f} ({scored})"
         + (f"; held-out accuracy {held_acc:.3f}" if held_acc is not None else "")
     )
     print(
-        f"{report['examples_per_second']:.0f} examples/s over {seconds:.1f} s, {epochs_run} epochs "
+        f"{report['examples_per_second']:.0f} examples/s over {report['seconds']:.1f} s, {report['epochs_run']} epochs "
         "(first-step tracing included)"
     )
     print(
         f"balance {report['balance']} on {report['devices']}, {report['micro_batches']} micro-batches, "
         f"remat={model.remat!r}" + (f", schedule={model.schedule!r}" if model.schedule != "gpipe" else "")
     )
-    return report
 
 
 def planned_model(task: Any, devices: list[str] | None) -> Any:
