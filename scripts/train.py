@@ -103,13 +103,6 @@ def check_flags() -> None:
     if FLAGS.model == "unet" and FLAGS.dataset != "synthetic":
         raise UsageError("--model=unet trains on the generated segmentation task; use --dataset=synthetic")
     check_plan_flags()
-    if FLAGS.memory_budget is not None:
-        from tfpipe.planning.plans import parse_bytes
-
-        try:
-            parse_bytes(FLAGS.memory_budget)
-        except ValueError as err:
-            raise UsageError(f"{flag_as_given('memory_budget')}: {err}") from None
     if FLAGS.batch_size < FLAGS.micro_batches * FLAGS.replicas and (not FLAGS.plan or FLAGS["micro_batches"].present):
         what = f"--micro_batches={FLAGS.micro_batches}" + (
             f" x --replicas={FLAGS.replicas}" if FLAGS.replicas > 1 else ""
@@ -180,9 +173,9 @@ def replica_devices(devices: list[str] | None, partitions: int) -> list[str] | l
     if r == 1:
         return devices
     if devices is None:  # 'auto' on a GPU machine: every GPU
-        from tfpipe.distributed.devices import available
+        import tensorflow as tf
 
-        devices = available()
+        devices = [d.name for d in tf.config.list_logical_devices("GPU")]
     if len(devices) < r * partitions:
         raise UsageError(
             f"--replicas={r} x {partitions} cells need {r * partitions} devices; --devices={FLAGS.devices} "

@@ -5,6 +5,7 @@ Modules are sized by cohesion, one concept each, not by a line count (issue 65).
 
 import ast
 import importlib
+import importlib.util
 import os
 
 import pytest
@@ -123,3 +124,64 @@ def test_internal_paths_of_old_are_gone_and_an_unknown_attribute_is_an_attribute
             importlib.import_module(f"tfpipe.{old}")
     with pytest.raises(AttributeError, match="has no attribute 'nothing'"):
         tfpipe.nothing  # noqa: B018
+
+
+# What scripts/ and benchmarks/ may import of tfpipe besides the public API and the reference models: each internal
+# module a tool reads, and why no public one serves (issue 65).
+TOOLS_READ = {
+    ("scripts/timeline.py", "tfpipe.analysis.graph_tasks"): "the step graph's task scopes, which the timeline draws",
+    ("scripts/timeline_analysis.py", "tfpipe.analysis.graph_tasks"): "the timeline's task names and phases",
+    ("scripts/plan_measure.py", "tfpipe.planner.calibration"): "steps timed as the planner times them, to compare",
+    ("scripts/plan_measure.py", "tfpipe.planning.predict"): "the planner's prediction of a shared allocator's peak",
+    ("scripts/plan_measure.py", "tfpipe.planning.search"): "the planner's search re-run under other budgets",
+    ("scripts/plan_measure.py", "tfpipe.planner"): "the planner's timing of its shortlist, for the re-run search",
+}
+PUBLIC_MODULES = {"tfpipe", *(f"tfpipe.{name}" for name in ("balance", "cluster", "cost", "schedule"))}
+
+
+def _tool_files() -> list[str]:
+    """Every Python file of scripts/ and benchmarks/, relative to the repository."""
+    return sorted(
+        os.path.relpath(os.path.join(folder, file), REPO)
+        for top in ("scripts", "benchmarks")
+        for folder, _, files in os.walk(os.path.join(REPO, top))
+        for file in files
+        if file.endswith(".py")
+    )
+
+
+def _submodule(module: str, name: str) -> str:
+    """``module.name`` where that is a module of tfpipe (``from tfpipe.planning import search``), else ``module``."""
+    if not module.startswith("tfpipe") or not hasattr(importlib.import_module(module), "__path__"):
+        return module  # a module, not a package: what it imports from it are its names
+    return f"{module}.{name}" if importlib.util.find_spec(f"{module}.{name}") is not None else module
+
+
+def test_the_tools_import_the_public_api_and_name_each_internal_module_they_read():
+    internal = set()
+    for path in _tool_files():
+        for node in ast.walk(ast.parse(open(os.path.join(REPO, path)).read())):
+            if isinstance(node, ast.ImportFrom) and node.module:  # a submodule by its own name, else the module
+                modules = {_submodule(node.module, alias.name) for alias in node.names}
+            elif isinstance(node, ast.Import):
+                modules = {alias.name for alias in node.names}
+            else:
+                continue
+            for module in modules:
+                public = module in PUBLIC_MODULES or module.startswith("tfpipe.models")
+                if module.startswith("tfpipe") and not public:
+                    internal.add((path, module))
+    assert internal == set(TOOLS_READ), sorted(internal ^ set(TOOLS_READ))
+
+
+def test_no_function_is_over_60_lines():
+    # functions are cut where a step ends (issue 65); the library, its models, scripts and benchmarks alike
+    files = [p for p, _ in _modules()] + [os.path.join(REPO, p) for p in _tool_files()]
+    files += [os.path.join(REPO, "models", f) for f in os.listdir(os.path.join(REPO, "models")) if f.endswith(".py")]
+    long = [
+        f"{os.path.relpath(path, REPO)}:{node.lineno} {node.name} ({node.end_lineno - node.lineno + 1} lines)"
+        for path in files
+        for node in ast.walk(ast.parse(open(path).read()))
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno + 1 > 60
+    ]
+    assert not long, long
