@@ -167,6 +167,7 @@ class PipelineModel(keras.Model):
         self._built_spec: tuple[Any, Any] | None = None  # (inputs, outputs) as build ran the layers on them
         self._pipeline: Pipeline | Replicated | None = None
         self._cells_jit = False  # compile(jit_compile=True): XLA per cell
+        self._skips = recovery.Skips()  # batches a resumed fit draws and does not train on (tfpipe.recovery)
         cell_sizes = settings.cell_sizes if settings.cell_sizes is not None else self._split_early(layers, units)
         if cell_sizes is not None:
             self._make_pipeline(cell_sizes)
@@ -587,7 +588,7 @@ class PipelineModel(keras.Model):
         if getattr(self, name) is None or force:
             make(force)
             made = with_fewer_rewrites(getattr(self, name), self._calls_cells)
-            setattr(self, name, recovery.skipping(made, self) if name == "train_function" else made)
+            setattr(self, name, recovery.skipping(made, self, self._skips) if name == "train_function" else made)
         return getattr(self, name)
 
     def _calls_cells(self) -> bool:
@@ -623,7 +624,7 @@ class PipelineModel(keras.Model):
             with faults.reporting(), training_lib.short_batch_errors():  # named workers, short messages
                 return keras_fit(x, y, batch_size, *call_args, **call_kwargs)
 
-        return recovery.fit(self, run, given)
+        return recovery.fit(self, run, given, self._skips, self._remake_pipeline)
 
     def evaluate(self, x: Any = None, y: Any = None, batch_size: int | None = None, *args: Any, **kwargs: Any):
         """Keras ``evaluate``, after the task's ``preprocessor`` as in ``fit``."""
@@ -708,7 +709,7 @@ class PipelineModel(keras.Model):
 
         Ends with the predicted pipeline efficiency: M / (M + K - 1) times mean / max cell cost.
         """
-        summary_lib.print_summary(self, line_length, print_fn)
+        summary_lib.print_summary(self, line_length, print_fn, self._cut_tensors())
 
     # Saving, loading and conversion (tfpipe.saving) -------------------------------------------------
     def get_config(self) -> dict[str, Any]:

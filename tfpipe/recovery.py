@@ -19,6 +19,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import gc
 import signal
@@ -38,13 +39,30 @@ from tfpipe.partition import state as state_lib
 PREEMPTED_EXIT_CODE = 128 + signal.SIGTERM  # what a shell reports for a process ended by SIGTERM
 
 
-def fit(model: keras.Model, run: Callable[[list], keras.callbacks.History], callbacks: Any) -> Any:
-    """Run ``run(callbacks)`` (one Keras ``fit``); run it again after each worker failure the cluster may recover."""
+@dataclasses.dataclass
+class Skips:
+    """The batches of a resumed epoch that its backup saw: drawn from the data and not trained on again."""
+
+    left: int = 0
+
+
+def fit(
+    model: keras.Model,
+    run: Callable[[list], keras.callbacks.History],
+    callbacks: Any,
+    skips: Skips,
+    remake_pipeline: Callable[[], None],
+) -> Any:
+    """Run ``run(callbacks)`` (one Keras ``fit``); run it again after each worker failure the cluster may recover.
+
+    ``skips`` is what the model's train function reads (``skipping``); ``remake_pipeline`` makes the model's
+    pipeline and step functions anew over its variables once they are made again on the new workers.
+    """
     callbacks = list(callbacks or [])
     backup = next((c for c in callbacks if isinstance(c, keras.callbacks.BackupAndRestore)), None)
     if backup is None:
         return run(callbacks)
-    guard = Guard(backup, cluster_lib.restartable())
+    guard = Guard(backup, cluster_lib.restartable(), skips)
     with guard.armed():
         while True:
             try:
@@ -71,16 +89,17 @@ def fit(model: keras.Model, run: Callable[[list], keras.callbacks.History], call
                 placed = variables(model)  # read before the restart: an old handle's device is gone after it
             forget_steps(model)  # outside the except: its traceback holds the old step's frames
             cluster.restart()
-            remake(model, placed, guard.seeds)
+            remake(model, placed, guard.seeds, remake_pipeline)
             guard.restarts += 1
 
 
 class Guard(keras.callbacks.Callback):
     """The callback ``fit`` adds after the user's: a backup to restart from, batches to skip, SIGTERM."""
 
-    def __init__(self, backup: keras.callbacks.BackupAndRestore, cluster: Any):
+    def __init__(self, backup: keras.callbacks.BackupAndRestore, cluster: Any, skips: Skips):
         super().__init__()
         self.backup = backup
+        self.skips = skips
         self.cluster = cluster  # the LocalCluster or joined cluster whose failures fit recovers from, or None
         self.seeds: dict[int, np.ndarray] = {}  # seed states at the start: a backup does not hold them
         self.signalled = False
@@ -108,7 +127,7 @@ class Guard(keras.callbacks.Callback):
     def on_train_begin(self, logs: Any = None) -> None:
         """After Keras' callback restored the backup: skip what it saw; with no backup, write one to restart from."""
         model = self.model
-        model._skip_batches = _compat.backup_point(self.backup)[1]  # noqa: SLF001
+        self.skips.left = _compat.backup_point(self.backup)[1]
         if self.cluster is None:
             return
         if not self.seeds:
@@ -196,7 +215,9 @@ def forget_steps(model: keras.Model) -> None:
     gc.collect()
 
 
-def remake(model: keras.Model, placed: list[Placed], seeds: dict[int, np.ndarray]) -> None:
+def remake(
+    model: keras.Model, placed: list[Placed], seeds: dict[int, np.ndarray], remake_pipeline: Callable[[], None]
+) -> None:
     """After the workers were replaced: make every variable again, and the pipeline and the step anew.
 
     A worker's variables hold placeholders until Keras' callback restores the backup: zeros, and
@@ -210,21 +231,21 @@ def remake(model: keras.Model, placed: list[Placed], seeds: dict[int, np.ndarray
         _compat.rekey_optimizer(
             model.optimizer, {p.key: _compat.optimizer_key(model.optimizer, p.variable) for p in placed}
         )
-    model._remake_pipeline()  # noqa: SLF001  (drops the step functions too)
+    remake_pipeline()  # drops the step functions too
     gc.collect()  # the old variables' and pipeline's garbage, before Keras' callback restores the backup (forget_steps)
     _compat.wait_for_ops()  # and every op made so far run, the placeholders' assignments among them
 
 
-def skipping(function: Callable, model: keras.Model) -> Callable:
-    """A Keras train function that, while the model has batches to skip, draws a batch and does not train on it."""
+def skipping(function: Callable, model: keras.Model, skips: Skips) -> Callable:
+    """A Keras train function that, while ``skips`` has batches left, draws a batch and does not train on it."""
 
     @functools.wraps(function)
     def call(iterator: Any) -> Any:
-        if getattr(model, "_skip_batches", 0) <= 0:
+        if skips.left <= 0:
             return function(iterator)
         for _ in range(int(model.steps_per_execution)):
             next(iterator)  # trained on before the backup
-        model._skip_batches -= int(model.steps_per_execution)  # noqa: SLF001
+        skips.left -= int(model.steps_per_execution)
         return model.get_metrics_result()
 
     return call

@@ -185,3 +185,21 @@ def test_no_function_is_over_60_lines():
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno + 1 > 60
     ]
     assert not long, long
+
+
+def test_no_module_reads_another_modules_private_attributes():
+    # a class's private attributes are read in its own module (issue 65); TensorFlow's and Keras' through _compat
+    read = []
+    for path, name in _modules():
+        if name == "_compat":
+            continue
+        tree = ast.parse(open(path).read())
+        own = {n.name for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
+        own |= {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute) and isinstance(n.ctx, ast.Store)}
+        read += [
+            f"{os.path.relpath(path, REPO)}:{n.lineno} {ast.unparse(n)}"
+            for n in ast.walk(tree)
+            if isinstance(n, ast.Attribute) and n.attr.startswith("_") and not n.attr.startswith("__")
+            and not (isinstance(n.value, ast.Name) and n.value.id in ("self", "cls")) and n.attr not in own
+        ]  # fmt: skip
+    assert not read, read

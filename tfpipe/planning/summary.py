@@ -15,8 +15,14 @@ COLUMNS = ("Cell", "Device", "Layers", "Params", "Cost", "Share", "Out bytes/sam
 WIDTHS = [4, 24, 0, 12, 20, 6, 16]  # 0: the layers column takes what the line length leaves
 
 
-def print_summary(model: Any, line_length: int | None = None, print_fn: Callable[[str], None] | None = None) -> None:
-    """Print ``model``'s cells, its parameter counts and the predicted pipeline efficiency."""
+def print_summary(
+    model: Any,
+    line_length: int | None = None,
+    print_fn: Callable[[str], None] | None = None,
+    cuts: list[list[tuple[str, tuple, float]]] | None = None,
+) -> None:
+    """Print ``model``'s cells, its parameter counts and the predicted pipeline efficiency; ``cuts``: a Functional
+    model's tensors crossing each cut (maker, shape, bytes a sample)."""
     print_fn = print_fn or print
     width = line_length or 120
     cost_name = model.cost if isinstance(model.cost, str) else "custom"
@@ -50,7 +56,7 @@ def print_summary(model: Any, line_length: int | None = None, print_fn: Callable
     for row in rows[1:]:
         print_fn(fmt(row))
     print_fn("=" * width)
-    for cut, tensors in enumerate(model._cut_tensors() or []):  # noqa: SLF001 - the model's own summary
+    for cut, tensors in enumerate(cuts or []):
         total = si(sum(b for _, _, b in tensors)) + "B"
         listed = ", ".join(f"{name} {list(shape[1:])} {si(b)}B" for name, shape, b in tensors)
         print_fn(f"Cut {cut}|{cut + 1}: {len(tensors)} tensors, {total}/sample: {listed}")
