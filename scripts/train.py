@@ -172,10 +172,10 @@ def replica_devices(devices: list[str] | None, partitions: int) -> list[str] | l
     r = FLAGS.replicas
     if r == 1:
         return devices
-    if devices is None:  # 'auto' on a GPU machine: every GPU
+    if devices is None:  # every GPU, else the logical CPU devices (cpu:N), as PipelineModel's devices=None
         import tensorflow as tf
 
-        devices = [d.name for d in tf.config.list_logical_devices("GPU")]
+        devices = [d.name for d in tf.config.list_logical_devices("GPU") or tf.config.list_logical_devices("CPU")]
     if len(devices) < r * partitions:
         raise UsageError(
             f"--replicas={r} x {partitions} cells need {r * partitions} devices; --devices={FLAGS.devices} "
