@@ -83,7 +83,7 @@ class ReluConvBN(keras.layers.Layer):
         self.filters = filters
         self.kernel_size = tuple(kernel_size) if isinstance(kernel_size, (list, tuple)) else kernel_size
         self.strides = tuple(strides) if isinstance(strides, (list, tuple)) else strides
-        if kernel_size in (1, (1, 1)):
+        if self.kernel_size in (1, (1, 1)):
             self.conv = PointwiseConv(filters, strides)
         else:
             self.conv = keras.layers.Conv2D(filters, kernel_size, strides=strides, padding="same", use_bias=False)
