@@ -35,28 +35,42 @@ _CALIBRATIONS: dict[tuple[Any, ...], Calibration] = {}  # one per set of devices
 WARM_STEPS = 100  # TensorFlow's executor runs a kernel inline only once its cost estimate settles, ~90 runs
 # A whole step of the model's own layers, after tracing, ran as fast in its first 10 steps as in its 140th (2026-11-29:
 # the Transformer at 240 ms and MLPs at 2.5-60 ms a step, on workers and on logical CPUs, medians of 10 within noise
-# with no trend): its probes warm up this many steps, where warming up to WARM_STEPS took a third of a probe's time
+# with no trend): its probes warm up this many steps, where warming up to WARM_STEPS took a third of a probe's time,
+# and for at most PROBE_WARM_SECONDS after tracing: the Transformer's cut probe on two workers (200 ms a step) timed
+# right after tracing gave medians of 189-206 ms against 193-200 warmed 10 steps (three each, 2026-11-30), 2.3 s sooner
 PROBE_WARM_STEPS = 10
+PROBE_WARM_SECONDS = 0.5
 # Probes compared with one another are timed in this many rounds, in turn: a slow spell of a shared machine then slows
 # one round of each, not every step of one (docs/guide/planning.md#where-the-predictions-come-from)
 ROUNDS = 3
+# The calibration's step that calls its cells without inlining them (2K x 32 tasks on two workers) gave the same task
+# cost warmed up 20 steps as 100 (2026-11-30, six calibrations each: 0.111-0.129 ms against 0.115-0.133), 1 s sooner
+NOINLINE_WARM_STEPS = 20
 PROBE_SIZE = 16 * 2**20  # bytes of each tensor the calibration moves, joins and updates (without a budget)
 
 
 def calibrate(
-    devices: Sequence[str], optimizer: Any = "adam", steps: int = 30, budget: float | None = None
+    devices: Sequence[str],
+    optimizer: Any = "adam",
+    steps: int = 30,
+    budget: float | None = None,
+    most_tasks: int | None = None,
 ) -> Calibration:
     """Measure what a step costs on ``devices`` beyond its layers (cached per devices and optimizer in this process).
 
     ``budget``: bytes per device its probes keep to (the optimizer's update is timed on fewer weights under it).
+    ``most_tasks``: the most tasks a step the caller predicts has; where that is under the count from which a step
+    stops inlining its cells, such a step is not measured (a third of the calibration's time on two workers), and
+    ``noinline_task_s`` is None. None: measured.
     """
     device_list = list(devices)
     size = probe_size(budget)
-    key = (*device_list, optimizer if isinstance(optimizer, str) else repr(optimizer.get_config()), size)
+    noinline = most_tasks is None or most_tasks >= noinline_tasks(device_list)
+    key = (*device_list, optimizer if isinstance(optimizer, str) else repr(optimizer.get_config()), size, noinline)
     if key in _CALIBRATIONS:
         return _CALIBRATIONS[key]
     with _compat.custom_gradients_forgotten():  # its probes, once let go, hold no memory
-        result = _calibrate(device_list, optimizer, steps, size)
+        result = _calibrate(device_list, optimizer, steps, size, noinline)
     _CALIBRATIONS[key] = result
     return result
 
@@ -69,7 +83,7 @@ def probe_size(budget: float | None) -> int:
     return int(min(PROBE_SIZE, max(2**20, 2 ** np.floor(np.log2(max(budget / 8, 1.0))))))
 
 
-def _calibrate(device_list: list[str], optimizer: Any, steps: int, size: int) -> Calibration:
+def _calibrate(device_list: list[str], optimizer: Any, steps: int, size: int, noinline: bool) -> Calibration:
     k = len(device_list)
     x = np.ones((64, 4), "float32")
     # The most micro-batches whose step still inlines its cells, and the fewest whose step does not
@@ -78,6 +92,8 @@ def _calibrate(device_list: list[str], optimizer: Any, steps: int, size: int) ->
     inline_m, noinline_m = min(8, (threshold - 1) // (2 * k)), -(-threshold // (2 * k))
     if inline_m < 2:  # 32 devices or more: one micro-batch already calls its cells
         inline_m, noinline_m = 8, None
+    if not noinline:
+        noinline_m = None
     ms = sorted({1, inline_m} | ({noinline_m} if noinline_m else set()))
     kept: dict[Any, list] = {m: [] for m in ms}  # each probe its own tiny layers, so that all stay alive to re-time
     probes = {
@@ -91,7 +107,8 @@ def _calibrate(device_list: list[str], optimizer: Any, steps: int, size: int) ->
             "sgd",
             steps,
             kept=kept[m],
-            warm_steps=WARM_STEPS,
+            warm_steps=NOINLINE_WARM_STEPS if m == noinline_m else WARM_STEPS,
+            warm_seconds=None,
         )
         for m in ms
     }
@@ -229,9 +246,10 @@ def _probe(
     per_device: bool = False,
     kept: list | None = None,
     warm_steps: int = PROBE_WARM_STEPS,
+    warm_seconds: float | None = PROBE_WARM_SECONDS,
 ) -> Probe:
     """A probe pipeline trained on one batch (x, y): its median step and its peak, after warming up (``warm``: up to
-    ``warm_steps`` steps).
+    ``warm_steps`` steps or ``warm_seconds`` after tracing, as ``warm_up``).
 
     ``devices``: one pipeline's, or a list of replicas' (the peak is the first replica's first device's).
     ``per_device``: also each device's peak, where each has an allocator of its own. ``kept``: a list that gets the
@@ -261,7 +279,7 @@ def _probe(
     )
     model.compile(optimizer=optimizer, loss=loss)
     with messages.quiet():  # the probes' "building the step" lines are not the user's
-        warm_up(model, data, None if warm else 0.0, warm_steps)
+        warm_up(model, data, warm_seconds if warm else 0.0, warm_steps)
         if memory:
             tf.config.experimental.reset_memory_stats(memory)
         if own:
@@ -371,17 +389,22 @@ def _own_allocators(devices: Sequence[str]) -> _OwnAllocators | None:
 
 
 def warm_up(model: keras.Model, data: tf.data.Dataset, seconds: float | None = None, steps: int = WARM_STEPS) -> None:
-    """Trace ``model``'s step on ``data`` (a repeated dataset), then train up to ``steps`` steps or ``seconds``.
+    """Trace ``model``'s step on ``data`` (a repeated dataset), then train up to ``steps`` steps in all or for
+    ``seconds`` after tracing.
 
-    Default ``seconds``: twice the tracing time and one more (a large model settles sooner than it traces).
+    Default ``seconds``: as long as tracing took, and one more (a large model settles sooner than it traces).
     """
     began = timeit.default_timer()
     model.fit(data, steps_per_epoch=2, verbose=0)  # traces
-    limit = 2 * (timeit.default_timer() - began) + 1.0 if seconds is None else seconds
-    warm = 2
-    while warm < steps and timeit.default_timer() - began < limit:
-        more = min(10, steps - warm)
+    traced = timeit.default_timer()
+    limit = traced - began + 1.0 if seconds is None else seconds
+    warm, step_s = 2, 0.0
+    while warm < steps and (left := limit - (timeit.default_timer() - traced)) > 0:
+        # a step first, to learn its time; then as many as the time left holds, ten at a time at most
+        more = min(10, steps - warm, 1 if warm == 2 else max(1, int(left / max(step_s, 1e-6))))
+        before = timeit.default_timer()
         model.fit(data, steps_per_epoch=more, verbose=0)
+        step_s = (timeit.default_timer() - before) / more
         warm += more
 
 

@@ -66,6 +66,11 @@ def shapes(batch_size: int, num_layers: int, space: Space) -> list[tuple[int, in
     return out
 
 
+def most_tasks(batch_size: int, num_layers: int, space: Space) -> int:
+    """The most forward and backward tasks one replica's step of ``shapes`` runs (2 x K x M)."""
+    return max((2 * k * m for _, k, m in shapes(batch_size, num_layers, space)), default=0)
+
+
 def micro_batch_sizes(batch_size: int, num_layers: int, space: Space) -> list[int]:
     """The micro-batch sizes the profile must hold for ``shapes``."""
     found = shapes(batch_size, num_layers, space)

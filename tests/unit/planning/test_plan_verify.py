@@ -181,6 +181,30 @@ def test_the_calibration_moves_16_mib_or_an_eighth_of_the_budget():
     assert calibration_lib.probe_size(2**20) == 2**20  # never less: a smaller copy times too little to tell
 
 
+def test_the_calibration_times_a_step_that_calls_its_cells_only_where_the_search_reaches_one(monkeypatch):
+    from tfpipe.step.unrolled import NOINLINE_TASKS
+
+    probed: list[int] = []
+
+    def probe(layers, balance, devices, m, *args, **kwargs):
+        probed.append(m)
+        return calibration_lib.Probe(0.001 + 0.0001 * 2 * len(devices) * m, None)
+
+    monkeypatch.setattr(calibration_lib, "_CALIBRATIONS", {})
+    monkeypatch.setattr(calibration_lib, "_probe", probe)
+    monkeypatch.setattr(calibration_lib, "in_rounds", lambda probes, kept, steps: probes)
+    for name in ("_bandwidth", "_update_seconds_per_byte", "_copy_seconds_per_byte"):
+        monkeypatch.setattr(calibration_lib, name, lambda *args: 1e-9)
+    devices = ["/CPU:0", "/CPU:1"]
+    fewer = calibration_lib.calibrate(devices, "sgd", most_tasks=NOINLINE_TASKS - 1)
+    assert fewer.noinline_task_s is None and fewer.noinline_tasks == NOINLINE_TASKS
+    assert max(probed) * 2 * len(devices) < NOINLINE_TASKS  # every step it timed inlines its cells
+    probed.clear()
+    reaching = calibration_lib.calibrate(devices, "sgd", most_tasks=NOINLINE_TASKS)  # not the cached one above
+    assert max(probed) * 2 * len(devices) >= NOINLINE_TASKS
+    assert reaching.noinline_task_s is not None and reaching.noinline_task_s > 0
+
+
 def test_the_shortlist_is_timed_one_at_a_time_while_max_seconds_leaves_time_for_one_more(monkeypatch):
     from tfpipe.planning import progress as progress_lib
 
