@@ -170,7 +170,9 @@ def _measured(
     if calibration is None:
         progress.phase(f"measuring the {len(request.devices)} devices (a task, a step, a transfer, an update)")
         most = search.most_tasks(request.batch_size, len(request.layers), request.space)
-        calibration = calibration_lib.calibrate(request.devices, request.optimizer, budget=request.budget, most_tasks=most)
+        calibration = calibration_lib.calibrate(
+            request.devices, request.optimizer, budget=request.budget, most_tasks=most
+        )
     if profile is not None:  # measured by an earlier plan of these layers, with this calibration fitted to it
         measured = reused(profile, request.layers)
     else:  # each layer alone at three sizes (the smallest, the middle, the largest), the rest interpolated
