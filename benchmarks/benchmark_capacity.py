@@ -110,6 +110,14 @@ def child(config: dict[str, Any]) -> dict[str, Any]:
         with tfpipe.deferred_weights():
             made, x, y = build()
         model, chosen = pipelined(made, x, cluster.devices, config)
+        planned: dict[str, float] = {}
+        if config.get("plan"):  # planning's own peaks (its probes on the workers, each layer's bytes read here) apart
+            planned = {
+                "planning_peak": max(info["peak"] for info in cluster.memory_info()),
+                "planning_client_peak": tf.config.experimental.get_memory_info("CPU:0")["peak"],
+            }
+            cluster.reset_memory_stats()  # from what the model holds now: training's own peaks below
+            tf.config.experimental.reset_memory_stats("CPU:0")
         model.compile(optimizer="adam", loss=loss)
         model.fit(x, y, batch_size=n, epochs=1, verbose=0, shuffle=False)
         peaks = [info["peak"] for info in cluster.memory_info()]
@@ -120,6 +128,7 @@ def child(config: dict[str, Any]) -> dict[str, Any]:
             "peaks": peaks,
             "client_peak": client,
             "config": chosen,
+            **planned,
         }
 
 
@@ -257,7 +266,12 @@ def probe(row: str, blocks: int) -> dict[str, Any]:
     result = dict(json.loads(lines[-1]), row=row, blocks=blocks)
     print(
         f"  {row} L={blocks}: {result['params'] / 1e6:.2f}M parameters, device peak {mib(result['peak'])} MiB "
-        f"(budget {FLAGS.budget_mib:g}), client {mib(result['client_peak'])} MiB",
+        f"(budget {FLAGS.budget_mib:g}), client {mib(result['client_peak'])} MiB"
+        + (
+            f"; planning: devices {mib(result['planning_peak'])} MiB, client {mib(result['planning_client_peak'])} MiB"
+            if "planning_peak" in result
+            else ""
+        ),
         flush=True,
     )
     return result
@@ -302,7 +316,7 @@ def table(found: list[dict[str, Any]]) -> str:
         blocks = 3 * f["blocks"] if amoebanet else f["blocks"]
         lines.append(
             f"| {name} | {blocks}{capped} | {f['params'] / 1e6:.2f}M | {ratio} | {mib(f['peak'])} | "
-            f"{mib(f['client_peak'])} | {f['config']} |"
+            f"{mib(f['client_peak'])} | {f['config']}{f['planning']} |"
         )
     return "\n".join(lines) + "\n"
 
@@ -330,13 +344,20 @@ def main(argv: list[str]) -> None:
                 "peak": best["peak"] if best else 0,
                 "client_peak": best["client_peak"] if best else 0,
                 "config": best["config"] if best else "",
+                "planning": (
+                    f"; planning's peaks: devices {mib(best['planning_peak'])}, "
+                    f"client {mib(best['planning_client_peak'])}"
+                    if best and "planning_peak" in best
+                    else ""
+                ),
             }
         )
     text = table(found)
     print(text)
     if FLAGS.out:
         fields = ["row", "blocks", "params", "peak", "peaks", "client_peak", "config"]
-        write_table(FLAGS.out, [{f: p[f] for f in fields} for p in probes], text, fields)
+        fields += ["planning_peak", "planning_client_peak"] if FLAGS.plan else []
+        write_table(FLAGS.out, [{f: p.get(f, "") for f in fields} for p in probes], text, fields)
 
 
 if __name__ == "__main__":
