@@ -72,6 +72,13 @@ flags.DEFINE_bool(
     "Each tfpipe probe trains the configuration tfpipe.plan chooses for it under the budget (its K devices, no "
     "replicas, chosen by prediction: verify=0); default: the fixed one of --micro_batches.",
 )
+flags.DEFINE_float(
+    "plan_seconds",
+    None,
+    "With --plan: tfpipe.plan's max_seconds for each probe (default: its own, 200 steps of the fastest configuration "
+    "its layers predict, which at GPipe's activations is most of an hour a probe).",
+    lower_bound=1.0,
+)
 flags.DEFINE_bool(
     "constant_folding",
     True,
@@ -214,7 +221,10 @@ def pipelined(made: Any, x: Any, devices: list[str], config: dict[str, Any]) -> 
         return model, f"K={k}, M={config['micro_batches']}, remat='always', schedule='{model.schedule}'"
     sample = tf.nest.map_structure(lambda t: t[:n], x)
     budget = int(config["budget_mib"] * MIB)
-    plan = tfpipe.plan(made, n, devices, budget, sample=sample, optimizer="adam", replicas=False, verify=0)
+    seconds = config.get("plan_seconds") or "auto"
+    plan = tfpipe.plan(
+        made, n, devices, budget, sample=sample, optimizer="adam", replicas=False, verify=0, max_seconds=seconds
+    )
     return tfpipe.PipelineModel(made, plan=plan), plan.candidates[0].config.describe()
 
 
@@ -241,6 +251,7 @@ def probe(row: str, blocks: int) -> dict[str, Any]:
         "device_type": FLAGS.device_type,
         "budget_mib": FLAGS.budget_mib,
         "plan": FLAGS.plan,
+        "plan_seconds": FLAGS.plan_seconds,
         "constant_folding": FLAGS.constant_folding,
     }
     done = subprocess.run(
@@ -302,6 +313,7 @@ def table(found: list[dict[str, Any]]) -> str:
         f"{data}{folding}, Adam, budget {FLAGS.budget_mib:g} MiB per device (allocator peak); tfpipe "
         + (
             "as tfpipe.plan chose for each probe"
+            + (f" within max_seconds={FLAGS.plan_seconds:g}" if FLAGS.plan_seconds else "")
             if FLAGS.plan
             else f"at M={FLAGS.micro_batches}, remat='always', 1F1B above K=1"
         ),

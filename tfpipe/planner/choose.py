@@ -31,7 +31,7 @@ from tfpipe.planning import budget as budget_lib
 from tfpipe.planning import joined, plans, search
 from tfpipe.planning import profile as profile_lib
 from tfpipe.planning import units as units_lib
-from tfpipe.planning.plans import Plan
+from tfpipe.planning.plans import Plan, gib
 from tfpipe.planning.predict import SLOTS, Calibration, Config
 from tfpipe.planning.progress import Progress
 
@@ -210,7 +210,7 @@ def _timed(
     """``candidates`` with the shortlist timed on the devices (``verify``), where the time left allows."""
     verify = request.verify
     progress.reserve = 0
-    if not progress.affords(1) and len(search.shortlist(candidates, verify)) >= 2:
+    if not progress.affords(1) and len(search.shortlist(candidates, verify, request.budget)) >= 2:
         not_run.append("the shortlist not timed: no time left within max_seconds; chosen by prediction alone")
         verify = 0
     return verified(
@@ -240,7 +240,14 @@ def verified(
     """
     count = _count("verify", count)
     readable = calibration_lib.peaks_readable(devices)
-    listed = search.shortlist(candidates, count)
+    listed = search.shortlist(candidates, count, budget)
+    fastest = search.shortlist(candidates, 1)  # the headroom aside
+    if fastest and fastest[0] not in listed and not_run is not None:  # too near the budget to run here
+        peak = gib(max(fastest[0].prediction.peak_bytes))
+        not_run.append(
+            f"{fastest[0].config.describe()} not timed: predicted to peak at {peak}, within "
+            f"{1 - search.TIMED_HEADROOM:.0%} of the budget"
+        )
     if len(listed) < 2:  # one worth timing: nothing to choose between
         return list(candidates)
     if progress is not None:

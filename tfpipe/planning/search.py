@@ -25,6 +25,11 @@ MICRO_BATCHES = (1, 2, 4, 8, 16, 32)
 # Predictions are within 10-20% of measured steps (docs/benchmarks.md#planning): among candidates predicted within this
 # fraction of the fastest, which one runs fastest is for a measurement to say.
 SHORTLIST_BAND = 0.25
+# Peak memory is predicted within 15% (docs/benchmarks.md#planning): a configuration is timed (run by the planner
+# itself, which keeps to the budget) only where predicted at most this share of the budget; one nearer it is
+# chosen by its prediction where fewer than two others are timed (12 x Dense(1024) on two workers: a shortlisted step
+# predicted to fit 166 MiB held 168)
+TIMED_HEADROOM = 0.87
 
 
 @dataclasses.dataclass
@@ -197,12 +202,17 @@ def memory_balance(
     return cut[::-1]
 
 
-def shortlist(candidates: Sequence[Candidate], count: int) -> list[Candidate]:
+def shortlist(candidates: Sequence[Candidate], count: int, budget: float | None = None) -> list[Candidate]:
     """Up to ``count`` candidates worth timing: the fastest predicted of each (K, R, schedule), in order,
     predicted within SHORTLIST_BAND of the fastest (near-identical variants of one shape would tell nothing new; at
-    M=1 the schedules are one shape). Only those predicted to fit: a probe keeps to the budget (a GPU's memory)."""
+    M=1 the schedules are one shape). Only those predicted to fit, within ``TIMED_HEADROOM`` of ``budget`` where one
+    is given: timing one keeps to the budget (a GPU's memory)."""
+    room = None if budget is None else TIMED_HEADROOM * budget
     # stable: among equal times the search's order (fewer devices, less memory) stays
-    fitting = sorted((c for c in candidates if c.fits), key=lambda c: round(c.prediction.step_s, 9))
+    fitting = sorted(
+        (c for c in candidates if c.fits and (room is None or max(c.prediction.peak_bytes) <= room)),
+        key=lambda c: round(c.prediction.step_s, 9),
+    )
     out: list[Candidate] = []
     seen = set()
     for candidate in fitting:
@@ -229,7 +239,7 @@ def by_measured(
     The rest follow in their predicted order. With fewer than two to time, nothing is timed; where none ran within
     the budget (or at all: ``time_step`` gave inf, out of memory), the predicted order stays.
     """
-    listed = shortlist(candidates, count)
+    listed = shortlist(candidates, count, budget)
     if len(listed) < 2:
         return list(candidates)
 
