@@ -242,7 +242,7 @@ def verified(
     readable = calibration_lib.peaks_readable(devices)
     listed = search.shortlist(candidates, count, budget)
     fastest = search.shortlist(candidates, 1)  # the headroom aside
-    if fastest and fastest[0] not in listed and not_run is not None:  # too near the budget to run here
+    if budget is not None and count and fastest and fastest[0] not in listed and not_run is not None:  # too near it
         peak = gib(max(fastest[0].prediction.peak_bytes))
         not_run.append(
             f"{fastest[0].config.describe()} not timed: predicted to peak at {peak}, within "

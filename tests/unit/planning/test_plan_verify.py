@@ -239,6 +239,10 @@ def test_the_shortlist_is_timed_one_at_a_time_while_max_seconds_leaves_time_for_
     assert [c.config.schedule for c in ordered] == ["gpipe", "zero_bubble", "1f1b"]
     assert [c.measured_s for c in ordered] == [0.8, 1.0, None]
     assert not_run == ["1 of the shortlist not timed: no time left"]
+    not_run.clear()  # nothing timed: nothing said of the budget, without one or with one
+    planner.verified(found, [], None, 8, DEVICES, "sgd", 0, None, None, not_run)
+    planner.verified(found, [], None, 8, DEVICES, "sgd", 0, 1e6, None, not_run)
+    assert not_run == []
     # under a budget the fastest predicted, too near it to run, is not timed, and the summary says so
     found[0] = dataclasses.replace(
         found[0], prediction=dataclasses.replace(found[0].prediction, peak_bytes=[0.9e6] * 2)
