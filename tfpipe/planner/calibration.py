@@ -248,8 +248,7 @@ def _probe(
     warm_steps: int = PROBE_WARM_STEPS,
     warm_seconds: float | None = PROBE_WARM_SECONDS,
 ) -> Probe:
-    """A probe pipeline trained on one batch (x, y): its median step and its peak, after warming up (``warm``: up to
-    ``warm_steps`` steps or ``warm_seconds`` after tracing, as ``warm_up``).
+    """A probe pipeline trained on one batch (x, y): its median step and its peak, after ``warm_up`` (``warm``).
 
     ``devices``: one pipeline's, or a list of replicas' (the peak is the first replica's first device's).
     ``per_device``: also each device's peak, where each has an allocator of its own. ``kept``: a list that gets the

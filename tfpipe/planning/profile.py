@@ -239,12 +239,10 @@ def measure(
     """Profile ``units`` (``planning.units``: layers, or a Functional model's nodes) on ``device`` at each
     micro-batch size in ``batch_sizes``, on data shaped like ``sample``.
 
-    The units are copied and run once at the smallest size (a walk at the largest held more than a budget allows:
-    the Transformer's blocks at 64 rows put 56 MiB on a worker under a 53 MiB budget); each copy is measured on its
-    input's rows repeated to each size.
-    Bytes are read on ``stand_in(device)``, with copies of their own where that is another device. ``budget``: a
-    size at which a unit alone is predicted (from its smaller sizes) to hold more bytes is not run but scaled from
-    the largest size run, in proportion to the rows (``Profile.not_run`` says which).
+    The units are copied and run once at the smallest size (at the largest, a walk went over a budget), each copy
+    measured on its input's rows repeated to each size. Bytes are read on ``stand_in(device)``, with copies of their
+    own where that is another device. ``budget``: a size at which a unit alone is predicted (from its smaller sizes)
+    to hold more bytes is not run but scaled from the largest size run, in proportion to the rows (``not_run``).
     """
     read_on = stand_in(device)
     memory = memory_name(read_on) if read_on else None
