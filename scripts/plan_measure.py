@@ -13,7 +13,8 @@ from typing import Any
 
 from scripts import plan_devices
 
-# The grid of configurations --grid measures: (K, R, M, remat, schedule); those needing more devices are skipped
+# The grid of configurations --grid measures: (K, R, M, remat, schedule); those needing more devices are skipped (the
+# plan did not try them); K=4 under a schedule that shares devices: two cells on each of two devices
 GRID = [
     (1, 1, 1, "never", "gpipe"),
     (1, 1, 4, "always", "gpipe"),
@@ -31,6 +32,9 @@ GRID = [
     (4, 1, 4, "never", "gpipe"),
     (4, 1, 8, "except_last", "1f1b"),
     (2, 2, 4, "never", "gpipe"),
+    (4, 1, 4, "never", "interleaved_1f1b"),
+    (4, 1, 8, "never", "interleaved_1f1b"),
+    (4, 1, 8, "never", "zbv"),
 ]
 MIB = 2**20
 
@@ -170,6 +174,7 @@ def _compared_row(plan: Any, candidate: Any, measured: Sequence[dict[str, float]
         predicted = shared_peak_bytes(plan.profile, plan.calibration, plan.batch_size, cfg, plan.optimizer_slots)
     return {
         "K": cfg.num_partitions,
+        "devices": cfg.num_devices,
         "R": cfg.num_replicas,
         "M": cfg.num_micro_batches,
         "remat": cfg.remat,
@@ -227,7 +232,7 @@ def budgets(
     out = []
     for fraction in fractions:
         per_device = fraction * reference["measured_mib"] * MIB / REFERENCE[0]
-        space = search.Space(num_devices=max(c.config.num_partitions * c.config.num_replicas for c in plan.candidates))
+        space = search.Space(num_devices=max(c.config.num_devices * c.config.num_replicas for c in plan.candidates))
         found = search.run(plan.profile, plan.calibration, plan.batch_size, space, per_device, plan.optimizer_slots)
         if not found or not found[0].fits:
             out.append({"fraction": fraction, "budget_mib": round(per_device / MIB, 2), "chosen": "none fits"})
@@ -235,8 +240,8 @@ def budgets(
         if verify is not None:
             found = verify(found, per_device)
         chosen = found[0].config
-        used = chosen.num_partitions * chosen.num_replicas
-        fitting = [r for r in rows if r["measured_mib"] <= per_device / MIB * r["K"] * r["R"]]
+        used = chosen.num_devices * chosen.num_replicas
+        fitting = [r for r in rows if r["measured_mib"] <= per_device / MIB * r.get("devices", r["K"]) * r["R"]]
         best = min(fitting, key=lambda r: r["measured_ms"]) if fitting else None
         if best is not None and _shape(chosen) != _row_shape(best):
             # measured minutes apart, two configurations differ by the machine's drift: time them in pairs
@@ -345,10 +350,11 @@ def markdown(rows: Sequence[dict[str, Any]], spec: dict[str, Any]) -> str:
     head += "| predicted MiB | measured MiB | error |" + (" process MiB |" if processes else "")
     lines = [head, "|" + "---|" * (13 if processes else 12)]
     for r in rows:
+        shared = f" on {r['devices']}" if r.get("devices", r["K"]) != r["K"] else ""  # several cells a device
         lines.append(
-            f"| {r['K']} | {r['R']} | {r['M']} | {r['remat']} | {r['schedule']} | {r['balance']} | {r['predicted_ms']} "
-            f"| {r['measured_ms']} | {r['time_error']:+.0%} | {r['predicted_mib']} | {r['measured_mib']} "
-            f"| {r['memory_error']:+.0%} |" + (f" {r['process_mib']} |" if processes else "")
+            f"| {r['K']}{shared} | {r['R']} | {r['M']} | {r['remat']} | {r['schedule']} | {r['balance']} "
+            f"| {r['predicted_ms']} | {r['measured_ms']} | {r['time_error']:+.0%} | {r['predicted_mib']} "
+            f"| {r['measured_mib']} | {r['memory_error']:+.0%} |" + (f" {r['process_mib']} |" if processes else "")
         )
     time_ok = sum(abs(r["time_error"]) <= 0.2 for r in rows)
     memory_ok = sum(abs(r["memory_error"]) <= 0.15 for r in rows)

@@ -76,7 +76,7 @@ def test_devices_are_the_k_devices_or_one_per_cell_as_the_schedule_places_them()
     assert default.devices == cpu_devices(4) * 2 and default.num_devices == 4
 
 
-def test_a_shared_schedule_is_shown_saved_and_refused_by_the_planner(tmp_path):
+def test_a_shared_schedule_is_shown_and_saved(tmp_path):
     model = tfpipe.PipelineModel(
         mlp_layers(), balance=[3, 2, 3, 2], devices=cpu_devices(2), num_micro_batches=4, schedule="interleaved_1f1b"
     )
@@ -89,8 +89,36 @@ def test_a_shared_schedule_is_shown_saved_and_refused_by_the_planner(tmp_path):
     loaded = keras.models.load_model(str(tmp_path / "m.keras"))
     assert loaded.schedule == "interleaved_1f1b" and loaded.devices == model.devices and loaded.num_devices == 2
     assert max_rel_error(loaded.get_weights(), model.get_weights()) == 0
-    with pytest.raises(ValueError, match="schedules holds 'zbv', which puts several cells on each device"):
-        tfpipe.plan(mlp_layers(), batch_size=8, input_shape=(8,), devices=cpu_devices(2), schedules=["zbv"])
+
+
+def test_the_planner_plans_several_cells_a_device_and_the_plans_train_like_plain_keras():
+    x, measured = np.zeros((8, 8), "float32"), {}
+    for schedule in ("zbv", "interleaved_1f1b"):  # the second reuses the first's measurements
+        plan = tfpipe.plan(
+            mlp_layers(), 8, cpu_devices(2), sample=x, schedules=[schedule], replicas=False, verify=0, verbose=0,
+            **measured,
+        )  # fmt: skip
+        measured = {"calibration": plan.calibration, "profile": plan.profile}
+        assert plan.schedule == schedule and plan.devices == cpu_devices(2)
+        assert plan.num_partitions in (4, 8) and len(plan.balance) == plan.num_partitions  # v = 2 or 4 a device
+        assert plan.candidates[0].config.describe().startswith(f"K={plan.num_partitions} on 2 devices")
+        keras.utils.set_random_seed(0)
+        plain = keras.Sequential([keras.Input((8,)), *mlp_layers()])
+        model = tfpipe.PipelineModel(mlp_layers(), plan=plan)
+        model.build((None, 8))
+        model.set_weights(plain.get_weights())
+        _train(plain, 8)
+        _train(model, 8)
+        assert model.num_devices == 2 and model.num_partitions == plan.num_partitions
+        assert max_rel_error(model.get_weights(), plain.get_weights()) < 1e-5
+
+
+def test_the_planner_refuses_a_written_schedule_before_measuring():
+    written = schedule_lib.written(schedule_lib.device_orders("interleaved_1f1b", 4, 2, 2))
+    with pytest.raises(ValueError, match="schedules holds a schedule written as data"):
+        tfpipe.plan(mlp_layers(), batch_size=8, input_shape=(8,), devices=cpu_devices(2), schedules=[written])
+    with pytest.raises(ValueError, match=r"cells_per_device must be a non-empty list of choices, got 2"):
+        tfpipe.plan(mlp_layers(), batch_size=8, input_shape=(8,), devices=cpu_devices(2), cells_per_device=2)
 
 
 def test_a_written_schedule_trains_like_plain_keras_and_is_saved_and_shown(tmp_path):

@@ -178,7 +178,7 @@ def configured_step(
 ) -> Probe:
     """Copies of ``layers`` trained as the planner's ``config`` (cut, replicas, M, remat, schedule) on ``devices``."""
     copies = units_lib.fresh(layers, "to time it", "pass verify=0 to choose by prediction alone")
-    k, r = config.num_partitions, config.num_replicas
+    k, r = config.num_devices, config.num_replicas
     rows = [list(devices[i * k : (i + 1) * k]) for i in range(r)]
     x = tf.nest.map_structure(lambda t: _tiled(t, batch_size), sample)
     y = _targets(copies, batch_size)

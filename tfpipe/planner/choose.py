@@ -57,6 +57,7 @@ def plan(
     schedules: Sequence[str] | None = None,
     remats: Sequence[str] | None = None,
     replicas: bool = True,
+    cells_per_device: Sequence[int] | None = None,
     calibration: Calibration | None = None,
     profile: profile_lib.Profile | None = None,
     repeats: int = 3,
@@ -64,15 +65,15 @@ def plan(
     max_seconds: Any = "auto",
     verbose: int = 1,
 ) -> Plan:
-    """The configuration (K, balance, R, M, remat, schedule) fastest on ``devices`` whose peak fits ``memory_budget``.
+    """The configuration (K, balance, R, M, remat, schedule, v) fastest on ``devices`` that fits ``memory_budget``.
 
     ``layers``: a list of Keras layers, a ``keras.Sequential``, or a Functional model (a keras_hub task included,
-    built under ``tfpipe.deferred_weights()`` or not), planned by its nodes. ``devices``: the devices to
-    use (default: this machine's GPUs, else its CPU devices). ``memory_budget``: bytes per
-    device (an int or a string such as "12GiB"); None: no limit. ``sample`` or
-    ``input_shape`` give the input when the layers do not know it. ``optimizer``: its name
-    or instance, for its slots' memory and its update's time. ``num_micro_batches``,
-    ``schedules``, ``remats`` and ``replicas`` narrow the search. ``calibration``: reuse one
+    built under ``tfpipe.deferred_weights()`` or not), planned by its nodes. ``devices``: the devices to use (default:
+    this machine's GPUs, else its CPU devices). ``memory_budget``: bytes per device (an int or a string such as
+    "12GiB"); None: no limit. ``sample`` or ``input_shape`` give the input when the layers do not know it.
+    ``optimizer``: its name or instance, for its slots' memory and its update's time. ``num_micro_batches``,
+    ``schedules``, ``remats``, ``replicas`` and ``cells_per_device`` (v, the cells each device holds under the
+    schedules that share devices; default 2 and 4) narrow the search. ``calibration``: reuse one
     (``plan.calibration``) instead of measuring the devices; with ``profile`` (``plan.profile``) too, the model's
     measurements are reused as well, and nothing is measured before the search (e.g. to plan again under another
     budget). ``verify``: time this many configurations predicted near the fastest that fit (one per K, R and
@@ -86,7 +87,7 @@ def plan(
     """
     request = _Request.checked(
         layers, batch_size, devices, memory_budget, sample, input_shape, optimizer, num_micro_batches, schedules,
-        remats, replicas, calibration, profile, repeats, verify, max_seconds,
+        remats, replicas, cells_per_device, calibration, profile, repeats, verify, max_seconds,
     )  # fmt: skip
     watch = calibration_lib.PeakWatch(request.devices)
     bound = request.max_seconds
@@ -125,8 +126,8 @@ class _Request:
     @classmethod
     def checked(
         cls, layers: Any, batch_size: Any, devices: Any, memory_budget: Any, sample: Any, input_shape: Any,
-        optimizer: Any, num_micro_batches: Any, schedules: Any, remats: Any, replicas: Any, calibration: Any,
-        profile: Any, repeats: Any, verify: Any, max_seconds: Any,
+        optimizer: Any, num_micro_batches: Any, schedules: Any, remats: Any, replicas: Any, cells_per_device: Any,
+        calibration: Any, profile: Any, repeats: Any, verify: Any, max_seconds: Any,
     ) -> _Request:  # fmt: skip
         """Check ``plan``'s arguments, each with a message that names it, before anything is measured."""
         units = units_lib.of(layers)
@@ -135,9 +136,10 @@ class _Request:
         space = search.Space(
             num_devices=len(device_list),
             micro_batches=_choices("num_micro_batches", num_micro_batches, search.MICRO_BATCHES, int),
-            schedules=_choices("schedules", schedules, schedule_lib.SCHEDULES, str, _one_cell_schedule),
+            schedules=_choices("schedules", schedules, schedule_lib.ALL_SCHEDULES, str, _named_schedule),
             remats=_choices("remats", remats, REMAT_MODES, str, check_mode),
             replicas=bool(replicas),
+            cells_per_device=_choices("cells_per_device", cells_per_device, search.CELLS_PER_DEVICE, int),
         )
         if profile is not None and calibration is None:
             raise ValueError(
@@ -266,7 +268,7 @@ def verified(
         if probe.device_peaks:
             return probe.seconds, max(probe.device_peaks)
         if readable and probe.peak_bytes is not None:  # one allocator for all: the total, per device used
-            return probe.seconds, probe.peak_bytes / (config.num_partitions * config.num_replicas)
+            return probe.seconds, probe.peak_bytes / (config.num_devices * config.num_replicas)
         return probe.seconds, None
 
     timed: dict[Config, tuple[float, float | None]] = {}
@@ -329,15 +331,16 @@ def _choices(name: str, given: Any, default: Sequence[Any], kind: type, check: A
     return tuple(check(v) for v in values) if check else tuple(values)
 
 
-def _one_cell_schedule(name: str) -> str:
-    """A schedule the search can take: one of ``schedule.SCHEDULES``, one cell per device."""
-    if schedule_lib.shares_devices(name):
+def _named_schedule(name: str) -> str:
+    """A schedule the search can take: one of ``schedule.ALL_SCHEDULES``, not one written as data."""
+    checked = schedule_lib.check_name(name)
+    if schedule_lib.is_written(checked):
         raise ValueError(
-            f"schedules holds {name!r}, which puts several cells on each device; the planner searches one cell per "
-            f"device ({', '.join(map(repr, schedule_lib.SCHEDULES))}): plan with those, or give {name!r} to "
-            "PipelineModel yourself."
+            f"schedules holds a schedule written as data ({name!r:.60}), which fixes its cells and devices; the "
+            f"planner searches the named ones ({', '.join(map(repr, schedule_lib.ALL_SCHEDULES))}): plan with "
+            "those, or give the written one to PipelineModel yourself."
         )
-    return schedule_lib.check_name(name)
+    return checked
 
 
 def optimizer_slots(optimizer: Any) -> int:

@@ -252,10 +252,10 @@ def from_candidates(
             "smaller batch_size."
         )
     config = best.config
-    k, r = config.num_partitions, config.num_replicas
+    k, r = config.num_devices, config.num_replicas
     chosen = [list(devices[i * k : (i + 1) * k]) for i in range(r)]
     return Plan(
-        num_partitions=k,
+        num_partitions=config.num_partitions,
         balance=list(config.balance),
         num_replicas=r,
         num_micro_batches=config.num_micro_batches,

@@ -89,24 +89,36 @@ class Calibration:
 
 @dataclasses.dataclass(frozen=True)
 class Config:
-    """One candidate: R replicas of K cells cut by ``balance``, M micro-batches, remat and schedule."""
+    """One candidate: R replicas of K cells cut by ``balance``, M micro-batches, remat and schedule; with one of
+    ``schedule.SHARED_SCHEDULES``, v cells on each of K / v devices (``cells_per_device``)."""
 
     balance: tuple[int, ...]
     num_replicas: int
     num_micro_batches: int
     remat: str
     schedule: str
+    cells_per_device: int = 1
 
     @property
     def num_partitions(self) -> int:
         """K, the number of cells."""
         return len(self.balance)
 
+    @property
+    def num_devices(self) -> int:
+        """The devices one replica's cells are laid out over: K / v."""
+        return self.num_partitions // self.cells_per_device
+
+    def placement(self) -> list[int]:
+        """The device (of one replica's ``num_devices``) of each cell (``schedule.placement``)."""
+        return schedule_lib.placement(self.schedule, self.num_partitions, self.num_devices)
+
     def describe(self) -> str:
         """One line: K, R, M, remat, schedule and the balance."""
         replicas = f" x {self.num_replicas} replicas" if self.num_replicas > 1 else ""
+        shared = f" on {self.num_devices} devices" if self.cells_per_device > 1 else ""
         return (
-            f"K={self.num_partitions}{replicas}, M={self.num_micro_batches}, remat={self.remat!r}, "
+            f"K={self.num_partitions}{shared}{replicas}, M={self.num_micro_batches}, remat={self.remat!r}, "
             f"schedule={self.schedule!r}, balance={list(self.balance)}"
         )
 
@@ -145,13 +157,13 @@ def split_size(batch_size: int, num_replicas: int, num_micro_batches: int) -> in
 
 def step_seconds(profile: Profile, calibration: Calibration, batch_size: int, config: Config) -> Prediction:
     """The predicted time of one training step of ``config`` (the same for every replica)."""
-    k, cells = config.num_partitions, bounds(config.balance)
+    k, cells = config.num_devices, bounds(config.balance)
     simulated = timeline(profile, calibration, batch_size, config)
     span = max(end for _, _, end in simulated)
     devices = k * config.num_replicas
     work = config.num_replicas * sum(end - start for _, start, end in simulated)
     pipeline_s = max(span, work / min(calibration.parallelism_of(config.num_replicas, k), devices))
-    trainable = [profile.cell_weights(lo, hi)[1] for lo, hi in cells]
+    trainable = by_device([profile.cell_weights(lo, hi)[1] for lo, hi in cells], config)
     # each device updates its own cells' weights; devices that share compute share the work
     updating = max(max(trainable), sum(trainable) / min(calibration.parallelism, k))
     update_s = updating * calibration.update_s_per_byte
@@ -159,6 +171,14 @@ def step_seconds(profile: Profile, calibration: Calibration, batch_size: int, co
         update_s += 2 * sum(trainable) * (config.num_replicas - 1) / calibration.bandwidth
     fixed_s = calibration.step_s
     return Prediction(pipeline_s + update_s + fixed_s, pipeline_s, update_s, fixed_s, [], work_s=work)
+
+
+def by_device(per_cell: Sequence[float], config: Config) -> list[float]:
+    """Per-cell values added up on each of one replica's devices (several cells a device: ``cells_per_device``)."""
+    out = [0.0] * config.num_devices
+    for value, device in zip(per_cell, config.placement()):
+        out[device] += value
+    return out
 
 
 def timeline(
@@ -169,12 +189,14 @@ def timeline(
     costs = profile.costs(b)
     k, m = config.num_partitions, config.num_micro_batches
     cells = bounds(config.balance)
-    speed = calibration.split_speed if k > 1 else 1.0
+    speed = calibration.split_speed if config.num_devices > 1 else 1.0
     fwd = [sum(costs.forward_s[lo:hi]) / speed for lo, hi in cells]
     bwd = [sum(costs.backward_s[lo:hi]) / speed for lo, hi in cells]
-    # a boundary tensor goes forward after cell i and its gradient comes back: charge the receivers
+    # a boundary tensor goes forward after cell i and its gradient comes back: charge the receivers (where the next
+    # cell is on another device: a V's turn stays on its device)
+    where = config.placement()
     moved = [
-        profile.output_bytes[hi - 1] * b / calibration.bandwidth if i < k - 1 else 0.0
+        profile.output_bytes[hi - 1] * b / calibration.bandwidth if i < k - 1 and where[i] != where[i + 1] else 0.0
         for i, (_, hi) in enumerate(cells)
     ]
     task_s = calibration.task_seconds(inlined(k, m, calibration.noinline_tasks))
@@ -183,10 +205,11 @@ def timeline(
     w_cost = None
     if schedule_lib.batches_weights(config.schedule):
         b_cost, w_cost = batched_w_costs(profile, calibration, batch_size, config, b_cost, speed)
-    r_cost = [f * profile.recompute_ratio(k) for f in fwd]
+    r_cost = [f * profile.recompute_ratio(config.num_devices) for f in fwd]
     return schedule_lib.simulate(
-        k, m, f_cost, b_cost, config.schedule, w_cost=w_cost, r_cost=r_cost, recomputed=recomputed_micro_batches(config)
-    )
+        k, m, f_cost, b_cost, config.schedule, w_cost=w_cost, r_cost=r_cost,
+        recomputed=recomputed_micro_batches(config), num_devices=config.num_devices,
+    )  # fmt: skip
 
 
 def recomputed_micro_batches(config: Config) -> list[int]:
@@ -251,25 +274,39 @@ def peak_bytes(
     """
     b = micro_batch_size(batch_size, config)
     k, m, r = config.num_partitions, config.num_micro_batches, config.num_replicas
-    held_at_once, kept, ratio = holding(profile, b, k, m, config.schedule, config.remat, noinline_tasks)
+    held_at_once, kept, ratio = holding(
+        profile, b, k, m, config.schedule, config.remat, noinline_tasks, config.num_devices
+    )
     inline = inlined(k, m, noinline_tasks)
     summed = holds_running_sums(m, config.schedule, across_processes)
-    out = []
+    out: list[float] = []
     for replica in range(r):
-        for i, (lo, hi) in enumerate(bounds(config.balance)):
+        held, working = [0.0] * config.num_devices, [0.0] * config.num_devices
+        for i, ((lo, hi), device) in enumerate(zip(bounds(config.balance), config.placement())):
             slots_here = slots if replica == 0 else 0
-            peak = cell_peak(profile, b, lo, hi, i == 0, held_at_once[i], kept[i], slots_here, m, ratio, inline, summed)
+            parts = cell_bytes(profile, b, lo, hi, i == 0, slots_here, m, ratio, inline, summed)
+            held[device] += parts.static + held_at_once[i] * parts.cell_input + kept[i] * parts.activations
+            # a device runs one of its cells' backwards at a time: the largest working set, not their sum
+            working[device] = max(working[device], parts.working)
             if replica == 0 and across_processes:
-                peak += (r - 1) * sum(profile.trainable_bytes[lo:hi])
-            out.append(peak)
+                held[device] += (r - 1) * sum(profile.trainable_bytes[lo:hi])
+        out.extend(h + w for h, w in zip(held, working))
     return out
 
 
 def holding(
-    profile: Profile, b: int, k: int, m: int, schedule: str, remat: str, noinline_tasks: int = NOINLINE_TASKS
+    profile: Profile,
+    b: int,
+    k: int,
+    m: int,
+    schedule: str,
+    remat: str,
+    noinline_tasks: int = NOINLINE_TASKS,
+    num_devices: int | None = None,
 ) -> tuple[list[int], list[float], float]:
-    """What each of K cells holds at M micro-batches of b rows: ``cell_peak``'s in_flight, kept and held_ratio."""
-    order = schedule_lib.steps(schedule, k, m)
+    """What each of K cells (on ``num_devices``, default K) holds at M micro-batches of b rows: ``cell_peak``'s
+    in_flight, kept and held_ratio."""
+    order = schedule_lib.steps(schedule, k, m, num_devices=num_devices)
     inline = inlined(k, m, noinline_tasks)
     kept = activations_at_once(order, k, remat, m, recomputing_share(profile, b, inline))
     return schedule_lib.in_flight(order, k), kept, profile.held_ratio(b, inline)

@@ -22,6 +22,9 @@ from tfpipe.planning.predict import Calibration, Config, Prediction
 from tfpipe.planning.profile import Profile
 
 MICRO_BATCHES = (1, 2, 4, 8, 16, 32)
+# v, the cells each device holds, that the search tries for the schedules that share devices (Megatron-LM's
+# interleaved runs take v = 2 to 4 of a few dozen layers a device)
+CELLS_PER_DEVICE = (2, 4)
 # Predictions are within 10-20% of measured steps (docs/benchmarks.md#planning): among candidates predicted within this
 # fraction of the fastest, which one runs fastest is for a measurement to say.
 SHORTLIST_BAND = 0.25
@@ -54,9 +57,23 @@ class Space:
 
     num_devices: int
     micro_batches: tuple[int, ...] = MICRO_BATCHES
-    schedules: tuple[str, ...] = schedule_lib.SCHEDULES
+    schedules: tuple[str, ...] = schedule_lib.ALL_SCHEDULES
     remats: tuple[str, ...] = REMAT_MODES
     replicas: bool = True  # whether fewer cells with replicas may be chosen
+    # v, the cells on each device, for the schedules that share devices (``schedule.SHARED_SCHEDULES``; ZB-V's V
+    # holds two); the others hold one
+    cells_per_device: tuple[int, ...] = CELLS_PER_DEVICE
+
+
+def cells_per_device(schedule: str, k: int, num_layers: int, space: Space) -> list[int]:
+    """The values of v to try for ``schedule`` over ``k`` devices: 1 for a schedule of one cell per device, else
+    those of ``space`` above 1 (2 for ZB-V) that leave every cell a layer, on two devices or more."""
+    if not schedule_lib.shares_devices(schedule):
+        return [1]
+    if k < 2:
+        return []  # several cells on one device: one cell's step with more tasks
+    allowed = [2] if schedule == "zbv" else space.cells_per_device
+    return [v for v in allowed if v > 1 and v * k <= num_layers]
 
 
 def shapes(batch_size: int, num_layers: int, space: Space) -> list[tuple[int, int, int]]:
@@ -72,8 +89,17 @@ def shapes(batch_size: int, num_layers: int, space: Space) -> list[tuple[int, in
 
 
 def most_tasks(batch_size: int, num_layers: int, space: Space) -> int:
-    """The most forward and backward tasks one replica's step of ``shapes`` runs (2 x K x M)."""
-    return max((2 * k * m for _, k, m in shapes(batch_size, num_layers, space)), default=0)
+    """The most forward and backward tasks one replica's step of ``shapes`` runs (2 x K x M, K the cells)."""
+    found = shapes(batch_size, num_layers, space)
+    return max(
+        (
+            2 * k * v * m
+            for _, k, m in found
+            for s in space.schedules
+            for v in cells_per_device(s, k, num_layers, space)
+        ),
+        default=0,
+    )
 
 
 def micro_batch_sizes(batch_size: int, num_layers: int, space: Space) -> list[int]:
@@ -106,40 +132,63 @@ def run(
         b = predict.split_size(batch_size, r, m)
         costs = profile.costs(b)
         times = [f + x for f, x in zip(costs.forward_s, costs.backward_s)]
-        balance = balance_lib.partition(times, k, boundary_bytes=profile.output_bytes) if k > 1 else [num_layers]
-        candidate = _evaluate(
-            profile, calibration, batch_size, Config(tuple(balance), r, m, remat, schedule), budget, slots
-        )
-        if not candidate.fits and k > 1:
-            cut = memory_balance(
-                profile,
-                times,
-                b,
-                k,
-                m,
-                remat,
-                schedule,
-                slots,
-                budget,
-                calibration.noinline_tasks,
-                calibration.across_processes,
-            )
-            if cut is not None:
-                candidate = _evaluate(
-                    profile, calibration, batch_size, Config(tuple(cut), r, m, remat, schedule), budget, slots
+        for v in cells_per_device(schedule, k, num_layers, space):
+            out.append(
+                _candidate(
+                    profile, calibration, batch_size, times, Config((), r, m, remat, schedule, v), k, budget, slots
                 )
-                candidate.memory_cut = True
-        out.append(candidate)
+            )
     # ties (M=1 runs every remat and schedule alike) go to fewer devices, then to less memory
     out.sort(
         key=lambda c: (
             not c.fits,
             round(c.prediction.step_s, 9),
-            c.config.num_partitions * c.config.num_replicas,
+            c.config.num_devices * c.config.num_replicas,
             max(c.prediction.peak_bytes),
         )
     )
     return out
+
+
+def _candidate(
+    profile: Profile,
+    calibration: Calibration,
+    batch_size: int,
+    times: Sequence[float],
+    shape: Config,
+    k: int,
+    budget: float | None,
+    slots: int,
+) -> Candidate:
+    """``shape`` (its balance left empty) over ``k`` devices, cut so that its cells' times are even, or where that
+    does not fit ``budget``, one cell a device, by ``memory_balance``."""
+    num_layers, cells = len(times), k * shape.cells_per_device
+    r, m, remat, schedule = shape.num_replicas, shape.num_micro_batches, shape.remat, shape.schedule
+    b = predict.split_size(batch_size, r, m)
+    balance = balance_lib.partition(times, cells, boundary_bytes=profile.output_bytes) if cells > 1 else [num_layers]
+    candidate = _evaluate(
+        profile, calibration, batch_size, dataclasses.replace(shape, balance=tuple(balance)), budget, slots
+    )
+    if not candidate.fits and k > 1 and shape.cells_per_device == 1:
+        cut = memory_balance(
+            profile,
+            times,
+            b,
+            k,
+            m,
+            remat,
+            schedule,
+            slots,
+            budget,
+            calibration.noinline_tasks,
+            calibration.across_processes,
+        )
+        if cut is not None:
+            candidate = _evaluate(
+                profile, calibration, batch_size, Config(tuple(cut), r, m, remat, schedule), budget, slots
+            )
+            candidate.memory_cut = True
+    return candidate
 
 
 def _evaluate(
@@ -220,7 +269,7 @@ def shortlist(candidates: Sequence[Candidate], count: int, budget: float | None 
             break
         config = candidate.config
         # at M=1 every schedule runs each cell's forward then its backward: one shape, timed once
-        shape = (config.num_partitions, config.num_replicas, config.schedule if config.num_micro_batches > 1 else "")
+        shape = (config.num_devices, config.num_replicas, config.schedule if config.num_micro_batches > 1 else "")
         if shape not in seen:
             seen.add(shape)
             out.append(candidate)
