@@ -69,6 +69,9 @@ flags.DEFINE_list(
 flags.DEFINE_integer("measure", 0, "Run the top N configurations of the plan and compare.", lower_bound=0)
 flags.DEFINE_bool("grid", False, "Run the fixed grid of configurations (plan_measure.GRID) and compare.")
 flags.DEFINE_list(
+    "grid_schedules", [], "With --grid: only its configurations of these schedules, e.g. 1f1b,interleaved_1f1b,zbv."
+)
+flags.DEFINE_list(
     "budgets",
     [],
     "With --grid: budgets as fractions of GPipe-without-remat's measured peak (K=2, M=8), e.g. 0.4,0.6,1.0; for "
@@ -188,7 +191,8 @@ def main(argv: list[str]) -> None:
     plan = plan_measure.make_plan(spec, FLAGS.memory_budget)
     print(f"planned in {time.perf_counter() - began:.1f} s")
     plan.summary()
-    configs = plan_measure.GRID if FLAGS.grid else [c.config for c in plan.candidates if c.fits][: FLAGS.measure]
+    grid = [c for c in plan_measure.GRID if not FLAGS.grid_schedules or c[4] in FLAGS.grid_schedules]
+    configs = grid if FLAGS.grid else [c.config for c in plan.candidates if c.fits][: FLAGS.measure]
     if not configs:
         return
     run = lambda config: run_child(spec, config)  # noqa: E731
