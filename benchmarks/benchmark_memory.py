@@ -92,10 +92,10 @@ MAX_BUDGET_GIB = 6.0  # two concurrent probes at up to twice the budget must fit
 RESULT = "RESULT "
 # As tfpipe.schedule.ALL_SCHEDULES, before TF loads; the last four put two cells on each of the two devices (v=2).
 SCHEDULES = ("gpipe", "1f1b", "zero_bubble", "gpipe_batched_w")
-SHARED = ("interleaved_1f1b", "looped_bfs", "interleaved_zero_bubble", "zbv")
+SHARED = ("interleaved_1f1b", "looped_bfs", "interleaved_zero_bubble", "zbv", "dualpipev")
 _TITLES = {"gpipe": "GPipe", "1f1b": "1F1B", "zero_bubble": "zero bubble", "gpipe_batched_w": "batched W",
            "interleaved_1f1b": "interleaved 1F1B", "looped_bfs": "looped BFS",
-           "interleaved_zero_bubble": "interleaved ZB", "zbv": "ZB-V"}  # fmt: skip
+           "interleaved_zero_bubble": "interleaved ZB", "zbv": "ZB-V", "dualpipev": "DualPipeV"}  # fmt: skip
 
 
 # The child: one configuration, one process ---------------------------------------------------------

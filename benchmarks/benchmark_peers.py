@@ -53,8 +53,8 @@ BATCH = {"floor": 512, "mlp256": 512, "mlp512": 512, "mlp1024": 256, "transforme
 SIDES = ("tfpipe", "torch")
 PEER = {"gpipe": "gpipe", "1f1b": "1f1b", "zero_bubble": "zero_bubble", "gpipe_batched_w": "gpipe"}
 # Several cells per device: torch's schedule of the same name (ScheduleInterleaved1F1B, ScheduleLoopedBFS,
-# ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble), stages placed as tfpipe places its cells.
-PEER.update({name: name for name in ("interleaved_1f1b", "looped_bfs", "interleaved_zero_bubble", "zbv")})
+# ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble, ScheduleDualPipeV), stages placed as tfpipe places its cells.
+PEER.update({name: name for name in ("interleaved_1f1b", "looped_bfs", "interleaved_zero_bubble", "zbv", "dualpipev")})
 flags.DEFINE_list("models", list(MODELS), f"Models: {', '.join(MODELS)} (floor: the MLP at width 16).")
 flags.DEFINE_integer("partitions", 2, "K: cells on tfpipe's side, stages (processes) on torch's.", lower_bound=2)
 flags.DEFINE_list("micro_batches", ["1", "4", "8", "16"], "Values of M (every model; M=1 runs one schedule).")

@@ -37,7 +37,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn import functional as F  # noqa: N812
 
-SCHEDULES = ("gpipe", "1f1b", "zero_bubble", "interleaved_1f1b", "looped_bfs", "interleaved_zero_bubble", "zbv")
+SCHEDULES = (
+    "gpipe", "1f1b", "zero_bubble", "interleaved_1f1b", "looped_bfs", "interleaved_zero_bubble", "zbv", "dualpipev"
+)  # fmt: skip
 
 
 class Block(nn.Module):
@@ -208,7 +210,10 @@ def make_schedule(modules: list[nn.Module], stage_ids: list[int], stages: int, m
         "interleaved_1f1b": pp.ScheduleInterleaved1F1B,
         "looped_bfs": pp.ScheduleLoopedBFS,
         "zbv": pp.ScheduleZBVZeroBubble,
+        "dualpipev": getattr(pp, "ScheduleDualPipeV", None),  # torch 2.8 on
     }
+    if name == "dualpipev" and multi[name] is None:
+        raise ValueError(f"torch {torch.__version__} has no ScheduleDualPipeV (torch 2.8 on): install a newer torch")
     if name not in multi:
         raise ValueError(f"unknown torch schedule {name!r}; use one of {', '.join(SCHEDULES)}")
     return multi[name](made, m, loss_fn=loss_fn)

@@ -62,7 +62,7 @@ flags.DEFINE_integer(
     "cells_per_device",
     1,
     "v: cells on each device, for the schedules that share devices (interleaved_1f1b, looped_bfs, "
-    "interleaved_zero_bubble: any v; zbv: 2).",
+    "interleaved_zero_bubble: any v; zbv, dualpipev: 2).",
     lower_bound=1,
 )
 flags.DEFINE_enum("optimizer", "sgd", ["sgd", "adam"], "Optimizer (SGD 1e-3, Adam 1e-4).")

@@ -108,11 +108,12 @@ class PipelineModel(keras.Model):
         concatenated: one large product instead of M small ones, where every op of the
         cell's weight gradient works example by example or sums over examples (else, with a
         warning, once per micro-batch); it holds each micro-batch's output gradients too
-        until then. Four schedules put v = K/D of the K cells on each of D devices (``devices``
+        until then. Five schedules put v = K/D of the K cells on each of D devices (``devices``
         then lists the D devices), so the bubble shrinks about v-fold: ``"interleaved_1f1b"``
         (Megatron-LM's virtual stages, cell c on device c mod D), ``"looped_bfs"`` (the same
-        cells, GPipe's order a cell at a time), ``"interleaved_zero_bubble"`` and ``"zbv"``
-        (cells d and 2D-1-d on device d, so the loss is on the first device; 1F1B's memory).
+        cells, GPipe's order a cell at a time), ``"interleaved_zero_bubble"``, ``"zbv"``
+        (cells d and 2D-1-d on device d, so the loss is on the first device; 1F1B's memory)
+        and ``"dualpipev"`` (DualPipeV, the same V; M >= 2D - 1).
         Or a schedule written as data: a list per device of its tasks in order ("F(0,1)",
         "B(0,1)", "W(0,1)", or torch's "0F1"; ``tfpipe.schedule.written``), checked for
         completeness and deadlock here. Non-GPipe schedules need ``unroll=True``.

@@ -22,7 +22,7 @@ Four schedules put one cell on each device:
   small ones (the cell's activations and output gradients of every micro-batch are
   held until then). Cell i's W fills the time it would wait for cell 0 to finish.
 
-Four put v = N/K of the N cells on each of K devices (``SHARED_SCHEDULES``; ``placement`` says where), so
+Five put v = N/K of the N cells on each of K devices (``SHARED_SCHEDULES``; ``placement`` says where), so
 that a micro-batch passes each device v times and the bubble shrinks to about (K-1)/(vM+K-1):
 
 - ``"interleaved_1f1b"`` (Megatron-LM's virtual pipeline stages, Narayanan et al. 2021): cell c on device
@@ -39,6 +39,10 @@ that a micro-batch passes each device v times and the bubble shrinks to about (K
   playing the step out with equal task times, running a ready B first, then a forward while the device
   holds fewer than 2K micro-batches of a cell (1F1B's memory: K micro-batches of the device's layers), then
   a W, which fills the waits.
+- ``"dualpipev"`` (DualPipeV: DeepSeek-V3's DualPipe folded into a V, as torch's ``ScheduleDualPipeV``): ZB-V's
+  placement; after the warm-up a device runs a forward of one of its cells and a whole backward of the other in
+  turn (DualPipe overlaps each such pair on a GPU), splitting backwards into B and W only while the pipeline
+  fills and drains (``_dualpipev``). M >= 2K - 1.
 """
 
 from __future__ import annotations
@@ -101,7 +105,8 @@ def gpipe(num_cells: int, num_micro_batches: int, backward: bool = True) -> list
 
 
 SCHEDULES = ("gpipe", "1f1b", "zero_bubble", "gpipe_batched_w")  # one cell per device
-SHARED_SCHEDULES = ("interleaved_1f1b", "looped_bfs", "interleaved_zero_bubble", "zbv")  # v cells per device
+SHARED_SCHEDULES = ("interleaved_1f1b", "looped_bfs", "interleaved_zero_bubble", "zbv", "dualpipev")  # v a device
+V_SCHEDULES = ("zbv", "dualpipev")  # two cells a device in a V
 ALL_SCHEDULES = SCHEDULES + SHARED_SCHEDULES
 
 
@@ -238,7 +243,7 @@ def splits_backward(name: str) -> bool:
     """Whether schedule ``name`` splits each backward into B (input gradient) and W (weight gradient) tasks."""
     if is_written(check_name(name)):
         return any(task.kind == "W" for order in _orders_of(name) for task in order)
-    return name in ("zero_bubble", "gpipe_batched_w", "interleaved_zero_bubble", "zbv")
+    return name in ("zero_bubble", "gpipe_batched_w", "interleaved_zero_bubble", "zbv", "dualpipev")
 
 
 def batches_weights(name: str) -> bool:
@@ -251,11 +256,16 @@ def shares_devices(name: str) -> bool:
     return check_name(name) in SHARED_SCHEDULES or is_written(name)
 
 
+def least_micro_batches(name: str, num_devices: int) -> int:
+    """The fewest micro-batches schedule ``name`` runs on ``num_devices`` devices: 2K - 1 for DualPipeV, else 1."""
+    return 2 * num_devices - 1 if check_name(name) == "dualpipev" else 1
+
+
 def placement(name: str, num_cells: int, num_devices: int) -> list[int]:
     """The device (0 to K-1) of each of the ``num_cells`` cells under schedule ``name`` on ``num_devices`` devices.
 
     One-cell schedules: cell i on device i (K = N). Interleaved ones: cell c on device c mod K (N a multiple of
-    K). ``"zbv"``: cells d and 2K-1-d on device d (N = 2K).
+    K). ``V_SCHEDULES``: cells d and 2K-1-d on device d (N = 2K).
     """
     check_name(name)
     n, k = positive_int("num_cells", num_cells), positive_int("num_devices", num_devices)
@@ -272,10 +282,10 @@ def placement(name: str, num_cells: int, num_devices: int) -> list[int]:
         if n != k:
             raise ValueError(f"schedule={name!r} puts one cell on each device: {n} cells need {n} devices, not {k}.")
         return list(range(n))
-    if name == "zbv":
+    if name in V_SCHEDULES:
         if n != 2 * k:
             raise ValueError(
-                f"schedule='zbv' puts two cells on each device in a V: {k} devices take {2 * k} cells, not {n}; "
+                f"schedule={name!r} puts two cells on each device in a V: {k} devices take {2 * k} cells, not {n}; "
                 f"use num_partitions={2 * k}, or {n // 2 if n % 2 == 0 else 'N/2'} devices."
             )
         return [c if c < k else 2 * k - 1 - c for c in range(n)]
@@ -332,6 +342,8 @@ def device_orders(
     cells = [[c for c in range(num_cells) if where[c] == d] for d in range(k)]
     if name == "zbv":
         return _played(cells, num_cells, m, limit=2 * k)
+    if name == "dualpipev":
+        return [_dualpipev(k, m, d) for d in range(k)]
     if name == "looped_bfs":
         return [
             [Task("F", c, j) for c in mine for j in range(m)]
@@ -362,6 +374,70 @@ def _interleaved(cells: list[int], m: int, k: int, d: int, split: bool) -> list[
             if len(deferred) > d:
                 order.append(deferred.pop(0))
     return order + deferred
+
+
+def _dualpipev(k: int, m: int, d: int) -> list[Task]:
+    """Device d's DualPipeV order (DeepSeek-V3's DualPipe folded into a V, as torch's ``ScheduleDualPipeV``).
+
+    Device d holds cell d on the way down and cell 2K-1-d on the way up. In eight phases: forwards down to fill
+    the pipeline, forwards down and up in turn, then up with a split backward; the steady phase runs a forward
+    and a whole backward of the other cell in turn (DualPipe overlaps these pairs, which run one after the other
+    here); then the backwards drain, their later half split, the W tasks (oldest first) filling the waits. A whole
+    backward is its B with its W right after it. M >= 2K - 1.
+    """
+    if m < least_micro_batches("dualpipev", k):
+        raise ValueError(
+            f"schedule='dualpipev' needs at least 2K - 1 = {2 * k - 1} micro-batches on {k} devices, got "
+            f"num_micro_batches={m}; use more micro-batches or schedule='zbv'."
+        )
+    down, up = d, 2 * k - 1 - d
+    order: list[Task] = []
+    forwards, backwards = {down: 0, up: 0}, {down: 0, up: 0}  # each cell's next micro-batch
+    pending: list[Task] = []  # W tasks split off their B, run oldest first
+
+    def forward(cell: int) -> None:
+        order.append(Task("F", cell, forwards[cell]))
+        forwards[cell] += 1
+
+    def backward(cell: int, split: bool = False) -> None:
+        j = backwards[cell]
+        backwards[cell] += 1
+        order.append(Task("B", cell, j))
+        (pending if split else order).append(Task("W", cell, j))
+
+    def weight() -> None:
+        order.append(pending.pop(0))
+
+    for _ in range(2 * (k - d - 1)):
+        forward(down)
+    for _ in range(d + 1):
+        forward(down)
+        forward(up)
+    for _ in range(k - d - 1):
+        backward(up, split=True)
+        weight()
+        forward(up)
+    for _ in range(m - 2 * k + d + 1):  # the steady phase
+        forward(down)
+        backward(up)
+        forward(up)
+        backward(down)
+    for _ in range(k - d - 1):
+        backward(up)
+        forward(up)
+        backward(down)
+    split = False
+    for i in range(d + 1):  # the backwards drain: from halfway, split
+        split = split or (i == (d + 1) // 2 and d % 2 == 1)
+        backward(up, split)
+        split = split or (i == (d + 1) // 2 and d % 2 == 0)
+        backward(down, split)
+    for _ in range(k - d - 1):
+        weight()
+        backward(down, split=True)
+    while pending:
+        weight()
+    return order
 
 
 def _played(cells: list[list[int]], num_cells: int, m: int, limit: int) -> list[list[Task]]:

@@ -90,7 +90,7 @@ def placed(devices: Any, num_cells: int, schedule: str) -> tuple[list[list[str]]
 
     A schedule of one cell per device takes one device per cell (``devices_lib.resolve_replicas``). One of
     ``SHARED_SCHEDULES`` takes the K devices (or one per cell, laid out as it places them; None: the machine's,
-    K = N/2 for "zbv") and puts its cells on them (``schedule.placement``).
+    K = N/2 for a V) and puts its cells on them (``schedule.placement``).
     """
     if not schedule_lib.shares_devices(schedule):
         return devices_lib.resolve_replicas(devices, num_cells), num_cells
@@ -111,12 +111,12 @@ def _shared_k(row: Any, num_cells: int, schedule: str) -> int:
         return schedule_lib.written_devices(schedule)
     if row is None:
         found = len(devices_lib.available())
-        return num_cells // 2 if schedule == "zbv" or num_cells % found else found
+        return num_cells // 2 if schedule in schedule_lib.V_SCHEDULES or num_cells % found else found
     if isinstance(row, str) or not hasattr(row, "__iter__"):
         raise TypeError(f"devices must be a list of device strings, got {row!r}.")
     if len(row) != num_cells:
         return len(row)
-    return num_cells // 2 if schedule == "zbv" else len(dict.fromkeys(row))
+    return num_cells // 2 if schedule in schedule_lib.V_SCHEDULES else len(dict.fromkeys(row))
 
 
 def _slots(row: list[str] | None, where: list[int], k: int) -> list[str] | None:

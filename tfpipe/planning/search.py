@@ -67,12 +67,12 @@ class Space:
 
 def cells_per_device(schedule: str, k: int, num_layers: int, space: Space) -> list[int]:
     """The values of v to try for ``schedule`` over ``k`` devices: 1 for a schedule of one cell per device, else
-    those of ``space`` above 1 (2 for ZB-V) that leave every cell a layer, on two devices or more."""
+    those of ``space`` above 1 (2 for a V) that leave every cell a layer, on two devices or more."""
     if not schedule_lib.shares_devices(schedule):
         return [1]
     if k < 2:
         return []  # several cells on one device: one cell's step with more tasks
-    allowed = [2] if schedule == "zbv" else space.cells_per_device
+    allowed = [2] if schedule in schedule_lib.V_SCHEDULES else space.cells_per_device
     return [v for v in allowed if v > 1 and v * k <= num_layers]
 
 
@@ -129,6 +129,8 @@ def run(
             continue  # it holds every activation until W: recomputation cannot save any (step.unrolled.check_remat)
         if k == 1 and schedule != "gpipe":
             continue  # one cell: every schedule is GPipe's order
+        if m < schedule_lib.least_micro_batches(schedule, k):
+            continue  # DualPipeV's phases need 2K - 1
         b = predict.split_size(batch_size, r, m)
         costs = profile.costs(b)
         times = [f + x for f, x in zip(costs.forward_s, costs.backward_s)]

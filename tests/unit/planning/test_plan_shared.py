@@ -1,5 +1,7 @@
 """The planner with several cells per device (interleaved, looped BFS, ZB-V): each device's time and bytes, by hand."""
 
+import dataclasses
+
 import pytest
 
 from tests.unit.planning.handmade import DEVICES, calibration, profile
@@ -72,10 +74,14 @@ def test_the_search_tries_v_cells_on_each_device_where_every_cell_keeps_a_layer(
     found = search.run(prof, cal, 8, space, None, 2)
     shared = {(c.config.schedule, c.config.cells_per_device, c.config.num_devices) for c in found}
     shared = {s for s in shared if s[1] > 1}
-    # v=2 on two devices: 4 cells of one layer each; v=4 would leave cells empty
-    assert shared == {(name, 2, 2) for name in schedule_lib.SHARED_SCHEDULES}
-    assert all(c.config.balance == (1, 1, 1, 1) for c in found if c.config.cells_per_device > 1)
     assert search.most_tasks(8, 4, space) == 2 * 4 * 2  # 4 cells of 2 micro-batches
+    # v=2 on two devices: 4 cells of one layer each; v=4 would leave cells empty; DualPipeV needs M >= 3
+    assert shared == {(name, 2, 2) for name in schedule_lib.SHARED_SCHEDULES if name != "dualpipev"}
+    space = dataclasses.replace(space, micro_batches=(2, 4))
+    assert {
+        c.config.num_micro_batches for c in search.run(prof, cal, 8, space, None, 2) if c.config.schedule == "dualpipev"
+    } == {4}
+    assert all(c.config.balance == (1, 1, 1, 1) for c in found if c.config.cells_per_device > 1)
     only_v = search.Space(num_devices=2, micro_batches=(2,), schedules=("interleaved_1f1b",), cells_per_device=(4,))
     assert search.run(prof, cal, 8, only_v, None, 2) == []  # 8 cells of 4 layers: none
 

@@ -34,7 +34,7 @@ def test_a_placement_that_does_not_lay_out_is_refused_with_the_fix(name, n, k, m
 @pytest.mark.parametrize("name", schedule.SHARED_SCHEDULES)
 def test_every_device_runs_every_task_of_its_cells_once_after_its_inputs(name):
     for k, v, m in GRID:
-        if name == "zbv" and v != 2:
+        if name in schedule.V_SCHEDULES and v != 2 or name == "dualpipev" and m < 2 * k - 1:
             continue
         n = k * v
         where = schedule.placement(name, n, k)
@@ -75,6 +75,25 @@ def test_looped_bfs_runs_each_cell_breadth_first():
     ]
 
 
+def test_dualpipev_fills_with_forwards_then_runs_a_forward_and_the_other_cell_s_whole_backward_in_turn():
+    # K=2 devices, M=4: device 0 holds cells 0 and 3, device 1 cells 1 and 2
+    orders = [[str(t) for t in order] for order in schedule.device_orders("dualpipev", 4, 4, 2)]
+    assert orders[0][:3] == ["F(0,0)", "F(0,1)", "F(0,2)"]  # 2(K - 1 - d) forwards down, then one down and one up
+    assert orders[0][3:6] == ["F(3,0)", "B(3,0)", "W(3,0)"]  # ... then a split backward up, its W, a forward up
+    assert orders[1][:4] == ["F(1,0)", "F(2,0)", "F(1,1)", "F(2,1)"]  # the last device: down and up in turn
+    # the steady phase on device 0 (M - 2K + 1 = 1 round): F down, whole B up, F up, whole B down
+    assert orders[0][6:16] == ["F(3,1)", "F(0,3)", "B(3,1)", "W(3,1)", "F(3,2)", "B(0,0)", "W(0,0)", "B(3,2)",
+                               "W(3,2)", "F(3,3)"]  # fmt: skip
+    # the drain splits its later backwards: their W tasks come last, oldest first
+    assert orders[1][-4:] == ["B(2,3)", "B(1,3)", "W(2,3)", "W(1,3)"]
+    # with equal costs it takes ZB-V's time
+    costs = ([1.0] * 4, [2.0] * 4)
+    spans = [max(e for *_, e in schedule.simulate(4, 4, *costs, name, num_devices=2)) for name in schedule.V_SCHEDULES]
+    assert spans[0] == spans[1]
+    with pytest.raises(ValueError, match=r"schedule='dualpipev' needs at least 2K - 1 = 5 micro-batches on 3 devices"):
+        schedule.device_orders("dualpipev", 6, 4, 3)
+
+
 def test_interleaved_zero_bubble_runs_each_w_d_backwards_after_its_b_on_device_d():
     for d, order in enumerate(schedule.device_orders("interleaved_zero_bubble", 6, 6, 3)):
         b = [t for t in order if t.kind == "B"]
@@ -91,6 +110,7 @@ def test_interleaved_zero_bubble_runs_each_w_d_backwards_after_its_b_on_device_d
         ("looped_bfs", 2, 8, [16, 16]),  # GPipe's: every micro-batch of every cell
         ("zbv", 2, 8, [4, 4]),  # 1F1B's first device: K micro-batches of the device's layers
         ("zbv", 4, 8, [8, 8, 8, 8]),
+        ("dualpipev", 2, 8, [5, 5]),
     ],
 )
 def test_what_each_device_holds(name, k, m, held):
