@@ -35,6 +35,9 @@ GRID = [
     (4, 1, 4, "never", "interleaved_1f1b"),
     (4, 1, 8, "never", "interleaved_1f1b"),
     (4, 1, 8, "never", "zbv"),
+    (4, 1, 8, "never", "looped_bfs"),
+    (4, 1, 8, "never", "interleaved_zero_bubble"),
+    (4, 1, 8, "never", "dualpipev"),
 ]
 MIB = 2**20
 
