@@ -122,6 +122,7 @@ def run(
     """Every configuration in ``space``, predicted; fastest first, those that fit before those that do not."""
     num_layers = len(profile.output_bytes)
     out: list[Candidate] = []
+    cuts: dict[tuple[int, int], list[int]] = {}  # (micro-batch size, cells) -> the time-even cut
     for (r, k, m), schedule, remat in itertools.product(
         shapes(batch_size, num_layers, space), space.schedules, space.remats
     ):
@@ -135,11 +136,11 @@ def run(
         costs = profile.costs(b)
         times = [f + x for f, x in zip(costs.forward_s, costs.backward_s)]
         for v in cells_per_device(schedule, k, num_layers, space):
-            out.append(
-                _candidate(
-                    profile, calibration, batch_size, times, Config((), r, m, remat, schedule, v), k, budget, slots
-                )
-            )
+            if (b, k * v) not in cuts:  # the same for every schedule and remat
+                one = [num_layers]
+                cuts[b, k * v] = balance_lib.partition(times, k * v, profile.output_bytes) if k * v > 1 else one
+            shape = Config(tuple(cuts[b, k * v]), r, m, remat, schedule, v)
+            out.append(_candidate(profile, calibration, batch_size, times, shape, budget, slots))
     # ties (M=1 runs every remat and schedule alike) go to fewer devices, then to less memory
     out.sort(
         key=lambda c: (
@@ -158,19 +159,16 @@ def _candidate(
     batch_size: int,
     times: Sequence[float],
     shape: Config,
-    k: int,
     budget: float | None,
     slots: int,
 ) -> Candidate:
-    """``shape`` (its balance left empty) over ``k`` devices, cut so that its cells' times are even, or where that
-    does not fit ``budget``, one cell a device, by ``memory_balance``."""
-    num_layers, cells = len(times), k * shape.cells_per_device
-    r, m, remat, schedule = shape.num_replicas, shape.num_micro_batches, shape.remat, shape.schedule
+    """``shape``, cut so that its cells' times are even; where that does not fit ``budget`` (one cell a device), cut
+    by ``memory_balance`` instead."""
+    k, r, m, remat, schedule = (
+        shape.num_devices, shape.num_replicas, shape.num_micro_batches, shape.remat, shape.schedule
+    )  # fmt: skip
     b = predict.split_size(batch_size, r, m)
-    balance = balance_lib.partition(times, cells, boundary_bytes=profile.output_bytes) if cells > 1 else [num_layers]
-    candidate = _evaluate(
-        profile, calibration, batch_size, dataclasses.replace(shape, balance=tuple(balance)), budget, slots
-    )
+    candidate = _evaluate(profile, calibration, batch_size, shape, budget, slots)
     if not candidate.fits and k > 1 and shape.cells_per_device == 1:
         cut = memory_balance(
             profile,
