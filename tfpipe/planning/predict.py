@@ -17,7 +17,9 @@ step's); and the largest working set of a backward. The first cell
 also holds the batch. What a micro-batch's activations hold is the layers' measured
 bytes scaled to what real steps held (``Profile.held_ratio``): a step that calls its
 cells without inlining them (from ``Calibration.noinline_tasks`` tasks on) keeps every
-intermediate of each call, one that inlines them keeps what the backward reads.
+intermediate of each call, one that inlines them keeps what the backward reads. With v cells a device
+(``Config.cells_per_device``) the schedule runs on K/v devices and a device holds its cells' bytes together, with
+the largest of their working sets.
 """
 
 from __future__ import annotations
