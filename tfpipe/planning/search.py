@@ -1,7 +1,8 @@
 """The planner's search: every configuration that can run, its predicted time and memory, the fastest that fits.
 
 A configuration is R replicas of K cells (R x K devices at most), M micro-batches, a
-re-materialization mode and a schedule; a schedule that shares devices lays v x K cells over K devices. Its cells are cut so that their measured times are
+re-materialization mode and a schedule; a schedule that shares devices lays v x K cells over K devices. Its
+cells are cut so that their measured times are
 even (``balance.partition``); when that cut overflows the memory budget on some device, the
 cut that evens the times among those whose every cell fits (``memory_balance``) is tried instead.
 """
