@@ -377,14 +377,10 @@ def _interleaved(cells: list[int], m: int, k: int, d: int, split: bool) -> list[
 
 
 def _dualpipev(k: int, m: int, d: int) -> list[Task]:
-    """Device d's DualPipeV order (DeepSeek-V3's DualPipe folded into a V, as torch's ``ScheduleDualPipeV``).
-
-    Device d holds cell d on the way down and cell 2K-1-d on the way up. In eight phases: forwards down to fill
-    the pipeline, forwards down and up in turn, then up with a split backward; the steady phase runs a forward
-    and a whole backward of the other cell in turn (DualPipe overlaps these pairs, which run one after the other
-    here); then the backwards drain, their later half split, the W tasks (oldest first) filling the waits. A whole
-    backward is its B with its W right after it. M >= 2K - 1.
-    """
+    """Device d's DualPipeV order (torch's ``ScheduleDualPipeV``): cell d down, cell 2K-1-d up; forwards fill the
+    pipeline, the steady phase runs a forward and the other cell's whole backward (B, then its W) in turn (DualPipe
+    overlaps such pairs; here they run one after the other), the drain splits its later backwards and their W
+    tasks, oldest first, fill the waits. M >= 2K - 1."""
     if m < least_micro_batches("dualpipev", k):
         raise ValueError(
             f"schedule='dualpipev' needs at least 2K - 1 = {2 * k - 1} micro-batches on {k} devices, got "
