@@ -42,6 +42,9 @@ def steps(dry_run: bool, out: str) -> list[tuple[str, list[str], int]]:
         ["--devices=2", "--width=16", "--depth=4", "--batch_size=32", "--micro_batches=1", "--measure=1"]
         if dry_run
         else ["--devices=2", "--width=2048", "--depth=12", "--batch_size=1024", "--grid", "--budgets=0.4,0.6,1.0"]
+        # the one-cell schedules' 13 rows, as plan_gpu_mlp was measured, and interleaved 1F1B and ZB-V's three: the
+        # grid's other shared rows would take the step past its time
+        + ["--grid_schedules=gpipe,1f1b,zero_bubble,gpipe_batched_w,interleaved_1f1b,zbv"]
     )
     capacity = (
         ["--rows=plain,2", "--dim=16", "--seq_len=16", "--batch_size=4", "--vocab=32", "--micro_batches=2"]
