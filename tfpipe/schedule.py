@@ -261,6 +261,17 @@ def least_micro_batches(name: str, num_devices: int) -> int:
     return 2 * num_devices - 1 if check_name(name) == "dualpipev" else 1
 
 
+def check_micro_batches(name: str, num_micro_batches: int, num_devices: int) -> int:
+    """``num_micro_batches``, or a ValueError where schedule ``name`` needs more on ``num_devices`` devices."""
+    least = least_micro_batches(name, num_devices)
+    if num_micro_batches < least:
+        raise ValueError(
+            f"schedule={name!r} needs at least 2K - 1 = {least} micro-batches on {num_devices} devices, got "
+            f"num_micro_batches={num_micro_batches}; use more micro-batches or schedule='zbv'."
+        )
+    return num_micro_batches
+
+
 def placement(name: str, num_cells: int, num_devices: int) -> list[int]:
     """The device (0 to K-1) of each of the ``num_cells`` cells under schedule ``name`` on ``num_devices`` devices.
 
@@ -381,11 +392,7 @@ def _dualpipev(k: int, m: int, d: int) -> list[Task]:
     pipeline, the steady phase runs a forward and the other cell's whole backward (B, then its W) in turn (DualPipe
     overlaps such pairs; here they run one after the other), the drain splits its later backwards and their W
     tasks, oldest first, fill the waits. M >= 2K - 1."""
-    if m < least_micro_batches("dualpipev", k):
-        raise ValueError(
-            f"schedule='dualpipev' needs at least 2K - 1 = {2 * k - 1} micro-batches on {k} devices, got "
-            f"num_micro_batches={m}; use more micro-batches or schedule='zbv'."
-        )
+    check_micro_batches("dualpipev", m, k)
     down, up = d, 2 * k - 1 - d
     order: list[Task] = []
     forwards, backwards = {down: 0, up: 0}, {down: 0, up: 0}  # each cell's next micro-batch

@@ -82,6 +82,7 @@ def check(
     check_remat(remat, schedule)
     unroll = check_unroll(unroll, remat, schedule)
     replica_devices, num_devices = placed(devices, num_cells, schedule)
+    schedule_lib.check_micro_batches(schedule, m, num_devices)  # DualPipeV's phases need 2K - 1
     return Settings(cell_sizes, num_cells, cost, m, remat, unroll, schedule, replica_devices, num_devices)
 
 

@@ -71,6 +71,8 @@ def test_devices_are_the_k_devices_or_one_per_cell_as_the_schedule_places_them()
         tfpipe.PipelineModel(mlp_layers(), devices=cpu_devices(3), **kwargs)
     with pytest.raises(ValueError, match="6 cells do not divide over 4 devices"):
         tfpipe.PipelineModel(mlp_layers(), num_partitions=6, devices=cpu_devices(4), schedule="looped_bfs")
+    with pytest.raises(ValueError, match=r"schedule='dualpipev' needs at least 2K - 1 = 3 micro-batches on 2 devices"):
+        tfpipe.PipelineModel(mlp_layers(), num_partitions=4, devices=cpu_devices(2), schedule="dualpipev")  # M=1
     with pytest.raises(ValueError, match="schedule='zbv' needs unroll=True"):
         tfpipe.PipelineModel(mlp_layers(), devices=cpu_devices(2), unroll=False, remat="always", **kwargs)
     default = tfpipe.PipelineModel(mlp_layers(), num_partitions=8, schedule="interleaved_1f1b")  # the 4 devices here
