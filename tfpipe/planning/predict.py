@@ -311,7 +311,21 @@ def holding(
     order = schedule_lib.steps(schedule, k, m, num_devices=num_devices)
     inline = inlined(k, m, noinline_tasks)
     kept = activations_at_once(order, k, remat, m, recomputing_share(profile, b, inline))
-    return schedule_lib.in_flight(order, k), kept, profile.held_ratio(b, inline)
+    return schedule_lib.in_flight(order, k), kept, held_share(profile, b, inline, schedule)
+
+
+def held_share(profile: Profile, b: int, inline: bool, schedule: str) -> float:
+    """What a micro-batch's activations hold in a step of ``schedule``, against the layers' measured bytes.
+
+    A step that calls its cells without inlining them keeps every intermediate of a forward call; a split
+    backward's forward call returns only what its B and W read, as an inlined step keeps, yet such steps held
+    about halfway between the two (Transformer, K=4 on 2 logical CPUs, M=8: ZB-V, interleaved zero bubble and
+    DualPipeV within 4% of the halfway share, zero bubble at K=2, M=16 within 1%; at either end they were 18-30%
+    off, docs/benchmarks.md#planning), so the planner takes the mean.
+    """
+    if inline or not schedule_lib.splits_backward(schedule):
+        return profile.held_ratio(b, inline)
+    return (profile.held_ratio(b, True) + profile.held_ratio(b, False)) / 2
 
 
 def recomputing_share(profile: Profile, b: int, inline: bool) -> float:
@@ -429,7 +443,7 @@ def shared_peak_bytes(profile: Profile, calibration: Calibration, batch_size: in
     b = micro_batch_size(batch_size, config)
     k, m = config.num_partitions, config.num_micro_batches
     inline = inlined(k, m, calibration.noinline_tasks)
-    ratio = profile.held_ratio(b, inline)
+    ratio = held_share(profile, b, inline, config.schedule)
     summed = holds_running_sums(m, config.schedule, calibration.across_processes)
     simulated = timeline(profile, calibration, batch_size, config)
     split = schedule_lib.splits_backward(config.schedule)

@@ -94,3 +94,24 @@ def test_a_plan_of_several_cells_a_device_names_its_devices_once():
     assert (plan.num_partitions, plan.devices, plan.schedule) == (4, DEVICES, "zbv")
     assert plan.pipeline_arguments()["balance"] == [1, 1, 1, 1]
     assert sorted(plan.device_peaks) == DEVICES
+
+
+def test_a_split_backward_where_cells_are_not_inlined_holds_halfway_between_the_two_shares():
+    prof = dataclasses.replace(four_layers(), held_ratios={True: ([2], [0.5]), False: ([2], [1.0])})
+    # 2 K M = 64 tasks: the cells are called, not inlined; a split backward's share is the mean of the two
+    assert predict.held_share(prof, 2, False, "zbv") == pytest.approx(0.75)
+    assert predict.held_share(prof, 2, False, "zero_bubble") == pytest.approx(0.75)
+    assert predict.held_share(prof, 2, False, "interleaved_1f1b") == pytest.approx(1.0)  # one VJP call keeps it all
+    assert predict.held_share(prof, 2, True, "zbv") == pytest.approx(0.5)  # inlined: what the backward reads
+    for schedule, share in (("zbv", 0.75), ("interleaved_1f1b", 1.0)):
+        assert predict.holding(prof, 2, 4, 8, schedule, "never", num_devices=2)[2] == pytest.approx(share)
+    cal = calibration()
+    peaks = {
+        s: predict.shared_peak_bytes(prof, cal, 16, Config((1, 1, 1, 1), 1, 8, "never", s, cells_per_device=2), 2)
+        for s in ("zbv", "interleaved_1f1b")
+    }
+    kept_whole = dataclasses.replace(prof, held_ratios={True: ([2], [1.0]), False: ([2], [1.0])})
+    whole = predict.shared_peak_bytes(
+        kept_whole, cal, 16, Config((1, 1, 1, 1), 1, 8, "never", "zbv", cells_per_device=2), 2
+    )
+    assert peaks["zbv"] < whole  # less held than at a called cell's whole share, as measured
