@@ -99,7 +99,7 @@ def test_the_planner_plans_several_cells_a_device_and_the_plans_train_like_plain
     for schedule in ("zbv", "interleaved_1f1b"):  # the second reuses the first's measurements
         plan = tfpipe.plan(
             mlp_layers(), 8, cpu_devices(2), sample=x, schedules=[schedule], replicas=False, verify=0, verbose=0,
-            **measured,
+            max_seconds=5, **measured,
         )  # fmt: skip
         measured = {"calibration": plan.calibration, "profile": plan.profile}
         assert plan.schedule == schedule and plan.devices == cpu_devices(2)

@@ -14,7 +14,8 @@ from tfpipe.planning import units
 
 DEVICES = cpu_devices(2)
 # a narrow search: these tests are about which models plan, not about the search (tests/integration/test_plan.py)
-NARROW = dict(num_micro_batches=[1, 2], schedules=["gpipe"], remats=["never"], replicas=False, verify=0)
+# and within a few seconds: the whole-model probes are the fitting tests' (test_plan_fitting.py), not these
+NARROW = dict(num_micro_batches=[1, 2], schedules=["gpipe"], remats=["never"], replicas=False, verify=0, max_seconds=5)
 
 
 def _two_inputs_with_a_skip(seed: int = 0) -> keras.Model:

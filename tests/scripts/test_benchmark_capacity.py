@@ -24,6 +24,7 @@ def test_capacity_benchmark_writes_its_table_with_the_planned_configuration(tmp_
         "--budget_mib=256",
         "--max_blocks=1",
         "--plan",
+        "--plan_seconds=5",  # the plan from the layers and the devices alone: its probes are test_plan_fitting's
         f"--out={out}",
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
