@@ -115,3 +115,24 @@ def test_a_split_backward_where_cells_are_not_inlined_holds_halfway_between_the_
         kept_whole, cal, 16, Config((1, 1, 1, 1), 1, 8, "never", "zbv", cells_per_device=2), 2
     )
     assert peaks["zbv"] < whole  # less held than at a called cell's whole share, as measured
+
+
+def test_a_cell_s_gradients_are_held_from_its_first_backward_and_their_call_copies_while_one_runs():
+    prof, cal, slots = four_layers(), calibration(), 2
+    config = Config((1, 1, 1, 1), 1, 8, "never", "looped_bfs", cells_per_device=2)  # 64 tasks: not inlined
+    simulated = predict.timeline(prof, cal, 16, config)
+    first = predict.first_backwards(simulated)
+    assert sorted(first, key=first.get) == [3, 2, 1, 0]  # looped BFS: every backward of cell 3, then cell 2's, ...
+    part = predict.cell_bytes(prof, 2, 3, 4, False, slots, 8, inline=False)
+    assert part.gradients == pytest.approx((1 + predict.NOINLINE_GRADIENTS) * 40.0)
+    assert part.called == pytest.approx(predict.NOINLINE_GRADIENTS * 40.0)  # in and out of a call, while it runs
+    assert predict.cell_bytes(prof, 2, 3, 4, False, slots, 8).called == 0.0  # inlined: no call to copy into
+    # heavier weights on the cells whose backwards come last raise the peak by less than all their gradients: they
+    # are made after the other cells' activations are let go
+    heavy = dataclasses.replace(
+        prof, trainable_bytes=[110.0, 120.0, 30.0, 40.0], weight_bytes=[110.0, 120.0, 30.0, 40.0]
+    )
+    grown = predict.shared_peak_bytes(heavy, cal, 16, config, slots) - predict.shared_peak_bytes(
+        prof, cal, 16, config, slots
+    )
+    assert grown < (1 + slots + 1 + predict.NOINLINE_GRADIENTS) * 200.0
