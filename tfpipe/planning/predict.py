@@ -401,8 +401,8 @@ class CellBytes:
     cell_input: float
     activations: float
     working: float
-    gradients: float = 0.0  # of ``static``: the weights' gradients, with their copies in and out of a call
-    called: float = 0.0  # of ``gradients``: the copies held only while a backward call runs (cells not inlined)
+    gradients: float  # of ``static``: the weights' gradients, with their copies in and out of a call
+    called: float  # of ``gradients``: the copies held only while a backward call runs (cells not inlined)
 
 
 def cell_bytes(
