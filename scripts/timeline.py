@@ -34,7 +34,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 from absl import app, flags  # noqa: E402
 
 from scripts.report import write_table  # noqa: E402
-from scripts.timeline_analysis import Event, draw, ideal_costs, summarize, task_rows  # noqa: E402
+from scripts.timeline_analysis import Event, crossings, draw, ideal_costs, summarize, task_rows  # noqa: E402
 from tfpipe import schedule  # noqa: E402
 from tfpipe.analysis.graph_tasks import TRANSFER_TYPES, OpInfo, attribute, lookup, parse_task_name  # noqa: E402
 
@@ -164,7 +164,7 @@ def read_trace(
                         if device is None:
                             continue
                     begin = (base_ps + ev.offset_ps) // 1000
-                    events.append(Event(device, task, phase, begin, begin + ev.duration_ps // 1000))
+                    events.append(Event(device, task, phase, begin, begin + ev.duration_ps // 1000, op, op_type))
     return sorted(events, key=lambda e: (e.device, e.start))
 
 
@@ -300,6 +300,7 @@ def main(argv: list[str]) -> None:
     f_cost, b_cost, w_cost = ideal_costs(events, windows, n, ratio, m)
     ideal = schedule.simulate(n, m, f_cost, b_cost, FLAGS.schedule, w_cost=w_cost, num_devices=k)
     print(summarize(events, windows, devices, schedule.idle_fraction(ideal, k)))
+    print(crossings(events, windows, devices))
     ideal_ms = max(end for _, _, end in ideal)
     w_text = "" if w_cost is None else f", of which W {', '.join(f'{c:.2f}' for c in w_cost)}"
     print(

@@ -8,7 +8,7 @@ import statistics
 from typing import Any
 
 from tfpipe import schedule
-from tfpipe.analysis.graph_tasks import PHASES, parse_task_name
+from tfpipe.analysis.graph_tasks import PHASES, TRANSFER_TYPES, parse_task_name
 
 COLORS = {
     "forward": "#4C72B0",
@@ -31,6 +31,14 @@ class Event:
     phase: str
     start: int
     end: int
+    op: str = ""  # the op's name, its task's scope first
+    op_type: str = ""
+
+
+# Phases whose kernels are the model's own arithmetic: the same op of the same layer runs once a micro-batch
+COMPUTE_PHASES = ("forward", "recompute", "backward")
+STRETCH_RUNS = 4  # an op's runs from which its lower quartile stands for what it costs undisturbed
+MOVES = ("Send", "Recv", *TRANSFER_TYPES)  # tfpipe's explicit transfers across processes, and TensorFlow's own
 
 
 def task_rows(events: list[Event], windows: list[tuple[int, int]], device_names: list[str]) -> list[dict]:
@@ -116,6 +124,32 @@ def summarize(events: list[Event], windows: list[tuple[int, int]], device_names:
     lines.append(
         f"bubble (idle share of the step, mean over devices): measured {measured:.3f} vs ideal {ideal_bubble:.3f}"
     )
+    return "\n".join(lines)
+
+
+def crossings(events: list[Event], windows: list[tuple[int, int]], device_names: list[str]) -> str:
+    """Per device: its explicit sends a step and their time, and how much slower its compute kernels ran than they
+    can (each op of a layer against its own lower quartile over micro-batches and steps).
+
+    On one-thread workers sharing the machine's cores, a send holds the worker's thread and the transfer's gRPC
+    threads take cores from compute: what interleaving's 2v - 1 crossings a micro-batch cost beyond the ideal.
+    """
+    steps = max(len(windows), 1)
+    lines = [f"{'device':<34} {'sends a step':>12} {'their ms':>9} {'kernels at x their fastest quartile':>36}"]
+    for d, name in enumerate(device_names):
+        mine = [e for e in events if e.device == d and _step_of(e, windows) is not None]
+        sends = [e.end - e.start for e in mine if e.op_type == "Send"]
+        runs: dict[str, list[float]] = {}
+        for e in mine:
+            if e.phase in COMPUTE_PHASES and e.task and "/" in e.op and e.op_type not in MOVES:
+                runs.setdefault(e.op.split("/", 1)[1], []).append((e.end - e.start) / 1e6)
+        took = floor = 0.0
+        for times in runs.values():
+            if len(times) >= STRETCH_RUNS:
+                took += sum(times)
+                floor += len(times) * sorted(times)[len(times) // 4]
+        stretch = f"{took / floor:.2f}x of {took / steps:.1f} ms a step" if floor > 0 else "-"
+        lines.append(f"{name:<34} {len(sends) / steps:12.1f} {sum(sends) / 1e6 / steps:9.2f} {stretch:>36}")
     return "\n".join(lines)
 
 

@@ -130,3 +130,27 @@ def test_without_matplotlib_a_png_request_names_the_extra():
 def test_bad_devices_flag_is_refused():
     proc = run_script("timeline.py", "--devices=gpu:2", timeout=120)
     assert proc.returncode != 0 and "cpu:N" in proc.stderr
+
+
+def test_crossings_count_sends_a_step_and_the_kernels_slower_than_their_fastest_quartile():
+    from scripts.timeline_analysis import Event, crossings
+
+    ms = 1_000_000  # events are in ns
+    windows = [(0, 100 * ms), (100 * ms, 200 * ms)]
+    events = []
+    for step in range(2):
+        t0 = step * 100 * ms
+        for mb in range(4):  # one layer's op, once a micro-batch: 1 ms, but 3 ms in step 1's last micro-batch
+            took = 3 * ms if (step, mb) == (1, 3) else ms
+            start = t0 + 10 * ms * (mb + 1)
+            events.append(Event(0, f"F_0_{mb}", "forward", start, start + took, f"F_0_{mb}/dense/MatMul", "MatMul"))
+        for send in range(3):  # three sends a step of 0.5 ms each, on the sender
+            start = t0 + 60 * ms + send * ms
+            events.append(Event(0, f"F_0_{send}", "forward", start, start + ms // 2, f"F_0_{send}/Send", "Send"))
+    # an op with fewer runs than its quartile needs, and one outside the profiled steps, count for nothing
+    events.append(Event(0, "B_0_0", "backward", 50 * ms, 59 * ms, "B_0_0/dense/MatMul_grad", "MatMul"))
+    events.append(Event(0, "F_0_0", "forward", 300 * ms, 330 * ms, "F_0_0/dense/MatMul", "MatMul"))
+    row = crossings(events, windows, ["dev0"]).splitlines()[1].split()
+    assert row[:3] == ["dev0", "3.0", "1.50"]
+    # 8 runs of one op took 10 ms where 8 at its lower quartile (1 ms) take 8: 1.25x, of 5 ms a step
+    assert row[3:] == ["1.25x", "of", "5.0", "ms", "a", "step"]
