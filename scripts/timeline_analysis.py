@@ -131,8 +131,8 @@ def crossings(events: list[Event], windows: list[tuple[int, int]], device_names:
     """Per device: its explicit sends a step and their time, and how much slower its compute kernels ran than they
     can (each op of a layer against its own lower quartile over micro-batches and steps).
 
-    On one-thread workers sharing the machine's cores, a send holds the worker's thread and the transfer's gRPC
-    threads take cores from compute: what interleaving's 2v - 1 crossings a micro-batch cost beyond the ideal.
+    On a one-thread worker a send holds the thread that computes; kernels stretched past their quartile show the
+    worker's core taken by something else (another worker, the client, gRPC's threads) or a slow spell of the host.
     """
     steps = max(len(windows), 1)
     lines = [f"{'device':<34} {'sends a step':>12} {'their ms':>9} {'kernels at x their fastest quartile':>36}"]
@@ -151,6 +151,39 @@ def crossings(events: list[Event], windows: list[tuple[int, int]], device_names:
         stretch = f"{took / floor:.2f}x of {took / steps:.1f} ms a step" if floor > 0 else "-"
         lines.append(f"{name:<34} {len(sends) / steps:12.1f} {sum(sends) / 1e6 / steps:9.2f} {stretch:>36}")
     return "\n".join(lines)
+
+
+def crossing_latency(events: list[Event], windows: list[tuple[int, int]]) -> tuple[float, int]:
+    """The median ms from a send's end to the receiver's next compute op where the receiver waited for it, and the
+    count of such crossings (0 and 0.0 with none: one process, or no receiver ever waited).
+
+    A send ``T/Send`` and its receive ``T/Recv`` are named by the task ``T`` that produced the tensor.
+    """
+    sends: dict[tuple[int, str], Event] = {}
+    receives: list[tuple[int, Event]] = []
+    for e in events:
+        step = _step_of(e, windows)
+        if step is not None and e.op_type in ("Send", "Recv"):
+            if e.op_type == "Send":
+                sends[(step, e.op.split("/", 1)[0])] = e
+            else:
+                receives.append((step, e))
+    compute: dict[int, list[Event]] = {}
+    for e in events:
+        if e.phase in COMPUTE_PHASES and e.op_type not in MOVES:
+            compute.setdefault(e.device, []).append(e)
+    waits = []
+    for step, recv in receives:
+        send = sends.get((step, recv.op.split("/", 1)[0]))
+        # a receive shows twice: asked for at the step's start, and done once the tensor came: the second
+        if send is None or send.device == recv.device or recv.end < send.start:
+            continue
+        after = [e.start for e in compute.get(recv.device, []) if e.start >= recv.end]
+        # it waited: no compute op of its own ran between the send's end and its next one
+        if after and not any(e.end > send.end and e.start < min(after) for e in compute[recv.device]):
+            waits.append((min(after) - send.end) / 1e6)
+    # the send's own time is its task's: a receiver that starts before the send returns waited for nothing more
+    return (max(statistics.median(waits), 0.0), len(waits)) if waits else (0.0, 0)
 
 
 def ideal_costs(

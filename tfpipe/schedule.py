@@ -620,6 +620,7 @@ def simulate(
     r_cost: Sequence[float] | None = None,
     recomputed: Collection[int] = (),
     num_devices: int | None = None,
+    crossing: float = 0.0,
 ) -> list[tuple[Task, float, float]]:
     """(task, start, end) of every task of schedule ``name``, cell i taking f_cost[i] per F and b_cost[i] per
     whole backward on its device (``placement``; one per cell unless ``num_devices`` says fewer).
@@ -629,7 +630,8 @@ def simulate(
     the rest as B. The B task of each micro-batch in ``recomputed`` first recomputes the
     cell's forward, r_cost[i] more (default: f_cost[i]), as tfpipe does once the incoming
     gradient is there. Tasks come in the order of ``steps``; a task starts when its device
-    has finished the task before it and the tasks it ``depends_on`` have. Transfers take no time.
+    has finished the task before it and the tasks it ``depends_on`` have, ``crossing`` later
+    where one of those ran on another device (a transfer's latency; default: none).
     """
     positive_int("num_cells", num_cells)
     m = positive_int("num_micro_batches", num_micro_batches)
@@ -637,6 +639,8 @@ def simulate(
     f_cost, b_cost = _costs("f_cost", f_cost, num_cells), _costs("b_cost", b_cost, num_cells)
     w_cost = [b / 2 for b in b_cost] if w_cost is None else _costs("w_cost", w_cost, num_cells)
     r_cost = f_cost if r_cost is None else _costs("r_cost", r_cost, num_cells)
+    if not crossing >= 0:
+        raise ValueError(f"crossing must be a duration >= 0 (a transfer's latency between devices), got {crossing!r}.")
     if any(w > b for w, b in zip(w_cost, b_cost)):
         raise ValueError(f"w_cost {list(w_cost)} is part of b_cost {list(b_cost)}: each must be at most b_cost's.")
     bad = [j for j in recomputed if not (isinstance(j, int) and 0 <= j < m)]
@@ -652,8 +656,11 @@ def simulate(
     free = [0.0] * (max(where) + 1)
     out = []
     for task in steps(name, num_cells, m, num_devices=num_devices):
-        ready = max((done[dep] for dep in depends_on(task, num_cells)), default=0.0)
         device = where[task.cell]
+        ready = max(
+            (done[dep] + (crossing if where[dep.cell] != device else 0.0) for dep in depends_on(task, num_cells)),
+            default=0.0,
+        )
         start = max(free[device], ready)
         duration = cost[task.kind][task.cell] * (m if task.micro_batch == ALL else 1)
         if task.kind == "B" and task.micro_batch in recomputed:

@@ -154,3 +154,33 @@ def test_crossings_count_sends_a_step_and_the_kernels_slower_than_their_fastest_
     assert row[:3] == ["dev0", "3.0", "1.50"]
     # 8 runs of one op took 10 ms where 8 at its lower quartile (1 ms) take 8: 1.25x, of 5 ms a step
     assert row[3:] == ["1.25x", "of", "5.0", "ms", "a", "step"]
+
+
+def test_crossing_latency_is_from_a_send_to_the_waiting_receivers_next_op():
+    from scripts.timeline_analysis import Event, crossing_latency
+
+    ms = 1_000_000
+    windows = [(0, 100 * ms)]
+
+    def op(device, name, kind, start, end, phase="forward"):
+        return Event(device, name.split("/")[0], phase, int(start * ms), int(end * ms), name, kind)
+
+    events = [
+        # F_0_0 crosses from device 0 to device 1, which waits: its next op starts 0.5 ms after the send's end
+        op(0, "F_0_0/Send", "Send", 10, 11),
+        op(1, "F_0_0/Recv", "Recv", 0, 0.1),  # asked for at the step's start: not the crossing
+        op(1, "F_0_0/Recv", "Recv", 11.2, 11.3),
+        op(1, "F_1_0/dense/MatMul", "MatMul", 11.5, 20),
+        # F_0_1 crosses while device 1 computes: it did not wait, and counts for nothing
+        op(0, "F_0_1/Send", "Send", 15, 16),
+        op(1, "F_0_1/Recv", "Recv", 16.2, 16.3),
+        op(1, "F_1_1/dense/MatMul", "MatMul", 20, 25),
+        # B_1_0 crosses back to device 0, which waits 1.5 ms
+        op(1, "B_1_0/Send", "Send", 30, 30.5, "backward"),
+        op(0, "B_1_0/Recv", "Recv", 31, 31.1, "backward"),
+        op(0, "B_0_0/dense/MatMul_grad", "MatMul", 32, 40, "backward"),
+    ]
+    latency, waited = crossing_latency(events, windows)
+    assert waited == 2
+    assert latency == pytest.approx(1.0)  # the median of 0.5 and 1.5
+    assert crossing_latency(events[3:4], windows) == (0.0, 0)  # nothing crossed

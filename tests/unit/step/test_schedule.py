@@ -88,6 +88,25 @@ def test_simulated_uneven_cells_wait_for_inputs_and_for_their_device():
     ]  # B(0,0) waits for B(1,0)
 
 
+def test_a_crossing_delays_only_the_tasks_that_read_another_devices_result():
+    timed = schedule.simulate(2, 2, [1, 2], [2, 4], crossing=0.5)
+    assert [(str(task), start, end) for task, start, end in timed] == [
+        ("F(0,0)", 0, 1),
+        ("F(0,1)", 1, 2),
+        ("F(1,0)", 1.5, 3.5),  # F(0,0)'s result crosses
+        ("F(1,1)", 3.5, 5.5),  # its own device is later than F(0,1)'s crossing
+        ("B(1,1)", 5.5, 9.5),  # reads F(1,1) on its own device: no crossing
+        ("B(1,0)", 9.5, 13.5),
+        ("B(0,1)", 10, 12),  # B(1,1)'s result crosses
+        ("B(0,0)", 14, 16),
+    ]
+    # two cells on one device: nothing crosses
+    one = schedule.simulate(2, 2, [1, 2], [2, 4], "interleaved_1f1b", num_devices=1, crossing=0.5)
+    assert max(end for _, _, end in one) == 18
+    with pytest.raises(ValueError, match=r"crossing must be a duration >= 0 .*, got -1"):
+        schedule.simulate(2, 2, [1, 2], [2, 4], crossing=-1)
+
+
 def test_simulated_tasks_respect_every_dependency():
     timed = {task: (start, end) for task, start, end in schedule.simulate(3, 4, [1, 3, 2], [2, 1, 5])}
     for task, (start, end) in timed.items():
