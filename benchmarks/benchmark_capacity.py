@@ -326,6 +326,8 @@ def table(found: list[dict[str, Any]]) -> str:
         capped = " (cap)" if f["capped"] else ""
         name = "plain Keras" if f["row"] == "plain" else f"tfpipe K={f['row']}"
         blocks = 3 * f["blocks"] if amoebanet else f["blocks"]
+        if not f["params"]:  # no depth probed fit: the least probed was over the budget
+            blocks = f"under {3 * (f['blocks'] + 1) if amoebanet else f['blocks'] + 1} (none probed fit)"
         lines.append(
             f"| {name} | {blocks}{capped} | {f['params'] / 1e6:.2f}M | {ratio} | {mib(f['peak'])} | "
             f"{mib(f['client_peak'])} | {f['config']}{f['planning']} |"

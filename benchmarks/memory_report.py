@@ -178,7 +178,7 @@ def largest_under_budget(
     probe: Callable[[int], dict[str, Any]], budget: float, cap: int, first: int = 1
 ) -> tuple[int, bool, list[dict[str, Any]]]:
     """The largest L in [first, cap] whose probe peaks at most ``budget`` (doubling from ``first``, then bisection);
-    ``first - 1`` where none does.
+    one less than the first depth probed, min(first, cap), where none does.
 
     Also returns whether the cap was reached and every probe made. Assumes the peak
     grows with L, as it does: every block adds its weights and activations.
@@ -189,7 +189,8 @@ def largest_under_budget(
         made.append(probe(blocks))
         return made[-1]["peak"] <= budget
 
-    ok, bad, blocks = first - 1, None, min(first, cap)
+    blocks = min(first, cap)
+    ok, bad = blocks - 1, None
     while bad is None:
         if fits(blocks):
             ok = blocks

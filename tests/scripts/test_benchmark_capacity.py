@@ -5,7 +5,7 @@ import csv
 
 import pytest
 
-from tests.util import run_script
+from tests.util import run_fresh, run_script
 
 
 @pytest.mark.heavy(seconds=90)
@@ -61,3 +61,19 @@ def test_the_search_starts_at_the_first_depth_a_row_can_take():
     assert (found, capped) == (65, False) and made[0]["blocks"] == 8 and min(m["blocks"] for m in made) == 8
     assert largest_under_budget(probe, 50.0, 128, first=8)[0] == 7  # the first depth is over: none fits
     assert largest_under_budget(probe, 2000.0, 128, first=8)[:2] == (128, True)
+    # a first depth past the cap probes the cap; over the budget there, what fits is under it, not under the first
+    found, capped, made = largest_under_budget(probe, 50.0, 128, first=336)
+    assert (found, capped, [m["blocks"] for m in made]) == (127, False, [128])
+
+
+def test_a_row_where_no_probed_depth_fit_says_so():
+    proc = run_fresh("""
+        from benchmarks import benchmark_capacity as capacity
+        capacity.FLAGS(["benchmark_capacity.py", "--rows=1,8", "--plan"])
+        row = {"capped": False, "peak": 0, "client_peak": 0, "config": "", "planning": ""}
+        k1 = {**row, "row": "1", "blocks": 46, "params": 9e6, "peak": 7e8}
+        print(capacity.table([k1, {**row, "row": "8", "blocks": 335, "params": 0}]))
+    """)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "| tfpipe K=1 | 46 | 9.00M | 1.00 |" in proc.stdout
+    assert "| tfpipe K=8 | under 336 (none probed fit) | 0.00M | - |" in proc.stdout
