@@ -155,7 +155,7 @@ def crossings(events: list[Event], windows: list[tuple[int, int]], device_names:
 
 def crossing_latency(events: list[Event], windows: list[tuple[int, int]]) -> tuple[float, int]:
     """The median ms from a send's end to the receiver's next compute op where the receiver waited for it, and the
-    count of such crossings (0 and 0.0 with none: one process, or no receiver ever waited).
+    count of such crossings; (0.0, 0) where none (one process, or no receiver ever waited).
 
     A send ``T/Send`` and its receive ``T/Recv`` are named by the task ``T`` that produced the tensor.
     """
