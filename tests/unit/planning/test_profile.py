@@ -87,3 +87,23 @@ def test_a_size_predicted_over_the_budget_alone_is_scaled_from_a_smaller_one_and
         "2 unit(s) alone at 256 samples not run (predicted over the budget alone): scaled from a smaller size "
         f"({layers[0].name}, {layers[1].name})"
     ]
+
+
+def test_bytes_read_on_a_stand_in_are_read_once_per_kind(monkeypatch):
+    made = []
+
+    class Counted(profile_lib._Measured):
+        def __init__(self, copies, device):
+            made.append([type(c).__name__ + str(getattr(c, "units", "")) for c in copies])
+            super().__init__(copies, device)
+
+        def held(self, x, memory):
+            rows = int(tf.nest.flatten(x)[0].shape[0])
+            return float(rows * len(made)), float(rows)  # which reading it was, and its rows
+
+    monkeypatch.setattr(profile_lib, "_Measured", Counted)
+    layers = [keras.layers.Dense(16, activation="tanh") for _ in range(4)] + [keras.layers.Dense(8)]
+    out = profile_lib._bytes_on(layers, np.zeros((4, 16), "float32"), [2, 4], "/CPU:0", "CPU:0", None, None)
+    assert made == [["Dense16"], ["Dense8"]]  # the four alike Dense(16) read once
+    assert [got for got, _ in out] == [[(2.0, 2.0), (4.0, 4.0)]] * 4 + [[(4.0, 2.0), (8.0, 4.0)]]
+    assert all(over == set() for _, over in out)
