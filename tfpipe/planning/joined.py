@@ -20,12 +20,24 @@ from tfpipe.backward.batched_w import BatchedW, Unbatchable
 from tfpipe.backward.split_vjp import SplitVJP
 from tfpipe.graph import cpu_gradients
 from tfpipe.planning import units as units_lib
+from tfpipe.planning.profile import kind_of
 
 
 def bytes_per_sample(units: Any, sample: Any, device: str, rows: int = 4) -> list[float]:
     """Per unit (``planning.units``), the bytes per sample one W over all micro-batches concatenates (0 where W
-    cannot run once)."""
-    return [_layer_bytes(w.copy, w.inputs, rows, device) for w in units_lib.walk(units, sample, rows, device)]
+    cannot run once); a unit of a kind traced before (``profile.kind_of``) gets that one's."""
+    out: list[float] = []
+    traced: dict[str, float] = {}
+    for walked in units_lib.walk(units, sample, rows, device):
+        kind = kind_of(walked.copy, walked.inputs)
+        if kind is None or kind not in traced:
+            found = _layer_bytes(walked.copy, walked.inputs, rows, device)
+            if kind is None:
+                out.append(found)
+                continue
+            traced[kind] = found
+        out.append(traced[kind])
+    return out
 
 
 def _layer_bytes(copy: keras.layers.Layer, x_in: Any, rows: int, device: str) -> float:

@@ -29,6 +29,21 @@ def test_layers_without_weights_or_whose_w_cannot_run_once_join_nothing():
     assert found == [(3 + 6) * 4, 0.0, 0.0, (6 + 2) * 4]
 
 
+def test_alike_layers_are_traced_once(monkeypatch):
+    keras.utils.set_random_seed(0)
+    traced, real = [], joined._layer_bytes
+
+    def layer_bytes(copy, *args):
+        traced.append(copy.units)
+        return real(copy, *args)
+
+    monkeypatch.setattr(joined, "_layer_bytes", layer_bytes)
+    layers = [keras.layers.Dense(8, activation="tanh") for _ in range(3)] + [keras.layers.Dense(3)]
+    found = joined.bytes_per_sample(layers, np.ones((4, 8), "float32"), "/CPU:0")
+    assert traced == [8, 3]  # the three alike Dense(8) once
+    assert found == [(8 + 8) * 4] * 3 + [(8 + 3) * 4]
+
+
 def test_the_step_joins_what_the_planner_counts():
     """The bytes are the step's own: a pipeline's W over all micro-batches concatenates them (BatchedW.run)."""
     keras.utils.set_random_seed(0)
