@@ -30,13 +30,12 @@ def bytes_per_sample(units: Any, sample: Any, device: str, rows: int = 4) -> lis
     traced: dict[str, float] = {}
     for walked in units_lib.walk(units, sample, rows, device):
         kind = kind_of(walked.copy, walked.inputs)
-        if kind is None or kind not in traced:
-            found = _layer_bytes(walked.copy, walked.inputs, rows, device)
-            if kind is None:
-                out.append(found)
-                continue
-            traced[kind] = found
-        out.append(traced[kind])
+        if kind is not None and kind in traced:
+            out.append(traced[kind])
+            continue
+        out.append(_layer_bytes(walked.copy, walked.inputs, rows, device))
+        if kind is not None:
+            traced[kind] = out[-1]
     return out
 
 
