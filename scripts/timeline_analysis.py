@@ -141,7 +141,7 @@ def crossings(events: list[Event], windows: list[tuple[int, int]], device_names:
         sends = [e.end - e.start for e in mine if e.op_type == "Send"]
         runs: dict[str, list[float]] = {}
         for e in mine:
-            if e.phase in COMPUTE_PHASES and e.task and "/" in e.op and e.op_type not in MOVES:
+            if _computes(e) and e.task and "/" in e.op:
                 runs.setdefault(e.op.split("/", 1)[1], []).append((e.end - e.start) / 1e6)
         took = floor = 0.0
         for times in runs.values():
@@ -157,24 +157,24 @@ def crossing_latency(events: list[Event], windows: list[tuple[int, int]]) -> tup
     """The median ms from a send's end to the receiver's next compute op where the receiver waited for it, and the
     count of such crossings; (0.0, 0) where none (one process, or no receiver ever waited).
 
-    A send ``T/Send`` and its receive ``T/Recv`` are named by the task ``T`` that produced the tensor.
+    A send and its receive are both attributed to the task that produced the tensor (``T/Send``, ``T/Recv``).
     """
     sends: dict[tuple[int, str], Event] = {}
     receives: list[tuple[int, Event]] = []
     for e in events:
         step = _step_of(e, windows)
-        if step is not None and e.op_type in ("Send", "Recv"):
+        if step is not None and e.task and e.op_type in ("Send", "Recv"):
             if e.op_type == "Send":
-                sends[(step, e.op.split("/", 1)[0])] = e
+                sends[(step, e.task)] = e
             else:
                 receives.append((step, e))
     compute: dict[int, list[Event]] = {}
     for e in events:
-        if e.phase in COMPUTE_PHASES and e.op_type not in MOVES:
+        if _computes(e):
             compute.setdefault(e.device, []).append(e)
     waits = []
     for step, recv in receives:
-        send = sends.get((step, recv.op.split("/", 1)[0]))
+        send = sends.get((step, recv.task))
         # a receive shows twice: asked for at the step's start, and done once the tensor came: the second
         if send is None or send.device == recv.device or recv.end < send.start:
             continue
@@ -184,6 +184,11 @@ def crossing_latency(events: list[Event], windows: list[tuple[int, int]]) -> tup
             waits.append((min(after) - send.end) / 1e6)
     # the send's own time is its task's: a receiver that starts before the send returns waited for nothing more
     return (max(statistics.median(waits), 0.0), len(waits)) if waits else (0.0, 0)
+
+
+def _computes(e: Event) -> bool:
+    """Whether ``e`` is one of the model's own kernels: an op of a compute phase that moves no tensor."""
+    return e.phase in COMPUTE_PHASES and e.op_type not in MOVES
 
 
 def ideal_costs(
