@@ -4,7 +4,8 @@ For each row (plain Keras on one device, then tfpipe at K = 1, 2, 4, 8 cells on 
 the depth grows (doubling, then bisection) until a device's allocator peak over two Adam steps passes the budget;
 width, batch and sequence stay fixed and are printed with the table. Every probe is a fresh process (this script
 with ``--_child=JSON``) under TensorFlow's BFC CPU allocator: plain Keras is read from its own process's allocator,
-tfpipe from each worker's (``LocalCluster.memory_info``), beside the training process's own peak. A keras_hub task
+tfpipe from each worker's (``LocalCluster.memory_info``), beside the training process's own allocator peak and its
+resident peak (``ru_maxrss``, planning included: where the step's graph shows). A keras_hub task
 (``--model=llama``) is built under ``tfpipe.deferred_weights()``, so its weights are made on the workers; the
 Transformer is a layer list, whose cells are built on their devices.
 
@@ -105,14 +106,21 @@ def child(config: dict[str, Any]) -> dict[str, Any]:
     build = functools.partial(_build, config)
     loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
     if config.get("device_type") == "GPU":
-        return _on_logical_gpus(config, build, loss)
+        return dict(_on_logical_gpus(config, build, loss), client_process=process_peak())
     if k == 0:  # plain Keras, in this process
         model, x, y = build()
         model = keras_sequential(model)
         model.compile(optimizer="adam", loss=loss)
         model.fit(x, y, batch_size=n, epochs=1, verbose=0, shuffle=False)
         peak = tf.config.experimental.get_memory_info("CPU:0")["peak"]
-        return {"params": model.count_params(), "peak": peak, "peaks": [peak], "client_peak": peak, "config": "plain"}
+        return {
+            "params": model.count_params(),
+            "peak": peak,
+            "peaks": [peak],
+            "client_peak": peak,
+            "client_process": process_peak(),
+            "config": "plain",
+        }
     with tfpipe.cluster.LocalCluster(num_workers=k, threads_per_worker=1) as cluster:
         with tfpipe.deferred_weights():
             made, x, y = build()
@@ -134,9 +142,18 @@ def child(config: dict[str, Any]) -> dict[str, Any]:
             "peak": max(peaks),
             "peaks": peaks,
             "client_peak": client,
+            "client_process": process_peak(),
             "config": chosen,
             **planned,
         }
+
+
+def process_peak() -> int:
+    """This process's peak resident memory, bytes: beside its allocator's, what TensorFlow keeps outside it (the
+    step's graph above all: docs/guide/limitations.md)."""
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
 
 
 def _build(config: dict[str, Any]) -> tuple[Any, Any, Any]:
@@ -272,12 +289,14 @@ def probe(row: str, blocks: int) -> dict[str, Any]:
             "peak": float("inf"),
             "peaks": [],
             "client_peak": 0,
+            "client_process": 0,
             "config": "",
         }
     result = dict(json.loads(lines[-1]), row=row, blocks=blocks)
     print(
         f"  {row} L={blocks}: {result['params'] / 1e6:.2f}M parameters, device peak {mib(result['peak'])} MiB "
-        f"(budget {FLAGS.budget_mib:g}), client {mib(result['client_peak'])} MiB"
+        f"(budget {FLAGS.budget_mib:g}), client {mib(result['client_peak'])} MiB "
+        f"(process {mib(result['client_process'])})"
         + (
             f"; planning: devices {mib(result['planning_peak'])} MiB, client {mib(result['planning_client_peak'])} MiB"
             if "planning_peak" in result
@@ -318,8 +337,9 @@ def table(found: list[dict[str, Any]]) -> str:
             else f"at M={FLAGS.micro_batches}, remat='always', 1F1B above K=1"
         ),
         "",
-        f"| row | {depth} | parameters | x tfpipe K=1 | device peak (MiB) | client peak (MiB) | configuration |",
-        "| --- | --- | --- | --- | --- | --- | --- |",
+        f"| row | {depth} | parameters | x tfpipe K=1 | device peak (MiB) | client peak (MiB) | client process (MiB) "
+        "| configuration |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for f in found:
         ratio = f"{f['params'] / base:.2f}" if base and f["params"] else "-"
@@ -330,7 +350,7 @@ def table(found: list[dict[str, Any]]) -> str:
             blocks = f"under {3 * (f['blocks'] + 1) if amoebanet else f['blocks'] + 1} (none probed fit)"
         lines.append(
             f"| {name} | {blocks}{capped} | {f['params'] / 1e6:.2f}M | {ratio} | {mib(f['peak'])} | "
-            f"{mib(f['client_peak'])} | {f['config']}{f['planning']} |"
+            f"{mib(f['client_peak'])} | {mib(f['client_process'])} | {f['config']}{f['planning']} |"
         )
     return "\n".join(lines) + "\n"
 
@@ -357,6 +377,7 @@ def main(argv: list[str]) -> None:
                 "params": best["params"] if best else 0,
                 "peak": best["peak"] if best else 0,
                 "client_peak": best["client_peak"] if best else 0,
+                "client_process": best["client_process"] if best else 0,
                 "config": best["config"] if best else "",
                 "planning": (
                     f"; planning's peaks: devices {mib(best['planning_peak'])}, "
@@ -369,7 +390,7 @@ def main(argv: list[str]) -> None:
     text = table(found)
     print(text)
     if FLAGS.out:
-        fields = ["row", "blocks", "params", "peak", "peaks", "client_peak", "config"]
+        fields = ["row", "blocks", "params", "peak", "peaks", "client_peak", "client_process", "config"]
         fields += ["planning_peak", "planning_client_peak"] if FLAGS.plan else []
         write_table(FLAGS.out, [{f: p.get(f, "") for f in fields} for p in probes], text, fields)
 

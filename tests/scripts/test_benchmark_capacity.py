@@ -35,7 +35,10 @@ def test_capacity_benchmark_writes_its_table_with_the_planned_configuration(tmp_
     assert len(eval(rows["2"]["peaks"])) == 2 and all(p > 0 for p in eval(rows["2"]["peaks"]))
     # the weights live on the workers: the training process holds less than plain Keras' whole step
     assert 0 < float(rows["2"]["client_peak"]) < float(rows["plain"]["peak"])
+    # the process's resident peak holds its allocator's and the rest TensorFlow keeps (the graph)
+    assert all(float(r["client_process"]) > float(r["client_peak"]) for r in rows.values())
     text = open(out + ".md").read()
+    assert "| client process (MiB) |" in text
     assert "| plain Keras | 1 (cap) |" in text and "| tfpipe K=2 | 1 (cap) |" in text
     assert "budget 256 MiB per device" in text and "tfpipe as tfpipe.plan chose for each probe" in text
     assert rows["plain"]["config"] == "plain" and rows["2"]["config"].startswith("K="), rows["2"]
@@ -70,7 +73,7 @@ def test_a_row_where_no_probed_depth_fit_says_so():
     proc = run_fresh("""
         from benchmarks import benchmark_capacity as capacity
         capacity.FLAGS(["benchmark_capacity.py", "--rows=1,8", "--plan"])
-        row = {"capped": False, "peak": 0, "client_peak": 0, "config": "", "planning": ""}
+        row = {"capped": False, "peak": 0, "client_peak": 0, "client_process": 0, "config": "", "planning": ""}
         k1 = {**row, "row": "1", "blocks": 46, "params": 9e6, "peak": 7e8}
         print(capacity.table([k1, {**row, "row": "8", "blocks": 335, "params": 0}]))
     """)

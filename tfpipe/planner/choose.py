@@ -200,6 +200,7 @@ def _measured(
         )  # fmt: skip
     # what one W over all micro-batches joins
     if not measured.joined_bytes and any(schedule_lib.batches_weights(s) for s in request.space.schedules):
+        progress.phase("reading the rows one W over all micro-batches joins (each kind of layer traced once)")
         with _compat.custom_gradients_forgotten():  # its traced copies hold no memory once measured
             measured.joined_bytes = joined.bytes_per_sample(request.layers, request.data, request.devices[0])
         measured.time_source += "; one W over all micro-batches also copies the rows it joins (traced per layer)"

@@ -221,8 +221,11 @@ def time_probes(
     """
     total = sum(len(group) for group in groups)
     probes: dict[Shape, calibration_lib.Probe] = {}
-    if progress is not None:
+    if progress is not None and total:
         progress.phase(f"stepping {total} probes of the whole model (each traced, then warmed up, then timed)", total)
+    elif progress is not None:  # a phase of none would take the time of what follows it
+        progress.end()
+        progress.say("no probe of the whole model is predicted to fit the budget (see summary()): the layers predict")
     for group in groups:
         with _compat.custom_gradients_forgotten():  # the group's models, let go below, hold no memory then
             probes.update(_time_group(group, layers, data, devices, optimizer, progress, not_run))

@@ -145,6 +145,16 @@ def test_each_group_of_several_is_timed_in_its_own_rounds_and_a_time_bound_stops
     ]
 
 
+def test_time_probes_of_none_says_so_and_opens_no_phase(capsys):
+    """Where every probe is over the budget, no phase of 0 probes takes the time of what follows it."""
+    progress = progress_lib.Progress(1)
+    progress.phase("measuring each layer", 1)
+    assert probe_fits.time_probes([], [None] * 3, None, DEVICES, "sgd", progress) == {}
+    said = capsys.readouterr().out
+    assert "measuring each layer: done in" in said and "stepping" not in said
+    assert "no probe of the whole model is predicted to fit the budget (see summary())" in said
+
+
 def _probes_under(budget, monkeypatch):
     """fit_model's probes of the three handmade layers under ``budget``: the fitted calibration, the profile, and
     each probe made as (b, M, cut, remat, schedule)."""

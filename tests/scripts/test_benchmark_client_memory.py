@@ -1,0 +1,31 @@
+"""benchmark_client_memory.py at two tiny depths: the training process keeps more of the step's graph at more blocks."""
+
+import csv
+
+import pytest
+
+from tests.util import run_script
+
+
+@pytest.mark.heavy(seconds=30)
+def test_the_client_keeps_more_ops_and_memory_at_more_blocks(tmp_path):
+    out = str(tmp_path / "client")
+    flags = ["--rows=logical", "--blocks=1,3", "--devices=2", "--dim=16", "--seq_len=8", "--batch_size=4"]
+    proc = run_script("benchmark_client_memory.py", *flags, "--micro_batches=2", f"--out={out}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    with open(out + ".csv") as f:
+        rows = sorted(csv.DictReader(f), key=lambda r: int(r["blocks"]))
+    assert [(r["row"], r["blocks"]) for r in rows] == [("logical", "1"), ("logical", "3")]
+    assert 0 < int(rows[0]["ops"]) < int(rows[1]["ops"]) and int(rows[0]["params"]) < int(rows[1]["params"])
+    assert 0 < float(rows[0]["client_mib"]) < float(rows[1]["client_mib"])
+    slope = (float(rows[1]["client_mib"]) - float(rows[0]["client_mib"])) / 2
+    assert f"| logical | 3 | {int(rows[1]['params']) / 1e6:.2f}M |" in proc.stdout
+    assert proc.stdout.rstrip().endswith(f"| {slope:.1f} |")
+
+
+@pytest.mark.parametrize(
+    "flag, message", [("--rows=keras,gpu", "--rows=keras,gpu: each must be one of"), ("--blocks=0", "--blocks=0")]
+)
+def test_bad_rows_and_depths_are_refused_by_name(flag, message):
+    proc = run_script("benchmark_client_memory.py", flag)
+    assert proc.returncode != 0 and message in proc.stderr
