@@ -143,17 +143,18 @@ def child(config: dict[str, Any]) -> dict[str, Any]:
             "peaks": peaks,
             "client_peak": client,
             "client_process": process_peak(),
+            "workers_process": max(process_peak(pid) for pid in cluster.pids),
             "config": chosen,
             **planned,
         }
 
 
-def process_peak() -> int:
-    """This process's peak resident memory, bytes: beside its allocator's, what TensorFlow keeps outside it (the
-    step's graph above all: docs/guide/limitations.md)."""
-    import resource
-
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+def process_peak(pid: int | None = None) -> int:
+    """A process's peak resident memory (this one's by default), bytes: beside its allocator's, what TensorFlow keeps
+    outside it (the step's graph above all: docs/guide/limitations.md)."""
+    with open(f"/proc/{pid or 'self'}/status") as f:
+        peak = next(line for line in f if line.startswith("VmHWM:"))
+    return int(peak.split()[1]) * 1024  # kB
 
 
 def _build(config: dict[str, Any]) -> tuple[Any, Any, Any]:
@@ -290,6 +291,7 @@ def probe(row: str, blocks: int) -> dict[str, Any]:
             "peaks": [],
             "client_peak": 0,
             "client_process": 0,
+            "workers_process": 0,
             "config": "",
         }
     result = dict(json.loads(lines[-1]), row=row, blocks=blocks)
@@ -337,7 +339,7 @@ def table(found: list[dict[str, Any]]) -> str:
             else f"at M={FLAGS.micro_batches}, remat='always', 1F1B above K=1"
         ),
         "",
-        f"| row | {depth} | parameters | x tfpipe K=1 | device peak (MiB) | client peak (MiB) | client process (MiB) "
+        f"| row | {depth} | parameters | x tfpipe K=1 | device peak (MiB) | client peak (MiB) | processes (MiB) "
         "| configuration |",
         "| --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
@@ -350,9 +352,15 @@ def table(found: list[dict[str, Any]]) -> str:
             blocks = f"under {3 * (f['blocks'] + 1) if amoebanet else f['blocks'] + 1} (none probed fit)"
         lines.append(
             f"| {name} | {blocks}{capped} | {f['params'] / 1e6:.2f}M | {ratio} | {mib(f['peak'])} | "
-            f"{mib(f['client_peak'])} | {mib(f['client_process'])} | {f['config']}{f['planning']} |"
+            f"{mib(f['client_peak'])} | {_processes(f)} | {f['config']}{f['planning']} |"
         )
     return "\n".join(lines) + "\n"
+
+
+def _processes(found: dict[str, Any]) -> str:
+    """The resident peaks of a row's training process and (tfpipe on workers) of its fullest worker's process."""
+    client = mib(found["client_process"])
+    return f"{client}, a worker {mib(found['workers_process'])}" if found.get("workers_process") else client
 
 
 def main(argv: list[str]) -> None:
@@ -378,6 +386,7 @@ def main(argv: list[str]) -> None:
                 "peak": best["peak"] if best else 0,
                 "client_peak": best["client_peak"] if best else 0,
                 "client_process": best["client_process"] if best else 0,
+                "workers_process": best.get("workers_process", 0) if best else 0,
                 "config": best["config"] if best else "",
                 "planning": (
                     f"; planning's peaks: devices {mib(best['planning_peak'])}, "
@@ -390,7 +399,8 @@ def main(argv: list[str]) -> None:
     text = table(found)
     print(text)
     if FLAGS.out:
-        fields = ["row", "blocks", "params", "peak", "peaks", "client_peak", "client_process", "config"]
+        fields = ["row", "blocks", "params", "peak", "peaks", "client_peak", "client_process", "workers_process"]
+        fields += ["config"]
         fields += ["planning_peak", "planning_client_peak"] if FLAGS.plan else []
         write_table(FLAGS.out, [{f: p.get(f, "") for f in fields} for p in probes], text, fields)
 

@@ -38,7 +38,7 @@ def test_capacity_benchmark_writes_its_table_with_the_planned_configuration(tmp_
     # the process's resident peak holds its allocator's and the rest TensorFlow keeps (the graph)
     assert all(float(r["client_process"]) > float(r["client_peak"]) for r in rows.values())
     text = open(out + ".md").read()
-    assert "| client process (MiB) |" in text
+    assert "| processes (MiB) |" in text and float(rows["2"]["workers_process"]) > float(rows["2"]["peak"])
     assert "| plain Keras | 1 (cap) |" in text and "| tfpipe K=2 | 1 (cap) |" in text
     assert "budget 256 MiB per device" in text and "tfpipe as tfpipe.plan chose for each probe" in text
     assert rows["plain"]["config"] == "plain" and rows["2"]["config"].startswith("K="), rows["2"]
