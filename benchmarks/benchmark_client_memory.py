@@ -6,6 +6,7 @@ memory before and after the first ``fit`` step of the Transformer of ``models/``
 one process, tfpipe on logical CPUs in the same process, and tfpipe on one-thread ``LocalCluster`` workers (whose own
 growth is printed beside it). The graph grows with the ops, not with the width, batch or sequence, so a short
 sequence measures it at little cost. Each depth runs in a fresh process (this script with ``--_child=JSON``).
+``benchmark_scale.py`` measures the same first step against K x M at one depth.
 
     python benchmarks/benchmark_client_memory.py                          # 21 and 42 blocks, K=8, a few minutes
     python benchmarks/benchmark_client_memory.py --rows=workers --blocks=42,84 --cells_per_device=4 --micro_batches=32
