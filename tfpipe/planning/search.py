@@ -217,7 +217,8 @@ def memory_balance(
 ) -> list[int] | None:
     """The cut into ``k`` cells with the least largest cell time among those whose every cell's peak fits ``budget``.
 
-    None if no cut fits. Dynamic programming over (cells, layers): O(k L^2) peak evaluations.
+    None if no cut fits. Dynamic programming over (cells, layers), every cell's peak read from one table
+    (``predict.cell_bytes_table``): O(k L^2) array work.
     """
     if budget is None:
         return None
@@ -226,22 +227,20 @@ def memory_balance(
     summed = predict.holds_running_sums(m, schedule, across_processes)
     inline = predict.inlined(k, m, noinline_tasks)
     prefix = np.concatenate([[0.0], np.cumsum(times)])
+    span = prefix[None, :] - prefix[:, None]  # [lo, hi]: the time of layers [lo, hi)
+    tables = {
+        first: predict.cell_bytes_table(profile, b, first, slots, m, ratio, inline, summed) for first in (True, False)
+    }
     best = np.full((k + 1, num_layers + 1), np.inf)
     choice = np.zeros((k + 1, num_layers + 1), dtype=int)
     best[0, 0] = 0.0
-    for c in range(1, k + 1):
-        for hi in range(c, num_layers - (k - c) + 1):
-            for lo in range(c - 1, hi):
-                if not np.isfinite(best[c - 1, lo]):
-                    continue
-                value = max(best[c - 1, lo], prefix[hi] - prefix[lo])
-                if value >= best[c, hi]:
-                    continue
-                peak = predict.cell_peak(
-                    profile, b, lo, hi, c == 1, held_at_once[c - 1], kept[c - 1], slots, m, ratio, inline, summed
-                )
-                if peak <= budget:
-                    best[c, hi], choice[c, hi] = value, lo
+    ends = np.arange(num_layers + 1)
+    for c in range(1, k + 1):  # every hi at once: cell c is layers [lo, hi), after c - 1 cells over [0, lo)
+        fits = tables[c == 1].peaks(held_at_once[c - 1], kept[c - 1]) <= budget
+        value = np.where(fits, np.maximum(best[c - 1][:, None], span), np.inf)
+        reachable = (ends >= c) & (ends <= num_layers - (k - c))  # leaves a layer to each cell after it
+        best[c] = np.where(reachable, value.min(axis=0), np.inf)
+        choice[c] = value.argmin(axis=0)  # the first lo of the least time, as a scan upward keeps
     if not np.isfinite(best[k, num_layers]):
         return None
     cut, hi = [], num_layers

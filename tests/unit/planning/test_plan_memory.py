@@ -2,12 +2,13 @@
 
 import dataclasses
 
+import numpy as np
 import pytest
 
 from tests.unit.planning.handmade import calibration, memory_bound_profile, profile
 from tfpipe import balance as balance_lib
 from tfpipe import schedule as schedule_lib
-from tfpipe.planning import predict, search
+from tfpipe.planning import predict, search, units
 from tfpipe.planning.predict import Config
 
 
@@ -139,6 +140,74 @@ def test_memory_balance_moves_layers_off_the_device_that_overflows():
     # no budget: nothing to fit; a budget no cut fits: None
     assert search.memory_balance(prof, times, b, k, m, "never", "gpipe", 2, None) is None
     assert search.memory_balance(prof, times, b, k, m, "never", "gpipe", 2, 500.0) is None
+
+
+def _random_profile(layers, seed):
+    """A profile of ``layers`` random layers at size 4, the last reading the first's weights (a tied embedding)."""
+    rng = np.random.default_rng(seed)
+    values = lambda low, high: tuple(float(v) for v in rng.integers(low, high, layers))  # noqa: E731
+    prof = profile(
+        forward=values(1, 9), backward=values(1, 9), weights=values(0, 900), trainable=values(0, 900),
+        outputs=values(1, 60), held=values(1, 60), working=values(1, 30), sizes=(4,),
+    )  # fmt: skip
+    prof.tied = [units.Tied(0, layers - 1, 120.0, 100.0), units.Tied(0, layers - 2, 120.0, 100.0)]
+    return prof
+
+
+def _memory_balance_one_cell_at_a_time(prof, times, b, k, m, remat, schedule, slots, budget):
+    """The dynamic program with each cell's peak from ``predict.cell_peak``: what the table must agree with."""
+    held_at_once, kept, ratio = predict.holding(prof, b, k, m, schedule, remat)
+    summed, inline = predict.holds_running_sums(m, schedule, False), predict.inlined(k, m)
+    n, prefix = len(times), np.concatenate([[0.0], np.cumsum(times)])
+    best, choice = np.full((k + 1, n + 1), np.inf), np.zeros((k + 1, n + 1), dtype=int)
+    best[0, 0] = 0.0
+    for c in range(1, k + 1):
+        for hi in range(c, n - (k - c) + 1):
+            for lo in range(c - 1, hi):
+                value = max(best[c - 1, lo], prefix[hi] - prefix[lo])
+                if np.isfinite(best[c - 1, lo]) and value < best[c, hi]:
+                    args = (held_at_once[c - 1], kept[c - 1], slots, m, ratio, inline, summed)
+                    if predict.cell_peak(prof, b, lo, hi, c == 1, *args) <= budget:
+                        best[c, hi], choice[c, hi] = value, lo
+    if not np.isfinite(best[k, n]):
+        return None
+    cut, hi = [], n
+    for c in range(k, 0, -1):
+        cut.append(hi - int(choice[c, hi]))
+        hi = int(choice[c, hi])
+    return cut[::-1]
+
+
+@pytest.mark.parametrize("first, inline, summed", [(True, True, False), (False, True, True), (False, False, False)])
+def test_the_cell_bytes_table_holds_every_cells_bytes(first, inline, summed):
+    prof = _random_profile(9, seed=1)
+    table = predict.cell_bytes_table(prof, 4, first, 2, 8, 0.7, inline, summed)
+    for lo in range(9):
+        for hi in range(lo + 1, 10):
+            one = predict.cell_bytes(prof, 4, lo, hi, first, 2, 8, 0.7, inline, summed)
+            got = (table.static[lo, hi], table.cell_input[lo, 0], table.activations[lo, hi], table.working[lo, hi])
+            assert got == pytest.approx((one.static, one.cell_input, one.activations, one.working), rel=1e-12)
+            peak = predict.cell_peak(prof, 4, lo, hi, first, 3, 1.5, 2, 8, 0.7, inline, summed)
+            assert table.peaks(3, 1.5)[lo, hi] == pytest.approx(peak, rel=1e-12)
+    assert np.isinf(table.peaks(3, 1.5)[np.tril_indices(10)]).all()  # no cell where hi <= lo
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_memory_balance_cuts_as_a_scan_of_one_cell_at_a_time_does(seed):
+    prof = _random_profile(14, seed)
+    times = [f + x for f, x in zip(prof.costs(4).forward_s, prof.costs(4).backward_s)]
+    schedule, remat = [("gpipe", "never"), ("1f1b", "always"), ("zero_bubble", "except_last")][seed % 3]
+    k = 2 + seed % 3
+    even = balance_lib.partition(times, k, boundary_bytes=prof.output_bytes)
+    top = max(predict.peak_bytes(prof, 16, Config(tuple(even), 1, 4, remat, schedule), 2))
+    found = []
+    for budget in (0.7 * top, 0.85 * top, top):  # none fits, a cut off the time-even one, the time-even one
+        expected = _memory_balance_one_cell_at_a_time(prof, times, 4, k, 4, remat, schedule, 2, budget)
+        found.append(search.memory_balance(prof, times, 4, k, 4, remat, schedule, 2, budget))
+        assert found[-1] == expected
+    assert found[0] is None and found[-1] == even
+    if seed in (0, 5):
+        assert found[1] not in (None, even)  # memory binds: the table's cut is not the time-even one
 
 
 def test_across_processes_the_first_replica_holds_the_others_gradients_as_copies():
