@@ -422,7 +422,7 @@ def cell_bytes(
     """The parts of ``cell_peak`` for layers [lo, hi) at micro-batch size ``b`` (its arguments' meanings)."""
     costs = profile.costs(b)
     weights, trainable, borrowed = profile.cell_weights(lo, hi)
-    gradients = (1.0 + (RUNNING_SUM if summed else 0.0)) if inline else 1.0 + NOINLINE_GRADIENTS
+    gradients = gradient_copies(inline, summed)
     batch = 2 * m * b * profile.input_bytes if first else 0.0
     return CellBytes(
         static=weights + (gradients + slots) * trainable + gradients * borrowed + batch,
@@ -432,6 +432,12 @@ def cell_bytes(
         gradients=gradients * (trainable + borrowed),
         called=0.0 if inline else NOINLINE_GRADIENTS * (trainable + borrowed),
     )
+
+
+def gradient_copies(inline: bool, summed: bool) -> float:
+    """The copies of its weights' gradients a cell holds: one, with part of another beside running sums across
+    processes (``summed``), or the copies in and out of a call where the step does not inline its cells."""
+    return (1.0 + (RUNNING_SUM if summed else 0.0)) if inline else 1.0 + NOINLINE_GRADIENTS
 
 
 def cell_bytes_table(
@@ -467,7 +473,7 @@ def cell_bytes_table(
         reads &= ~((lo <= owner) & (owner < hi))
         weights = weights + reads * ties[-1].weight_bytes
         borrowed = borrowed + reads * ties[-1].trainable_bytes
-    gradients = (1.0 + (RUNNING_SUM if summed else 0.0)) if inline else 1.0 + NOINLINE_GRADIENTS
+    gradients = gradient_copies(inline, summed)
     batch = 2 * m * b * profile.input_bytes if first else 0.0
     # the largest working set over [lo, hi): each row's running maximum from lo on
     working = np.asarray(costs.working_bytes, dtype=float)
