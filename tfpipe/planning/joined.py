@@ -20,16 +20,16 @@ from tfpipe.backward.batched_w import BatchedW, Unbatchable
 from tfpipe.backward.split_vjp import SplitVJP
 from tfpipe.graph import cpu_gradients
 from tfpipe.planning import units as units_lib
-from tfpipe.planning.profile import kind_of
+from tfpipe.planning.walk import same_layer_key
 
 
 def bytes_per_sample(units: Any, sample: Any, device: str, rows: int = 4) -> list[float]:
     """Per unit (``planning.units``), the bytes per sample one W over all micro-batches concatenates (0 where W
-    cannot run once); a unit of a kind traced before (``profile.kind_of``) gets that one's."""
+    cannot run once); a unit of a kind traced before (``walk.same_layer_key``) gets that one's."""
     out: list[float] = []
     traced: dict[str, float] = {}
     for walked in units_lib.walk(units, sample, rows, device):
-        kind = kind_of(walked.copy, walked.inputs)
+        kind = same_layer_key(walked.copy, walked.inputs)
         if kind is not None and kind in traced:
             out.append(traced[kind])
             continue

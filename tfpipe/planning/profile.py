@@ -15,7 +15,6 @@ are taken from the layer's output sizes instead, and ``Profile.memory_source`` s
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import os
 import timeit
@@ -32,12 +31,12 @@ from tfpipe.graph import cpu_gradients
 from tfpipe.partition import functional, hub, specs
 from tfpipe.planning import units as units_lib
 from tfpipe.planning.progress import Progress
-from tfpipe.planning.walk import tensor_bytes
+from tfpipe.planning.walk import same_layer_key, tensor_bytes
 
 MEASURED = "measured with get_memory_info"
 FROM_OUTPUTS = "estimated from output sizes (the allocator reports no bytes: set TF_CPU_ALLOCATOR_USE_BFC=true)"
-# Layers of one kind (``kind_of``: class, configuration, inputs' shapes) do the same work: the first this many are
-# timed alone and the rest given their mean (``tie_alike`` gives them all the mean anyway). Timing each of 12 x
+# Layers of one kind (``walk.same_layer_key``: class, configuration, inputs' shapes) do the same work: the first this
+# many are timed alone and the rest given their mean (``tie_alike`` gives them all the mean anyway). Timing each of 12 x
 # Dense(1024) at 32, 256 and 2048 rows on a worker took 4.0 min of the planner's 4.2 before its first whole step.
 ALIKE_TIMED = 2
 
@@ -265,7 +264,7 @@ def measure(
     for walked in units_lib.walk(units, sample, sizes[0], device):
         unit = len(outputs)
         with _compat.custom_gradients_forgotten():  # the copy, let go after, holds no memory then
-            kinds.append(kind_of(walked.copy, walked.inputs))
+            kinds.append(same_layer_key(walked.copy, walked.inputs))
             timed = alike.setdefault(kinds[-1], []) if kinds[-1] is not None else []
             given = known[unit] if known is not None else None
             read = memory if read_on == device else None
@@ -362,8 +361,9 @@ def _bytes_on(
     """Per unit, read on ``read_on`` (a device's stand-in): (held, working) bytes at each of ``sizes``, and the sizes
     over ``budget`` (predicted from the size before: scaled from it in proportion to the rows, not run).
 
-    A unit of a kind read before (``kind_of``) gets that one's bytes: they hold the same tensors. Reading each of a
-    336-block Transformer's blocks at three sizes took 6 minutes on the client, before the planner's first probe.
+    A unit of a kind read before (``walk.same_layer_key``) gets that one's bytes: they hold the same tensors. Reading
+    each of a 336-block Transformer's blocks at three sizes took 6 minutes on the client, before the planner's first
+    probe.
     """
     names = units_lib.names(units)
     if progress is not None:
@@ -375,7 +375,7 @@ def _bytes_on(
     read: dict[str, tuple[list[tuple[float, float]], set[int]]] = {}  # kind -> the first of its kind's bytes
     try:
         for i, walked in enumerate(units_lib.walk(units, sample, sizes[0], read_on)):
-            kind = kind_of(walked.copy, walked.inputs)
+            kind = same_layer_key(walked.copy, walked.inputs)
             if kind is not None and kind in read:
                 out.append((list(read[kind][0]), set(read[kind][1])))
                 if progress is not None:
@@ -468,19 +468,6 @@ def _append(costs: LayerCosts, forward_s: float, backward_s: float, held: float,
     costs.backward_s.append(backward_s)
     costs.held_bytes.append(held)
     costs.working_bytes.append(working)
-
-
-def kind_of(layer: keras.layers.Layer, inputs: Any) -> str | None:
-    """What makes two layers do the same work: class, configuration but the name, inputs' shapes and dtypes; None
-    where the layer has no configuration to compare."""
-    try:
-        config = dict(layer.get_config())
-    except NotImplementedError:
-        return None
-    config.pop("name", None)
-    shapes = [(tuple(t.shape), t.dtype.name) for t in tf.nest.flatten(inputs)]
-    kind = [type(layer).__module__, type(layer).__qualname__, config, shapes]
-    return json.dumps(kind, sort_keys=True, default=repr)
 
 
 def tie_alike(costs: LayerCosts, kinds: Sequence[str | None]) -> None:

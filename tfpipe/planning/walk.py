@@ -35,8 +35,9 @@ def walk(layers: Sequence[keras.layers.Layer], x: Any, run: bool) -> Iterator[tu
 
     A layer configured like an earlier one and fed the same spec shares that one's copy: a Transformer's identical
     blocks are copied and built once (run, each on its own input: what is measured of it does not depend on its
-    weights' values). Copying and building each of a 336-block Transformer's blocks on a worker took about half of
-    each of the planner's three walks over them.
+    weights' values). Copying and building each block was most of a walk on a worker: sharing the copies took the
+    walk's share of measuring 24 Transformer blocks there from 22% to 9%. The planner's measurements key their own
+    reuse by ``same_layer_key`` too.
     """
     spec = specs.symbolic(x, keep_batch=True)
     seen: dict[str, tuple[keras.layers.Layer, Any]] = {}

@@ -5,6 +5,7 @@ import numpy as np
 import tensorflow as tf
 
 from tfpipe.planning import profile as profile_lib
+from tfpipe.planning import walk
 
 
 def test_alike_layers_get_their_mean_times_and_the_total_is_kept():
@@ -18,16 +19,16 @@ def test_alike_layers_get_their_mean_times_and_the_total_is_kept():
 def test_a_layers_kind_is_its_class_configuration_and_inputs_not_its_name():
     x8, x4 = tf.zeros((2, 8)), tf.zeros((2, 4))
     first, second = keras.layers.Dense(8, name="first"), keras.layers.Dense(8, name="second")
-    assert profile_lib.kind_of(first, x8) == profile_lib.kind_of(second, x8)
-    assert profile_lib.kind_of(first, x8) != profile_lib.kind_of(first, x4)  # another input: other work
-    assert profile_lib.kind_of(first, x8) != profile_lib.kind_of(keras.layers.Dense(16), x8)
-    assert profile_lib.kind_of(first, x8) != profile_lib.kind_of(keras.layers.Dense(8, activation="tanh"), x8)
+    assert walk.same_layer_key(first, x8) == walk.same_layer_key(second, x8)
+    assert walk.same_layer_key(first, x8) != walk.same_layer_key(first, x4)  # another input: other work
+    assert walk.same_layer_key(first, x8) != walk.same_layer_key(keras.layers.Dense(16), x8)
+    assert walk.same_layer_key(first, x8) != walk.same_layer_key(keras.layers.Dense(8, activation="tanh"), x8)
 
     class Unconfigured(keras.layers.Layer):
         def get_config(self):
             raise NotImplementedError
 
-    assert profile_lib.kind_of(Unconfigured(), x8) is None  # compared with nothing: timed on its own
+    assert walk.same_layer_key(Unconfigured(), x8) is None  # compared with nothing: timed on its own
 
 
 def test_a_measured_profile_gives_alike_layers_one_time_and_others_their_own(monkeypatch):
