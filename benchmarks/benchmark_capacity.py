@@ -399,8 +399,9 @@ def main(argv: list[str]) -> None:
     text = table(found)
     print(text)
     if FLAGS.out:
-        fields = ["row", "blocks", "params", "peak", "peaks", "client_peak", "client_process", "workers_process"]
-        fields += ["config"]
+        fields = [
+            "row", "blocks", "params", "peak", "peaks", "client_peak", "client_process", "workers_process", "config"
+        ]  # fmt: skip
         fields += ["planning_peak", "planning_client_peak"] if FLAGS.plan else []
         write_table(FLAGS.out, [{f: p.get(f, "") for f in fields} for p in probes], text, fields)
 

@@ -50,12 +50,6 @@ def resident_mib(pid: int | None = None) -> float:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
 
 
-def children_mib() -> float:
-    """The resident memory of this process's children (the workers), MiB."""
-    found = subprocess.run(["ps", "-o", "pid=", "--ppid", str(os.getpid())], capture_output=True, text=True)
-    return sum(resident_mib(int(pid)) for pid in found.stdout.split() if os.path.exists(f"/proc/{pid}"))
-
-
 def graph_ops() -> int:
     """Ops this process keeps for traced graphs: every live FuncGraph's, and every function registered to run."""
     import gc
@@ -87,9 +81,10 @@ def child(config: dict[str, Any]) -> dict[str, Any]:
 
     keras.utils.set_random_seed(0)
     with contextlib.ExitStack() as stack:
-        devices = [f"/CPU:{i}" for i in range(k)]
+        devices, pids = [f"/CPU:{i}" for i in range(k)], []
         if row == "workers":
-            devices = stack.enter_context(tfpipe.cluster.LocalCluster(num_workers=k, threads_per_worker=1)).devices
+            cluster = stack.enter_context(tfpipe.cluster.LocalCluster(num_workers=k, threads_per_worker=1))
+            devices, pids = cluster.devices, cluster.pids
         dim, seq, n = config["dim"], config["seq_len"], config["batch_size"]
         layers = transformer.transformer_lm(256, seq, config["blocks"], dim, 4 * dim, 4)
         v = config["cells_per_device"]
@@ -106,13 +101,13 @@ def child(config: dict[str, Any]) -> dict[str, Any]:
         )
         model.compile(optimizer="adam", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
         x = np.random.default_rng(0).integers(0, 256, (n, seq))
-        before, workers = resident_mib(), children_mib()
+        before, workers = resident_mib(), sum(resident_mib(pid) for pid in pids)
         began = time.monotonic()
         model.fit(x, x, batch_size=n, epochs=1, verbose=0, shuffle=False)
         return {
             "seconds": time.monotonic() - began,
             "client_mib": resident_mib() - before,
-            "workers_mib": children_mib() - workers if row == "workers" else 0.0,
+            "workers_mib": sum(resident_mib(pid) for pid in pids) - workers,
             "ops": graph_ops(),
             "params": model.count_params(),
         }
