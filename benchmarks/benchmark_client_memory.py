@@ -4,8 +4,10 @@ TensorFlow traces, optimizes and partitions the whole training step in the proce
 devices run it, and keeps every op of it (and of each function it calls) there. This measures that process's resident
 memory before and after the first ``fit`` step of the Transformer of ``models/`` at several depths: plain Keras in its
 one process, tfpipe on logical CPUs in the same process, and tfpipe on one-thread ``LocalCluster`` workers (whose own
-growth is printed beside it). The graph grows with the ops, not with the width, batch or sequence, so a short
-sequence measures it at little cost. Each depth runs in a fresh process (this script with ``--_child=JSON``).
+growth is printed beside it); the ``_call`` rows are tfpipe with ``repeated_layers="call"`` (each cell's run of blocks
+traced once and called per block, ``tfpipe.partition.repeats``). The graph grows with the ops, not with the width,
+batch or sequence, so a short sequence measures it at little cost. Each depth runs in a fresh process (this script
+with ``--_child=JSON``).
 ``benchmark_scale.py`` measures the same first step against K x M at one depth.
 
     python benchmarks/benchmark_client_memory.py                          # 21 and 42 blocks, K=8, a few minutes
@@ -30,9 +32,13 @@ from absl import app, flags  # noqa: E402
 
 from scripts.report import write_table  # noqa: E402
 
-ROWS = ("keras", "logical", "workers")
+ROWS = ("keras", "logical", "logical_call", "workers", "workers_call")
 FLAGS = flags.FLAGS
-flags.DEFINE_list("rows", list(ROWS), "keras (plain, one device), logical (tfpipe, logical CPUs), workers (tfpipe).")
+flags.DEFINE_list(
+    "rows",
+    list(ROWS),
+    "keras (plain, one device), logical (tfpipe, logical CPUs), workers (tfpipe); _call: repeated_layers='call'.",
+)
 flags.DEFINE_list("blocks", ["21", "42"], "Depths measured; the MiB per block is the slope from the first to the last.")
 flags.DEFINE_integer("devices", 8, "Devices of the tfpipe rows (logical CPUs or workers).", lower_bound=1)
 flags.DEFINE_integer("cells_per_device", 1, "v: cells a device (interleaved 1F1B above 1, else 1F1B).", lower_bound=1)
@@ -68,7 +74,8 @@ def child(config: dict[str, Any]) -> dict[str, Any]:
     import tensorflow as tf
 
     row, k = config["row"], config["devices"]
-    if row == "logical":
+    place, repeated = row.split("_")[0], "call" if row.endswith("_call") else "inline"
+    if place == "logical":
         cpu = tf.config.list_physical_devices("CPU")[0]
         tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * k)
     import contextlib
@@ -82,7 +89,7 @@ def child(config: dict[str, Any]) -> dict[str, Any]:
     keras.utils.set_random_seed(0)
     with contextlib.ExitStack() as stack:
         devices, pids = [f"/CPU:{i}" for i in range(k)], []
-        if row == "workers":
+        if place == "workers":
             cluster = stack.enter_context(tfpipe.cluster.LocalCluster(num_workers=k, threads_per_worker=1))
             devices, pids = cluster.devices, cluster.pids
         dim, seq, n = config["dim"], config["seq_len"], config["batch_size"]
@@ -97,6 +104,7 @@ def child(config: dict[str, Any]) -> dict[str, Any]:
                 devices=devices,
                 num_micro_batches=config["micro_batches"],
                 schedule="interleaved_1f1b" if v > 1 else "1f1b",
+                repeated_layers=repeated,
             )
         )
         model.compile(optimizer="adam", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
@@ -141,7 +149,7 @@ def table(found: list[dict[str, Any]]) -> str:
         slope = (high["client_mib"] - low["client_mib"]) / (high["blocks"] - low["blocks"]) if len(mine) > 1 else None
         for f in mine:
             per = f"{slope:.1f}" if slope is not None and f is high else "-"
-            workers = f"{f['workers_mib']:.0f}" if row == "workers" else "-"
+            workers = f"{f['workers_mib']:.0f}" if row.startswith("workers") else "-"
             lines.append(
                 f"| {row} | {f['blocks']} | {f['params'] / 1e6:.2f}M | {f['ops']} | {f['client_mib']:.0f} | "
                 f"{workers} | {f['seconds']:.0f} | {per} |"

@@ -25,7 +25,7 @@ from tfpipe import training as training_lib
 from tfpipe.distributed import devices as devices_lib
 from tfpipe.distributed import faults
 from tfpipe.keras_api import with_fewer_rewrites
-from tfpipe.partition import deferred, functional, hub, specs
+from tfpipe.partition import deferred, functional, hub, repeats, specs
 from tfpipe.partition import state as state_lib
 from tfpipe.partition.cell import Cell, hang, tie
 from tfpipe.partition.sequence import layer_list
@@ -127,6 +127,11 @@ class PipelineModel(keras.Model):
         weights, gradients and optimizer slots alone exceed its device's budget is refused with a ValueError
         naming the device, what the cell needs, and the smallest K or budget that holds it
         (``tfpipe.planning.budget``).
+      repeated_layers: ``"inline"`` (default): a cell's traced functions hold every layer's ops. ``"call"``:
+        each run of alike consecutive layers (a Transformer's blocks) is traced once, as a function of its
+        weights, and called once per layer, so the graph, the memory the training process and workers keep
+        for it, and the first step's tracing stop growing with depth; a function call per block and task
+        (``tfpipe.partition.repeats``). For deep models.
     """
 
     plan: Any = None  # with plan="auto": the tfpipe.Plan the first fit made
@@ -145,8 +150,10 @@ class PipelineModel(keras.Model):
         schedule: str | Sequence[Sequence[str]] = "gpipe",
         plan: Any = None,
         memory_budget: Any = None,
+        repeated_layers: str = "inline",
         **kwargs: Any,
     ):
+        repeats.check(repeated_layers)
         graph = functional.Graph(layers) if functional.is_functional(layers) else None
         layers_ = graph.layers if graph is not None else layer_list(layers)
         units = len(graph.nodes) if graph is not None else len(layers_)
@@ -168,6 +175,7 @@ class PipelineModel(keras.Model):
         self._built_spec: tuple[Any, Any] | None = None  # (inputs, outputs) as build ran the layers on them
         self._pipeline: Pipeline | Replicated | None = None
         self._cells_jit = False  # compile(jit_compile=True): XLA per cell
+        self._repeated_layers = repeated_layers
         self._skips = recovery.Skips()  # batches a resumed fit draws and does not train on (tfpipe.recovery)
         cell_sizes = settings.cell_sizes if settings.cell_sizes is not None else self._split_early(layers, units)
         if cell_sizes is not None:
@@ -291,7 +299,7 @@ class PipelineModel(keras.Model):
             for r, devices in enumerate(self._settings.replica_devices)
         ]
         self._pipeline = pipelines[0] if len(pipelines) == 1 else Replicated(pipelines)
-        self._apply_cells_jit()
+        self._apply_cell_options()
 
     def _remake_pipeline(self) -> None:
         """A new pipeline over the same layers and new step functions: the workers were replaced (``recovery``)."""
@@ -552,7 +560,7 @@ class PipelineModel(keras.Model):
             warnings.warn("run_eagerly=True runs the cells' layers eagerly: jit_compile=True is ignored.", stacklevel=2)
         super().compile(*args, jit_compile=False, **kwargs)
         self._cells_jit = jit_compile is True and not self.run_eagerly
-        self._apply_cells_jit()
+        self._apply_cell_options()
         if hasattr(self, "_compile_config"):  # saved and loaded with the user's choice, not the outer step's
             self._compile_config.config["jit_compile"] = jit_compile
         if self.optimizer is not None:
@@ -564,10 +572,16 @@ class PipelineModel(keras.Model):
         """Whether each cell's traced tasks are compiled by XLA on its device (``compile(jit_compile=True)``)."""
         return self._cells_jit
 
-    def _apply_cells_jit(self) -> None:
+    @property
+    def repeated_layers(self) -> str:
+        """How a cell traces runs of alike layers: ``"inline"``, or ``"call"`` (``tfpipe.partition.repeats``)."""
+        return self._repeated_layers
+
+    def _apply_cell_options(self) -> None:
         for pipeline in getattr(self._pipeline, "pipelines", [self._pipeline] if self._pipeline else []):
             for cell in pipeline.cells:
                 cell.jit_compile = self._cells_jit
+                cell.repeated_layers = self._repeated_layers
 
     # The step functions Keras' loops call --------------------------------------------------------
     def make_train_function(self, force: bool = False) -> Callable:

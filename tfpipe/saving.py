@@ -121,6 +121,7 @@ def model_config(model: Any, source: keras.Model | None, memory_budget: Any) -> 
         "remat": model.remat,
         "unroll": model.unroll,
         "schedule": model.schedule,
+        "repeated_layers": model.repeated_layers,
         "cost": model.cost if isinstance(model.cost, str) else "flops",
     }
     if source is not None:

@@ -16,7 +16,7 @@ from tfpipe import _compat, leaves
 from tfpipe.backward import remat, traced_vjp
 from tfpipe.distributed import devices, grouped
 from tfpipe.graph import cpu_gradients
-from tfpipe.partition import state
+from tfpipe.partition import repeats, state
 from tfpipe.partition.cell_trace import CellTrace
 
 
@@ -81,6 +81,9 @@ class Cell:
         self.vjps = traced_vjp.TracedVJPs(self._placed, self.function_options)
         # Ids of the variables an earlier cell also uses (tied weights; set by ``tie``).
         self.borrowed: set[int] = set()
+        # "call": each run of alike layers traced once and called per layer (tfpipe.partition.repeats).
+        self.repeated_layers = "inline"
+        self.repeats = repeats.Repeats(self._placed)
 
     @property
     def traceable(self) -> bool:
@@ -222,8 +225,11 @@ class Cell:
                 x = self.program(x, training)
             else:
                 x = hang(x)
-                for layer in self.layers:
-                    x = layer(x, training=training)
+                if self.repeated_layers == "call" and not tf.executing_eagerly():
+                    x = self.repeats.run(self.layers, repeats.runs(self.layers), x, training, scope)
+                else:
+                    for layer in self.layers:
+                        x = layer(x, training=training)
                 x = carry_hung(x)
             new_state = [scope.get_current_value(v) for v in self.non_trainable_variables]
             losses = [tf.cast(tf.reduce_sum(loss), tf.float32) for loss in scope.losses]
