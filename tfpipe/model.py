@@ -17,7 +17,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tfpipe import _compat, auto_plan, messages, recovery, saving
+from tfpipe import _compat, auto_plan, messages, recovery, saving, updates
 from tfpipe import balance as balance_lib
 from tfpipe import cost as cost_lib
 from tfpipe import settings as settings_lib
@@ -565,6 +565,7 @@ class PipelineModel(keras.Model):
             self._compile_config.config["jit_compile"] = jit_compile
         if self.optimizer is not None:
             training_lib.place_on_variable_devices(self.optimizer)
+            updates.share(self.optimizer, self._repeated_layers == "call")
             training_lib.check_slices_finite(self.optimizer)
 
     @property

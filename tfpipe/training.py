@@ -13,7 +13,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tfpipe import _compat
+from tfpipe import _compat, updates
 from tfpipe.distributed import grouped
 from tfpipe.leaves import flat
 from tfpipe.step import microbatch
@@ -207,7 +207,9 @@ def place_on_variable_devices(optimizer: keras.optimizers.Optimizer) -> None:
     for opt in (optimizer, getattr(optimizer, "inner_optimizer", None)):
         if opt is None or _compat.patched(opt, "placed"):
             continue
-        _compat.wrap_optimizer_method(opt, "add_variable_from_reference", _created_on_variable_device)
+        _compat.wrap_optimizer_method(
+            opt, "add_variable_from_reference", functools.partial(_created_on_variable_device, opt=opt)
+        )
         read = _reads_per_device()
         _compat.wrap_optimizer_method(
             opt, "update_step", functools.partial(_updated_on_variable_device, opt=opt, read=read)
@@ -217,12 +219,14 @@ def place_on_variable_devices(optimizer: keras.optimizers.Optimizer) -> None:
         _compat.mark_patched(opt, "placed")
 
 
-def _created_on_variable_device(create: Callable[..., Any]) -> Callable[..., Any]:
-    """``add_variable_from_reference`` that creates the slot on its variable's device."""
+def _created_on_variable_device(create: Callable[..., Any], opt: keras.optimizers.Optimizer) -> Callable[..., Any]:
+    """``add_variable_from_reference`` that creates the slot on its variable's device (and notes whose it is)."""
 
     def add_variable_from_reference(reference_variable: Any, *args: Any, **kwargs: Any) -> Any:
         with tf.device(_device_of(reference_variable)):
-            return create(reference_variable, *args, **kwargs)
+            slot = create(reference_variable, *args, **kwargs)
+        updates.record_slot(opt, reference_variable, slot)
+        return slot
 
     return add_variable_from_reference
 
@@ -230,13 +234,18 @@ def _created_on_variable_device(create: Callable[..., Any]) -> Callable[..., Any
 def _updated_on_variable_device(
     update: Callable[..., Any], opt: keras.optimizers.Optimizer, read: Callable[[Any, str], Any]
 ) -> Callable[..., Any]:
-    """``update_step`` that runs on its variable's device, reading the step counter and learning rate there."""
+    """``update_step`` that runs on its variable's device, reading the step counter and learning rate there;
+    a call of its kind's shared trace where the optimizer's updates are shared (``tfpipe.updates``)."""
 
     def update_step(gradient: Any, variable: Any, learning_rate: Any) -> Any:
         device = _device_of(variable)
         counter = read(_compat.step_counter(opt), device)  # Adam and others read it in every update
-        with tf.device(device), _compat.step_counter_as(opt, counter):
-            return update(gradient, variable, read(learning_rate, device))
+        rate = read(learning_rate, device)
+        with tf.device(device):
+            if updates.shared_update(opt, update, gradient, variable, rate, counter):
+                return None
+            with _compat.step_counter_as(opt, counter):
+                return update(gradient, variable, rate)
 
     return update_step
 

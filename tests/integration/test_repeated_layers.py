@@ -7,6 +7,7 @@ import tensorflow as tf
 
 import tfpipe
 from tests.util import cpu_devices, max_rel_error, per_layer_error
+from tfpipe import updates
 from tfpipe.models import transformer
 from tfpipe.partition import repeats
 
@@ -148,3 +149,36 @@ def test_repeated_layers_is_checked_by_name_and_saved():
     assert model.repeated_layers == "call" and model.get_config()["repeated_layers"] == "call"
     again = tfpipe.PipelineModel.from_config(model.get_config())
     assert again.repeated_layers == "call"
+
+
+OPTIMIZERS = {
+    "adam": lambda: keras.optimizers.Adam(0.01, amsgrad=True),
+    "adamw": lambda: keras.optimizers.AdamW(0.01, weight_decay=0.1),
+    "sgd": lambda: keras.optimizers.SGD(0.01, momentum=0.9, nesterov=True),
+    "rmsprop": lambda: keras.optimizers.RMSprop(0.01, momentum=0.5),
+    "nadam": lambda: keras.optimizers.Nadam(0.01),
+    "lion": lambda: keras.optimizers.Lion(0.01),
+}
+
+
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_called_optimizer_updates_give_keras_own_weights(name):
+    def train(repeated):
+        keras.utils.set_random_seed(4)
+        model = tfpipe.PipelineModel(
+            _stateful(), balance=[4, 5], devices=cpu_devices(2), num_micro_batches=2, repeated_layers=repeated
+        )
+        model.compile(optimizer=OPTIMIZERS[name](), loss="mse")
+        rng = np.random.default_rng(1)
+        x, y = rng.normal(size=(8, 8)).astype("float32"), rng.normal(size=(8, 3)).astype("float32")
+        model.fit(x, y, batch_size=8, epochs=3, shuffle=False, verbose=0)
+        return model
+
+    called, inline = train("call"), train("inline")
+    assert per_layer_error(called.pipeline_layers, inline.pipeline_layers) < 1e-6
+    kinds = [t for traces in updates.traces(called.optimizer) for t in traces.values()]
+    # One trace per kind of variable (shape, slots), not per variable; Nadam's update also writes its running
+    # product, a variable of no one layer, so its updates stay Keras' own.
+    shared = [t for t in kinds if t is not None]
+    assert (len(shared) == 0) if name == "nadam" else (0 < len(shared) < len(called.trainable_variables))
+    assert updates.traces(inline.optimizer) == []
