@@ -86,6 +86,13 @@ flags.DEFINE_bool(
     "Grappler's constant folding in the training process (--noconstant_folding: off, as docs/guide/limitations.md "
     "advises for long sequences: it folds every block's causal mask into that process at the first step).",
 )
+flags.DEFINE_enum(
+    "repeated_layers",
+    "inline",
+    ["inline", "call"],
+    "The tfpipe rows' PipelineModel(repeated_layers=): call traces each cell's run of blocks and each kind of "
+    "optimizer update once, so the processes' graphs stop growing with depth (tfpipe.partition.repeats).",
+)
 flags.DEFINE_string("out", None, "Write every probe to OUT.csv and the table to OUT.md.")
 flags.DEFINE_string("_child", None, "Internal: measure one configuration (JSON) and print the result.")
 
@@ -235,6 +242,7 @@ def pipelined(made: Any, x: Any, devices: list[str], config: dict[str, Any]) -> 
             num_micro_batches=config["micro_batches"],
             remat="always",
             schedule="1f1b" if k > 1 else "gpipe",
+            repeated_layers=config.get("repeated_layers", "inline"),
         )
         return model, f"K={k}, M={config['micro_batches']}, remat='always', schedule='{model.schedule}'"
     sample = tf.nest.map_structure(lambda t: t[:n], x)
@@ -243,7 +251,8 @@ def pipelined(made: Any, x: Any, devices: list[str], config: dict[str, Any]) -> 
     plan = tfpipe.plan(
         made, n, devices, budget, sample=sample, optimizer="adam", replicas=False, verify=0, max_seconds=seconds
     )
-    return tfpipe.PipelineModel(made, plan=plan), plan.candidates[0].config.describe()
+    model = tfpipe.PipelineModel(made, plan=plan, repeated_layers=config.get("repeated_layers", "inline"))
+    return model, plan.candidates[0].config.describe()
 
 
 def keras_sequential(made: Any) -> Any:
@@ -271,6 +280,7 @@ def probe(row: str, blocks: int) -> dict[str, Any]:
         "plan": FLAGS.plan,
         "plan_seconds": FLAGS.plan_seconds,
         "constant_folding": FLAGS.constant_folding,
+        "repeated_layers": FLAGS.repeated_layers,
     }
     done = subprocess.run(
         [sys.executable, "-X", "faulthandler", os.path.abspath(__file__), f"--_child={json.dumps(config)}"],
@@ -337,7 +347,8 @@ def table(found: list[dict[str, Any]]) -> str:
             + (f" within max_seconds={FLAGS.plan_seconds:g}" if FLAGS.plan_seconds else "")
             if FLAGS.plan
             else f"at M={FLAGS.micro_batches}, remat='always', 1F1B above K=1"
-        ),
+        )
+        + (", repeated_layers='call'" if FLAGS.repeated_layers == "call" else ""),
         "",
         f"| row | {depth} | parameters | x tfpipe K=1 | device peak (MiB) | client peak (MiB) | processes (MiB) "
         "| configuration |",

@@ -16,7 +16,7 @@ from tfpipe import _compat, leaves
 from tfpipe.backward import remat, traced_vjp
 from tfpipe.distributed import devices, grouped
 from tfpipe.graph import cpu_gradients
-from tfpipe.partition import repeats, state
+from tfpipe.partition import functional, repeats, state
 from tfpipe.partition.cell_trace import CellTrace
 
 
@@ -221,11 +221,15 @@ class Cell:
         )
         # add_loss terms are collected in inference too: Keras' evaluate adds them to its loss.
         with keras.StatelessScope(state_mapping=mapping, collect_losses=True) as scope:
-            if self.program is not None:
+            calling = self.repeated_layers == "call" and not tf.executing_eagerly()
+            if isinstance(self.program, functional.Segment):
+                runner = self.repeats.node_runner(self.program.nodes, training, scope) if calling else None
+                x = self.program(x, training, runner)
+            elif self.program is not None:
                 x = self.program(x, training)
             else:
                 x = hang(x)
-                if self.repeated_layers == "call" and not tf.executing_eagerly():
+                if calling:
                     x = self.repeats.run(self.layers, repeats.runs(self.layers), x, training, scope)
                 else:
                     for layer in self.layers:

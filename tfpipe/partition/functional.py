@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import keras
@@ -89,12 +89,20 @@ class Segment:
         found = {id(n.operation): n.operation for n in self.nodes if isinstance(n.operation, keras.layers.Layer)}
         return list(found.values())
 
-    def __call__(self, x: Sequence[Any], training: bool | None = None) -> tuple[Any, ...]:
-        """Run the nodes on the inputs ``x`` (ordered as ``inputs``); the outputs, ordered as ``outputs``."""
+    def __call__(
+        self,
+        x: Sequence[Any],
+        training: bool | None = None,
+        run: Callable[[int, Node, Mapping[int, Any]], list[Any]] | None = None,
+    ) -> tuple[Any, ...]:
+        """Run the nodes on the inputs ``x`` (ordered as ``inputs``); the outputs, ordered as ``outputs``.
+
+        ``run(i, node, values)``, if given, runs the i-th node instead of ``node.run`` (``tfpipe.partition.repeats``).
+        """
         values = dict(zip(self.inputs, x))
         hang_companions(values, self.inputs, self.companions)
-        for node in self.nodes:
-            values.update(zip(node.outputs, node.run(values, training)))
+        for i, node in enumerate(self.nodes):
+            values.update(zip(node.outputs, run(i, node, values) if run else node.run(values, training)))
             for k in node.outputs:
                 for attribute, c in self.companions.get(k, ()):
                     values[c] = _compat.hung(values[k], attribute)

@@ -23,6 +23,7 @@ would without this option.
 from __future__ import annotations
 
 import contextlib
+import functools
 import weakref
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
@@ -63,34 +64,83 @@ def own_variables(layer: keras.layers.Layer) -> tuple[list[keras.Variable], list
 
 def _structure(layer: keras.layers.Layer) -> Any:
     """What two layers must share to be called through one trace: class, configuration but the name, variables."""
-    try:
-        config = {k: v for k, v in layer.get_config().items() if k != "name"}
-    except Exception:  # noqa: BLE001 - no usable config: the layer runs inline
-        return None
     trainable, other = own_variables(layer)
     shapes = tuple((tuple(v.shape), str(v.dtype)) for v in trainable + other)
-    return (type(layer), repr(config), len(trainable), shapes)
+    return (type(layer), _settings(layer), len(trainable), shapes)
 
 
-def runs(layers: Sequence[keras.layers.Layer]) -> list[tuple[int, int]]:
-    """The [start, end) spans of at least two consecutive alike layers whose variables no other layer uses."""
+def _settings(layer: keras.layers.Layer) -> str:
+    """The layer's configuration but the name; where ``get_config`` fails (keras_hub's Llama decoder block reads an
+    attribute it never set), the plain public attributes of it and of every layer in it."""
+    try:
+        return repr({k: v for k, v in layer.get_config().items() if k != "name"})
+    except Exception:  # noqa: BLE001 - a broken get_config: compare what the layers hold instead
+        pass
+    parts = []
+    for sub in _compat.flatten_layers(layer):
+        kept = {k: v for k, v in vars(sub).items() if not k.startswith("_") and k not in ("name", "path") and _plain(v)}
+        parts.append((type(sub).__qualname__, sorted(kept.items())))
+    return repr(parts)
+
+
+def _plain(value: Any) -> bool:
+    if isinstance(value, tuple | list):
+        return all(_plain(v) for v in value)
+    return value is None or isinstance(value, bool | int | float | str)
+
+
+def _variables(layer: keras.layers.Layer) -> list[keras.Variable]:
+    trainable, other = own_variables(layer)
+    return trainable + other
+
+
+def _uses(layers: Sequence[keras.layers.Layer | None]) -> dict[int, int]:
+    """How many times each variable of ``layers`` appears among them (a layer twice counts twice)."""
     counts: dict[int, int] = {}
     for layer in layers:
-        trainable, other = own_variables(layer)
-        for v in trainable + other:
+        for v in _variables(layer) if layer is not None else []:
             counts[id(v)] = counts.get(id(v), 0) + 1
-    keys = []
-    for layer in layers:
-        trainable, other = own_variables(layer)
-        alone = layer.built and all(counts[id(v)] == 1 for v in trainable + other)
-        keys.append(_structure(layer) if alone else None)
+    return counts
+
+
+def _spans(keys: Sequence[Any]) -> list[tuple[int, int]]:
+    """The [start, end) spans of at least two consecutive equal keys that are not None."""
     spans, start = [], 0
-    for end in range(1, len(layers) + 1):
-        if end == len(layers) or keys[end] is None or keys[end] != keys[start]:
+    for end in range(1, len(keys) + 1):
+        if end == len(keys) or keys[end] is None or keys[end] != keys[start]:
             if keys[start] is not None and end - start >= 2:
                 spans.append((start, end))
             start = end
     return spans
+
+
+def runs(layers: Sequence[keras.layers.Layer]) -> list[tuple[int, int]]:
+    """The [start, end) spans of at least two consecutive alike layers whose variables no other layer uses."""
+    counts = _uses(layers)
+    alone = [layer.built and all(counts[id(v)] == 1 for v in _variables(layer)) for layer in layers]
+    return _spans([_structure(layer) if ok else None for layer, ok in zip(layers, alone)])
+
+
+def node_runs(nodes: Sequence[Any]) -> list[tuple[int, int]]:
+    """The [start, end) spans of at least two consecutive alike calls among a Functional segment's ``nodes``.
+
+    Alike: their layers alike (as ``runs``), each layer called once, and the same arguments but the tensors.
+    """
+    layers = [n.operation if isinstance(n.operation, keras.layers.Layer) else None for n in nodes]
+    counts = _uses(layers)
+    keys: list[Any] = []
+    for node, layer in zip(nodes, layers):
+        alone = layer is not None and layer.built and all(counts[id(v)] == 1 for v in _variables(layer))
+        keys.append((_structure(layer), _arguments(node)) if alone else None)
+    return _spans(keys)
+
+
+def _arguments(node: Any) -> str:
+    """A node's call arguments with each tensor replaced by its place among the node's inputs."""
+    places = {k: i for i, k in enumerate(node.inputs)}
+    arguments = node.arguments
+    filled = arguments.fill_in({i: f"<input {places[k]}>" for i, k in node.keys.items()})
+    return repr(filled)
 
 
 class Repeats:
@@ -98,7 +148,7 @@ class Repeats:
 
     def __init__(self, placed: Callable[[], contextlib.AbstractContextManager]):
         self._placed = placed  # the cell's device and gradient scope, entered again inside each trace
-        self._traces: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # graph -> {key: function or None}
+        self._traces: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # graph -> {key: _Trace or None}
         self.num_traces = 0
 
     def run(
@@ -114,14 +164,34 @@ class Repeats:
         i = 0
         while i < len(layers):
             end = starts.get(i, i + 1)
-            if end > i + 1 and self._callable(x):
-                for layer in layers[i:end]:
-                    x = self._call(layers[i], layer, x, training, scope)
-            else:
-                for layer in layers[i:end]:
-                    x = layer(x, training=training)
+            call = functools.partial(_call_layer, layers[i], training)
+            for layer in layers[i:end]:
+                shared = self._shared(layers[i], call, layer, [x], training, scope) if end > i + 1 else None
+                x = shared[0] if shared is not None else layer(x, training=training)
             i = end
         return x
+
+    def node_runner(
+        self, nodes: Sequence[Any], training: bool | None, scope: keras.StatelessScope
+    ) -> Callable[[int, Any, Any], list[Any]]:
+        """``run(i, node, values)`` for a Functional segment's ``nodes``: the node's flat outputs, a call of its run's
+        trace for a node in a run of alike calls (``node_runs``), else ``node.run``."""
+        first = {k: start for start, end in node_runs(nodes) for k in range(start, end)}
+
+        def run(i: int, node: Any, values: Any) -> list[Any]:
+            if i in first:
+                template = nodes[first[i]]
+
+                def call(xs: Sequence[tf.Tensor]) -> list[Any]:
+                    return template.run(dict(zip(template.inputs, xs)), training)
+
+                inputs = [values[k] for k in node.inputs]
+                shared = self._shared(template.operation, call, node.operation, inputs, bool(training), scope)
+                if shared is not None:
+                    return shared
+            return node.run(values, training)
+
+        return run
 
     @staticmethod
     def _callable(x: Any) -> bool:
@@ -130,70 +200,81 @@ class Repeats:
             return False
         return _compat.hung(x, _compat.MASK) is None and _compat.hung(x, _compat.LOGITS) is None
 
-    def _call(
+    def _shared(
         self,
         template: keras.layers.Layer,
+        call: Callable[[Sequence[tf.Tensor]], list[Any]],
         layer: keras.layers.Layer,
-        x: tf.Tensor,
+        inputs: Sequence[Any],
         training: bool,
         scope: keras.StatelessScope,
-    ) -> Any:
-        """``layer(x)`` as a call of ``template``'s trace with ``layer``'s current values; inline if it has none."""
+    ) -> list[Any] | None:
+        """What ``layer`` gives on ``inputs``, as a call of ``template``'s trace (``call`` runs the template) with
+        ``layer``'s current values; None where it cannot be (the caller runs the layer itself)."""
+        if not all(self._callable(t) for t in inputs):
+            return None
         trainable, other = own_variables(layer)
         values = [scope.get_current_value(v) for v in trainable + other]
         if any(v is None for v in values):  # a variable the cell's scope does not map: run it as Keras would
-            return layer(x, training=training)
-        trace = self._function(template, x, values, training)
+            return None
+        key = (id(template), training, tuple((tuple(t.shape), t.dtype) for t in [*inputs, *values]))
+        traces = self._traces.setdefault(tf.compat.v1.get_default_graph(), {})
+        if key not in traces:
+            traces[key] = self._trace(template, call, inputs, values)
+        trace = traces[key]
         if trace is None:
-            return layer(x, training=training)
-        outputs = trace.function(x, *values)
-        for k, new in zip(trace.changed, outputs[1:]):
+            return None
+        outputs = trace.function(*inputs, *values)
+        for k, new in zip(trace.changed, outputs[trace.n_y :]):
             scope.add_update((other[k], new))
         if trace.losses and scope.collect_losses:
             scope.add_loss(outputs[-1])
-        return outputs[0]
-
-    def _function(
-        self, template: keras.layers.Layer, x: tf.Tensor, values: Sequence[tf.Tensor], training: bool
-    ) -> _Trace | None:
-        """``template`` traced as (x, weights..., state...) -> (y, new state..., added loss); None if it cannot be."""
-        key = (id(template), bool(training), tuple(x.shape), x.dtype, tuple((tuple(v.shape), v.dtype) for v in values))
-        traces = self._traces.setdefault(tf.compat.v1.get_default_graph(), {})
-        if key not in traces:
-            traces[key] = self._trace(template, x, values, training)
-        return traces[key]
+        return list(outputs[: trace.n_y])
 
     def _trace(
-        self, template: keras.layers.Layer, x: tf.Tensor, values: Sequence[tf.Tensor], training: bool
+        self,
+        template: keras.layers.Layer,
+        call: Callable[[Sequence[tf.Tensor]], list[Any]],
+        inputs: Sequence[tf.Tensor],
+        values: Sequence[tf.Tensor],
     ) -> _Trace | None:
+        """``call`` traced as (inputs..., weights..., state...) -> (outputs..., new state..., added loss); None if a
+        result would not cross the boundary unchanged (a mask or logits hung on it, not a tensor)."""
         trainable, other = own_variables(template)
-        found: dict[str, Any] = {"ok": True, "changed": [], "losses": False}
+        n_in = len(inputs)
+        found: dict[str, Any] = {"ok": True, "changed": [], "losses": False, "n_y": 0}
 
-        def block(x_in: tf.Tensor, *flat: tf.Tensor) -> list[tf.Tensor]:
-            mapping = list(zip(trainable + other, flat))
+        def block(*flat: tf.Tensor) -> list[tf.Tensor]:
+            mapping = list(zip(trainable + other, flat[n_in:]))
             with self._placed(), keras.StatelessScope(state_mapping=mapping, collect_losses=True) as inner:
-                y = template(x_in, training=training)
+                ys = call(list(flat[:n_in]))
                 new = [inner.get_current_value(v) for v in other]
                 losses = [tf.cast(tf.reduce_sum(loss), tf.float32) for loss in inner.losses]
-            if not self._callable(y):  # a mask or logits would be dropped at the boundary: run the layers inline
+            if not all(self._callable(y) for y in ys):
                 found["ok"] = False
-                y = tf.zeros([])
+                ys = []
             # Only the state the layer assigns comes back: an unchanged value stays the tensor passed in.
-            found["changed"] = [k for k, (n, was) in enumerate(zip(new, flat[len(trainable) :])) if n is not was]
-            found["losses"] = bool(losses)
-            return [y, *[new[k] for k in found["changed"]], tf.add_n(losses) if losses else tf.constant(0.0)]
+            found["changed"] = [k for k, (n, was) in enumerate(zip(new, flat[n_in + len(trainable) :])) if n is not was]
+            found["losses"], found["n_y"] = bool(losses), len(ys)
+            return [*ys, *[new[k] for k in found["changed"]], tf.add_n(losses) if losses else tf.constant(0.0)]
 
         block.__name__ = f"tfpipe_repeated_{template.name}"
         self.num_traces += 1
-        specs = [tf.TensorSpec(x.shape, x.dtype)] + [tf.TensorSpec(v.shape, v.dtype) for v in values]
+        specs = [tf.TensorSpec(t.shape, t.dtype) for t in [*inputs, *values]]
         options = {"experimental_attributes": _compat.noinline()}
         function = tf.function(block, autograph=False, **options).get_concrete_function(*specs)
-        return _Trace(function, found["changed"], found["losses"]) if found["ok"] else None
+        return _Trace(function, found["n_y"], found["changed"], found["losses"]) if found["ok"] else None
+
+
+def _call_layer(layer: keras.layers.Layer, training: bool, xs: Sequence[tf.Tensor]) -> list[Any]:
+    return [layer(xs[0], training=training)]
 
 
 class _Trace(NamedTuple):
-    """A run's first layer traced for one signature: the function, which states it assigns, whether it adds losses."""
+    """A run's first layer traced for one signature: the function, its outputs' count, which states it assigns,
+    whether it adds losses."""
 
     function: Any
+    n_y: int
     changed: list[int]
     losses: bool
