@@ -96,7 +96,7 @@ flags.DEFINE_enum(
 flags.DEFINE_string("out", None, "Write every probe to OUT.csv and the table to OUT.md.")
 flags.DEFINE_string("_child", None, "Internal: measure one configuration (JSON) and print the result.")
 
-TIMEOUT_S = 1800
+TIMEOUT_S = 3600  # a deep K=8 probe at 512 tokens plans, traces and trains two steps in about 25 min here
 
 
 def child(config: dict[str, Any]) -> dict[str, Any]:

@@ -33,6 +33,7 @@ def _lm(remat, schedule, repeated, depth=4):
     return model, history.history["loss"]
 
 
+@pytest.mark.heavy(seconds=20)
 @pytest.mark.parametrize("remat, schedule", [("except_last", "gpipe"), ("always", "1f1b"), ("never", "zero_bubble")])
 def test_called_blocks_train_a_transformer_with_dropout_as_inline_ones(remat, schedule):
     called, called_loss = _lm(remat, schedule, "call")
@@ -204,6 +205,7 @@ def _functional(repeated, name):
     return model, history.history["loss"]
 
 
+@pytest.mark.heavy(seconds=15)
 @pytest.mark.parametrize("name", ["tied", "llama"])
 def test_called_blocks_of_a_functional_model_and_a_keras_hub_task_train_as_inline_ones(name):
     # keras_hub's Llama decoder block cannot give its config (it reads an attribute it never set): its blocks are
