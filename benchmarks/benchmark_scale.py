@@ -10,6 +10,7 @@ also reported on its own.
     python benchmarks/benchmark_scale.py --configs=2x4,2x16,2x32,8x32 --out=docs/results/scale
     python benchmarks/benchmark_scale.py --configs=2x32,8x32 --unroll=true,false   # unrolled graph against loops
     python benchmarks/benchmark_scale.py --configs=keras,2x32   # beside the same layers in a plain keras.Sequential
+    python benchmarks/benchmark_scale.py --configs=2x8,8x32 --repeated_layers=inline,call   # blocks traced once
 
 ``keras`` in ``--configs`` times the same layers as a plain ``keras.Sequential`` on one
 device: what a user compares a first step with.
@@ -43,13 +44,16 @@ flags.DEFINE_integer("seq_len", 32, "Sequence length.", lower_bound=2)
 flags.DEFINE_integer("batch_size", 64, "Global batch (at least the largest M).", lower_bound=1)
 flags.DEFINE_enum("remat", "except_last", ["always", "except_last", "never"], "Re-materialization mode.")
 flags.DEFINE_list("unroll", ["true"], "Step graphs to compare: true (unrolled, the default), false (loops).")
+flags.DEFINE_list(
+    "repeated_layers", ["inline"], "PipelineModel(repeated_layers=) values to compare, each right after the other."
+)
 flags.DEFINE_integer("steps", 5, "Steps timed after the first.", lower_bound=1)
 flags.DEFINE_string("out", None, "Write the table to OUT.csv and OUT.md.")
 
-# Runs in the child process: argv = K M blocks dim seq_len batch remat steps unroll; K=0 is plain Keras.
+# Runs in the child process: argv = K M blocks dim seq_len batch remat steps unroll repeated; K=0 is plain Keras.
 _CHILD = r"""
 import json, os, resource, sys, time
-k, m, blocks, dim, seq, batch, remat, steps, unroll = sys.argv[1:]
+k, m, blocks, dim, seq, batch, remat, steps, unroll, repeated = sys.argv[1:]
 unroll = unroll == "true"
 k, m, blocks, dim, seq, batch, steps = map(int, (k, m, blocks, dim, seq, batch, steps))
 import tensorflow as tf
@@ -64,7 +68,7 @@ layers, x, y = random_lm(batch, seq, blocks, dim)
 began = time.perf_counter()
 if k:
     model = tfpipe.PipelineModel(layers, num_partitions=k, devices=[f"/CPU:{i}" for i in range(k)],
-                                 num_micro_batches=m, remat=remat, unroll=unroll)
+                                 num_micro_batches=m, remat=remat, unroll=unroll, repeated_layers=repeated)
 else:
     model = keras.Sequential(layers)
 model.compile(optimizer=keras.optimizers.SGD(1e-3),
@@ -82,14 +86,15 @@ for _ in range(steps):
 rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 print("RESULT " + json.dumps({"first_s": first, "build_s": build, "step_ms": 1e3 * float(np.median(times)),
                               "peak_rss_gb": rss / 1e9, "balance": model.balance if k else [blocks],
-                              "graph": ("unrolled" if model.unrolled else "loops") if k else "keras"}))
+                              "graph": (("unrolled" if model.unrolled else "loops")
+                                        + (", call" if repeated == "call" else "")) if k else "keras"}))
 """
 
 
-def run_config(k: int, m: int, unroll: str) -> dict:
+def run_config(k: int, m: int, unroll: str, repeated: str = "inline") -> dict:
     """First-step seconds, steady step ms and peak RSS of one K x M configuration, in a fresh process."""
     args = [str(a) for a in (k, m, FLAGS.blocks, FLAGS.dim, FLAGS.seq_len, FLAGS.batch_size, FLAGS.remat, FLAGS.steps)]
-    args.append(unroll)
+    args += [unroll, repeated]
     done = subprocess.run([sys.executable, "-c", _CHILD, *args], capture_output=True, text=True)
     lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
     if done.returncode != 0 or not lines:
@@ -115,11 +120,17 @@ def main(argv: list[str]) -> None:
     unrolls = [u.lower() for u in FLAGS.unroll]
     if any(u not in ("true", "false") for u in unrolls):
         raise app.UsageError(f"--unroll: {FLAGS.unroll} holds a value other than true, false.")
+    repeats = [r.lower() for r in FLAGS.repeated_layers]
+    if any(r not in ("inline", "call") for r in repeats):
+        raise app.UsageError(f"--repeated_layers: {FLAGS.repeated_layers} holds a value other than inline, call.")
     configs = [_parse(c) for c in FLAGS.configs]
-    for (k, m), unroll in ((c, u) for c in configs for u in (unrolls if c[0] else ["true"])):
+    runs = [
+        (c, u, r) for c in configs for u in (unrolls if c[0] else ["true"]) for r in (repeats if c[0] else ["inline"])
+    ]
+    for (k, m), unroll, repeated in runs:
         if FLAGS.batch_size < m:
             raise app.UsageError(f"--batch_size={FLAGS.batch_size} is smaller than M={m}.")
-        found = run_config(k, m, unroll)
+        found = run_config(k, m, unroll, repeated)
         rows.append({"K": k, "M": m, "tasks": 2 * k * m, **found})
         print(
             (f"K={k} M={m:>2} " if k else "plain Keras ") + f"{found['graph']:>8}: "

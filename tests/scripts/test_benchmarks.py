@@ -117,19 +117,21 @@ def test_scale_benchmark_times_the_first_step_in_a_fresh_process(tmp_path):
     proc = run_script(
         "benchmark_scale.py",
         "--configs=keras,2x2",
-        "--blocks=1",
+        "--blocks=4",
         "--dim=16",
         "--seq_len=4",
         "--batch_size=4",
         "--steps=1",
+        "--repeated_layers=inline,call",
         f"--out={out}",
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     with open(out + ".csv") as f:
-        keras_row, row = list(csv.DictReader(f))
+        keras_row, row, called = list(csv.DictReader(f))
     assert (keras_row["K"], keras_row["graph"]) == ("0", "keras")  # the same layers in plain Keras
     assert (row["K"], row["M"], row["tasks"]) == ("2", "2", "8")
-    for r in (keras_row, row):
+    assert (row["graph"], called["graph"]) == ("unrolled", "unrolled, call")
+    for r in (keras_row, row, called):
         assert float(r["first_s"]) > 0 and float(r["step_ms"]) > 0 and float(r["peak_rss_gb"]) > 0.1
     assert "| - | - | - | keras |" in open(out + ".md").read()
 
@@ -137,6 +139,8 @@ def test_scale_benchmark_times_the_first_step_in_a_fresh_process(tmp_path):
 def test_scale_benchmark_refuses_a_bad_config():
     proc = run_script("benchmark_scale.py", "--configs=8by32", timeout=120)
     assert proc.returncode != 0 and "--configs: '8by32' is not KxM" in proc.stderr
+    proc = run_script("benchmark_scale.py", "--repeated_layers=calls", timeout=120)
+    assert proc.returncode != 0 and "--repeated_layers: ['calls'] holds a value other than inline, call" in proc.stderr
 
 
 def test_kernel_benchmark_prints_a_row_per_size():
