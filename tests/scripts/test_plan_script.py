@@ -9,7 +9,7 @@ from tests.util import run_script
 
 # | K | R | M | remat | schedule | balance | predicted ms | measured ms | error | predicted MiB | measured MiB | error
 # | process MiB |
-ROW = re.compile(r"^\| \d+ \| \d+ \| \d+ \|")
+ROW = re.compile(r"^\| \d+( on \d+)? \| \d+ \| \d+ \|")  # K, or "K on D" where cells share devices
 
 
 @pytest.mark.heavy(seconds=80)

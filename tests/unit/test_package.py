@@ -21,7 +21,7 @@ LAYERS = [
     {"distributed", "cluster"},
     {"backward"},
     {"partition"},
-    {"step", "schedule"},
+    {"step", "schedule", "updates"},
     {"planning", "cost", "balance"},
     {"saving", "training", "settings", "recovery", "keras_api", "auto_plan"},
     {"model"},

@@ -186,7 +186,7 @@ class Repeats:
                     return template.run(dict(zip(template.inputs, xs)), training)
 
                 inputs = [values[k] for k in node.inputs]
-                shared = self._shared(template.operation, call, node.operation, inputs, bool(training), scope)
+                shared = self._shared(template.operation, call, node.operation, inputs, training, scope)
                 if shared is not None:
                     return shared
             return node.run(values, training)
@@ -206,7 +206,7 @@ class Repeats:
         call: Callable[[Sequence[tf.Tensor]], list[Any]],
         layer: keras.layers.Layer,
         inputs: Sequence[Any],
-        training: bool,
+        training: bool | None,
         scope: keras.StatelessScope,
     ) -> list[Any] | None:
         """What ``layer`` gives on ``inputs``, as a call of ``template``'s trace (``call`` runs the template) with
