@@ -6,7 +6,7 @@ import pytest
 import tensorflow as tf
 
 import tfpipe
-from tests.util import cpu_devices, max_rel_error, per_layer_error
+from tests.util import cpu_devices, max_rel_error, per_layer_error, run_fresh
 from tfpipe import updates
 from tfpipe.models import transformer
 from tfpipe.partition import repeats
@@ -215,3 +215,33 @@ def test_called_blocks_of_a_functional_model_and_a_keras_hub_task_train_as_inlin
     assert np.allclose(called_loss, inline_loss, rtol=1e-6)
     assert per_layer_error(called.pipeline_layers, inline.pipeline_layers) < 1e-5  # attention's key bias: noise
     assert [c.repeats.num_traces for c in called._pipeline.cells] == [1, 1]
+
+
+@pytest.mark.heavy(seconds=35)
+def test_called_blocks_and_updates_on_workers_train_as_inline_ones():
+    # Cells and their called blocks in other processes, two cells a worker (the calls are made where the cell runs)
+    proc = run_fresh("""
+        import keras, numpy as np
+        import tfpipe
+        from tfpipe.cluster import LocalCluster
+        from tfpipe.models import transformer
+        from tests.util import per_layer_error
+
+        ids = np.random.default_rng(0).integers(0, 32, (8, 8))
+        with LocalCluster(2) as cluster:
+            models = {}
+            for mode in ("call", "inline"):
+                keras.utils.set_random_seed(3)
+                layers = transformer.transformer_lm(32, 8, 4, dim=16, hidden=32, heads=2, dropout=0.1)
+                model = tfpipe.PipelineModel(layers, balance=[1, 2, 2, 2], devices=cluster.devices, num_micro_batches=4,
+                                             schedule="interleaved_1f1b", repeated_layers=mode)
+                model.compile(optimizer="adam", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+                model.fit(ids, ids, batch_size=8, epochs=2, verbose=0, shuffle=False)
+                models[mode] = model
+            traces = [c.repeats.num_traces for c in models["call"].cells]
+            print("RESULT", per_layer_error(models["call"].pipeline_layers, models["inline"].pipeline_layers), traces)
+    """)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    error, traces = proc.stdout.split("RESULT")[1].split(maxsplit=1)
+    assert float(error) < 1e-5
+    assert traces.strip() == "[0, 1, 1, 0]"  # the cells of two blocks call one trace; those of one block run inline
