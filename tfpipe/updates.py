@@ -31,7 +31,7 @@ from tfpipe import _compat
 
 _SLOTS = "_tfpipe_slots"  # on an optimizer: id(variable or its tf.Variable) -> (the variable, the slots made from it)
 _SHARED = "_tfpipe_shared_updates"  # on an optimizer: whether its updates are shared (set by ``share``)
-_TRACES = "_tfpipe_update_traces"  # on an optimizer: graph -> {kind: (function, template, changed) or None}
+_TRACES = "_tfpipe_update_traces"  # on an optimizer: graph -> {kind: (function, changed) or None}
 
 
 def share(optimizer: keras.optimizers.Optimizer, on: bool) -> None:
@@ -54,7 +54,7 @@ def record_slot(optimizer: keras.optimizers.Optimizer, reference: Any, slot: Any
     entry = known.setdefault(id(reference), (reference, []))
     entry[1].append(slot)
     # Keras' TF backend hands update_step the tf.Variable inside a Keras variable
-    raw = getattr(reference, "_value", None)
+    raw = _compat.backing_variable(reference) if isinstance(reference, keras.Variable) else None
     if raw is not None:
         known[id(raw)] = entry
 

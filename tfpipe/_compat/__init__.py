@@ -11,6 +11,7 @@ from tfpipe._compat.keras import (
     LOGITS,
     MASK,
     OPTIMIZER_HOOKS,
+    backing_variable,
     backup_point,
     clone_uncompiled,
     compiled_loss,
@@ -78,6 +79,7 @@ from tfpipe._compat.tensorflow import (
 __all__ = [
     "BATCHES_DONE",
     "DEFAULT_BATCH_SIZE",
+    "backing_variable",
     "backup_point",
     "clone_uncompiled",
     "has_backup",

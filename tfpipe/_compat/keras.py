@@ -98,6 +98,11 @@ def mark_patched(optimizer: keras.optimizers.Optimizer, what: str) -> None:
     setattr(optimizer, f"_tfpipe_{what}", True)
 
 
+def backing_variable(variable: keras.Variable) -> Any:
+    """The tf.Variable inside a Keras variable: what Keras' TF optimizers hand ``update_step`` (None while deferred)."""
+    return variable._value  # noqa: SLF001
+
+
 def step_counter(optimizer: keras.optimizers.Optimizer) -> Any:
     """The optimizer's own step counter (``iterations`` is it, or it divided by the accumulation steps)."""
     return optimizer._iterations  # noqa: SLF001

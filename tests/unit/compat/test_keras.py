@@ -82,6 +82,15 @@ def test_step_counter_as_is_what_an_update_reads_and_is_restored():
     np.testing.assert_allclose(variable.numpy(), 1 - m * alpha / (np.sqrt(v) + 1e-7), rtol=1e-5)  # step 1: 1 - 0.1
 
 
+def test_the_backing_variable_is_what_keras_hands_update_step():
+    optimizer = keras.optimizers.SGD(0.1)
+    variable = keras.Variable(np.ones(2, "float32"))
+    handed = []
+    _compat.wrap_optimizer_method(optimizer, "update_step", lambda update: lambda g, v, lr: handed.append(v))
+    optimizer.apply_gradients([(tf.ones(2), variable)])
+    assert handed == [_compat.backing_variable(variable)] and isinstance(handed[0], tf.Variable)
+
+
 def test_flatten_layers_reaches_nested_layers():
     inner = keras.Sequential([keras.layers.Dense(2, name="deep")])
     outer = keras.Sequential([keras.Input((3,)), inner])
