@@ -114,7 +114,6 @@ def _cell_ops(repeated, depth):
     model = tfpipe.PipelineModel(_blocks(depth), balance=[depth + 3], devices=cpu_devices(1), repeated_layers=repeated)
     model.build((None, 8))
     cell = model._pipeline.cells[0]
-    cell.repeated_layers = repeated
     trainable, other = cell.read()
     with tf.Graph().as_default():
         x = tf.compat.v1.placeholder(tf.int32, (4, 8))

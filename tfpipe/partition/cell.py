@@ -131,13 +131,12 @@ class Cell:
         As Keras' ``Model.trainable_weights`` decides, not each layer's: LoRA freezes a
         decoder block and then unfreezes the attention layers' LoRA weights inside it.
         """
-        return [v for v in self._unique("weights") if v.trainable]
+        return state.split_variables(self.layers)[0]
 
     @property
     def non_trainable_variables(self) -> list[keras.Variable]:
         """The cell's other state: frozen weights, BatchNorm statistics, seed-generator states."""
-        trainable = {id(v) for v in self.trainable_variables}
-        return [v for v in self._unique("non_trainable_variables") if id(v) not in trainable]
+        return state.split_variables(self.layers)[1]
 
     @property
     def weights(self) -> list[keras.Variable]:

@@ -32,6 +32,7 @@ import keras
 import tensorflow as tf
 
 from tfpipe import _compat
+from tfpipe.partition import state
 
 REPEATED_LAYERS = ("inline", "call")
 
@@ -46,36 +47,28 @@ def check(repeated_layers: str) -> str:
     return repeated_layers
 
 
-def own_variables(layer: keras.layers.Layer) -> tuple[list[keras.Variable], list[keras.Variable]]:
-    """A layer's trainable weights and its other state (seed states included), each once, as a cell orders them."""
-    seen: set[int] = set()
-    trainable = []
-    for v in layer.weights:
-        if v.trainable and id(v) not in seen:
-            seen.add(id(v))
-            trainable.append(v)
-    other = []
-    for v in layer.non_trainable_variables:
-        if id(v) not in seen:
-            seen.add(id(v))
-            other.append(v)
-    return trainable, other
-
-
 def _structure(layer: keras.layers.Layer) -> Any:
     """What two layers must share to be called through one trace: class, configuration but the name, variables."""
-    trainable, other = own_variables(layer)
+    trainable, other = state.split_variables([layer])
     shapes = tuple((tuple(v.shape), str(v.dtype)) for v in trainable + other)
     return (type(layer), _settings(layer), len(trainable), shapes)
 
 
-def _settings(layer: keras.layers.Layer) -> str:
-    """The layer's configuration but the name; where ``get_config`` fails (keras_hub's Llama decoder block reads an
-    attribute it never set), the plain public attributes of it and of every layer in it."""
+def configuration(layer: keras.layers.Layer) -> str | None:
+    """The layer's configuration but its name, as a string; None where ``get_config`` fails. Layers configured alike
+    (``tfpipe.planning.walk.same_layer_key`` keys the planner's measurements by it too)."""
     try:
         return repr({k: v for k, v in layer.get_config().items() if k != "name"})
-    except Exception:  # noqa: BLE001 - a broken get_config: compare what the layers hold instead
-        pass
+    except Exception:  # noqa: BLE001 - no usable configuration
+        return None
+
+
+def _settings(layer: keras.layers.Layer) -> str:
+    """The layer's ``configuration``; where ``get_config`` fails (keras_hub's Llama decoder block reads an attribute it
+    never set), the plain public attributes of it and of every layer in it."""
+    config = configuration(layer)
+    if config is not None:
+        return config
     parts = []
     for sub in _compat.flatten_layers(layer):
         kept = {k: v for k, v in vars(sub).items() if not k.startswith("_") and k not in ("name", "path") and _plain(v)}
@@ -90,7 +83,7 @@ def _plain(value: Any) -> bool:
 
 
 def _variables(layer: keras.layers.Layer) -> list[keras.Variable]:
-    trainable, other = own_variables(layer)
+    trainable, other = state.split_variables([layer])
     return trainable + other
 
 
@@ -213,7 +206,7 @@ class Repeats:
         ``layer``'s current values; None where it cannot be (the caller runs the layer itself)."""
         if not all(self._callable(t) for t in inputs):
             return None
-        trainable, other = own_variables(layer)
+        trainable, other = state.split_variables([layer])
         values = [scope.get_current_value(v) for v in trainable + other]
         if any(v is None for v in values):  # a variable the cell's scope does not map: run it as Keras would
             return None
@@ -240,7 +233,7 @@ class Repeats:
     ) -> _Trace | None:
         """``call`` traced as (inputs..., weights..., state...) -> (outputs..., new state..., added loss); None if a
         result would not cross the boundary unchanged (a mask or logits hung on it, not a tensor)."""
-        trainable, other = own_variables(template)
+        trainable, other = state.split_variables([template])
         n_in = len(inputs)
         found: dict[str, Any] = {"ok": True, "changed": [], "losses": False, "n_y": 0}
 

@@ -27,6 +27,29 @@ from tfpipe import _compat
 SEED_STATE_NAME = "seed_generator_state"
 
 
+def split_variables(layers: Sequence[keras.layers.Layer]) -> tuple[list[keras.Variable], list[keras.Variable]]:
+    """The trainable weights of ``layers`` and their other state, each once, in layer order.
+
+    Trainable: each weight whose own ``trainable`` is set, as Keras' ``Model.trainable_weights`` decides, not each
+    layer's (LoRA freezes a decoder block and unfreezes its attention's LoRA weights). The other state: every other
+    non-trainable variable (frozen weights, BatchNorm statistics, seed-generator states).
+    """
+    seen: set[int] = set()
+    trainable = []
+    for layer in layers:
+        for v in layer.weights:
+            if v.trainable and id(v) not in seen:
+                seen.add(id(v))
+                trainable.append(v)
+    other = []
+    for layer in layers:
+        for v in layer.non_trainable_variables:
+            if id(v) not in seen:
+                seen.add(id(v))
+                other.append(v)
+    return trainable, other
+
+
 def is_seed_state(variable: keras.Variable) -> bool:
     """Whether a variable is the state of a keras.random.SeedGenerator."""
     return variable.name == SEED_STATE_NAME and not variable.dtype.startswith("float")

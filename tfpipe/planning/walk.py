@@ -16,7 +16,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tfpipe.partition import specs
+from tfpipe.partition import repeats, specs
 from tfpipe.partition.sequence import copy_layer
 
 
@@ -68,11 +68,13 @@ def walk(layers: Sequence[keras.layers.Layer], x: Any, run: bool) -> Iterator[tu
 
 def same_layer_key(layer: keras.layers.Layer, spec: Any) -> str | None:
     """What makes two layers' costs and outputs equal: class, configuration but the name, input spec."""
+    config = repeats.configuration(layer)
     try:
-        config = {k: v for k, v in layer.get_config().items() if k != "name"}
-        return f"{type(layer).__module__}.{type(layer).__qualname__}|{config!r}|{describe(spec)}"
-    except Exception:  # noqa: BLE001 - no usable config: copy it on its own
-        return None
+        if config is not None:
+            return f"{type(layer).__module__}.{type(layer).__qualname__}|{config}|{describe(spec)}"
+    except Exception:  # noqa: BLE001 - a spec it cannot describe: as without a config
+        pass
+    return None  # copied on its own
 
 
 def describe(spec: Any) -> str:
