@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import types
 import weakref
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
@@ -35,6 +36,7 @@ from tfpipe import _compat
 from tfpipe.partition import state
 
 REPEATED_LAYERS = ("inline", "call")
+_NAMES = ("name", "path", "parent_path")  # attributes that differ between alike layers: where each sits
 
 
 def check(repeated_layers: str) -> str:
@@ -48,10 +50,18 @@ def check(repeated_layers: str) -> str:
 
 
 def _structure(layer: keras.layers.Layer) -> Any:
-    """What two layers must share to be called through one trace: class, configuration but the name, variables."""
+    """What two layers must share to be called through one trace: class, configuration but the name, variables;
+    None where the layer's configuration cannot be compared (alike to none)."""
+    described = settings(layer)
+    if described is None:
+        return None
     trainable, other = state.split_variables([layer])
-    shapes = tuple((tuple(v.shape), str(v.dtype)) for v in trainable + other)
-    return (type(layer), _settings(layer), len(trainable), shapes)
+    return (type(layer), described, len(trainable), variable_shapes(trainable + other))
+
+
+def variable_shapes(variables: Sequence[Any]) -> tuple:
+    """Each variable's shape and dtype, in order."""
+    return tuple((tuple(v.shape), str(v.dtype)) for v in variables)
 
 
 def configuration(layer: keras.layers.Layer) -> str | None:
@@ -63,16 +73,25 @@ def configuration(layer: keras.layers.Layer) -> str | None:
         return None
 
 
-def _settings(layer: keras.layers.Layer) -> str:
+def settings(layer: keras.layers.Layer) -> str | None:
     """The layer's ``configuration``; where ``get_config`` fails (keras_hub's Llama decoder block reads an attribute it
-    never set), the plain public attributes of it and of every layer in it."""
+    never set), the attributes of it and of every layer in it but their names and paths: the public ones described,
+    the private ones where plain; None where a public one cannot be described (not plain, a layer, a variable, a
+    function or configurable): such layers are alike to none."""
     config = configuration(layer)
     if config is not None:
         return config
     parts = []
-    for sub in _compat.flatten_layers(layer):
-        kept = {k: v for k, v in vars(sub).items() if not k.startswith("_") and k not in ("name", "path") and _plain(v)}
-        parts.append((type(sub).__qualname__, sorted(kept.items())))
+    for sub in _compat.flatten_layers(layer):  # sub-layers in order: each compared by its own attributes
+        kept = []
+        for key, value in sorted(vars(sub).items()):
+            if key.lstrip("_") in _NAMES or (key.startswith("_") and not _plain(value)):
+                continue  # where it sits, and Keras' own bookkeeping (lists of variables and layers, trackers)
+            described = _described(value, sub)
+            if described is None:
+                return None
+            kept.append((key, described))
+        parts.append((type(sub).__qualname__, kept))
     return repr(parts)
 
 
@@ -80,6 +99,28 @@ def _plain(value: Any) -> bool:
     if isinstance(value, tuple | list):
         return all(_plain(v) for v in value)
     return value is None or isinstance(value, bool | int | float | str)
+
+
+def _described(value: Any, owner: keras.layers.Layer) -> str | None:
+    """``value`` as a string two layers configured alike share; None where it cannot be compared."""
+    if value is None or isinstance(value, bool | int | float | str):
+        return repr(value)
+    if isinstance(value, tuple | list):
+        items = [_described(v, owner) for v in value]
+        return None if None in items else f"[{', '.join(str(i) for i in items)}]"
+    if isinstance(value, keras.layers.Layer):
+        return "layer"  # compared as one of ``flatten_layers``
+    if isinstance(value, keras.Variable | tf.Variable):
+        return "variable"  # compared by shape and dtype (``_structure``, ``same_layer_key``)
+    method = getattr(value, "__wrapped__", value)  # Keras wraps each layer's build and quantize on the instance
+    if isinstance(method, types.MethodType) and method.__self__ is owner:
+        return f"method {method.__func__.__qualname__}@{id(method.__func__)}"  # its own class's: alike by class
+    if callable(value) and not hasattr(value, "get_config"):
+        return f"function {getattr(value, '__qualname__', type(value).__qualname__)}@{id(value)}"  # the same object
+    try:  # initializers, regularizers, dtype policies, seed generators (their state is the layer's)
+        return f"{type(value).__qualname__}{ {k: v for k, v in value.get_config().items() if k != 'name'}!r}"
+    except Exception:  # noqa: BLE001 - not configurable: not comparable
+        return None
 
 
 def _variables(layer: keras.layers.Layer) -> list[keras.Variable]:
@@ -124,7 +165,8 @@ def node_runs(nodes: Sequence[Any]) -> list[tuple[int, int]]:
     keys: list[Any] = []
     for node, layer in zip(nodes, layers):
         alone = layer is not None and layer.built and all(counts[id(v)] == 1 for v in _variables(layer))
-        keys.append((_structure(layer), _arguments(node)) if alone else None)
+        structure = _structure(layer) if alone else None
+        keys.append((structure, _arguments(node)) if structure is not None else None)
     return _spans(keys)
 
 

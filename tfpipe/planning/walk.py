@@ -67,11 +67,14 @@ def walk(layers: Sequence[keras.layers.Layer], x: Any, run: bool) -> Iterator[tu
 
 
 def same_layer_key(layer: keras.layers.Layer, spec: Any) -> str | None:
-    """What makes two layers' costs and outputs equal: class, configuration but the name, input spec."""
-    config = repeats.configuration(layer)
+    """What makes two layers' costs and outputs equal: class, configuration but the name (``repeats.settings``:
+    keras_hub's Llama decoder block, whose ``get_config`` fails, by its attributes), variables' shapes, input spec;
+    None where the configuration cannot be compared."""
+    config = repeats.settings(layer)
     try:
         if config is not None:
-            return f"{type(layer).__module__}.{type(layer).__qualname__}|{config}|{describe(spec)}"
+            shapes = repeats.variable_shapes(layer.weights)
+            return f"{type(layer).__module__}.{type(layer).__qualname__}|{config}|{shapes}|{describe(spec)}"
     except Exception:  # noqa: BLE001 - a spec it cannot describe: as without a config
         pass
     return None  # copied on its own

@@ -24,11 +24,20 @@ def test_a_layers_kind_is_its_class_configuration_and_inputs_not_its_name():
     assert walk.same_layer_key(first, x8) != walk.same_layer_key(keras.layers.Dense(16), x8)
     assert walk.same_layer_key(first, x8) != walk.same_layer_key(keras.layers.Dense(8, activation="tanh"), x8)
 
-    class Unconfigured(keras.layers.Layer):
+    class Unconfigured(keras.layers.Layer):  # compared by its attributes, as keras_hub's Llama decoder block
+        def __init__(self, scale, table=None, **kwargs):
+            super().__init__(**kwargs)
+            self._scale, self.table, self.activation = scale, table, keras.activations.relu
+
         def get_config(self):
             raise NotImplementedError
 
-    assert walk.same_layer_key(Unconfigured(), x8) is None  # compared with nothing: timed on its own
+    assert walk.same_layer_key(Unconfigured(2.0, name="a"), x8) == walk.same_layer_key(Unconfigured(2.0), x8)
+    assert walk.same_layer_key(Unconfigured(2.0), x8) != walk.same_layer_key(Unconfigured(3.0), x8)
+    other = Unconfigured(2.0)
+    other.activation = keras.activations.gelu
+    assert walk.same_layer_key(other, x8) != walk.same_layer_key(Unconfigured(2.0), x8)
+    assert walk.same_layer_key(Unconfigured(2.0, table=object()), x8) is None  # not comparable: timed on its own
 
 
 def test_a_measured_profile_gives_alike_layers_one_time_and_others_their_own(monkeypatch):
