@@ -29,6 +29,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 import functools
 import json
 import subprocess
+import threading
 from typing import Any
 
 os.environ.setdefault("TF_CPU_ALLOCATOR_USE_BFC", "true")  # before TensorFlow starts, here and in the workers
@@ -262,6 +263,35 @@ def keras_sequential(made: Any) -> Any:
     return keras.Sequential(made) if isinstance(made, list) else made
 
 
+def _child_run(command: list[str], prefix: str) -> subprocess.CompletedProcess:
+    """Run a probe's process to its end (at most ``TIMEOUT_S``), its output kept, and its progress (tfpipe's lines:
+    planning's phases and time left, the step being built) shown on stderr as it comes."""
+    child = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    kept: dict[str, list[str]] = {"out": [], "err": []}
+
+    def read(stream: Any, name: str) -> None:
+        for line in stream:
+            kept[name].append(line)
+            if line.startswith("tfpipe"):
+                print(prefix + line.rstrip(), file=sys.stderr, flush=True)
+
+    readers = [
+        threading.Thread(target=read, args=(child.stdout, "out")),
+        threading.Thread(target=read, args=(child.stderr, "err")),
+    ]
+    for reader in readers:
+        reader.start()
+    try:
+        child.wait(timeout=TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        child.kill()
+        child.wait()
+        kept["err"].append(f"Error: the probe ran past {TIMEOUT_S} s and was stopped\n")
+    for reader in readers:
+        reader.join()
+    return subprocess.CompletedProcess(command, child.returncode, "".join(kept["out"]), "".join(kept["err"]))
+
+
 def probe(row: str, blocks: int) -> dict[str, Any]:
     """Measure one row at one depth in a fresh process; a failed run counts as over the budget."""
     config = {
@@ -282,11 +312,9 @@ def probe(row: str, blocks: int) -> dict[str, Any]:
         "constant_folding": FLAGS.constant_folding,
         "repeated_layers": FLAGS.repeated_layers,
     }
-    done = subprocess.run(
+    done = _child_run(
         [sys.executable, "-X", "faulthandler", os.path.abspath(__file__), f"--_child={json.dumps(config)}"],
-        capture_output=True,
-        text=True,
-        timeout=TIMEOUT_S,
+        f"  {row} L={blocks}: ",
     )
     lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
     if done.returncode or not lines:

@@ -28,6 +28,7 @@ def test_capacity_benchmark_writes_its_table_with_the_planned_configuration(tmp_
         f"--out={out}",
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "  2 L=1: tfpipe.plan: measuring the 2 devices" in proc.stderr  # each probe's planning shown as it runs
     with open(out + ".csv") as f:
         rows = {r["row"]: r for r in csv.DictReader(f)}
     assert sorted(rows) == ["2", "plain"] and all(r["blocks"] == "1" for r in rows.values())
