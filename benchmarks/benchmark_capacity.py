@@ -249,10 +249,12 @@ def pipelined(made: Any, x: Any, devices: list[str], config: dict[str, Any]) -> 
     sample = tf.nest.map_structure(lambda t: t[:n], x)
     budget = int(config["budget_mib"] * MIB)
     seconds = config.get("plan_seconds") or "auto"
+    repeated = config.get("repeated_layers", "inline")
     plan = tfpipe.plan(
-        made, n, devices, budget, sample=sample, optimizer="adam", replicas=False, verify=0, max_seconds=seconds
-    )
-    model = tfpipe.PipelineModel(made, plan=plan, repeated_layers=config.get("repeated_layers", "inline"))
+        made, n, devices, budget, sample=sample, optimizer="adam", replicas=False, verify=0, max_seconds=seconds,
+        repeated_layers=repeated,
+    )  # fmt: skip
+    model = tfpipe.PipelineModel(made, plan=plan, repeated_layers=repeated)
     return model, plan.candidates[0].config.describe()
 
 

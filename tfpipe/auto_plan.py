@@ -73,6 +73,7 @@ class Pending:
 
     memory_budget: Any  # as given to the constructor, checked
     devices: list[Any] | None  # as given: one list of devices, unchecked until planned; None: the planner's
+    repeated_layers: str = "inline"  # the model's: its probes are built so
 
 
 def plan_on(name: str, planned: Any, pending: Pending, x: Any, batch_size: int | None, optimizer: Any) -> Any:
@@ -81,7 +82,10 @@ def plan_on(name: str, planned: Any, pending: Pending, x: Any, batch_size: int |
 
     sample, size = first_batch(x, batch_size)
     messages.say(f"tfpipe: planning {name!r} for batches of {size} (plan='auto'): measuring its layers.")
-    plan = choose.plan(planned, size, pending.devices, pending.memory_budget, sample=sample, optimizer=optimizer)
+    plan = choose.plan(
+        planned, size, pending.devices, pending.memory_budget, sample=sample, optimizer=optimizer,
+        repeated_layers=pending.repeated_layers,
+    )  # fmt: skip
     messages.say(f"tfpipe: planned {name!r}: {plan.candidates[0].config.describe()}.")
     return plan
 

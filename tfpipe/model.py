@@ -168,7 +168,8 @@ class PipelineModel(keras.Model):
         self._graph = graph  # a Functional model's nodes, or None for a layer sequence
         self._settings = settings
         self._balance: list[int] = []  # the cut made: layers (or nodes) per cell, once known
-        self._auto = auto_plan.Pending(memory_budget, plan_devices) if auto else None  # until the first fit plans
+        # until the first fit plans; its probes built as this model will train
+        self._auto = auto_plan.Pending(memory_budget, plan_devices, repeated_layers) if auto else None
         self._memory_budget = None if auto else memory_budget
         self._estimate: cost_lib.Estimate | None = None
         self._inputs: Any = None  # symbolic inputs the model was built for, batch dimension included

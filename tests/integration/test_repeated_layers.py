@@ -244,3 +244,29 @@ def test_called_blocks_and_updates_on_workers_train_as_inline_ones():
     error, traces = proc.stdout.split("RESULT")[1].split(maxsplit=1)
     assert float(error) < 1e-5
     assert traces.strip() == "[0, 1, 1, 0]"  # the cells of two blocks call one trace; those of one block run inline
+
+
+def test_the_planners_probes_are_built_as_the_model_will_train(monkeypatch):
+    from tfpipe.planner import calibration, choose
+    from tfpipe.planning import units
+
+    ids = np.random.default_rng(0).integers(0, 32, (2, 8))
+    kept = []
+    with calibration.probes_repeated_layers("call"):  # as plan(..., repeated_layers="call") measures the model
+        calibration.replicated_step(units.of(_blocks(2)), ids, 2, cpu_devices(1), "sgd", steps=1, kept=kept)
+    calibration.replicated_step(units.of(_blocks(2)), ids, 2, cpu_devices(1), "sgd", steps=1, kept=kept)
+    assert [kept[0].repeated_layers, kept[3].repeated_layers] == ["call", "inline"]
+    with pytest.raises(ValueError, match=r"repeated_layers='calls'.*'inline'.*'call'"):
+        tfpipe.plan(_blocks(2), 2, cpu_devices(1), sample=ids, repeated_layers="calls")
+    asked = {}
+
+    def plan(*args, **kwargs):  # plan="auto" plans as the model will train
+        asked.update(kwargs)
+        raise RuntimeError("planned")
+
+    monkeypatch.setattr(choose, "plan", plan)
+    model = tfpipe.PipelineModel(_blocks(2), plan="auto", devices=cpu_devices(1), repeated_layers="call")
+    model.compile(optimizer="sgd", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    with pytest.raises(RuntimeError, match="planned"):
+        model.fit(ids, ids, batch_size=2, verbose=0)
+    assert asked["repeated_layers"] == "call"

@@ -11,10 +11,11 @@ many micro-batches, tasks overlapping, kernels settled) and ``replicated_step`` 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import gc
 import timeit
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any, cast
 
 import keras
@@ -32,6 +33,21 @@ from tfpipe.planning.profile import median_seconds, memory_name
 from tfpipe.step.unrolled import noinline_tasks
 
 _CALIBRATIONS: dict[tuple[Any, ...], Calibration] = {}  # one per set of devices and optimizer, per process
+_probes_repeated_layers = "inline"  # PipelineModel(repeated_layers=) of every probe (``probes_repeated_layers``)
+
+
+@contextlib.contextmanager
+def probes_repeated_layers(mode: str) -> Iterator[None]:
+    """Within: every probe built with ``PipelineModel(repeated_layers=mode)``, as the planned model will train (a
+    called block holds more than an inlined one: masks each call makes for itself)."""
+    global _probes_repeated_layers
+    before, _probes_repeated_layers = _probes_repeated_layers, mode
+    try:
+        yield
+    finally:
+        _probes_repeated_layers = before
+
+
 WARM_STEPS = 100  # TensorFlow's executor runs a kernel inline only once its cost estimate settles, ~90 runs
 # A whole step of the model's own layers, after tracing, ran as fast in its first 10 steps as in its 140th (2026-11-29:
 # the Transformer at 240 ms and MLPs at 2.5-60 ms a step, on workers and on logical CPUs, medians of 10 within noise
@@ -274,6 +290,7 @@ def _probe(
         num_micro_batches=m,
         remat=remat,
         schedule=schedule,
+        repeated_layers=_probes_repeated_layers,
         name=f"tfpipe_probe_{m}",
     )
     model.compile(optimizer=optimizer, loss=loss)

@@ -25,6 +25,7 @@ from tfpipe import schedule as schedule_lib
 from tfpipe._args import positive_int
 from tfpipe.backward.remat import REMAT_MODES, check_mode
 from tfpipe.distributed import devices as devices_lib
+from tfpipe.partition import repeats as repeats_lib
 from tfpipe.planner import calibration as calibration_lib
 from tfpipe.planner import probe_fits
 from tfpipe.planning import budget as budget_lib
@@ -63,6 +64,7 @@ def plan(
     repeats: int = 3,
     verify: int = 3,
     max_seconds: Any = "auto",
+    repeated_layers: str = "inline",
     verbose: int = 1,
 ) -> Plan:
     """The configuration (K, balance, R, M, remat, schedule, v) fastest on ``devices`` that fits ``memory_budget``.
@@ -82,12 +84,14 @@ def plan(
     whole steps and times fewer configurations to keep to it, and ``Plan.summary`` says what it left out. "auto":
     the time of ``AUTO_STEPS`` steps of the fastest configuration predicted from the layers alone, at least
     ``AUTO_MIN_SECONDS``; None: no bound. Every probe keeps to ``memory_budget`` on its devices: one predicted over it
-    is not run, and the plan records its probes' largest peaks (``Plan.planning_peaks``). ``verbose``: 1 shows each
-    phase, how far through it and the time left (``planning.progress``); 0 nothing.
+    is not run, and the plan records its probes' largest peaks (``Plan.planning_peaks``). ``repeated_layers``: as the
+    model will train (``PipelineModel(repeated_layers=)``), which the whole-step probes use: a called block can hold
+    more than an inlined one. ``verbose``: 1 shows each phase, how far through it and the time left
+    (``planning.progress``); 0 nothing.
     """
     request = _Request.checked(
         layers, batch_size, devices, memory_budget, sample, input_shape, optimizer, num_micro_batches, schedules,
-        remats, replicas, cells_per_device, calibration, profile, repeats, verify, max_seconds,
+        remats, replicas, cells_per_device, calibration, profile, repeats, verify, max_seconds, repeated_layers,
     )  # fmt: skip
     watch = calibration_lib.PeakWatch(request.devices)
     bound = request.max_seconds
@@ -96,7 +100,8 @@ def plan(
     measured, fitted = _measured(request, calibration, profile, progress)
     progress.phase("predicting every configuration")
     candidates = search.run(measured, fitted, request.batch_size, request.space, request.budget, request.slots)
-    candidates = _timed(request, candidates, measured.not_run, progress)
+    with calibration_lib.probes_repeated_layers(request.repeated_layers):
+        candidates = _timed(request, candidates, measured.not_run, progress)
     progress.end()
     watch.read()
     chosen = plans.from_candidates(
@@ -122,12 +127,13 @@ class _Request:
     repeats: int
     verify: int
     max_seconds: float | str | None
+    repeated_layers: str
 
     @classmethod
     def checked(
         cls, layers: Any, batch_size: Any, devices: Any, memory_budget: Any, sample: Any, input_shape: Any,
         optimizer: Any, num_micro_batches: Any, schedules: Any, remats: Any, replicas: Any, cells_per_device: Any,
-        calibration: Any, profile: Any, repeats: Any, verify: Any, max_seconds: Any,
+        calibration: Any, profile: Any, repeats: Any, verify: Any, max_seconds: Any, repeated_layers: Any,
     ) -> _Request:  # fmt: skip
         """Check ``plan``'s arguments, each with a message that names it, before anything is measured."""
         units = units_lib.of(layers)
@@ -161,6 +167,7 @@ class _Request:
             repeats=positive_int("repeats", repeats),
             verify=_count("verify", verify),
             max_seconds=_max_seconds(max_seconds),
+            repeated_layers=repeats_lib.check(repeated_layers),
         )
 
 
@@ -194,10 +201,11 @@ def _measured(
                 f"{fastest * 1e3:.1f} ms, the fastest the layers alone predict, at least {AUTO_MIN_SECONDS:.0f} s)"
             )
         recompute = set(request.space.remats) != {"never"}  # what recomputing costs, where the search may recompute
-        calibration = probe_fits.fit_model(
-            measured, request.layers, request.data, request.batch_size, request.devices, request.optimizer,
-            calibration, request.slots, recompute, request.space.replicas, progress, request.budget,
-        )  # fmt: skip
+        with calibration_lib.probes_repeated_layers(request.repeated_layers):  # the model's probes as it will train
+            calibration = probe_fits.fit_model(
+                measured, request.layers, request.data, request.batch_size, request.devices, request.optimizer,
+                calibration, request.slots, recompute, request.space.replicas, progress, request.budget,
+            )  # fmt: skip
     # what one W over all micro-batches joins
     if not measured.joined_bytes and any(schedule_lib.batches_weights(s) for s in request.space.schedules):
         progress.phase("reading the rows one W over all micro-batches joins (each kind of layer traced once)")
