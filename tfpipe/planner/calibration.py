@@ -277,10 +277,8 @@ def _probe(
     memory = memory_name(first[0] if isinstance(first, list) else first)
     gc.collect()  # an earlier probe's model freed during this one's steps would hide bytes of this one's peak
     base = tf.config.experimental.get_memory_info(memory)["current"] if memory else 0
-    if isinstance(first, list):
-        flat = [d for row in devices for d in row]
-    else:  # one pipeline's devices: a type checker cannot tell that from the first
-        flat = cast("list[str]", list(devices))
+    # replicas' rows, or one pipeline's devices (a type checker cannot tell that from the first)
+    flat = [d for row in devices for d in row] if isinstance(first, list) else cast("list[str]", list(devices))
     own = _own_allocators(flat) if per_device else None
     bases = [info["current"] for info in own.read()] if own else []
     model = PipelineModel(

@@ -84,24 +84,20 @@ def plan(
     whole steps and times fewer configurations to keep to it, and ``Plan.summary`` says what it left out. "auto":
     the time of ``AUTO_STEPS`` steps of the fastest configuration predicted from the layers alone, at least
     ``AUTO_MIN_SECONDS``; None: no bound. Every probe keeps to ``memory_budget`` on its devices: one predicted over it
-    is not run, and the plan records its probes' largest peaks (``Plan.planning_peaks``). ``repeated_layers``: as the
-    model will train (``PipelineModel(repeated_layers=)``), which the whole-step probes use: a called block can hold
-    more than an inlined one. ``verbose``: 1 shows each phase, how far through it and the time left
-    (``planning.progress``); 0 nothing.
+    is not run, and the plan records its probes' largest peaks (``Plan.planning_peaks``). ``repeated_layers``: the
+    model's, which its whole-step probes use (a called block holds more). ``verbose``: 1 shows each phase, how far
+    through it and the time left (``planning.progress``); 0 nothing.
     """
     request = _Request.checked(
         layers, batch_size, devices, memory_budget, sample, input_shape, optimizer, num_micro_batches, schedules,
         remats, replicas, cells_per_device, calibration, profile, repeats, verify, max_seconds, repeated_layers,
     )  # fmt: skip
     watch = calibration_lib.PeakWatch(request.devices)
-    bound = request.max_seconds
-    progress = Progress(verbose, max_seconds=bound if not isinstance(bound, str) else None, on_step=watch.read)
-    progress.reserve = request.verify
+    progress = _progress(request, verbose, watch)
     measured, fitted = _measured(request, calibration, profile, progress)
     progress.phase("predicting every configuration")
     candidates = search.run(measured, fitted, request.batch_size, request.space, request.budget, request.slots)
-    with calibration_lib.probes_repeated_layers(request.repeated_layers):
-        candidates = _timed(request, candidates, measured.not_run, progress)
+    candidates = _timed(request, candidates, measured.not_run, progress)
     progress.end()
     watch.read()
     chosen = plans.from_candidates(
@@ -109,6 +105,14 @@ def plan(
     )
     chosen.planning_seconds, chosen.planning_peaks = progress.seconds(), watch.peaks
     return chosen
+
+
+def _progress(request: _Request, verbose: int, watch: calibration_lib.PeakWatch) -> Progress:
+    """Planning's progress, shown as ``verbose`` says and bounded by ``max_seconds`` where it is a number."""
+    bound = request.max_seconds
+    progress = Progress(verbose, max_seconds=bound if not isinstance(bound, str) else None, on_step=watch.read)
+    progress.reserve = request.verify  # the shortlist's timing, kept time for
+    return progress
 
 
 @dataclasses.dataclass
@@ -224,10 +228,11 @@ def _timed(
     if not progress.affords(1) and len(search.shortlist(candidates, verify, request.budget)) >= 2:
         not_run.append("the shortlist not timed: no time left within max_seconds; chosen by prediction alone")
         verify = 0
-    return verified(
-        candidates, request.layers, request.data, request.batch_size, request.devices, request.optimizer, verify,
-        request.budget, progress, not_run,
-    )  # fmt: skip
+    with calibration_lib.probes_repeated_layers(request.repeated_layers):  # timed as the model will train
+        return verified(
+            candidates, request.layers, request.data, request.batch_size, request.devices, request.optimizer, verify,
+            request.budget, progress, not_run,
+        )  # fmt: skip
 
 
 def verified(
