@@ -39,7 +39,7 @@ _probes_repeated_layers = "inline"  # PipelineModel(repeated_layers=) of every p
 @contextlib.contextmanager
 def probes_repeated_layers(mode: str) -> Iterator[None]:
     """Within: every probe built with ``PipelineModel(repeated_layers=mode)``, as the planned model will train (a
-    called block holds more than an inlined one: masks each call makes for itself)."""
+    called attention block holds more than an inlined one: docs/guide/limitations.md)."""
     global _probes_repeated_layers
     before, _probes_repeated_layers = _probes_repeated_layers, mode
     try:
