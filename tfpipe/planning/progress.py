@@ -9,12 +9,16 @@ warmed up and timed) is built only where the time left ``affords`` it, at the pa
 
 from __future__ import annotations
 
+import collections
 import time
 from collections.abc import Callable
 
 from tfpipe import messages
 
 EVERY_S = 5.0  # at most one line per this many seconds within a phase (the first and the last always)
+# The time left goes by the pace of the last this many steps: steps differ (a kind of layer is measured twice, then the
+# rest of its kind are given its times), so the phase's first steps' pace overstated a deep model's by 50x
+PACE_STEPS = 10
 
 
 class Progress:
@@ -36,6 +40,7 @@ class Progress:
         self.max_seconds, self.on_step = max_seconds, on_step
         self._name, self._total, self._done = "", 0, 0
         self._phase_began = self._said = self.began
+        self._recent: collections.deque[float] = collections.deque(maxlen=PACE_STEPS + 1)  # when the last steps ended
         self._probes: list[float] = []
         self.reserve = 0  # probes' worth of time kept for what comes after those asked about (the shortlist)
 
@@ -50,6 +55,8 @@ class Progress:
         self.end()
         self._name, self._total, self._done = name, int(total), 0
         self._phase_began = time.monotonic()
+        self._recent.clear()
+        self._recent.append(self._phase_began)
         self.say(f"{name}" + (f" (0 of {total})" if total else "") + f", {self._elapsed()} in")
 
     def step(self, what: str = "") -> None:
@@ -57,10 +64,11 @@ class Progress:
         self.mark()
         self._done += 1
         now = time.monotonic()
+        self._recent.append(now)
         last = self._total and self._done >= self._total
         if not self._total or (now - self._said < EVERY_S and not last):
             return
-        pace = (now - self._phase_began) / self._done
+        pace = (now - self._recent[0]) / (len(self._recent) - 1)
         left = f", about {_seconds(pace * (self._total - self._done))} left in it" if not last else ""
         self.say(f"{self._name}: {self._done} of {self._total}" + (f" ({what})" if what else "") + left)
 

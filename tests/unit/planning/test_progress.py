@@ -54,6 +54,20 @@ def test_steps_closer_than_the_interval_are_not_each_said(monkeypatch):
     ]
 
 
+def test_the_time_left_goes_by_the_pace_of_the_last_steps(monkeypatch):
+    said: list[str] = []
+    clock = [0.0]
+    monkeypatch.setattr(progress_lib.messages, "say", said.append)
+    monkeypatch.setattr(progress_lib.time, "monotonic", lambda: clock[0])
+    progress = progress_lib.Progress()
+    progress.phase("measuring each of the 100 layers alone", 100)
+    for step in range(32):  # two of a kind measured (60 s each), the rest given their times (0.5 s each)
+        clock[0] += 60.0 if step < 2 else 0.5
+        progress.step()
+    # the phase's pace (4.2 s a step) would say 4.8 min; the last ten steps' says 34 s
+    assert said[-1] == "tfpipe.plan: measuring each of the 100 layers alone: 32 of 100, about 34 s left in it"
+
+
 def test_a_time_bound_affords_probes_at_the_pace_of_those_built_with_the_shortlist_kept(monkeypatch):
     clock = [0.0]
     monkeypatch.setattr(progress_lib.time, "monotonic", lambda: clock[0])
