@@ -3,11 +3,17 @@
 from tfpipe.planning import progress as progress_lib
 
 
-def _run(monkeypatch, verbose: int) -> list[str]:
+def _clocked(monkeypatch, start: float = 0.0) -> tuple[list[str], list[float]]:
+    """The lines said and the clock (set by hand) of the progress made after this."""
     said: list[str] = []
-    clock = [100.0]
+    clock = [start]
     monkeypatch.setattr(progress_lib.messages, "say", said.append)
     monkeypatch.setattr(progress_lib.time, "monotonic", lambda: clock[0])
+    return said, clock
+
+
+def _run(monkeypatch, verbose: int) -> list[str]:
+    said, clock = _clocked(monkeypatch, 100.0)
     progress = progress_lib.Progress(verbose)
     clock[0] += 3
     progress.phase("measuring each of the 4 layers alone", 4)
@@ -38,10 +44,7 @@ def test_verbose_0_says_nothing(monkeypatch):
 
 
 def test_steps_closer_than_the_interval_are_not_each_said(monkeypatch):
-    said: list[str] = []
-    clock = [0.0]
-    monkeypatch.setattr(progress_lib.messages, "say", said.append)
-    monkeypatch.setattr(progress_lib.time, "monotonic", lambda: clock[0])
+    said, clock = _clocked(monkeypatch)
     progress = progress_lib.Progress()
     progress.phase("timing", 10)
     for _ in range(10):
@@ -55,10 +58,7 @@ def test_steps_closer_than_the_interval_are_not_each_said(monkeypatch):
 
 
 def test_the_time_left_goes_by_the_pace_of_the_last_steps(monkeypatch):
-    said: list[str] = []
-    clock = [0.0]
-    monkeypatch.setattr(progress_lib.messages, "say", said.append)
-    monkeypatch.setattr(progress_lib.time, "monotonic", lambda: clock[0])
+    said, clock = _clocked(monkeypatch)
     progress = progress_lib.Progress()
     progress.phase("measuring each of the 100 layers alone", 100)
     for step in range(32):  # two of a kind measured (60 s each), the rest given their times (0.5 s each)
