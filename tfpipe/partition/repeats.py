@@ -64,9 +64,8 @@ def variable_shapes(variables: Sequence[Any]) -> tuple:
     return tuple((tuple(v.shape), str(v.dtype)) for v in variables)
 
 
-def configuration(layer: keras.layers.Layer) -> str | None:
-    """The layer's configuration but its name, as a string; None where ``get_config`` fails. Layers configured alike
-    (``tfpipe.planning.walk.same_layer_key`` keys the planner's measurements by it too)."""
+def _configuration(layer: keras.layers.Layer) -> str | None:
+    """The layer's configuration but its name, as a string; None where ``get_config`` fails."""
     try:
         return repr({k: v for k, v in layer.get_config().items() if k != "name"})
     except Exception:  # noqa: BLE001 - no usable configuration
@@ -74,11 +73,12 @@ def configuration(layer: keras.layers.Layer) -> str | None:
 
 
 def settings(layer: keras.layers.Layer) -> str | None:
-    """The layer's ``configuration``; where ``get_config`` fails (keras_hub's Llama decoder block reads an attribute it
+    """What makes layers alike (``tfpipe.planning.walk.same_layer_key`` keys the planner's measurements by it too):
+    the configuration but the name; where ``get_config`` fails (keras_hub's Llama decoder block reads an attribute it
     never set), the attributes of it and of every layer in it but their names and paths: the public ones described,
     the private ones where plain; None where a public one cannot be described (not plain, a layer, a variable, a
     function or configurable): such layers are alike to none."""
-    config = configuration(layer)
+    config = _configuration(layer)
     if config is not None:
         return config
     parts = []
