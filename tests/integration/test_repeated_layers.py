@@ -252,9 +252,8 @@ def test_the_planners_probes_are_built_as_the_model_will_train(monkeypatch):
 
     ids = np.random.default_rng(0).integers(0, 32, (2, 8))
     kept = []
-    with calibration.probes_repeated_layers("call"):  # as plan(..., repeated_layers="call") measures the model
-        calibration.replicated_step(units.of(_blocks(2)), ids, 2, cpu_devices(1), "sgd", steps=1, kept=kept)
-    calibration.replicated_step(units.of(_blocks(2)), ids, 2, cpu_devices(1), "sgd", steps=1, kept=kept)
+    for mode in ("call", "inline"):  # as plan(..., repeated_layers=mode) measures the model
+        calibration.replicated_step(units.of(_blocks(2)), ids, 2, cpu_devices(1), "sgd", 1, kept, repeated_layers=mode)
     assert [kept[0].repeated_layers, kept[3].repeated_layers] == ["call", "inline"]
     with pytest.raises(ValueError, match=r"repeated_layers='calls'.*'inline'.*'call'"):
         tfpipe.plan(_blocks(2), 2, cpu_devices(1), sample=ids, repeated_layers="calls")

@@ -11,11 +11,10 @@ many micro-batches, tasks overlapping, kernels settled) and ``replicated_step`` 
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import gc
 import timeit
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any, cast
 
 import keras
@@ -33,19 +32,6 @@ from tfpipe.planning.profile import median_seconds, memory_name
 from tfpipe.step.unrolled import noinline_tasks
 
 _CALIBRATIONS: dict[tuple[Any, ...], Calibration] = {}  # one per set of devices and optimizer, per process
-_probes_repeated_layers = "inline"  # PipelineModel(repeated_layers=) of every probe (``probes_repeated_layers``)
-
-
-@contextlib.contextmanager
-def probes_repeated_layers(mode: str) -> Iterator[None]:
-    """Within: every probe built with ``PipelineModel(repeated_layers=mode)``, as the planned model will train (a
-    called attention block holds more than an inlined one: docs/guide/limitations.md)."""
-    global _probes_repeated_layers
-    before, _probes_repeated_layers = _probes_repeated_layers, mode
-    try:
-        yield
-    finally:
-        _probes_repeated_layers = before
 
 
 WARM_STEPS = 100  # TensorFlow's executor runs a kernel inline only once its cost estimate settles, ~90 runs
@@ -171,16 +157,18 @@ def split_step(
     remat: str = "never",
     kept: list | None = None,
     schedule: str = "gpipe",
+    repeated_layers: str = "inline",
 ) -> Probe:
     """Copies of ``layers`` cut by ``balance`` over ``devices`` trained at M=m micro-batches of b rows in ``schedule``'s
-    order (``kept``: as ``_probe``'s)."""
+    order (``kept``, ``repeated_layers``: as ``_probe``'s)."""
     copies = units_lib.fresh(layers, "to time it", "pass calibration=... or plan by hand")
     x = tf.nest.map_structure(lambda t, n=b * m: _tiled(t, n), sample)
     y = _targets(copies, b * m)
     optimizer = _fresh(optimizer)
     return _probe(
-        copies, balance, devices, m, x, y, optimizer, steps, _mean, warm, remat, schedule, per_device=True, kept=kept
-    )
+        copies, balance, devices, m, x, y, optimizer, steps, _mean, warm, remat, schedule, per_device=True, kept=kept,
+        repeated_layers=repeated_layers,
+    )  # fmt: skip
 
 
 def configured_step(
@@ -191,8 +179,10 @@ def configured_step(
     devices: Sequence[str],
     optimizer: Any,
     steps: int = 10,
+    repeated_layers: str = "inline",
 ) -> Probe:
-    """Copies of ``layers`` trained as the planner's ``config`` (cut, replicas, M, remat, schedule) on ``devices``."""
+    """Copies of ``layers`` trained as the planner's ``config`` (cut, replicas, M, remat, schedule) on ``devices``
+    (``repeated_layers``: as ``_probe``'s)."""
     copies = units_lib.fresh(layers, "to time it", "pass verify=0 to choose by prediction alone")
     k, r = config.num_devices, config.num_replicas
     rows = [list(devices[i * k : (i + 1) * k]) for i in range(r)]
@@ -202,7 +192,7 @@ def configured_step(
     m, remat = config.num_micro_batches, config.remat
     probe_args = (copies, list(config.balance), on, m, x, y, _fresh(optimizer), steps, _mean, True, remat)
     with _compat.custom_gradients_forgotten():  # let go once timed: its memory with it
-        return _probe(*probe_args, config.schedule, per_device=True)
+        return _probe(*probe_args, config.schedule, per_device=True, repeated_layers=repeated_layers)
 
 
 def replicated_step(
@@ -213,15 +203,18 @@ def replicated_step(
     optimizer: Any,
     steps: int = 10,
     kept: list | None = None,
+    repeated_layers: str = "inline",
 ) -> Probe:
-    """Copies of ``layers`` as one cell replicated on every one of ``devices``, each replica b rows at M=1 (``kept``:
-    as ``_probe``'s)."""
+    """Copies of ``layers`` as one cell replicated on every one of ``devices``, each replica b rows at M=1 (``kept``,
+    ``repeated_layers``: as ``_probe``'s)."""
     copies = units_lib.fresh(layers, "to time it", "pass calibration=... or plan by hand")
     rows = b * len(devices)
     x = tf.nest.map_structure(lambda t: _tiled(t, rows), sample)
     y = _targets(copies, rows)
     replicas = [[d] for d in devices]
-    return _probe(copies, [len(units_lib.of(layers))], replicas, 1, x, y, _fresh(optimizer), steps, _mean, kept=kept)
+    n = len(units_lib.of(layers))
+    optimizer = _fresh(optimizer)
+    return _probe(copies, [n], replicas, 1, x, y, optimizer, steps, _mean, kept=kept, repeated_layers=repeated_layers)
 
 
 def _fresh(optimizer: Any) -> keras.optimizers.Optimizer:
@@ -263,12 +256,15 @@ def _probe(
     kept: list | None = None,
     warm_steps: int = PROBE_WARM_STEPS,
     warm_seconds: float | None = PROBE_WARM_SECONDS,
+    repeated_layers: str = "inline",
 ) -> Probe:
     """A probe pipeline trained on one batch (x, y): its median step and its peak, after ``warm_up`` (``warm``).
 
     ``devices``: one pipeline's, or a list of replicas' (the peak is the first replica's first device's).
     ``per_device``: also each device's peak, where each has an allocator of its own. ``kept``: a list that gets the
-    model, its data and its step times, to time it again (``in_rounds``).
+    model, its data and its step times, to time it again (``in_rounds``). ``repeated_layers``: the probe's
+    ``PipelineModel(repeated_layers=)``, the planned model's (a called attention block holds more than an inlined one:
+    docs/guide/limitations.md).
     """
     # a list of several inputs as a tuple: tf.data takes a list for one tensor
     x = tuple(x) if isinstance(x, list) else x
@@ -288,7 +284,7 @@ def _probe(
         num_micro_batches=m,
         remat=remat,
         schedule=schedule,
-        repeated_layers=_probes_repeated_layers,
+        repeated_layers=repeated_layers,
         name=f"tfpipe_probe_{m}",
     )
     model.compile(optimizer=optimizer, loss=loss)

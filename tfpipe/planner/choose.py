@@ -205,11 +205,11 @@ def _measured(
                 f"{fastest * 1e3:.1f} ms, the fastest the layers alone predict, at least {AUTO_MIN_SECONDS:.0f} s)"
             )
         recompute = set(request.space.remats) != {"never"}  # what recomputing costs, where the search may recompute
-        with calibration_lib.probes_repeated_layers(request.repeated_layers):  # the model's probes as it will train
-            calibration = probe_fits.fit_model(
-                measured, request.layers, request.data, request.batch_size, request.devices, request.optimizer,
-                calibration, request.slots, recompute, request.space.replicas, progress, request.budget,
-            )  # fmt: skip
+        calibration = probe_fits.fit_model(  # the model's probes built as it will train (repeated_layers)
+            measured, request.layers, request.data, request.batch_size, request.devices, request.optimizer,
+            calibration, request.slots, recompute, request.space.replicas, progress, request.budget,
+            request.repeated_layers,
+        )  # fmt: skip
     # what one W over all micro-batches joins
     if not measured.joined_bytes and any(schedule_lib.batches_weights(s) for s in request.space.schedules):
         progress.phase("reading the rows one W over all micro-batches joins (each kind of layer traced once)")
@@ -228,11 +228,10 @@ def _timed(
     if not progress.affords(1) and len(search.shortlist(candidates, verify, request.budget)) >= 2:
         not_run.append("the shortlist not timed: no time left within max_seconds; chosen by prediction alone")
         verify = 0
-    with calibration_lib.probes_repeated_layers(request.repeated_layers):  # timed as the model will train
-        return verified(
-            candidates, request.layers, request.data, request.batch_size, request.devices, request.optimizer, verify,
-            request.budget, progress, not_run,
-        )  # fmt: skip
+    return verified(  # timed as the model will train (repeated_layers)
+        candidates, request.layers, request.data, request.batch_size, request.devices, request.optimizer, verify,
+        request.budget, progress, not_run, request.repeated_layers,
+    )  # fmt: skip
 
 
 def verified(
@@ -246,9 +245,10 @@ def verified(
     budget: float | None = None,
     progress: Progress | None = None,
     not_run: list[str] | None = None,
+    repeated_layers: str = "inline",
 ) -> list[search.Candidate]:
     """``candidates`` with the ``count`` worth timing trained on ``devices`` (copies of ``layers``, the planner's
-    units), fastest first.
+    units, built with ``repeated_layers``), fastest first.
 
     Each is timed while ``progress``'s time bound leaves time for one more (``not_run`` is told of the rest). Only
     candidates predicted to fit ``budget`` are timed. Where the devices' peaks can be read (GPUs, a running
@@ -272,7 +272,9 @@ def verified(
     def time_step(config: Config) -> tuple[float, float | None]:
         began = time.monotonic()
         try:
-            probe = calibration_lib.configured_step(layers, sample, batch_size, config, devices, optimizer)
+            probe = calibration_lib.configured_step(
+                layers, sample, batch_size, config, devices, optimizer, repeated_layers=repeated_layers
+            )
         except tf.errors.ResourceExhaustedError:  # predicted to fit, but a device ran out of memory: last
             return float("inf"), None
         finally:

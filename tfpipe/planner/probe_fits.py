@@ -78,21 +78,23 @@ def fit_model(
     replicas: bool = True,
     progress: Progress | None = None,
     budget: float | None = None,
+    repeated_layers: str = "inline",
 ) -> Calibration:
     """Time every probe the planner fits on (in the same rounds), scale ``measured`` to them, fit its recomputation
     ratios (``recompute``) and return ``calibration`` with the parallelism they measured (``replicas``: theirs too).
     ``progress`` shows the probes as they are built and the rounds as they are timed, and ends the building where its
     time runs out (``Progress.time_left``). ``budget``: bytes per device that no probe may go over (``within_budget``);
-    what is not run for either is said in ``measured.not_run`` and fitted without it."""
+    what is not run for either is said in ``measured.not_run`` and fitted without it. ``repeated_layers``: each probe's
+    ``PipelineModel(repeated_layers=)``, the planned model's."""
     probes = plan_probes(measured, layers, batch_size, devices, calibration, slots, recompute, replicas, budget)
     groups = within_budget(probes.shapes(), measured, calibration, slots, devices, budget)
-    took = time_probes(groups, layers, data, devices, optimizer, progress, measured.not_run)
+    took = time_probes(groups, layers, data, devices, optimizer, progress, measured.not_run, repeated_layers)
     scaled = {s: took[s] for s in probes.scale.values() if s in took}
     if scaled:
         scale_to_whole_steps(measured, scaled, calibration, devices[0])
     else:
         measured.time_source += "; not scaled to whole steps: no one-cell step was run"
-    _fit_held(measured, probes, took, layers, data, devices, optimizer, calibration, slots)
+    _fit_held(measured, probes, took, layers, data, devices, optimizer, calibration, slots, repeated_layers)
     if probes.pipeline in took:
         seconds = took[probes.pipeline].seconds
         calibration = model_parallelism(measured, calibration, batch_size, probes.pipeline, seconds)
@@ -158,6 +160,7 @@ def _fit_held(
     optimizer: Any,
     calibration: Calibration,
     slots: int,
+    repeated_layers: str,
 ) -> None:
     """The held ratios from the one-cell steps' peaks (re-run on ``measured.memory_device`` where the layers' bytes
     were read on a stand-in), and from the pipeline probe's own peaks at its size where no step gave one; none where
@@ -168,12 +171,11 @@ def _fit_held(
     if measured.memory_device != devices[0]:  # bytes read on this process's stand-in: so are the steps' peaks
         on = [measured.memory_device]  # for the peak only: two steps after tracing, without warming up
         with _compat.custom_gradients_forgotten():
-            steps = {
-                s: calibration_lib.split_step(
-                    layers, data, s.b, s.m, list(s.cut), on, optimizer, 2, warm=False, schedule=s.schedule
-                )
-                for s in steps
-            }
+            for s in list(steps):
+                steps[s] = calibration_lib.split_step(
+                    layers, data, s.b, s.m, list(s.cut), on, optimizer, 2, warm=False, schedule=s.schedule,
+                    repeated_layers=repeated_layers,
+                )  # fmt: skip
     # each device's peaks (or logical CPUs' one allocator's total)
     probe = took.get(probes.pipeline) if probes.pipeline is not None else None
     peaks = probe.device_peaks if probe is not None else None
@@ -212,9 +214,10 @@ def time_probes(
     optimizer: Any,
     progress: Progress | None = None,
     not_run: list[str] | None = None,
+    repeated_layers: str = "inline",
 ) -> dict[Shape, calibration_lib.Probe]:
-    """Each group of shapes trained on ``devices`` (copies of ``layers``), its probes timed in the same rounds, then
-    let go before the next group is built (``within_budget``).
+    """Each group of shapes trained on ``devices`` (copies of ``layers``, built with ``repeated_layers``), its probes
+    timed in the same rounds, then let go before the next group is built (``within_budget``).
 
     Where ``progress`` has a time bound, a probe is built only where the time left allows it, the rounds of those
     built and what the planner keeps for later (``Progress.affords``); ``not_run`` gets each one left out.
@@ -228,7 +231,7 @@ def time_probes(
         progress.say("no probe of the whole model is predicted to fit the budget (see summary()): the layers predict")
     for group in groups:
         with _compat.custom_gradients_forgotten():  # the group's models, let go below, hold no memory then
-            probes.update(_time_group(group, layers, data, devices, optimizer, progress, not_run))
+            probes.update(_time_group(group, layers, data, devices, optimizer, progress, not_run, repeated_layers))
         gc.collect()  # the group's models and their optimizer slots go before the next group is built
     return probes
 
@@ -241,6 +244,7 @@ def _time_group(
     optimizer: Any,
     progress: Progress | None,
     not_run: list[str] | None,
+    repeated_layers: str,
 ) -> dict[Shape, calibration_lib.Probe]:
     """One group of ``time_probes``: its probes built in turn (while the time allows), then timed in the same rounds;
     their models are let go on return."""
@@ -255,7 +259,7 @@ def _time_group(
         began = time.monotonic()
         kept[shape] = []
         try:
-            built[shape] = _build(shape, layers, data, devices, optimizer, kept[shape])
+            built[shape] = _build(shape, layers, data, devices, optimizer, kept[shape], repeated_layers)
         except tf.errors.ResourceExhaustedError:  # predicted to fit, but a device ran out: fitted without it
             del kept[shape]
             if not_run is not None:
@@ -273,17 +277,20 @@ def _time_group(
 
 
 def _build(
-    shape: Shape, layers: Any, data: Any, devices: list[str], optimizer: Any, kept: list
+    shape: Shape, layers: Any, data: Any, devices: list[str], optimizer: Any, kept: list, repeated_layers: str
 ) -> calibration_lib.Probe:
     """One probe traced, warmed up and timed once (its model kept in ``kept`` for the rounds)."""
     if shape.replicas > 1:
         on = devices[: shape.replicas]
-        return calibration_lib.replicated_step(layers, data, shape.b, on, optimizer, kept=kept)
+        return calibration_lib.replicated_step(
+            layers, data, shape.b, on, optimizer, kept=kept, repeated_layers=repeated_layers
+        )
     on = devices[: len(shape.cut)]
     cut = list(shape.cut)
     return calibration_lib.split_step(
-        layers, data, shape.b, shape.m, cut, on, optimizer, remat=shape.remat, kept=kept, schedule=shape.schedule
-    )
+        layers, data, shape.b, shape.m, cut, on, optimizer, remat=shape.remat, kept=kept, schedule=shape.schedule,
+        repeated_layers=repeated_layers,
+    )  # fmt: skip
 
 
 def describe(shape: Shape) -> str:

@@ -51,12 +51,16 @@ def test_every_probe_is_timed_once_in_the_same_rounds_and_the_fits_predict_them(
     prof = profile(sizes=(1, 2, 4, 8))
     rounds, made = [], []
 
-    def split_step(layers, data, b, m, cut, devices, optimizer, remat, kept, schedule="gpipe"):
+    built_as = set()
+
+    def split_step(layers, data, b, m, cut, devices, optimizer, remat, kept, schedule="gpipe", repeated_layers="-"):
         made.append((b, m, tuple(cut), remat))
+        built_as.add(repeated_layers)
         return calibration_lib.Probe({"never": 20.0, "always": 26.0}[remat] / len(cut) + m, None)
 
-    def replicated_step(layers, data, b, devices, optimizer, kept):
+    def replicated_step(layers, data, b, devices, optimizer, kept, repeated_layers="-"):
         made.append((b, 1, "replicas", len(devices)))
+        built_as.add(repeated_layers)
         return calibration_lib.Probe(15.0, None)
 
     def in_rounds(probes, kept, steps):
@@ -65,7 +69,8 @@ def test_every_probe_is_timed_once_in_the_same_rounds_and_the_fits_predict_them(
 
     for name, fake in (("split_step", split_step), ("replicated_step", replicated_step), ("in_rounds", in_rounds)):
         monkeypatch.setattr(calibration_lib, name, fake)
-    fitted = probe_fits.fit_model(prof, [None] * 3, None, 8, ["/CPU:0", "/CPU:1"], "sgd", cal, 0)
+    fitted = probe_fits.fit_model(prof, [None] * 3, None, 8, DEVICES, "sgd", cal, 0, repeated_layers="call")
+    assert built_as == {"call"}  # every probe built as the planned model will train
     assert len(rounds) == 1 and len(rounds[0]) == len(made) == len(set(made))  # one set of rounds, no probe twice
     # the layers as one cell at each size (M up to 8), K=2 at M=8 recomputing all or none, two replicas at M=1; the
     # one-cell step at M=8 is also K=1's step recomputing none
@@ -109,7 +114,7 @@ def test_probes_keep_to_the_budget_in_groups_and_one_predicted_over_it_is_not_ru
 def test_each_group_of_several_is_timed_in_its_own_rounds_and_a_time_bound_stops_the_building(monkeypatch):
     made, rounds = [], []
 
-    def split_step(layers, data, b, m, cut, devices, optimizer, remat, kept, schedule="gpipe"):
+    def split_step(layers, data, b, m, cut, devices, optimizer, remat, kept, schedule="gpipe", repeated_layers="-"):
         made.append(b)
         kept.extend(["model", None, [1.0]])
         return calibration_lib.Probe(0.5, None)
@@ -161,7 +166,7 @@ def _probes_under(budget, monkeypatch):
     cal, prof = calibration(parallelism=2.0), profile(sizes=(1, 2, 4, 8), outputs=(4.0, 4.0, 4.0))
     made = []
 
-    def split_step(layers, data, b, m, cut, devices, optimizer, remat, kept, schedule="gpipe"):
+    def split_step(layers, data, b, m, cut, devices, optimizer, remat, kept, schedule="gpipe", repeated_layers="-"):
         made.append((b, m, tuple(cut), remat, schedule))
         return calibration_lib.Probe({"never": 20.0, "always": 26.0}[remat] / len(cut) + m, None)
 
@@ -201,7 +206,7 @@ def test_without_the_whole_model_probes_the_fit_uses_what_ran(monkeypatch):
 def test_a_probe_that_runs_out_of_memory_is_left_out_and_said(monkeypatch):
     import tensorflow as tf
 
-    def split_step(layers, data, b, m, cut, devices, optimizer, remat, kept, schedule="gpipe"):
+    def split_step(layers, data, b, m, cut, devices, optimizer, remat, kept, schedule="gpipe", repeated_layers="-"):
         if b == 2:
             raise tf.errors.ResourceExhaustedError(None, None, "OOM when allocating")
         kept.extend(["model", None, [1.0]])

@@ -222,7 +222,10 @@ def test_the_shortlist_is_timed_one_at_a_time_while_max_seconds_leaves_time_for_
     monkeypatch.setattr(progress_lib.time, "monotonic", lambda: clock[0])
     monkeypatch.setattr(time, "monotonic", lambda: clock[0])
 
-    def configured_step(layers, sample, batch_size, config, devices, optimizer):
+    built_as = set()
+
+    def configured_step(layers, sample, batch_size, config, devices, optimizer, repeated_layers="-"):
+        built_as.add(repeated_layers)
         clock[0] += 50.0  # each configuration 50 s to trace, warm up and time
         return calibration_lib.Probe({"zero_bubble": 1.0, "gpipe": 0.8, "1f1b": 0.5}[config.schedule], None)
 
@@ -234,7 +237,8 @@ def test_the_shortlist_is_timed_one_at_a_time_while_max_seconds_leaves_time_for_
     ]
     progress = progress_lib.Progress(0, max_seconds=120.0)
     not_run: list[str] = []
-    ordered = planner.verified(found, [], None, 8, DEVICES, "sgd", 3, None, progress, not_run)
+    ordered = planner.verified(found, [], None, 8, DEVICES, "sgd", 3, None, progress, not_run, "call")
+    assert built_as == {"call"}  # timed as the planned model will train
     # at 100 s, one more at 50 s a configuration does not fit the 20 s left: two timed, the faster of them first
     assert [c.config.schedule for c in ordered] == ["gpipe", "zero_bubble", "1f1b"]
     assert [c.measured_s for c in ordered] == [0.8, 1.0, None]
