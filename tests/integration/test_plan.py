@@ -1,5 +1,6 @@
 """tfpipe.plan as a user runs it: measure a model on two logical CPU devices, plan, build the planned model, train."""
 
+import gc
 import json
 
 import keras
@@ -25,7 +26,11 @@ def planned():
     x = np.random.default_rng(0).standard_normal((32, 16)).astype("float32")
     # no time bound: every probe runs however loaded the machine is (the bound has a test of its own)
     kwargs = dict(sample=x, optimizer="sgd", num_micro_batches=[1, 2, 4], max_seconds=None)
-    return tfpipe.plan(_layers(), 32, DEVICES, **kwargs), x
+    plan = tfpipe.plan(_layers(), 32, DEVICES, **kwargs)
+    # the probes' models (kept in reference cycles) are gone when plan returns, not while the planned model trains
+    probes = [o for o in gc.get_objects() if isinstance(o, keras.Model) and o.name.startswith("tfpipe_probe_")]
+    assert probes == []
+    return plan, x
 
 
 @pytest.mark.heavy(seconds=50)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import gc
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -99,6 +100,9 @@ def plan(
     candidates = search.run(measured, fitted, request.batch_size, request.space, request.budget, request.slots)
     candidates = _timed(request, candidates, measured.not_run, progress)
     progress.end()
+    # the probes' models, in reference cycles, go now, not while the planned model trains beside them (the client
+    # held 12 MiB of them after planning 4 Llama blocks, 83 MiB after 45: docs/results/capacity_llama_512_plan.md)
+    gc.collect()
     watch.read()
     chosen = plans.from_candidates(
         candidates, request.devices, request.batch_size, request.budget, measured, fitted, request.slots
