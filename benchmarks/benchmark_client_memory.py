@@ -7,11 +7,17 @@ one process, tfpipe on logical CPUs in the same process, and tfpipe on one-threa
 growth is printed beside it); the ``_call`` rows are tfpipe with ``repeated_layers="call"`` (each cell's run of blocks
 traced once and called per block, ``tfpipe.partition.repeats``). The graph grows with the ops, not with the width,
 batch or sequence, so a short sequence measures it at little cost. Each depth runs in a fresh process (this script
-with ``--_child=JSON``).
+with ``--_child=JSON``). Beside the growth, the process's peak resident memory against the model's Adam state
+(weights, gradients, two slots): at a width where the model no longer fits one device, the client's share of it
+(``--model``: the layer list, the Functional model with tied embeddings, or a keras_hub Llama; the Functional
+ones built under ``tfpipe.deferred_weights()`` as docs/guide/model.md says, so their weights are made on the
+devices).
 ``benchmark_scale.py`` measures the same first step against K x M at one depth.
 
     python benchmarks/benchmark_client_memory.py                          # 21 and 42 blocks, K=8, a few minutes
     python benchmarks/benchmark_client_memory.py --rows=workers --blocks=42,84 --cells_per_device=4 --micro_batches=32
+    python benchmarks/benchmark_client_memory.py --rows=workers --model=llama --dim=2048 --blocks=12 --devices=2 \
+        --micro_batches=2 --batch_size=2 --seq_len=8   # a 9.6 GB Adam state on the workers: the client's share
 """
 
 from __future__ import annotations
@@ -43,7 +49,15 @@ flags.DEFINE_list("blocks", ["21", "42"], "Depths measured; the MiB per block is
 flags.DEFINE_integer("devices", 8, "Devices of the tfpipe rows (logical CPUs or workers).", lower_bound=1)
 flags.DEFINE_integer("cells_per_device", 1, "v: cells a device (interleaved 1F1B above 1, else 1F1B).", lower_bound=1)
 flags.DEFINE_integer("micro_batches", 8, "M of the tfpipe rows (divides --batch_size).", lower_bound=1)
-flags.DEFINE_integer("dim", 128, "Model width (feed-forward 4*dim).", lower_bound=8)
+flags.DEFINE_enum(
+    "model",
+    "transformer",
+    ["transformer", "transformer_tied", "llama"],
+    "models/transformer.py's layer list, its Functional model whose output projection is the token embedding, or a "
+    "keras_hub Llama task (tfpipe.models.hub); the Functional ones built under tfpipe.deferred_weights() in the "
+    "tfpipe rows.",
+)
+flags.DEFINE_integer("dim", 128, "Model width (feed-forward 4*dim; Llama's intermediate 2*dim).", lower_bound=8)
 flags.DEFINE_integer("seq_len", 16, "Tokens per sequence.", lower_bound=2)
 flags.DEFINE_integer("batch_size", 32, "Sequences a step.", lower_bound=1)
 flags.DEFINE_string("out", None, "Write the table to OUT.md and the rows to OUT.csv.")
@@ -69,8 +83,44 @@ def graph_ops() -> int:
     return alive + sum(len(ctx.get_function_def(name).node_def) for name in ctx.list_function_names())
 
 
+def peak_resident_mib(pid: int | None = None) -> float:
+    """A process's peak resident memory so far (VmHWM), MiB."""
+    with open(f"/proc/{pid or 'self'}/status") as f:
+        return int(next(line for line in f if line.startswith("VmHWM:")).split()[1]) / 1024
+
+
+def adam_state_mib(model: Any) -> float:
+    """The model's Adam state, MiB: every weight, and a gradient and two slots per trainable weight."""
+    import math
+
+    import tensorflow as tf
+
+    def size(variables: Any) -> float:
+        return sum(math.prod(v.shape) * tf.as_dtype(v.dtype).size for v in variables) / 2**20
+
+    return size(model.weights) + 3 * size(model.trainable_weights)
+
+
+def _build(config: dict[str, Any]) -> tuple[Any, Any, Any]:
+    """``config``'s model (a layer list, or a Functional model), its inputs and its targets."""
+    import numpy as np
+
+    from tfpipe.models import hub, transformer
+
+    dim, seq, n, blocks = config["dim"], config["seq_len"], config["batch_size"], config["blocks"]
+    if config["model"] == "llama":
+        task = hub.task("llama", vocabulary_size=256, num_layers=blocks, hidden_dim=dim)
+        x = hub.inputs(task, n, seq, 256)
+        return task, x, x["token_ids"]
+    x = np.random.default_rng(0).integers(0, 256, (n, seq))
+    if config["model"] == "transformer_tied":
+        return transformer.transformer_lm_tied(256, seq, blocks, dim, 4 * dim, 4), x, x
+    return transformer.transformer_lm(256, seq, blocks, dim, 4 * dim, 4), x, x
+
+
 def child(config: dict[str, Any]) -> dict[str, Any]:
-    """One row at one depth: the process's and the workers' growth over the first ``fit`` step."""
+    """One row at one depth: the process's and the workers' growth over the first ``fit`` step, and the process's
+    peak against the model's Adam state."""
     import tensorflow as tf
 
     row, k = config["row"], config["devices"]
@@ -81,10 +131,8 @@ def child(config: dict[str, Any]) -> dict[str, Any]:
     import contextlib
 
     import keras
-    import numpy as np
 
     import tfpipe
-    from tfpipe.models import transformer
 
     keras.utils.set_random_seed(0)
     with contextlib.ExitStack() as stack:
@@ -92,14 +140,17 @@ def child(config: dict[str, Any]) -> dict[str, Any]:
         if place == "workers":
             cluster = stack.enter_context(tfpipe.cluster.LocalCluster(num_workers=k, threads_per_worker=1))
             devices, pids = cluster.devices, cluster.pids
-        dim, seq, n = config["dim"], config["seq_len"], config["batch_size"]
-        layers = transformer.transformer_lm(256, seq, config["blocks"], dim, 4 * dim, 4)
+        if row == "keras":
+            made, x, y = _build(config)
+        else:  # a Functional model's weights made on the devices, not here (a layer list builds each cell there)
+            with tfpipe.deferred_weights():
+                made, x, y = _build(config)
         v = config["cells_per_device"]
         model = (
-            keras.Sequential(layers)
+            (keras.Sequential(made) if isinstance(made, list) else made)
             if row == "keras"
             else tfpipe.PipelineModel(
-                layers,
+                made,
                 num_partitions=k * v,
                 devices=devices,
                 num_micro_batches=config["micro_batches"],
@@ -108,11 +159,12 @@ def child(config: dict[str, Any]) -> dict[str, Any]:
             )
         )
         model.compile(optimizer="adam", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-        x = np.random.default_rng(0).integers(0, 256, (n, seq))
         before, workers = resident_mib(), sum(resident_mib(pid) for pid in pids)
         began = time.monotonic()
-        model.fit(x, x, batch_size=n, epochs=1, verbose=0, shuffle=False)
+        model.fit(x, y, batch_size=config["batch_size"], epochs=1, verbose=0, shuffle=False)
         return {
+            "client_peak_mib": peak_resident_mib(),
+            "adam_mib": adam_state_mib(model),
             "seconds": time.monotonic() - began,
             "client_mib": resident_mib() - before,
             "workers_mib": sum(resident_mib(pid) for pid in pids) - workers,
@@ -125,6 +177,7 @@ def measure(row: str, blocks: int) -> dict[str, Any]:
     """``child`` in a fresh process."""
     config = {"row": row, "blocks": blocks, "devices": FLAGS.devices, "cells_per_device": FLAGS.cells_per_device}
     config.update(micro_batches=FLAGS.micro_batches, dim=FLAGS.dim, seq_len=FLAGS.seq_len, batch_size=FLAGS.batch_size)
+    config.update(model=FLAGS.model)
     done = subprocess.run(
         [sys.executable, os.path.abspath(__file__), f"--_child={json.dumps(config)}"], capture_output=True, text=True
     )
@@ -137,11 +190,13 @@ def measure(row: str, blocks: int) -> dict[str, Any]:
 def table(found: list[dict[str, Any]]) -> str:
     """Each row at each depth, and its MiB per block (the slope from the shallowest to the deepest)."""
     lines = [
-        f"Transformer width {FLAGS.dim}, {FLAGS.batch_size} sequences of {FLAGS.seq_len} tokens, Adam; tfpipe: "
-        f"{FLAGS.devices} devices x {FLAGS.cells_per_device} cells, M={FLAGS.micro_batches}; growth over the first fit",
+        f"{FLAGS.model} width {FLAGS.dim}, {FLAGS.batch_size} sequences of {FLAGS.seq_len} tokens, Adam; tfpipe: "
+        f"{FLAGS.devices} devices x {FLAGS.cells_per_device} cells, M={FLAGS.micro_batches}; growth over the first "
+        "fit; the client's peak resident memory against the model's Adam state (weights, gradients, two slots)",
         "",
-        "| row | blocks | parameters | ops kept | client +MiB | workers +MiB | first fit (s) | client MiB a block |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| row | blocks | parameters | ops kept | client +MiB | workers +MiB | first fit (s) | client MiB a block "
+        "| Adam state (MiB) | client peak (MiB, of the Adam state) |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for row in dict.fromkeys(f["row"] for f in found):
         mine = sorted((f for f in found if f["row"] == row), key=lambda f: f["blocks"])
@@ -152,7 +207,8 @@ def table(found: list[dict[str, Any]]) -> str:
             workers = f"{f['workers_mib']:.0f}" if row.startswith("workers") else "-"
             lines.append(
                 f"| {row} | {f['blocks']} | {f['params'] / 1e6:.2f}M | {f['ops']} | {f['client_mib']:.0f} | "
-                f"{workers} | {f['seconds']:.0f} | {per} |"
+                f"{workers} | {f['seconds']:.0f} | {per} | {f['adam_mib']:,.0f} | "
+                f"{f['client_peak_mib']:,.0f} ({f['client_peak_mib'] / f['adam_mib']:.0%}) |"
             )
     return "\n".join(lines) + "\n"
 
@@ -177,6 +233,7 @@ def main(argv: list[str]) -> None:
     print(text)
     if FLAGS.out:
         fields = ["row", "blocks", "params", "ops", "client_mib", "workers_mib", "seconds"]
+        fields += ["adam_mib", "client_peak_mib"]
         write_table(FLAGS.out, [{f: r[f] for f in fields} for r in found], text, fields)
 
 
