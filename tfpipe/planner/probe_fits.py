@@ -97,7 +97,7 @@ def fit_model(
     _fit_held(measured, probes, took, layers, data, devices, optimizer, calibration, slots, repeated_layers)
     if probes.pipeline in took:
         seconds = took[probes.pipeline].seconds
-        calibration = model_parallelism(measured, calibration, batch_size, probes.pipeline, seconds)
+        calibration = model_parallelism(measured, calibration, probes.pipeline, seconds)
     _fit_recompute(measured, probes, took, calibration, batch_size)
     if probes.replicated in took:
         config = Config((len(layers),), probes.replicated.replicas, 1, "never", "gpipe")
@@ -141,7 +141,7 @@ def plan_probes(
         return leaner(shape, measured, calibration, slots, devices, budget)
 
     return Probes(
-        pipeline=lean(pipeline) if pipeline is not None else None,
+        pipeline=fitting_cut(pipeline, measured, calibration, slots, devices, budget) if pipeline is not None else None,
         scale={b: lean(s) for b, s in scale.items()},
         held=held,
         never={k: lean(s) for k, s in never.items()},
@@ -322,6 +322,37 @@ def leaner(
     if max(peaks.values()) <= budget:
         return shape
     return dataclasses.replace(shape, schedule="1f1b")
+
+
+def fitting_cut(
+    shape: Shape,
+    measured: profile.Profile,
+    calibration: Calibration,
+    slots: int,
+    devices: Sequence[str],
+    budget: float | None,
+) -> Shape:
+    """The probe cut over the devices as ``leaner`` runs it, or where that is predicted over ``budget``, the first
+    that fits of: recomputing every micro-batch (in 1F1B's order), then the same two at each smaller micro-batch size.
+
+    A deep model under a tight budget fits no probe at the planned sizes; without one, a step's held bytes are the
+    layers' own, measured alone, which hold more than an inlined step does (a 172-block keras_hub Llama on four
+    workers, planned so, trained at 40% of its budget with every micro-batch recomputed). This probe's peaks then give
+    the held bytes (``held_ratio_of_cut``) and its time the parallelism.
+    """
+    leaned = leaner(shape, measured, calibration, slots, devices, budget)
+    if budget is None:
+        return leaned
+    tried = []
+    for b in sorted({shape.b} | {b for b in measured.by_batch if b < shape.b}, reverse=True):
+        smaller = dataclasses.replace(shape, b=b)
+        tried += [leaner(smaller, measured, calibration, slots, devices, budget)]
+        tried += [dataclasses.replace(smaller, remat="always", schedule="1f1b")]
+    for candidate in tried:
+        peaks, _ = probe_bytes(candidate, measured, calibration, slots, devices)
+        if max(peaks.values()) <= budget:
+            return candidate
+    return leaned  # none fits: within_budget says so
 
 
 def within_budget(
@@ -511,17 +542,16 @@ def _held_ratio(held: float, activations: float) -> float:
     return min(max(held / activations, 0.05), 4.0)
 
 
-def model_parallelism(
-    measured: profile.Profile, calibration: Calibration, batch_size: int, shape: Shape, took: float
-) -> Calibration:
+def model_parallelism(measured: profile.Profile, calibration: Calibration, shape: Shape, took: float) -> Calibration:
     """The calibration with the parallelism this model gets: its layers cut evenly over every device, at M=8
-    (``shape``), the step taking ``took`` seconds.
+    (``shape``: its rows, recomputation and order), the step taking ``took`` seconds.
 
     Devices that share compute (logical devices on one CPU) run some models side by side and not others (a
     product wide enough to use every core alone gains nothing from a second device), so it is measured on the
     model itself: the step's work against its measured time.
     """
-    config = Config(shape.cut, 1, shape.m, "never", shape.schedule)
+    batch_size = shape.b * shape.m  # the probe's own rows (a batch that M does not divide is rounded up)
+    config = Config(shape.cut, 1, shape.m, shape.remat, shape.schedule)
     calibration = dataclasses.replace(
         calibration,
         parallelism=parallelism(measured, calibration, batch_size, config, took),

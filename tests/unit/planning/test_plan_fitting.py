@@ -191,6 +191,33 @@ def test_a_probe_over_the_budget_in_gpipe_order_runs_in_1f1b_order_and_is_fitted
     assert sorted(prof.recompute_ratios) == [1, 2]  # both K's pairs ran, K=1's in 1F1B's order
 
 
+def test_the_cut_probe_recomputes_then_shrinks_until_it_fits_the_budget():
+    cal, prof = calibration(parallelism=2.0), profile(sizes=(1, 2, 4, 8), outputs=(4.0, 4.0, 4.0))
+    shape = probe_fits.Shape(4, 8, (2, 1))  # peaks on /CPU:0 predicted (probe_bytes): 1,455 bytes in GPipe's order,
+    # 843 in 1F1B's, 773 recomputing; at 2 rows 787.5, 481.5, 446.5; at 1 row 453.75, 300.75, 283.25
+
+    def fitted(budget):
+        cut = probe_fits.fitting_cut(shape, prof, cal, 2, DEVICES, budget)
+        return cut.b, cut.remat, cut.schedule
+
+    assert fitted(None) == fitted(1500.0) == (4, "never", "gpipe")
+    assert fitted(900.0) == (4, "never", "1f1b")
+    assert fitted(800.0) == (4, "always", "1f1b")
+    assert fitted(500.0) == (2, "never", "1f1b")  # the planned size first, then recomputing, then smaller
+    assert fitted(290.0) == (1, "always", "1f1b")
+    assert fitted(200.0) == (4, "never", "1f1b")  # none fits: within_budget leaves it out and says so
+
+
+def test_the_parallelism_is_fitted_to_the_cut_probe_as_it_ran(monkeypatch):
+    # under 290 bytes only the cut probe recomputing every micro-batch in 1F1B's order fits: the parallelism is
+    # fitted to it as it ran, not to the same cut without recomputation
+    fitted, prof, made = _probes_under(290.0, monkeypatch)
+    assert made == [(1, 8, (2, 1), "always", "1f1b")]
+    assert "parallelism measured with this model's layers cut over the 2 devices at M=8" in fitted.source
+    step = predict.step_seconds(prof, fitted, 8, Config((2, 1), 1, 8, "always", "1f1b")).step_s
+    assert step == pytest.approx(26.0 / 2 + 8, rel=1e-3)
+
+
 def test_without_the_whole_model_probes_the_fit_uses_what_ran(monkeypatch):
     # a budget that only the probes cut over two devices fit (in 1F1B's order: 300.75 bytes, 331.25 recomputing in
     # GPipe's): no layer time is scaled, the parallelism still fitted, to the probe in the order it ran
