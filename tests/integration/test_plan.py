@@ -1,7 +1,9 @@
 """tfpipe.plan as a user runs it: measure a model on two logical CPU devices, plan, build the planned model, train."""
 
+import dataclasses
 import gc
 import json
+import warnings
 
 import keras
 import numpy as np
@@ -100,6 +102,21 @@ def test_no_configuration_fits_names_the_budget_that_would_and_that_budget_fits(
     first = {c.config: c.prediction.step_s for c in plan.candidates}
     assert {c.config: c.prediction.step_s for c in same.candidates} == pytest.approx(first, rel=1e-9)
     assert same.profile is not plan.profile and same.calibration == plan.calibration
+
+
+def test_a_budget_kept_by_bytes_estimated_from_outputs_is_warned_of(planned):
+    plan, x = planned
+    kwargs = dict(sample=x, optimizer="sgd", num_micro_batches=[1, 2, 4], calibration=plan.calibration, verify=0)
+    estimated = dataclasses.replace(plan.profile, memory_device=None)  # as where no allocator counts bytes
+    with pytest.warns(UserWarning, match=r"memory_budget=1 GiB a device, but no allocator here counts bytes.*"
+                      r"Set TF_CPU_ALLOCATOR_USE_BFC=true"):  # fmt: skip
+        tfpipe.plan(_layers(), 32, DEVICES, "1GiB", profile=estimated, **kwargs)
+    read = dataclasses.replace(plan.profile, memory_device=DEVICES[0])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        tfpipe.plan(_layers(), 32, DEVICES, "1GiB", profile=read, **kwargs)  # the bytes read
+        tfpipe.plan(_layers(), 32, DEVICES, profile=estimated, **kwargs)  # no budget to keep
+    assert not [w for w in caught if "TF_CPU_ALLOCATOR_USE_BFC" in str(w.message)]
 
 
 def test_plan_with_settings_beside_it_is_an_error(planned):

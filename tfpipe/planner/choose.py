@@ -16,6 +16,7 @@ import copy
 import dataclasses
 import gc
 import time
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -198,6 +199,14 @@ def _measured(
             repeats=request.repeats, progress=progress, budget=request.budget,
         )  # fmt: skip
     profile_lib.fill(measured, request.sizes)
+    if request.budget is not None and measured.memory_device is None:
+        warnings.warn(
+            f"tfpipe.plan: memory_budget={gib(request.budget)} a device, but no allocator here counts bytes, so each "
+            "layer's memory is estimated from its output sizes, which can be far below what it holds (a 24-block "
+            "keras_hub Llama planned so under 256 MiB a worker peaked at 4.4 GiB). Set TF_CPU_ALLOCATOR_USE_BFC=true "
+            "before TensorFlow starts to have it read.",
+            stacklevel=3,
+        )
     if profile is None:
         if request.max_seconds == "auto":  # from the fastest configuration the layers alone predict
             found = search.run(measured, calibration, request.batch_size, request.space, None, request.slots)
