@@ -262,9 +262,7 @@ def _probe(
 
     ``devices``: one pipeline's, or a list of replicas' (the peak is the first replica's first device's).
     ``per_device``: also each device's peak, where each has an allocator of its own. ``kept``: a list that gets the
-    model, its data and its step times, to time it again (``in_rounds``). ``repeated_layers``: the probe's
-    ``PipelineModel(repeated_layers=)``, the planned model's (a called attention block holds more than an inlined one:
-    docs/guide/limitations.md).
+    model, its data and its step times, to time it again (``in_rounds``). ``repeated_layers``: as the planned model's.
     """
     # a list of several inputs as a tuple: tf.data takes a list for one tensor
     x = tuple(x) if isinstance(x, list) else x

@@ -87,8 +87,7 @@ def plan(
     the time of ``AUTO_STEPS`` steps of the fastest configuration predicted from the layers alone, at least
     ``AUTO_MIN_SECONDS``; None: no bound. Every probe keeps to ``memory_budget`` on its devices: one predicted over it
     is not run, and the plan records its probes' largest peaks (``Plan.planning_peaks``). ``repeated_layers``: the
-    model's, which its whole-step probes use (a called block holds more). ``verbose``: 1 shows each phase, how far
-    through it and the time left (``planning.progress``); 0 nothing.
+    model's, as its probes are built. ``verbose``: 1 shows each phase, its progress and time left; 0 nothing.
     """
     request = _Request.checked(
         layers, batch_size, devices, memory_budget, sample, input_shape, optimizer, num_micro_batches, schedules,
@@ -101,9 +100,7 @@ def plan(
     candidates = search.run(measured, fitted, request.batch_size, request.space, request.budget, request.slots)
     candidates = _timed(request, candidates, measured.not_run, progress)
     progress.end()
-    # the probes' models, in reference cycles, go now, not while the planned model trains beside them (the client
-    # held 12 MiB of them after planning 4 Llama blocks, 83 MiB after 45: docs/results/capacity_llama_512_plan.md)
-    gc.collect()
+    gc.collect()  # the probes' models (reference cycles) go before the planned model trains beside them
     watch.read()
     chosen = plans.from_candidates(
         candidates, request.devices, request.batch_size, request.budget, measured, fitted, request.slots
@@ -260,15 +257,13 @@ def verified(
     not_run: list[str] | None = None,
     repeated_layers: str = "inline",
 ) -> list[search.Candidate]:
-    """``candidates`` with the ``count`` worth timing trained on ``devices`` (copies of ``layers``, the planner's
-    units, built with ``repeated_layers``), fastest first.
+    """``candidates`` with the ``count`` worth timing trained on ``devices`` (copies of ``layers``), fastest first.
 
-    Each is timed while ``progress``'s time bound leaves time for one more (``not_run`` is told of the rest). Only
-    candidates predicted to fit ``budget`` are timed. Where the devices' peaks can be read (GPUs, a running
-    LocalCluster's workers, logical CPUs counted by one allocator), one that ran over it goes last.
+    Each is timed while ``progress``'s time bound leaves time for one more (``not_run`` is told of the rest), built
+    as ``repeated_layers`` says. Only candidates predicted to fit ``budget`` are timed; where the devices' peaks can
+    be read (GPUs, a running LocalCluster's workers, logical CPUs' one allocator), one that ran over it goes last.
     """
     count = _count("verify", count)
-    readable = calibration_lib.peaks_readable(devices)
     listed = search.shortlist(candidates, count, budget)
     fastest = search.shortlist(candidates, 1)  # the headroom aside
     if budget is not None and count and fastest and fastest[0] not in listed and not_run is not None:  # too near it
@@ -296,7 +291,7 @@ def verified(
                 progress.step(config.describe())
         if probe.device_peaks:
             return probe.seconds, max(probe.device_peaks)
-        if readable and probe.peak_bytes is not None:  # one allocator for all: the total, per device used
+        if probe.peak_bytes is not None and calibration_lib.peaks_readable(devices):  # one allocator's: per device
             return probe.seconds, probe.peak_bytes / (config.num_devices * config.num_replicas)
         return probe.seconds, None
 
