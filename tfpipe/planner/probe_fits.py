@@ -318,10 +318,8 @@ def leaner(
     """
     if budget is None or shape.replicas > 1 or shape.m == 1:
         return shape
-    peaks, _ = probe_bytes(shape, measured, calibration, slots, devices)
-    if max(peaks.values()) <= budget:
-        return shape
-    return dataclasses.replace(shape, schedule="1f1b")
+    fits = _fits(shape, measured, calibration, slots, devices, budget)
+    return shape if fits else dataclasses.replace(shape, schedule="1f1b")
 
 
 def fitting_cut(
@@ -341,19 +339,23 @@ def fitting_cut(
     probe (1 row x M=8, recomputing: x1.10 the layers' bytes) its plan peaked at 199 (predicted 306). This probe's
     peaks then give the held bytes (``held_ratio_of_cut``) and its time the parallelism.
     """
-    leaned = leaner(shape, measured, calibration, slots, devices, budget)
     if budget is None:
-        return leaned
+        return shape
     tried = []
     for b in sorted({shape.b} | {b for b in measured.by_batch if b < shape.b}, reverse=True):
         smaller = dataclasses.replace(shape, b=b)
         tried += [leaner(smaller, measured, calibration, slots, devices, budget)]
         tried += [dataclasses.replace(smaller, remat="always", schedule="1f1b")]
-    for candidate in tried:
-        peaks, _ = probe_bytes(candidate, measured, calibration, slots, devices)
-        if max(peaks.values()) <= budget:
-            return candidate
-    return leaned  # none fits: within_budget says so
+    fitting = (s for s in tried if _fits(s, measured, calibration, slots, devices, budget))
+    return next(fitting, tried[0])  # none fits: the first, which within_budget leaves out and says so
+
+
+def _fits(
+    shape: Shape, measured: profile.Profile, calibration: Calibration, slots: int, devices: Sequence[str], budget: float
+) -> bool:
+    """Whether ``shape``'s predicted peak is within ``budget`` on every one of its devices."""
+    peaks, _ = probe_bytes(shape, measured, calibration, slots, devices)
+    return max(peaks.values()) <= budget
 
 
 def within_budget(
