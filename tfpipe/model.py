@@ -413,7 +413,8 @@ class PipelineModel(keras.Model):
         on_worker = sendrecv.any_remote([first]) and tf.DeviceSpec.from_string(first).device_type in ("CPU", "GPU")
         device = first if self.cost in ("flops", "params") and on_worker else None
         estimate = cost_lib.estimate(self.pipeline_layers, sample, self.cost, device=device)
-        gc.collect()  # the copies, held in reference cycles, go before the cells are built
+        if device is not None:  # the copies, held in reference cycles, leave that worker before the cells are built
+            gc.collect()
         return estimate
 
     # Building and calling ------------------------------------------------------------------
