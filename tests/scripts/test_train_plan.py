@@ -11,8 +11,10 @@ from tests.util import run_fresh
 
 # Two micro-batch counts to choose from: two micro-batch sizes to profile, a few seconds of planning
 SMALL_PLAN = (*TINY_TRANSFORMER, "--batch_size=16", "--plan_micro_batches=2,4", "--devices=cpu:2")
+# "K=4 on 2 devices" where the planner chose several cells a device (interleaved, looped, V-shaped schedules)
 CHOSEN = re.compile(
-    r"  chosen: K=(\d+)(?: x (\d+) replicas)?, M=(\d+), remat='(\w+)', schedule='(\w+)', balance=(\[[\d, ]+\])"
+    r"  chosen: K=(\d+)(?: on (\d+) devices)?(?: x (\d+) replicas)?, M=(\d+), remat='(\w+)', schedule='(\w+)', "
+    r"balance=(\[[\d, ]+\])"
 )
 
 
@@ -24,8 +26,8 @@ def test_the_plan_is_printed_and_trained():
     assert "tfpipe plan for a batch of 16 over 4 layers, memory budget 64 MiB per device:" in out, out[-3000:]
     found = CHOSEN.search(out)
     assert found, out[-3000:]
-    k, replicas, m, remat, schedule, balance = found.groups()
-    assert m in ("2", "4") and (int(k) * int(replicas or 1)) <= 2
+    k, devices, replicas, m, remat, schedule, balance = found.groups()
+    assert m in ("2", "4") and (int(devices or k) * int(replicas or 1)) <= 2
     assert "  predicted step: " in out and "  predicted peak memory: /CPU:0 " in out
     assert re.search(r"  runners-up \(\d+ other configurations tried\):\n    K=", out), out[-3000:]
     # what trained is what was planned
