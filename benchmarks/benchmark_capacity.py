@@ -37,7 +37,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
 from absl import app, flags  # noqa: E402
 
-from benchmarks.memory_report import MIB, largest_under_budget, mib  # noqa: E402
+from benchmarks.memory_report import MIB, largest_under_budget, mib, process_peak  # noqa: E402
 from scripts.report import write_table  # noqa: E402
 
 FLAGS = flags.FLAGS
@@ -155,14 +155,6 @@ def child(config: dict[str, Any]) -> dict[str, Any]:
             "config": chosen,
             **planned,
         }
-
-
-def process_peak(pid: int | None = None) -> int:
-    """A process's peak resident memory (this one's by default), bytes: beside its allocator's, what TensorFlow keeps
-    outside it (the step's graph above all: docs/guide/limitations.md)."""
-    with open(f"/proc/{pid or 'self'}/status") as f:
-        peak = next(line for line in f if line.startswith("VmHWM:"))
-    return int(peak.split()[1]) * 1024  # kB
 
 
 def _build(config: dict[str, Any]) -> tuple[Any, Any, Any]:

@@ -16,8 +16,8 @@ devices).
 
     python benchmarks/benchmark_client_memory.py                          # 21 and 42 blocks, K=8, a few minutes
     python benchmarks/benchmark_client_memory.py --rows=workers --blocks=42,84 --cells_per_device=4 --micro_batches=32
-    python benchmarks/benchmark_client_memory.py --rows=workers --model=llama --dim=2048 --blocks=12 --devices=2 \
-        --micro_batches=2 --batch_size=2 --seq_len=8   # a 9.6 GB Adam state on the workers: the client's share
+    python benchmarks/benchmark_client_memory.py --rows=workers --model=llama --dim=4096 --blocks=7 --devices=2 \
+        --micro_batches=2 --batch_size=2 --seq_len=8   # a 16.2 GB Adam state on the workers: the client's share
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
 from absl import app, flags  # noqa: E402
 
+from benchmarks.memory_report import process_peak  # noqa: E402
 from scripts.report import write_table  # noqa: E402
 
 ROWS = ("keras", "logical", "logical_call", "workers", "workers_call")
@@ -81,12 +82,6 @@ def graph_ops() -> int:
     alive = sum(len(o.get_operations()) for o in gc.get_objects() if isinstance(o, func_graph.FuncGraph))
     ctx = context.context()
     return alive + sum(len(ctx.get_function_def(name).node_def) for name in ctx.list_function_names())
-
-
-def peak_resident_mib(pid: int | None = None) -> float:
-    """A process's peak resident memory so far (VmHWM), MiB."""
-    with open(f"/proc/{pid or 'self'}/status") as f:
-        return int(next(line for line in f if line.startswith("VmHWM:")).split()[1]) / 1024
 
 
 def adam_state_mib(model: Any) -> float:
@@ -163,7 +158,7 @@ def child(config: dict[str, Any]) -> dict[str, Any]:
         began = time.monotonic()
         model.fit(x, y, batch_size=config["batch_size"], epochs=1, verbose=0, shuffle=False)
         return {
-            "client_peak_mib": peak_resident_mib(),
+            "client_peak_mib": process_peak() / 2**20,
             "adam_mib": adam_state_mib(model),
             "seconds": time.monotonic() - began,
             "client_mib": resident_mib() - before,

@@ -1,5 +1,6 @@
 """The memory benchmark's model of a step's peak bytes (GPipe's a*N + b*(L/K)*(N/M), fitted and checked) and its
-tables (benchmarks/benchmark_memory.py)."""
+tables (benchmarks/benchmark_memory.py); a process's peak resident memory, for the benchmarks that read it beside
+the allocators'."""
 
 from __future__ import annotations
 
@@ -57,6 +58,14 @@ def row(
     if budget is not None:
         row["fits_budget"] = r["peak"] <= budget
     return row
+
+
+def process_peak(pid: int | None = None) -> int:
+    """A process's peak resident memory (this one's by default), bytes: beside its allocator's, what TensorFlow keeps
+    outside it (the step's graph above all: docs/guide/limitations.md)."""
+    with open(f"/proc/{pid or 'self'}/status") as f:
+        peak = next(line for line in f if line.startswith("VmHWM:"))
+    return int(peak.split()[1]) * 1024  # kB
 
 
 def mib(nbytes: float) -> str:
