@@ -48,7 +48,7 @@ class Shape:
 
 @dataclasses.dataclass
 class Probes:
-    """The probes ``fit_model`` times, each as it will run (``leaner``), by what it is fitted for."""
+    """The probes ``fit_model`` times, each as it will run (``ProbeMemory.leaner``), by what it is fitted for."""
 
     pipeline: Shape | None  # the whole model cut over the devices: the parallelism and the cells' speed
     scale: dict[int, Shape]  # one-cell steps by micro-batch size: the layers' times scaled to whole steps
@@ -83,11 +83,12 @@ def fit_model(
     """Time every probe the planner fits on (in the same rounds), scale ``measured`` to them, fit its recomputation
     ratios (``recompute``) and return ``calibration`` with the parallelism they measured (``replicas``: theirs too).
     ``progress`` shows the probes as they are built and the rounds as they are timed, and ends the building where its
-    time runs out (``Progress.time_left``). ``budget``: bytes per device that no probe may go over (``within_budget``);
-    what is not run for either is said in ``measured.not_run`` and fitted without it. ``repeated_layers``: each probe's
-    ``PipelineModel(repeated_layers=)``, the planned model's."""
-    probes = plan_probes(measured, layers, batch_size, devices, calibration, slots, recompute, replicas, budget)
-    groups = within_budget(probes.shapes(), measured, calibration, slots, devices, budget)
+    time runs out (``Progress.time_left``). ``budget``: bytes per device that no probe may go over
+    (``ProbeMemory.groups``); what is not run for either is said in ``measured.not_run`` and fitted without it.
+    ``repeated_layers``: each probe's ``PipelineModel(repeated_layers=)``, the planned model's."""
+    memory = ProbeMemory(measured, calibration, slots, devices, budget)
+    probes = plan_probes(memory, layers, batch_size, recompute, replicas)
+    groups = memory.groups(probes.shapes())
     took = time_probes(groups, layers, data, devices, optimizer, progress, measured.not_run, repeated_layers)
     scaled = {s: took[s] for s in probes.scale.values() if s in took}
     if scaled:
@@ -111,18 +112,9 @@ def fit_model(
     return calibration
 
 
-def plan_probes(
-    measured: profile.Profile,
-    layers: Any,
-    batch_size: int,
-    devices: list[str],
-    calibration: Calibration,
-    slots: int,
-    recompute: bool,
-    replicas: bool,
-    budget: float | None,
-) -> Probes:
-    """The probes ``fit_model`` times, each under 1F1B where GPipe's order would go over ``budget`` (``leaner``)."""
+def plan_probes(memory: ProbeMemory, layers: Any, batch_size: int, recompute: bool, replicas: bool) -> Probes:
+    """The probes ``fit_model`` times, each in 1F1B's order where GPipe's would go over the budget (``ProbeMemory``)."""
+    measured, devices = memory.measured, list(memory.devices)
     n = len(layers)
     held = profile_sizes(sorted(measured.by_batch))  # before the probes' own sizes join the profile
     scale = scale_shapes(measured, batch_size, n)
@@ -136,12 +128,9 @@ def plan_probes(
     replicated = replica_shape(measured, batch_size, n, devices) if replicas else None
     near = probe_shape(measured, n, batch_size, 1).b
     held = sorted(held, key=lambda b: abs(np.log2(b / near)))
-
-    def lean(shape: Shape) -> Shape:
-        return leaner(shape, measured, calibration, slots, devices, budget)
-
+    lean = memory.leaner
     return Probes(
-        pipeline=fitting_cut(pipeline, measured, calibration, slots, devices, budget) if pipeline is not None else None,
+        pipeline=memory.fitting_cut(pipeline) if pipeline is not None else None,
         scale={b: lean(s) for b, s in scale.items()},
         held=held,
         never={k: lean(s) for k, s in never.items()},
@@ -217,7 +206,7 @@ def time_probes(
     repeated_layers: str = "inline",
 ) -> dict[Shape, calibration_lib.Probe]:
     """Each group of shapes trained on ``devices`` (copies of ``layers``, built with ``repeated_layers``), its probes
-    timed in the same rounds, then let go before the next group is built (``within_budget``).
+    timed in the same rounds, then let go before the next group is built (``ProbeMemory.groups``).
 
     Where ``progress`` has a time bound, a probe is built only where the time left allows it, the rounds of those
     built and what the planner keeps for later (``Progress.affords``); ``not_run`` gets each one left out.
@@ -302,124 +291,105 @@ def describe(shape: Shape) -> str:
     return f"{shape.b} rows x M={shape.m} on {len(shape.cut)} device(s){remat}{schedule}"
 
 
-def leaner(
-    shape: Shape,
-    measured: profile.Profile,
-    calibration: Calibration,
-    slots: int,
-    devices: Sequence[str],
-    budget: float | None,
-) -> Shape:
-    """``shape``, run under 1F1B where GPipe's order is predicted over ``budget`` on one of its devices.
+@dataclasses.dataclass(frozen=True, eq=False)
+class ProbeMemory:
+    """What the probes' memory is predicted from (the layers measured alone, the calibration, the optimizer's slots,
+    the devices) and the bytes per device they keep to (``budget``; None: no budget)."""
 
-    1F1B does a step's work in a different order, holding at most K micro-batches where GPipe holds M, and the fits
-    predict each probe under its own schedule. GPipe stays where it fits: the most micro-batches held at once, the
-    most each probe says of what a micro-batch holds.
-    """
-    if budget is None or shape.replicas > 1 or shape.m == 1:
-        return shape
-    fits = _fits(shape, measured, calibration, slots, devices, budget)
-    return shape if fits else dataclasses.replace(shape, schedule="1f1b")
+    measured: profile.Profile
+    calibration: Calibration
+    slots: int
+    devices: Sequence[str]
+    budget: float | None
 
+    def bytes(self, shape: Shape) -> tuple[dict[str, float], dict[str, float]]:
+        """A probe's predicted peak on each of its devices, and what its model keeps there between steps."""
+        measured, calibration = self.measured, self.calibration
+        config = Config(shape.cut, shape.replicas, shape.m, shape.remat, shape.schedule)
+        batch = shape.b * shape.m * shape.replicas
+        peaks = predict.peak_bytes(
+            measured, batch, config, self.slots, calibration.noinline_tasks, calibration.across_processes
+        )  # replica by replica, cell by cell: the probe's devices in order
+        keeps = []
+        for replica in range(shape.replicas):
+            for i, (lo, hi) in enumerate(predict.bounds(shape.cut)):
+                weights, owned, _ = measured.cell_weights(lo, hi)
+                data = shape.m * shape.b * measured.input_bytes if i == 0 and replica == 0 else 0.0
+                keeps.append(weights + (self.slots * owned if replica == 0 else 0.0) + data)
+        on: dict[str, float] = {}
+        kept: dict[str, float] = {}
+        for device, peak, keep in zip(self.devices, peaks, keeps):
+            on[device], kept[device] = on.get(device, 0.0) + peak, kept.get(device, 0.0) + keep
+        return on, kept
 
-def fitting_cut(
-    shape: Shape,
-    measured: profile.Profile,
-    calibration: Calibration,
-    slots: int,
-    devices: Sequence[str],
-    budget: float | None,
-) -> Shape:
-    """The probe cut over the devices as ``leaner`` runs it, or where that is predicted over ``budget``, the first
-    that fits of: recomputing every micro-batch (in 1F1B's order), then the same two at each smaller micro-batch size.
+    def fits(self, shape: Shape) -> bool:
+        """Whether ``shape``'s predicted peak is within the budget on every one of its devices (always, without one)."""
+        return self.budget is None or max(self.bytes(shape)[0].values()) <= self.budget
 
-    A deep model under a tight budget fits no probe at the planned sizes; without one, a step's held bytes are the
-    layers' own, measured alone: inlined they hold less, called blocks (``repeated_layers="call"``) more. A 24-block
-    keras_hub Llama at 32 x 512 tokens on two workers under 400 MiB each, planned so, peaked at 425 MiB; with this
-    probe (1 row x M=8, recomputing: x1.10 the layers' bytes) its plan peaked at 199 (predicted 306). This probe's
-    peaks then give the held bytes (``held_ratio_of_cut``) and its time the parallelism.
-    """
-    if budget is None:
-        return shape
-    tried = []
-    for b in sorted({shape.b} | {b for b in measured.by_batch if b < shape.b}, reverse=True):
-        smaller = dataclasses.replace(shape, b=b)
-        tried += [leaner(smaller, measured, calibration, slots, devices, budget)]
-        tried += [dataclasses.replace(smaller, remat="always", schedule="1f1b")]
-    fitting = (s for s in tried if _fits(s, measured, calibration, slots, devices, budget))
-    return next(fitting, tried[0])  # none fits: the first, which within_budget leaves out and says so
+    def leaner(self, shape: Shape) -> Shape:
+        """``shape``, run under 1F1B where GPipe's order is predicted over the budget on one of its devices.
 
+        1F1B does a step's work in a different order, holding at most K micro-batches where GPipe holds M, and the fits
+        predict each probe under its own schedule. GPipe stays where it fits: the most micro-batches held at once, the
+        most each probe says of what a micro-batch holds.
+        """
+        if shape.replicas > 1 or shape.m == 1 or self.fits(shape):
+            return shape
+        return dataclasses.replace(shape, schedule="1f1b")
 
-def _fits(
-    shape: Shape, measured: profile.Profile, calibration: Calibration, slots: int, devices: Sequence[str], budget: float
-) -> bool:
-    """Whether ``shape``'s predicted peak is within ``budget`` on every one of its devices."""
-    peaks, _ = probe_bytes(shape, measured, calibration, slots, devices)
-    return max(peaks.values()) <= budget
+    def fitting_cut(self, shape: Shape) -> Shape:
+        """The probe cut over the devices as ``leaner`` runs it, or where that is predicted over the budget, the first
+        that fits of: recomputing every micro-batch (in 1F1B's order), then the same two at each smaller micro-batch
+        size.
 
+        A deep model under a tight budget fits no probe at the planned sizes; without one, a step's held bytes are the
+        layers' own, measured alone: inlined they hold less, called blocks (``repeated_layers="call"``) more. A
+        24-block keras_hub Llama at 32 x 512 tokens on two workers under 400 MiB each, planned so, peaked at 425 MiB;
+        with this probe (1 row x M=8, recomputing: x1.10 the layers' bytes) its plan peaked at 199 (predicted 306).
+        This probe's peaks then give the held bytes (``held_ratio_of_cut``) and its time the parallelism.
+        """
+        if self.budget is None:
+            return shape
+        tried = []
+        for b in sorted({shape.b} | {b for b in self.measured.by_batch if b < shape.b}, reverse=True):
+            smaller = dataclasses.replace(shape, b=b)
+            tried += [self.leaner(smaller), dataclasses.replace(smaller, remat="always", schedule="1f1b")]
+        return next((s for s in tried if self.fits(s)), tried[0])  # none fits: the first, which groups leaves out
 
-def within_budget(
-    shapes: Sequence[Shape],
-    measured: profile.Profile,
-    calibration: Calibration,
-    slots: int,
-    devices: Sequence[str],
-    budget: float | None,
-) -> list[list[Shape]]:
-    """``shapes`` in groups to build and time together, without going over ``budget`` bytes on any device; one
-    group where there is no budget.
+    def groups(self, shapes: Sequence[Shape]) -> list[list[Shape]]:
+        """``shapes`` in groups to build and time together, without going over the budget on any device; one group
+        where there is no budget.
 
-    A probe predicted to peak over the budget on a device is not run (``measured.not_run`` says so). The rest are
-    grouped in order while what the group's models keep between steps (weights, optimizer slots, the batch) and the
-    largest of their steps' own bytes fit every device together. Predicted from the layers measured alone (before a
-    step's held bytes are fitted): an inlined step holds less than that (docs/benchmarks.md#planning).
-    """
-    if budget is None:
-        return [list(shapes)] if shapes else []
-    groups: list[list[Shape]] = []
-    kept: dict[str, float] = {}
-    stepping: dict[str, float] = {}
-    for shape in shapes:
-        peaks, keeps = probe_bytes(shape, measured, calibration, slots, devices)
-        fullest = max(peaks, key=lambda d: peaks[d])
-        if peaks[fullest] > budget:
-            measured.not_run.append(
-                f"probe {describe(shape)} not run: predicted to peak at {gib(peaks[fullest])} on {fullest}, "
-                f"over the budget"
-            )
-            continue
-        together = {d: kept.get(d, 0.0) + keeps[d] for d in peaks}
-        most = {d: max(stepping.get(d, 0.0), peaks[d] - keeps[d]) for d in peaks}
-        if groups and all(together[d] + most[d] <= budget for d in peaks):
-            groups[-1].append(shape)
-            kept.update(together)
-            stepping.update(most)
-        else:
-            groups.append([shape])
-            kept, stepping = dict(keeps), {d: peaks[d] - keeps[d] for d in peaks}
-    return groups
-
-
-def probe_bytes(
-    shape: Shape, measured: profile.Profile, calibration: Calibration, slots: int, devices: Sequence[str]
-) -> tuple[dict[str, float], dict[str, float]]:
-    """A probe's predicted peak on each of its devices, and what its model keeps there between steps."""
-    config = Config(shape.cut, shape.replicas, shape.m, shape.remat, shape.schedule)
-    batch = shape.b * shape.m * shape.replicas
-    peaks = predict.peak_bytes(
-        measured, batch, config, slots, calibration.noinline_tasks, calibration.across_processes
-    )  # replica by replica, cell by cell: the probe's devices in order
-    keeps = []
-    for replica in range(shape.replicas):
-        for i, (lo, hi) in enumerate(predict.bounds(shape.cut)):
-            weights, owned, _ = measured.cell_weights(lo, hi)
-            data = shape.m * shape.b * measured.input_bytes if i == 0 and replica == 0 else 0.0
-            keeps.append(weights + (slots * owned if replica == 0 else 0.0) + data)
-    on: dict[str, float] = {}
-    kept: dict[str, float] = {}
-    for device, peak, keep in zip(devices, peaks, keeps):
-        on[device], kept[device] = on.get(device, 0.0) + peak, kept.get(device, 0.0) + keep
-    return on, kept
+        A probe predicted to peak over the budget on a device is not run (``measured.not_run`` says so). The rest are
+        grouped in order while what the group's models keep between steps (weights, optimizer slots, the batch) and
+        the largest of their steps' own bytes fit every device together. Predicted from the layers measured alone
+        (before a step's held bytes are fitted): an inlined step holds less than that (docs/benchmarks.md#planning).
+        """
+        budget = self.budget
+        if budget is None:
+            return [list(shapes)] if shapes else []
+        groups: list[list[Shape]] = []
+        kept: dict[str, float] = {}
+        stepping: dict[str, float] = {}
+        for shape in shapes:
+            peaks, keeps = self.bytes(shape)
+            fullest = max(peaks, key=lambda d: peaks[d])
+            if peaks[fullest] > budget:
+                self.measured.not_run.append(
+                    f"probe {describe(shape)} not run: predicted to peak at {gib(peaks[fullest])} on {fullest}, "
+                    f"over the budget"
+                )
+                continue
+            together = {d: kept.get(d, 0.0) + keeps[d] for d in peaks}
+            most = {d: max(stepping.get(d, 0.0), peaks[d] - keeps[d]) for d in peaks}
+            if groups and all(together[d] + most[d] <= budget for d in peaks):
+                groups[-1].append(shape)
+                kept.update(together)
+                stepping.update(most)
+            else:
+                groups.append([shape])
+                kept, stepping = dict(keeps), {d: peaks[d] - keeps[d] for d in peaks}
+        return groups
 
 
 def profile_sizes(sizes: Sequence[int]) -> list[int]:

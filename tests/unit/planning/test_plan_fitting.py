@@ -91,24 +91,25 @@ def test_probes_keep_to_the_budget_in_groups_and_one_predicted_over_it_is_not_ru
     whole = probe_fits.Shape(8, 1, (3,))  # all three layers on one device at 8 rows
     halves = probe_fits.Shape(1, 8, (2, 1))
     small = probe_fits.Shape(1, 8, (3,))
-    peaks = {s: probe_fits.probe_bytes(s, prof, cal, 2, DEVICES)[0] for s in (whole, halves, small)}
-    kept = {s: probe_fits.probe_bytes(s, prof, cal, 2, DEVICES)[1] for s in (whole, halves, small)}
+    memory = lambda budget: probe_fits.ProbeMemory(prof, cal, 2, DEVICES, budget)  # noqa: E731
+    peaks = {s: memory(None).bytes(s)[0] for s in (whole, halves, small)}
+    kept = {s: memory(None).bytes(s)[1] for s in (whole, halves, small)}
     # what a model keeps between steps: weights, two Adam slots per trainable weight, the batch on its first device
     assert kept[whole] == {"/CPU:0": 60.0 + 2 * 60.0 + 8 * 8.0}
     assert kept[halves] == {"/CPU:0": 30.0 + 2 * 30.0 + 8 * 8.0, "/CPU:1": 30.0 + 2 * 30.0}
     assert peaks[whole]["/CPU:0"] == pytest.approx(626.0) and peaks[small]["/CPU:0"] == pytest.approx(613.75)
     assert peaks[halves] == pytest.approx({"/CPU:0": 453.75, "/CPU:1": 192.75})
     # no budget: one group, all of them
-    assert probe_fits.within_budget([whole, halves, small], prof, cal, 2, DEVICES, None) == [[whole, halves, small]]
+    assert memory(None).groups([whole, halves, small]) == [[whole, halves, small]]
     # under the whole-model probe's peak: it is not run, and the summary is told why; the other two fit alone, but
     # together /CPU:0 would keep both models (244 + 154) and the larger step's own bytes (369.75): one after the other
-    groups = probe_fits.within_budget([whole, halves, small], prof, cal, 2, DEVICES, 620.0)
+    groups = memory(620.0).groups([whole, halves, small])
     assert groups == [[halves], [small]]
     assert prof.not_run == [
         "probe 8 rows x M=1 on 1 device(s) not run: predicted to peak at 626 B on /CPU:0, over the budget"
     ]
     # with room for both at once: one group
-    assert probe_fits.within_budget([halves, small], prof, cal, 2, DEVICES, 768.0) == [[halves, small]]
+    assert memory(768.0).groups([halves, small]) == [[halves, small]]
 
 
 def test_each_group_of_several_is_timed_in_its_own_rounds_and_a_time_bound_stops_the_building(monkeypatch):
@@ -177,7 +178,7 @@ def _probes_under(budget, monkeypatch):
 
 
 def test_a_probe_over_the_budget_in_gpipe_order_runs_in_1f1b_order_and_is_fitted_so(monkeypatch):
-    # predicted peaks (probe_bytes): K=1 at M=8 613.75 bytes in GPipe's order, 400.25 in 1F1B's; K=2 453.75 and
+    # predicted peaks (ProbeMemory.bytes): K=1 at M=8 613.75 bytes in GPipe's order, 400.25 in 1F1B's; K=2 453.75 and
     # 300.75; recomputing, K=1 456.25 (GPipe), K=2 331.25; 4 rows at M=2 619 and 497; 8 rows at M=1 626 in either
     fitted, prof, made = _probes_under(460.0, monkeypatch)
     assert (1, 8, (2, 1), "never", "gpipe") in made  # fits as it is: GPipe's order, the most held at once
@@ -193,11 +194,11 @@ def test_a_probe_over_the_budget_in_gpipe_order_runs_in_1f1b_order_and_is_fitted
 
 def test_the_cut_probe_recomputes_then_shrinks_until_it_fits_the_budget():
     cal, prof = calibration(parallelism=2.0), profile(sizes=(1, 2, 4, 8), outputs=(4.0, 4.0, 4.0))
-    shape = probe_fits.Shape(4, 8, (2, 1))  # peaks on /CPU:0 predicted (probe_bytes): 1,455 bytes in GPipe's order,
-    # 843 in 1F1B's, 773 recomputing; at 2 rows 787.5, 481.5, 446.5; at 1 row 453.75, 300.75, 283.25
+    shape = probe_fits.Shape(4, 8, (2, 1))  # peaks on /CPU:0 predicted (ProbeMemory.bytes): 1,455 bytes in GPipe's
+    # order, 843 in 1F1B's, 773 recomputing; at 2 rows 787.5, 481.5, 446.5; at 1 row 453.75, 300.75, 283.25
 
     def fitted(budget):
-        cut = probe_fits.fitting_cut(shape, prof, cal, 2, DEVICES, budget)
+        cut = probe_fits.ProbeMemory(prof, cal, 2, DEVICES, budget).fitting_cut(shape)
         return cut.b, cut.remat, cut.schedule
 
     assert fitted(None) == fitted(1500.0) == (4, "never", "gpipe")
@@ -205,7 +206,7 @@ def test_the_cut_probe_recomputes_then_shrinks_until_it_fits_the_budget():
     assert fitted(800.0) == (4, "always", "1f1b")
     assert fitted(500.0) == (2, "never", "1f1b")  # the planned size first, then recomputing, then smaller
     assert fitted(290.0) == (1, "always", "1f1b")
-    assert fitted(200.0) == (4, "never", "1f1b")  # none fits: within_budget leaves it out and says so
+    assert fitted(200.0) == (4, "never", "1f1b")  # none fits: groups leaves it out and says so
 
 
 def test_the_parallelism_is_fitted_to_the_cut_probe_as_it_ran(monkeypatch):
