@@ -81,6 +81,13 @@ flags.DEFINE_float(
     "its layers predict, which at GPipe's activations is most of an hour a probe).",
     lower_bound=1.0,
 )
+flags.DEFINE_list(
+    "plan_micro_batches",
+    [],
+    "With --plan: the values of M tfpipe.plan may choose from (its num_micro_batches=; default: all it searches). "
+    "Fewer micro-batches keep a smaller step's graph in the training process and the workers, whose host memory a "
+    "deep model's inlined step can outgrow before its devices' budget (docs/results/capacity_amoebanet.md).",
+)
 flags.DEFINE_bool(
     "constant_folding",
     True,
@@ -244,7 +251,7 @@ def pipelined(made: Any, x: Any, devices: list[str], config: dict[str, Any]) -> 
     repeated = config.get("repeated_layers", "inline")
     plan = tfpipe.plan(
         made, n, devices, budget, sample=sample, optimizer="adam", replicas=False, verify=0, max_seconds=seconds,
-        repeated_layers=repeated,
+        repeated_layers=repeated, num_micro_batches=config.get("plan_micro_batches"),
     )  # fmt: skip
     model = tfpipe.PipelineModel(made, plan=plan, repeated_layers=repeated)
     return model, plan.candidates[0].config.describe()
@@ -303,6 +310,7 @@ def probe(row: str, blocks: int) -> dict[str, Any]:
         "budget_mib": FLAGS.budget_mib,
         "plan": FLAGS.plan,
         "plan_seconds": FLAGS.plan_seconds,
+        "plan_micro_batches": [int(m) for m in FLAGS.plan_micro_batches] or None,
         "constant_folding": FLAGS.constant_folding,
         "repeated_layers": FLAGS.repeated_layers,
     }
@@ -346,6 +354,8 @@ def _check_rows() -> list[str]:
     bad = [r for r in rows if r != "plain" and not (r.isdigit() and int(r) >= 1)]
     if bad or not rows:
         raise app.UsageError(f"--rows={','.join(FLAGS.rows)}: each must be 'plain' or a K >= 1, e.g. plain,1,2,4,8.")
+    if any(not (m.strip().isdigit() and int(m) >= 1) for m in FLAGS.plan_micro_batches):
+        raise app.UsageError(f"--plan_micro_batches={','.join(FLAGS.plan_micro_batches)}: each must be an M >= 1.")
     return rows
 
 

@@ -25,6 +25,7 @@ def test_capacity_benchmark_writes_its_table_with_the_planned_configuration(tmp_
         "--max_blocks=1",
         "--plan",
         "--plan_seconds=5",  # the plan from the layers and the devices alone: its probes are test_plan_fitting's
+        "--plan_micro_batches=2",
         f"--out={out}",
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -42,7 +43,7 @@ def test_capacity_benchmark_writes_its_table_with_the_planned_configuration(tmp_
     assert "| processes (MiB) |" in text and float(rows["2"]["workers_process"]) > float(rows["2"]["peak"])
     assert "| plain Keras | 1 (cap) |" in text and "| tfpipe K=2 | 1 (cap) |" in text
     assert "budget 256 MiB per device" in text and "tfpipe as tfpipe.plan chose for each probe" in text
-    assert rows["plain"]["config"] == "plain" and rows["2"]["config"].startswith("K="), rows["2"]
+    assert rows["plain"]["config"] == "plain" and rows["2"]["config"].startswith("K=2, M=2,"), rows["2"]
     # planning's own peaks apart from training's: its probes on the workers, the layers' bytes read in the client
     assert float(rows["2"]["planning_peak"]) > 0 and float(rows["2"]["planning_client_peak"]) > 0
     assert rows["plain"]["planning_peak"] == "" and "; planning's peaks: devices " in text
@@ -51,6 +52,8 @@ def test_capacity_benchmark_writes_its_table_with_the_planned_configuration(tmp_
 def test_capacity_benchmark_refuses_a_bad_row():
     proc = run_script("benchmark_capacity.py", "--rows=plain,two")
     assert proc.returncode != 0 and "--rows=plain,two: each must be 'plain' or a K >= 1" in proc.stderr
+    proc = run_script("benchmark_capacity.py", "--plan_micro_batches=2,0")
+    assert proc.returncode != 0 and "--plan_micro_batches=2,0: each must be an M >= 1." in proc.stderr
 
 
 def test_the_search_starts_at_the_first_depth_a_row_can_take():
