@@ -377,6 +377,7 @@ def table(found: list[dict[str, Any]]) -> str:
         + (
             "as tfpipe.plan chose for each probe"
             + (f" within max_seconds={FLAGS.plan_seconds:g}" if FLAGS.plan_seconds else "")
+            + (f", M among {','.join(FLAGS.plan_micro_batches)}" if FLAGS.plan_micro_batches else "")
             if FLAGS.plan
             else f"at M={FLAGS.micro_batches}, remat='always', 1F1B above K=1"
         )

@@ -43,6 +43,7 @@ def test_capacity_benchmark_writes_its_table_with_the_planned_configuration(tmp_
     assert "| processes (MiB) |" in text and float(rows["2"]["workers_process"]) > float(rows["2"]["peak"])
     assert "| plain Keras | 1 (cap) |" in text and "| tfpipe K=2 | 1 (cap) |" in text
     assert "budget 256 MiB per device" in text and "tfpipe as tfpipe.plan chose for each probe" in text
+    assert "chose for each probe within max_seconds=5, M among 2" in text  # the narrowed search, said
     assert rows["plain"]["config"] == "plain" and rows["2"]["config"].startswith("K=2, M=2,"), rows["2"]
     # planning's own peaks apart from training's: its probes on the workers, the layers' bytes read in the client
     assert float(rows["2"]["planning_peak"]) > 0 and float(rows["2"]["planning_client_peak"]) > 0

@@ -6,7 +6,9 @@ devices (bandwidth) and times one optimizer update. ``split_step`` trains copies
 layers cut over devices (as one cell at each micro-batch size: a layer timed alone misses what a step's graph does with
 many micro-batches, tasks overlapping, kernels settled) and ``replicated_step`` as one replica on each device: what
 ``tfpipe.planner.probe_fits`` fits the planner's predictions to, timed together in rounds (``in_rounds``);
-``configured_step`` trains them as one configuration the planner shortlisted, to time it.
+``configured_step`` trains them as one configuration the planner shortlisted, to time it. Each probe is built with the
+planned model's ``repeated_layers``: a called attention block holds more than an inlined one (up to 1.6x a worker's
+peak, docs/guide/limitations.md), so a probe built otherwise would mislead the budget.
 """
 
 from __future__ import annotations
