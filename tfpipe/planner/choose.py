@@ -98,7 +98,7 @@ def plan(
     measured, fitted = _measured(request, calibration, profile, progress)
     progress.phase("predicting every configuration")
     candidates = search.run(measured, fitted, request.batch_size, request.space, request.budget, request.slots)
-    candidates = _timed(request, candidates, measured.not_run, progress)
+    candidates = _timed(request, candidates, measured, progress)
     progress.end()
     gc.collect()  # the probes' models (reference cycles) go before the planned model trains beside them
     watch.read()
@@ -230,17 +230,20 @@ def _measured(
 
 
 def _timed(
-    request: _Request, candidates: list[search.Candidate], not_run: list[str], progress: Progress
+    request: _Request,
+    candidates: list[search.Candidate],
+    measured: profile_lib.Profile,
+    progress: Progress,
 ) -> list[search.Candidate]:
     """``candidates`` with the shortlist timed on the devices (``verify``), where the time left allows."""
     verify = request.verify
     progress.reserve = 0
     if not progress.affords(1) and len(search.shortlist(candidates, verify, request.budget)) >= 2:
-        not_run.append("the shortlist not timed: no time left within max_seconds; chosen by prediction alone")
+        measured.not_run.append("the shortlist not timed: no time left within max_seconds; chosen by prediction alone")
         verify = 0
     return verified(  # timed as the model will train (repeated_layers)
         candidates, request.layers, request.data, request.batch_size, request.devices, request.optimizer, verify,
-        request.budget, progress, not_run, request.repeated_layers,
+        request.budget, progress, not_run, request.repeated_layers, measured,
     )  # fmt: skip
 
 
@@ -256,11 +259,13 @@ def verified(
     progress: Progress | None = None,
     not_run: list[str] | None = None,
     repeated_layers: str = "inline",
+    measured: profile_lib.Profile | None = None,
 ) -> list[search.Candidate]:
     """``candidates`` with the ``count`` worth timing trained on ``devices`` (copies of ``layers``), fastest first.
 
-    Each is timed while ``progress``'s time bound leaves time for one more (``not_run`` is told of the rest), built
-    as ``repeated_layers`` says. Only candidates predicted to fit ``budget`` are timed; where the devices' peaks can
+    Each is timed while ``progress``'s time bound leaves time for it (``not_run`` is told of the rest), at what
+    ``measured`` (the layers' profile) predicts it takes (``probe_fits.build_seconds``), or the first always and the
+    rest at the pace of those timed; built as ``repeated_layers`` says. Only candidates predicted to fit ``budget`` are timed; where the devices' peaks can
     be read (GPUs, a running LocalCluster's workers, logical CPUs' one allocator), one that ran over it goes last.
     """
     count = _count("verify", count)
@@ -277,7 +282,7 @@ def verified(
     if progress is not None:
         progress.phase("timing the shortlist on the devices", len(listed))
 
-    def time_step(config: Config) -> tuple[float, float | None]:
+    def time_step(config: Config, predicted: float | None) -> tuple[float, float | None]:
         began = time.monotonic()
         try:
             probe = calibration_lib.configured_step(
@@ -287,7 +292,7 @@ def verified(
             return float("inf"), None
         finally:
             if progress is not None:
-                progress.probe_took(time.monotonic() - began)
+                progress.probe_took(time.monotonic() - began, predicted)
                 progress.step(config.describe())
         if probe.device_peaks:
             return probe.seconds, max(probe.device_peaks)
@@ -296,13 +301,16 @@ def verified(
         return probe.seconds, None
 
     timed: dict[Config, tuple[float, float | None]] = {}
+    predicted: float | None = None
     for candidate in listed:  # one at a time while max_seconds leaves time for one more
-        if timed and progress is not None and not progress.affords(1):
+        if measured is not None:
+            predicted = probe_fits.build_seconds(measured, probe_fits.shape_of(candidate.config, batch_size))
+        if (timed or predicted is not None) and progress is not None and not progress.affords(1, predicted=predicted):
             if not_run is not None:
                 chosen = "; chosen by prediction alone" if len(timed) < 2 else ""
                 not_run.append(f"{len(listed) - len(timed)} of the shortlist not timed: no time left{chosen}")
             break
-        timed[candidate.config] = time_step(candidate.config)
+        timed[candidate.config] = time_step(candidate.config, predicted)
     return search.by_measured(candidates, len(timed), lambda config: timed[config], budget)
 
 

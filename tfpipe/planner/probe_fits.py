@@ -30,6 +30,14 @@ PROBE_MICRO_BATCHES = 8  # the whole-sequence probes' M: enough for their tasks 
 CUT_HELD_SHARE = 0.25  # the least share of a cut probe's predicted peak in activations that fits a held ratio
 SCALE_PROBES = 8  # the most micro-batch sizes whose one-cell steps scale the layers' times
 STEPS = 10  # steps a probe is timed for in each round (calibration.ROUNDS)
+# Building a probe (tracing its step, warming it up, timing it once) against its layers' own tracing alone
+# (``Profile.trace_s``, summed): BUILD_FIXED times that sum whatever its M (its variables, its optimizer's update,
+# Keras' step), and BUILD_PER_TASK times it more for each micro-batch the step traces its layers for. Fitted on the
+# first steps of 12 x Dense(512) (M=1-8), the 4-block Transformer (M=1, 8) and AmoebaNet-D of 1-4 blocks (M=1-4), at
+# K=1 and 2 on logical CPUs (2026-12-01): each within 0.7x-1.6x of its prediction. Later probes go by how far the
+# ones built were from theirs (``Progress.probe_seconds``).
+BUILD_FIXED = 3.0
+BUILD_PER_TASK = 0.5
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,7 +97,7 @@ def fit_model(
     memory = ProbeMemory(measured, calibration, slots, devices, budget)
     probes = plan_probes(memory, layers, batch_size, recompute, replicas)
     groups = memory.groups(probes.shapes())
-    took = time_probes(groups, layers, data, devices, optimizer, progress, measured.not_run, repeated_layers)
+    took = time_probes(groups, layers, data, devices, optimizer, progress, measured, repeated_layers)
     scaled = {s: took[s] for s in probes.scale.values() if s in took}
     if scaled:
         scale_to_whole_steps(measured, scaled, calibration, devices[0])
@@ -202,14 +210,15 @@ def time_probes(
     devices: list[str],
     optimizer: Any,
     progress: Progress | None = None,
-    not_run: list[str] | None = None,
+    measured: profile.Profile | None = None,
     repeated_layers: str = "inline",
 ) -> dict[Shape, calibration_lib.Probe]:
     """Each group of shapes trained on ``devices`` (copies of ``layers``, built with ``repeated_layers``), its probes
     timed in the same rounds, then let go before the next group is built (``ProbeMemory.groups``).
 
-    Where ``progress`` has a time bound, a probe is built only where the time left allows it, the rounds of those
-    built and what the planner keeps for later (``Progress.affords``); ``not_run`` gets each one left out.
+    Where ``progress`` has a time bound, a probe is built only where the time left allows it (at what ``measured``,
+    the layers' profile, predicts it takes: ``build_seconds``), the rounds of those built and what the planner keeps
+    for later (``Progress.affords``); ``measured.not_run`` gets each one left out.
     """
     total = sum(len(group) for group in groups)
     probes: dict[Shape, calibration_lib.Probe] = {}
@@ -220,7 +229,7 @@ def time_probes(
         progress.say("no probe of the whole model is predicted to fit the budget (see summary()): the layers predict")
     for group in groups:
         with _compat.custom_gradients_forgotten():  # the group's models, let go below, hold no memory then
-            probes.update(_time_group(group, layers, data, devices, optimizer, progress, not_run, repeated_layers))
+            probes.update(_time_group(group, layers, data, devices, optimizer, progress, measured, repeated_layers))
         gc.collect()  # the group's models and their optimizer slots go before the next group is built
     return probes
 
@@ -232,18 +241,25 @@ def _time_group(
     devices: list[str],
     optimizer: Any,
     progress: Progress | None,
-    not_run: list[str] | None,
+    measured: profile.Profile | None,
     repeated_layers: str,
 ) -> dict[Shape, calibration_lib.Probe]:
     """One group of ``time_probes``: its probes built in turn (while the time allows), then timed in the same rounds;
     their models are let go on return."""
     kept: dict[Any, list] = {}
     built: dict[Shape, calibration_lib.Probe] = {}
+    not_run = measured.not_run if measured is not None else []
     for shape in group:
         rounds_s = (calibration_lib.ROUNDS - 1) * STEPS * sum(p.seconds for p in built.values())
-        if progress is not None and not progress.affords(1, rounds_s):
-            if not_run is not None:
-                not_run.append(f"probe {describe(shape)} not run: no time left within max_seconds")
+        predicted = build_seconds(measured, shape) if measured is not None else None
+        if progress is not None and not progress.affords(1, rounds_s, predicted):
+            expected = progress.probe_seconds(predicted)
+            why = "no time left within max_seconds"
+            if predicted is not None and expected is not None:
+                left, kept = max(progress.time_left(), 0.0), progress.kept() + rounds_s
+                why = f"predicted to take {expected:.0f} s, {left:.0f} s left within max_seconds"
+                why += f" ({kept:.0f} s of them kept for the rounds and the shortlist)" if kept >= 0.5 else ""
+            not_run.append(f"probe {describe(shape)} not run: {why}")
             continue
         began = time.monotonic()
         kept[shape] = []
@@ -251,11 +267,10 @@ def _time_group(
             built[shape] = _build(shape, layers, data, devices, optimizer, kept[shape], repeated_layers)
         except tf.errors.ResourceExhaustedError:  # predicted to fit, but a device ran out: fitted without it
             del kept[shape]
-            if not_run is not None:
-                not_run.append(f"probe {describe(shape)} ran out of memory on its devices")
+            not_run.append(f"probe {describe(shape)} ran out of memory on its devices")
             continue
         if progress is not None:
-            progress.probe_took(time.monotonic() - began)
+            progress.probe_took(time.monotonic() - began, predicted)
             progress.step(describe(shape))
     # rounds set the group's probes against the same spells of a shared machine; one alone keeps its first timing (on
     # two workers under a budget the Transformer's cut probe alone: 20 more steps, 4 s of a 45 s plan)
@@ -280,6 +295,31 @@ def _build(
         layers, data, shape.b, shape.m, cut, on, optimizer, remat=shape.remat, kept=kept, schedule=shape.schedule,
         repeated_layers=repeated_layers,
     )  # fmt: skip
+
+
+def build_seconds(measured: profile.Profile, shape: Shape) -> float | None:
+    """Seconds building ``shape``'s probe is predicted to take: its step traced (from its layers' own tracing,
+    ``Profile.trace_s``: ``BUILD_FIXED`` and ``BUILD_PER_TASK``), warmed up and timed once (its layers' forward and
+    backward on one device, an upper bound). None where the layers' tracing was not measured."""
+    if not measured.trace_s:
+        return None
+    tasks = shape.m * shape.replicas * (1.5 if shape.remat != "never" else 1.0)  # a recomputed forward traced again
+    traced = sum(measured.trace_s) * (BUILD_FIXED + BUILD_PER_TASK * tasks)
+    sizes = sorted(measured.by_batch)
+    near = min(sizes, key=lambda size: abs(np.log2(size / shape.b)))
+    costs = measured.by_batch[near]
+    step_s = (sum(costs.forward_s) + sum(costs.backward_s)) * shape.b / near * shape.m * shape.replicas
+    # two steps with the tracing, up to PROBE_WARM_STEPS more for at most PROBE_WARM_SECONDS, then STEPS timed
+    warm_s = min(calibration_lib.PROBE_WARM_SECONDS, calibration_lib.PROBE_WARM_STEPS * step_s)
+    return traced + (2 + STEPS) * step_s + warm_s
+
+
+def shape_of(config: Config, batch_size: int) -> Shape:
+    """A configuration as a probe's shape, for ``build_seconds``: what it traces and runs (any recomputation as
+    recomputing every micro-batch)."""
+    m, r = config.num_micro_batches, config.num_replicas
+    remat = "never" if config.remat == "never" else "always"
+    return Shape(max(batch_size // (m * r), 1), m, tuple(config.balance), remat, r, config.schedule)
 
 
 def describe(shape: Shape) -> str:

@@ -77,6 +77,10 @@ class Profile:
     tied: list[Any] = dataclasses.field(default_factory=list)
     # what planning did not run, to keep to the memory budget or to max_seconds, and what it did instead (the summary)
     not_run: list[str] = dataclasses.field(default_factory=list)
+    # per unit: seconds its forward and backward took to trace and first run alone, beyond a later run (its kind's
+    # mean where it took its kind's times); what building a probe of the whole model is predicted from
+    # (``probe_fits.build_seconds``). Empty where not measured (a profile made by hand)
+    trace_s: list[float] = dataclasses.field(default_factory=list)
 
     def cell_weights(self, lo: int, hi: int) -> tuple[float, float, float]:
         """Units [lo, hi) as one cell: the bytes of the weights it holds, of the trainable ones it owns (their
@@ -199,6 +203,17 @@ class _Measured:
     def _sources(self, inputs: Any) -> list[Any]:
         return [v.value for copy in self._copies for v in copy.trainable_variables] + _floats(inputs)
 
+    def traced(self, x: Any) -> float:
+        """Seconds the forward and backward take to trace and first run fed ``x``, beyond a later run."""
+        began = timeit.default_timer()
+        self._forward_backward(x)
+        tf.test.experimental.sync_devices()
+        first = timeit.default_timer() - began
+        began = timeit.default_timer()
+        self._forward_backward(x)
+        tf.test.experimental.sync_devices()
+        return max(first - (timeit.default_timer() - began), 0.0)
+
     def seconds(self, x: Any, repeats: int) -> tuple[float, float]:
         """(forward s, backward s) fed ``x``."""
         # each measurement is one function call: take off what calling a function that does nothing costs, which
@@ -259,8 +274,9 @@ def measure(
     if progress is not None:
         progress.phase(f"measuring each of the {len(names)} layers alone at {len(sizes)} micro-batch sizes", len(names))
     scaled: dict[int, set[int]] = {}  # size -> the units scaled to it from a smaller size, not run (over budget)
-    alike: dict[str, list[list[tuple[float, float, float, float]]]] = {}  # kind -> its units timed, their costs
+    alike: dict[str, list[_Timed]] = {}  # kind -> its units timed: their costs, their tracing
     copied = 0  # units given the times of those of their kind timed before them
+    traces: list[float] = []
     for walked in units_lib.walk(units, sample, sizes[0], device):
         unit = len(outputs)
         with _compat.custom_gradients_forgotten():  # the copy, let go after, holds no memory then
@@ -268,8 +284,11 @@ def measure(
             timed = alike.setdefault(kinds[-1], []) if kinds[-1] is not None else []
             given = known[unit] if known is not None else None
             read = memory if read_on == device else None
-            per_size, over, as_timed = _own_or_alike(walked, timed, given, sizes, device, read, repeats, budget)
+            per_size, over, trace_s, as_timed = _own_or_alike(
+                walked, timed, given, sizes, device, read, repeats, budget
+            )
         copied += as_timed
+        traces.append(trace_s)
         _record(by_batch, scaled, sizes, unit, per_size, over)
         if not nodes:  # a layer list's layers may be unbuilt: their built copies count
             weights.append(sum(tensor_bytes(v) for v in walked.copy.weights))
@@ -281,30 +300,34 @@ def measure(
         tie_alike(costs, kinds)
     found = Profile(
         device, weights, trainable, tensor_bytes(tf.nest.map_structure(lambda t: np.asarray(t)[:1], sample)), outputs,
-        by_batch, _source(read_on, device), read_on, tied=tied, not_run=_scaled_notes(scaled, names),
+        by_batch, _source(read_on, device), read_on, tied=tied, not_run=_scaled_notes(scaled, names), trace_s=traces,
     )  # fmt: skip
     if copied:
         found.time_source += f" ({copied} given the times of the first {ALIKE_TIMED} of their kind)"
     return found
 
 
+_Costs = list[tuple[float, float, float, float]]  # per size: forward s, backward s, held bytes, working bytes
+_Timed = tuple[_Costs, float]  # a unit's costs and the seconds it took to trace
+
+
 def _own_or_alike(
     walked: Any,
-    timed: list[list[tuple[float, float, float, float]]],
+    timed: list[_Timed],
     given: tuple[list[tuple[float, float]], set[int]] | None,
     sizes: list[int],
     device: str,
     read: str | None,
     repeats: int,
     budget: float | None,
-) -> tuple[list[tuple[float, float, float, float]], list[int], bool]:
-    """A unit's costs at each size, the sizes it is predicted over the budget at (scaled there, not run), and whether
-    it took the times of its kind's first ``ALIKE_TIMED`` (``timed``) rather than being timed itself."""
+) -> tuple[_Costs, list[int], float, bool]:
+    """A unit's costs at each size, the sizes it is predicted over the budget at (scaled there, not run), its tracing
+    seconds, and whether it took those of its kind's first ``ALIKE_TIMED`` (``timed``) rather than being timed."""
     if len(timed) >= ALIKE_TIMED:
-        return _as_timed(timed, given), [], True
-    per_size, over = _unit_costs(walked, sizes, device, read, repeats, budget, given)
-    timed.append(per_size)
-    return per_size, over, False
+        return _as_timed([costs for costs, _ in timed], given), [], float(np.mean([t for _, t in timed])), True
+    per_size, over, trace_s = _unit_costs(walked, sizes, device, read, repeats, budget, given)
+    timed.append((per_size, trace_s))
+    return per_size, over, trace_s, False
 
 
 def _record(
@@ -338,9 +361,7 @@ def _scaled_notes(scaled: dict[int, set[int]], names: Sequence[str]) -> list[str
     ]
 
 
-def _as_timed(
-    timed: list[list[tuple[float, float, float, float]]], known: tuple[list[tuple[float, float]], set[int]] | None
-) -> list[tuple[float, float, float, float]]:
+def _as_timed(timed: list[_Costs], known: tuple[list[tuple[float, float]], set[int]] | None) -> _Costs:
     """A unit's costs per size from the units of its kind ``timed`` before it: their mean, the bytes read for this
     unit where they were (``known``)."""
     mean = np.mean(np.asarray(timed, dtype=float), axis=0)
@@ -426,9 +447,10 @@ def _unit_costs(
     repeats: int,
     budget: float | None,
     known: tuple[list[tuple[float, float]], set[int]] | None = None,
-) -> tuple[list[tuple[float, float, float, float]], list[int]]:
-    """One walked unit's (forward s, backward s, held bytes, working bytes) at each of ``sizes`` (``measure``'s), and
-    the sizes not run because the unit alone is predicted over ``budget`` there: scaled from the largest size run.
+) -> tuple[_Costs, list[int], float]:
+    """One walked unit's (forward s, backward s, held bytes, working bytes) at each of ``sizes`` (``measure``'s), the
+    sizes not run because the unit alone is predicted over ``budget`` there (scaled from the largest size run), and
+    the seconds its forward and backward took to trace at the smallest size.
 
     Bytes are read from ``memory`` (the device's allocator), or ``known`` (read on a stand-in, with the sizes over the
     budget there), or else estimated from the unit's output.
@@ -436,9 +458,10 @@ def _unit_costs(
     x_in, measured = walked.inputs, _Measured([walked.copy], device)
     fixed, in_per_row = _alone_bytes(walked), tensor_bytes(x_in) / sizes[0]
     out_per_row = tensor_bytes(walked.outputs) / sizes[0]
-    costs: list[tuple[float, float, float, float]] = []
+    costs: _Costs = []
     over: list[int] = []
     ran: tuple[int, float, float, float, float] | None = None  # the largest size run: b, f_s, b_s, held, working
+    trace_s = measured.traced(_rows(x_in, sizes[0]))
     for j, b in enumerate(sizes):
         if known is not None:
             too_many = b in known[1]
@@ -460,7 +483,7 @@ def _unit_costs(
             held = working = 2.0 * out_per_row * b
         ran = (b, f_s, b_s, held, working)
         costs.append((f_s, b_s, held, working))
-    return costs, over
+    return costs, over, trace_s
 
 
 def _append(costs: LayerCosts, forward_s: float, backward_s: float, held: float, working: float) -> None:

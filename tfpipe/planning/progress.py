@@ -4,12 +4,15 @@
 waiting on it sees one line when a phase starts, a line every few seconds as it goes ("3 of 14, about 40 s
 left"), and one when it ends, through ``messages.say`` (stdout, or absl's log), as the model's own lines are.
 ``verbose=0`` says nothing. Given ``max_seconds``, it is also the clock the planner keeps to: a probe (a model traced,
-warmed up and timed) is built only where the time left ``affords`` it, at the pace of those built so far.
+warmed up and timed) is built only where the time left ``affords`` it, at what it is predicted to take (from its
+layers' own tracing, ``probe_fits.build_seconds``) scaled by what the probes built so far took against theirs, or at
+their pace. The first probe too: a deep model's first whole step can take longer to build than its bound.
 """
 
 from __future__ import annotations
 
 import collections
+import statistics
 import time
 from collections.abc import Callable
 
@@ -42,6 +45,7 @@ class Progress:
         self._phase_began = self._said = self.began
         self._recent: collections.deque[float] = collections.deque(maxlen=PACE_STEPS + 1)  # when the last steps ended
         self._probes: list[float] = []
+        self._ratios: list[float] = []  # each probe built with a prediction: its seconds over the predicted
         self.reserve = 0  # probes' worth of time kept for what comes after those asked about (the shortlist)
 
     def say(self, text: str) -> None:
@@ -91,19 +95,35 @@ class Progress:
         """Seconds left within ``max_seconds`` (inf without a bound; negative once over it)."""
         return float("inf") if self.max_seconds is None else self.max_seconds - self.seconds()
 
-    def probe_took(self, seconds: float) -> None:
-        """Count one probe built (traced, warmed up, timed once) in ``seconds``: the pace ``affords`` goes by."""
+    def probe_took(self, seconds: float, predicted: float | None = None) -> None:
+        """Count one probe built (traced, warmed up, timed once) in ``seconds`` where ``predicted`` said (None: no
+        prediction): the pace and the factor ``affords`` goes by."""
         self._probes.append(float(seconds))
+        if predicted:
+            self._ratios.append(float(seconds) / predicted)
 
-    def affords(self, probes: int, also: float = 0.0) -> bool:
-        """Whether ``probes`` more probes, at the pace of those built (the first always), and ``also`` seconds more
-        fit the time left, with what the planner keeps for the shortlist (``reserve``) after them."""
+    def probe_seconds(self, predicted: float | None = None) -> float | None:
+        """What one more probe is expected to take: ``predicted`` times the median of what those built with a
+        prediction took against it (1 before any), else the mean of those built; None before any without one."""
+        if predicted is not None:
+            return predicted * (statistics.median(self._ratios) if self._ratios else 1.0)
+        return sum(self._probes) / len(self._probes) if self._probes else None
+
+    def affords(self, probes: int, also: float = 0.0, predicted: float | None = None) -> bool:
+        """Whether ``probes`` more probes (each as ``probe_seconds(predicted)`` expects) and ``also`` seconds more fit
+        the time left, with what the planner keeps for the shortlist (``reserve`` probes at the pace of those built)
+        after them. The first probe keeps nothing back: it is built where it is expected to end within the bound, or
+        without a prediction, where any time is left."""
         if self.max_seconds is None:
             return True
-        if not self._probes:
+        each = self.probe_seconds(predicted)
+        if each is None:
             return self.time_left() > 0
-        pace = sum(self._probes) / len(self._probes)
-        return (probes + self.reserve) * pace + also <= self.time_left()
+        return probes * each + self.kept() + also <= self.time_left()
+
+    def kept(self) -> float:
+        """Seconds kept for the shortlist: ``reserve`` probes at the pace of those built (none before the first)."""
+        return self.reserve * sum(self._probes) / len(self._probes) if self._probes else 0.0
 
     def _elapsed(self) -> str:
         return _seconds(self.seconds())

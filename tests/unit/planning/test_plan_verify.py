@@ -258,3 +258,33 @@ def test_the_shortlist_is_timed_one_at_a_time_while_max_seconds_leaves_time_for_
         "K=2, M=4, remat='never', schedule='zero_bubble', balance=[2, 1] not timed: predicted to peak at 879 KiB, "
         "within 13% of the budget"
     ]
+
+
+def test_a_shortlisted_configuration_predicted_past_the_bound_is_not_timed_the_first_included(monkeypatch):
+    from tfpipe.planning import progress as progress_lib
+
+    clock = [0.0]
+    monkeypatch.setattr(progress_lib.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(time, "monotonic", lambda: clock[0])
+    timed = []
+
+    def configured_step(layers, sample, batch_size, config, devices, optimizer, repeated_layers="-"):
+        timed.append(config.num_micro_batches)
+        clock[0] += 10.0
+        return calibration_lib.Probe(1.0, None)
+
+    monkeypatch.setattr(calibration_lib, "configured_step", configured_step)
+    monkeypatch.setattr(probe_fits, "STEPS", 0)  # the tracing alone is predicted
+    monkeypatch.setattr(calibration_lib, "PROBE_WARM_SECONDS", 0.0)
+    measured = profile(sizes=(1, 2, 4, 8))
+    measured.trace_s = [0.0, 0.0, 10.0]  # 10 s of tracing alone: 10 x (3 + 0.5 x 2 x 1.5) = 45 s at M=2, recomputing
+    found = [candidate(2, 1, 2, "gpipe", 1.0, remat="always"), candidate(1, 1, 1, "gpipe", 1.1)]
+    shape = probe_fits.shape_of(found[0].config, 8)
+    assert shape == probe_fits.Shape(4, 2, (2, 1), "always")
+    predicted = probe_fits.build_seconds(measured, shape)
+    assert predicted == pytest.approx(45.0 + 2 * 2 * 18.0)  # and two steps of 2 micro-batches of 4 rows (18 s each)
+    not_run: list[str] = []
+    progress = progress_lib.Progress(0, max_seconds=predicted - 1.0)
+    ordered = planner.verified(found, [], None, 8, DEVICES, "sgd", 2, None, progress, not_run, measured=measured)
+    assert timed == [] and [c.measured_s for c in ordered] == [None, None]
+    assert not_run == ["2 of the shortlist not timed: no time left; chosen by prediction alone"]

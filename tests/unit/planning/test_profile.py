@@ -45,9 +45,10 @@ def test_a_measured_profile_gives_alike_layers_one_time_and_others_their_own(mon
 
     def unit_costs(*args, **kwargs):
         # the real run, with times that tell the calls apart: tiny layers' measured times can all round to 0 s
-        per_size, over = real(*args, **kwargs)
+        per_size, over, trace_s = real(*args, **kwargs)
+        assert trace_s > 0.0  # a traced function's first call: measured, not assumed
         calls.append(float(len(calls) + 1))
-        return [(calls[-1], 10 * calls[-1], held, working) for _, _, held, working in per_size], over
+        return [(calls[-1], 10 * calls[-1], held, working) for _, _, held, working in per_size], over, 100 * calls[-1]
 
     monkeypatch.setattr(profile_lib, "_unit_costs", unit_costs)
     layers = [keras.layers.Dense(64, activation="tanh") for _ in range(4)] + [keras.layers.Dense(8)]
@@ -58,6 +59,7 @@ def test_a_measured_profile_gives_alike_layers_one_time_and_others_their_own(mon
     for costs in measured.by_batch.values():
         assert costs.forward_s == [1.5] * 4 + [3.0]  # the mean of the two timed, and Dense(8) its own
         assert costs.backward_s == [15.0] * 4 + [30.0]
+    assert measured.trace_s == [100.0, 200.0, 150.0, 150.0, 300.0]  # the first two their own, the rest their mean
 
 
 def test_alike_layers_past_the_first_two_are_not_timed_but_given_their_mean(monkeypatch):

@@ -1,5 +1,7 @@
 """Planning's progress lines: a phase's start, its steps with the time left at its pace, its end; none at verbose=0."""
 
+import pytest
+
 from tfpipe.planning import progress as progress_lib
 
 
@@ -86,6 +88,24 @@ def test_a_time_bound_affords_probes_at_the_pace_of_those_built_with_the_shortli
     clock[0] = 101.0
     progress.probe_took(0.0)
     assert not progress.affords(0) and progress.time_left() == -1.0
+
+
+def test_a_prediction_scaled_by_how_far_the_probes_built_were_from_theirs(monkeypatch):
+    clock = [0.0]
+    monkeypatch.setattr(progress_lib.time, "monotonic", lambda: clock[0])
+    progress = progress_lib.Progress(0, max_seconds=100.0)
+    progress.reserve = 2
+    # the first probe: built where predicted to end within the bound, the shortlist's reserve not kept back
+    assert progress.probe_seconds() is None and progress.probe_seconds(30.0) == 30.0
+    assert progress.affords(1, predicted=100.0) and not progress.affords(1, predicted=101.0)
+    assert not progress.affords(1, also=1.0, predicted=100.0)
+    progress.probe_took(20.0, predicted=10.0)  # twice its prediction
+    progress.probe_took(30.0, predicted=10.0)  # three times: the median 2.5
+    progress.probe_took(5.0)  # without a prediction: the pace only (55 / 3 s)
+    assert progress.probe_seconds(4.0) == pytest.approx(10.0) and progress.probe_seconds() == pytest.approx(55 / 3)
+    clock[0] = 20.0  # 80 s left: 2 x 55/3 kept for the shortlist, 43.3 s for the probes
+    assert progress.affords(4, predicted=4.0) and not progress.affords(5, predicted=4.0)
+    assert not progress.affords(3)  # at the pace: 5 x 18.3 = 91.7 > 80
 
 
 def test_every_step_calls_on_step_also_when_silent(monkeypatch):
