@@ -39,10 +39,12 @@ FLAGS = flags.FLAGS
 flags.DEFINE_enum(
     "model",
     "mlp",
-    ["mlp", "transformer", "hub"],
+    ["mlp", "transformer", "hub", "amoebanet"],
     "Model: Dense(width, tanh) x depth, a Transformer LM, or a keras_hub task (--arch; the hub extra) of --blocks, "
-    "--dim, --seq_len and --vocab, planned as a Functional model.",
+    "--dim, --seq_len and --vocab, planned as a Functional model; or AmoebaNet-D of 3 x --blocks normal cells of "
+    "--dim filters on --image_size images.",
 )
+flags.DEFINE_integer("image_size", 64, "--model=amoebanet's image height and width.", lower_bound=32)
 flags.DEFINE_string("arch", "llama", "--model=hub's architecture (tfpipe.models.hub.names()).")
 flags.DEFINE_integer("width", 512, "MLP width.", lower_bound=1)
 flags.DEFINE_integer("depth", 12, "MLP layers.", lower_bound=1)
@@ -106,6 +108,7 @@ def model_spec() -> dict[str, Any]:
         "dim",
         "seq_len",
         "vocab",
+        "image_size",
         "batch_size",
         "devices",
         "device_type",

@@ -55,6 +55,17 @@ def model_and_data(spec: dict[str, Any], steps: int = 1) -> tuple[Any, Any, Any,
         layers = [keras.layers.Dense(spec["width"], activation="tanh") for _ in range(spec["depth"])]
         x = rng.standard_normal((n, spec["width"])).astype("float32")
         return layers, x, np.tanh(x[:, ::-1]), "mse"
+    if spec["model"] == "amoebanet":  # AmoebaNet-D: 3 x --blocks normal cells of --dim filters, 10 classes
+        from tfpipe.models import amoebanet
+
+        side = spec.get("image_size", 64)
+        x = rng.random((n, side, side, 3), dtype="float32")
+        return (
+            amoebanet.amoebanet_d(10, 3 * spec["blocks"], spec["dim"]),
+            x,
+            rng.integers(0, 10, n),
+            amoebanet.amoebanet_loss(),
+        )
     lm_loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
     if spec["model"] == "hub":  # a keras_hub task (the hub extra), planned as a Functional model by its nodes
         from tfpipe.models import hub

@@ -50,3 +50,16 @@ def test_micro_batches_over_the_batch_name_the_fix():
     proc = run_script("plan.py", "--micro_batches=2,16", "--depth=2", "--width=16", "--batch_size=8")
     assert proc.returncode != 0
     assert "--micro_batches=2,16: each must be 1 to --batch_size=8" in proc.stderr, proc.stderr[-3000:]
+
+
+def test_the_amoebanet_model_gives_images_and_their_classes():
+    import keras
+    import numpy as np
+
+    from scripts import plan_measure
+
+    spec = {"model": "amoebanet", "blocks": 1, "dim": 8, "image_size": 32, "batch_size": 2}
+    layers, x, y, loss = plan_measure.model_and_data(spec)
+    assert x.shape == (2, 32, 32, 3) and y.shape == (2,) and set(y) <= set(range(10))
+    logits = keras.Sequential(layers)(x)
+    assert logits.shape == (2, 10) and np.isfinite(float(loss(y, logits)))

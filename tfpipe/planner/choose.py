@@ -102,10 +102,23 @@ def plan(
     progress.end()
     gc.collect()  # the probes' models (reference cycles) go before the planned model trains beside them
     watch.read()
+    return _chosen(request, candidates, measured, fitted, progress, watch.peaks)
+
+
+def _chosen(
+    request: _Request,
+    candidates: list[search.Candidate],
+    measured: profile_lib.Profile,
+    fitted: Calibration,
+    progress: Progress,
+    peaks: dict[str, float] | None,
+) -> Plan:
+    """The plan of ``candidates`` (the chosen first), with what planning took: its time, its phases, its peaks."""
     chosen = plans.from_candidates(
         candidates, request.devices, request.batch_size, request.budget, measured, fitted, request.slots
     )
-    chosen.planning_seconds, chosen.planning_peaks = progress.seconds(), watch.peaks
+    chosen.planning_seconds, chosen.planning_peaks = progress.seconds(), peaks
+    chosen.planning_bound, chosen.planning_phases = progress.max_seconds, dict(progress.phases)
     return chosen
 
 
@@ -243,7 +256,7 @@ def _timed(
         verify = 0
     return verified(  # timed as the model will train (repeated_layers)
         candidates, request.layers, request.data, request.batch_size, request.devices, request.optimizer, verify,
-        request.budget, progress, not_run, request.repeated_layers, measured,
+        request.budget, progress, measured.not_run, request.repeated_layers, measured,
     )  # fmt: skip
 
 
@@ -265,8 +278,9 @@ def verified(
 
     Each is timed while ``progress``'s time bound leaves time for it (``not_run`` is told of the rest), at what
     ``measured`` (the layers' profile) predicts it takes (``probe_fits.build_seconds``), or the first always and the
-    rest at the pace of those timed; built as ``repeated_layers`` says. Only candidates predicted to fit ``budget`` are timed; where the devices' peaks can
-    be read (GPUs, a running LocalCluster's workers, logical CPUs' one allocator), one that ran over it goes last.
+    rest at the pace of those timed; built as ``repeated_layers`` says. Only candidates predicted to fit ``budget``
+    are timed; where the devices' peaks can be read (GPUs, a running LocalCluster's workers, logical CPUs' one
+    allocator), one that ran over it goes last.
     """
     count = _count("verify", count)
     listed = search.shortlist(candidates, count, budget)
@@ -282,36 +296,49 @@ def verified(
     if progress is not None:
         progress.phase("timing the shortlist on the devices", len(listed))
 
-    def time_step(config: Config, predicted: float | None) -> tuple[float, float | None]:
-        began = time.monotonic()
-        try:
-            probe = calibration_lib.configured_step(
-                layers, sample, batch_size, config, devices, optimizer, repeated_layers=repeated_layers
-            )
-        except tf.errors.ResourceExhaustedError:  # predicted to fit, but a device ran out of memory: last
-            return float("inf"), None
-        finally:
-            if progress is not None:
-                progress.probe_took(time.monotonic() - began, predicted)
-                progress.step(config.describe())
-        if probe.device_peaks:
-            return probe.seconds, max(probe.device_peaks)
-        if probe.peak_bytes is not None and calibration_lib.peaks_readable(devices):  # one allocator's: per device
-            return probe.seconds, probe.peak_bytes / (config.num_devices * config.num_replicas)
-        return probe.seconds, None
-
     timed: dict[Config, tuple[float, float | None]] = {}
-    predicted: float | None = None
-    for candidate in listed:  # one at a time while max_seconds leaves time for one more
-        if measured is not None:
-            predicted = probe_fits.build_seconds(measured, probe_fits.shape_of(candidate.config, batch_size))
+    for candidate in listed:  # one at a time while max_seconds leaves time for it
+        shape = probe_fits.shape_of(candidate.config, batch_size)
+        predicted = probe_fits.build_seconds(measured, shape) if measured is not None else None
         if (timed or predicted is not None) and progress is not None and not progress.affords(1, predicted=predicted):
             if not_run is not None:
                 chosen = "; chosen by prediction alone" if len(timed) < 2 else ""
                 not_run.append(f"{len(listed) - len(timed)} of the shortlist not timed: no time left{chosen}")
             break
-        timed[candidate.config] = time_step(candidate.config, predicted)
+        args = (layers, sample, batch_size, devices, optimizer, repeated_layers)
+        timed[candidate.config] = _time_configured(candidate.config, *args, progress, predicted)
     return search.by_measured(candidates, len(timed), lambda config: timed[config], budget)
+
+
+def _time_configured(
+    config: Config,
+    layers: Any,
+    sample: Any,
+    batch_size: int,
+    devices: Sequence[str],
+    optimizer: Any,
+    repeated_layers: str,
+    progress: Progress | None,
+    predicted: float | None,
+) -> tuple[float, float | None]:
+    """``config`` trained on ``devices`` (``verified``): its step's seconds (inf where a device ran out of memory) and
+    its largest device peak where the peaks can be read."""
+    began = time.monotonic()
+    try:
+        probe = calibration_lib.configured_step(
+            layers, sample, batch_size, config, devices, optimizer, repeated_layers=repeated_layers
+        )
+    except tf.errors.ResourceExhaustedError:  # predicted to fit, but a device ran out of memory: last
+        return float("inf"), None
+    finally:
+        if progress is not None:
+            progress.probe_took(time.monotonic() - began, predicted)
+            progress.step(config.describe())
+    if probe.device_peaks:
+        return probe.seconds, max(probe.device_peaks)
+    if probe.peak_bytes is not None and calibration_lib.peaks_readable(devices):  # one allocator's: per device
+        return probe.seconds, probe.peak_bytes / (config.num_devices * config.num_replicas)
+    return probe.seconds, None
 
 
 def _count(name: str, count: Any) -> int:

@@ -31,13 +31,15 @@ CUT_HELD_SHARE = 0.25  # the least share of a cut probe's predicted peak in acti
 SCALE_PROBES = 8  # the most micro-batch sizes whose one-cell steps scale the layers' times
 STEPS = 10  # steps a probe is timed for in each round (calibration.ROUNDS)
 # Building a probe (tracing its step, warming it up, timing it once) against its layers' own tracing alone
-# (``Profile.trace_s``, summed): BUILD_FIXED times that sum whatever its M (its variables, its optimizer's update,
-# Keras' step), and BUILD_PER_TASK times it more for each micro-batch the step traces its layers for. Fitted on the
-# first steps of 12 x Dense(512) (M=1-8), the 4-block Transformer (M=1, 8) and AmoebaNet-D of 1-4 blocks (M=1-4), at
-# K=1 and 2 on logical CPUs (2026-12-01): each within 0.7x-1.6x of its prediction. Later probes go by how far the
-# ones built were from theirs (``Progress.probe_seconds``).
+# (``Profile.trace_s``, summed to S): BUILD_FIXED x S whatever its M (its variables, its optimizer's update, Keras'
+# step), and BUILD_SCALE x (S x tasks) ** BUILD_POWER for the step's graph, M copies of its layers (more than in
+# proportion: on AmoebaNet-D a micro-batch more cost 0.9 S at 1 block and M=4, 1.7 S at 4 blocks and M=8). Fitted on
+# the first steps of 12 x Dense(512) (M=1-8), the 4-block Transformer (M=1, 8) and AmoebaNet-D of 1-4 blocks (M=1-8),
+# at K=1 and 2 on logical CPUs (2026-12-01): 0.83x-1.36x of each. Later probes go by how far the ones built were from
+# theirs (``Progress.probe_seconds``).
 BUILD_FIXED = 3.0
-BUILD_PER_TASK = 0.5
+BUILD_SCALE = 0.25
+BUILD_POWER = 1.45
 
 
 @dataclasses.dataclass(frozen=True)
@@ -256,9 +258,9 @@ def _time_group(
             expected = progress.probe_seconds(predicted)
             why = "no time left within max_seconds"
             if predicted is not None and expected is not None:
-                left, kept = max(progress.time_left(), 0.0), progress.kept() + rounds_s
+                left, saved = max(progress.time_left(), 0.0), progress.kept() + rounds_s
                 why = f"predicted to take {expected:.0f} s, {left:.0f} s left within max_seconds"
-                why += f" ({kept:.0f} s of them kept for the rounds and the shortlist)" if kept >= 0.5 else ""
+                why += f" ({saved:.0f} s of them kept for the rounds and the shortlist)" if saved >= 0.5 else ""
             not_run.append(f"probe {describe(shape)} not run: {why}")
             continue
         began = time.monotonic()
@@ -299,12 +301,13 @@ def _build(
 
 def build_seconds(measured: profile.Profile, shape: Shape) -> float | None:
     """Seconds building ``shape``'s probe is predicted to take: its step traced (from its layers' own tracing,
-    ``Profile.trace_s``: ``BUILD_FIXED`` and ``BUILD_PER_TASK``), warmed up and timed once (its layers' forward and
-    backward on one device, an upper bound). None where the layers' tracing was not measured."""
+    ``Profile.trace_s``: ``BUILD_FIXED``, ``BUILD_SCALE``, ``BUILD_POWER``), warmed up and timed once (its layers'
+    forward and backward on one device, an upper bound). None where the layers' tracing was not measured."""
     if not measured.trace_s:
         return None
     tasks = shape.m * shape.replicas * (1.5 if shape.remat != "never" else 1.0)  # a recomputed forward traced again
-    traced = sum(measured.trace_s) * (BUILD_FIXED + BUILD_PER_TASK * tasks)
+    alone = sum(measured.trace_s)
+    traced = BUILD_FIXED * alone + BUILD_SCALE * (alone * tasks) ** BUILD_POWER
     sizes = sorted(measured.by_batch)
     near = min(sizes, key=lambda size: abs(np.log2(size / shape.b)))
     costs = measured.by_batch[near]

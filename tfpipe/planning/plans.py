@@ -85,6 +85,8 @@ class Plan:
     # the most bytes planning's own probes held beyond what was held when it began, by device (logical CPUs sharing
     # one allocator: one entry, their total); None where the devices' allocators cannot be read
     planning_peaks: dict[str, float] | None = None
+    planning_bound: float | None = None  # the max_seconds it kept to (None: none)
+    planning_phases: dict[str, float] = dataclasses.field(default_factory=dict)  # seconds of each phase of planning
 
     @property
     def device_peaks(self) -> dict[str, float]:
@@ -159,6 +161,10 @@ class Plan:
         if self.planning_seconds is not None:
             step = self.measured_seconds or self.step_seconds
             line = f"planning: {self.planning_seconds:.0f} s, {self.planning_seconds / step:,.0f} steps of the chosen"
+            if self.planning_bound is not None and self.planning_seconds > self.planning_bound and self.planning_phases:
+                # what no bound leaves out: the devices and the layers are measured whatever it is
+                name, took = max(self.planning_phases.items(), key=lambda item: item[1])
+                line += f" (past max_seconds={self.planning_bound:.0f}; the longest part, {name}: {took:.0f} s)"
             peaks = self.planning_peaks
             if peaks:
                 fullest = max(peaks, key=peaks.__getitem__)

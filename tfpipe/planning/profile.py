@@ -251,13 +251,11 @@ def measure(
     budget: float | None = None,
 ) -> Profile:
     """Profile ``units`` (``planning.units``: layers, or a Functional model's nodes) on ``device`` at each
-    micro-batch size in ``batch_sizes``, on data shaped like ``sample``.
-
-    The units are copied and run once at the smallest size (at the largest, a walk went over a budget), each copy
-    measured on its input's rows repeated to each size. Bytes are read on ``stand_in(device)``, with copies of their
-    own where that is another device. ``budget``: a size at which a unit alone is predicted (from its smaller sizes)
-    to hold more bytes is not run but scaled from the largest size run, in proportion to the rows (``not_run``).
-    """
+    micro-batch size in ``batch_sizes`` on data shaped like ``sample``: each copied, run once at the smallest size
+    (at the largest, a walk went over a budget), traced there and measured on its input's rows repeated to each
+    size. Bytes are read on ``stand_in(device)``, with copies of their own where that is another device. ``budget``:
+    a size at which a unit alone is predicted (from its smaller sizes) to hold more bytes is not run but scaled from
+    the largest size run, in proportion to the rows (``not_run``)."""
     read_on = stand_in(device)
     memory = memory_name(read_on) if read_on else None
     sizes = sorted(set(int(b) for b in batch_sizes))
@@ -284,10 +282,8 @@ def measure(
             timed = alike.setdefault(kinds[-1], []) if kinds[-1] is not None else []
             given = known[unit] if known is not None else None
             read = memory if read_on == device else None
-            per_size, over, trace_s, as_timed = _own_or_alike(
-                walked, timed, given, sizes, device, read, repeats, budget
-            )
-        copied += as_timed
+            per_size, over, trace_s, reused = _own_or_alike(walked, timed, given, sizes, device, read, repeats, budget)
+        copied += reused
         traces.append(trace_s)
         _record(by_batch, scaled, sizes, unit, per_size, over)
         if not nodes:  # a layer list's layers may be unbuilt: their built copies count

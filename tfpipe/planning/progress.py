@@ -46,6 +46,7 @@ class Progress:
         self._recent: collections.deque[float] = collections.deque(maxlen=PACE_STEPS + 1)  # when the last steps ended
         self._probes: list[float] = []
         self._ratios: list[float] = []  # each probe built with a prediction: its seconds over the predicted
+        self.phases: dict[str, float] = {}  # each phase ended: its seconds
         self.reserve = 0  # probes' worth of time kept for what comes after those asked about (the shortlist)
 
     def say(self, text: str) -> None:
@@ -84,7 +85,9 @@ class Progress:
     def end(self) -> None:
         """End the phase under way (if any), saying how long it took."""
         if self._name:
-            self.say(f"{self._name}: done in {_seconds(time.monotonic() - self._phase_began)}")
+            took = time.monotonic() - self._phase_began
+            self.phases[self._name] = self.phases.get(self._name, 0.0) + took
+            self.say(f"{self._name}: done in {_seconds(took)}")
             self._name = ""
 
     def seconds(self) -> float:

@@ -149,21 +149,21 @@ def test_each_group_of_several_is_timed_in_its_own_rounds_and_a_time_bound_stops
         "probe 2 rows x M=1 on 1 device(s) not run: no time left within max_seconds",
         "probe 4 rows x M=1 on 1 device(s) not run: no time left within max_seconds",
     ]
-    # predicted from the layers' tracing (2 s in all: traced in 2 x 3.5 s at M=1, two steps of 4.5 s at 1 row with
-    # it, none timed): the first built in 100 s, 6.25 times its prediction; the next predicted at 6.25 x (7 + 2 x 9)
+    # predicted from the layers' tracing (2 s in all: traced in 3 x 2 + 0.25 x 2 ** 1.45 s at M=1, two steps of 4.5 s
+    # at 1 row with it, none timed): the first built in 100 s, 6.4 times its prediction; the next predicted at that
     made.clear()
     clock[0] = 0.0
     prof = profile()
     prof.trace_s = [0.5, 0.5, 1.0]
     monkeypatch.setattr(probe_fits, "STEPS", 0)
     monkeypatch.setattr(calibration_lib, "PROBE_WARM_SECONDS", 0.0)
-    assert probe_fits.build_seconds(prof, shapes[0]) == pytest.approx(7.0 + 2 * 4.5)
+    assert probe_fits.build_seconds(prof, shapes[0]) == pytest.approx(6.0 + 0.25 * 2.0**1.45 + 2 * 4.5)
     progress = progress_lib.Progress(0, max_seconds=150.0)
     took = probe_fits.time_probes([shapes], [None] * 3, None, DEVICES, "sgd", progress, prof)
     assert made == [1]
     assert (
         prof.not_run[0]
-        == "probe 2 rows x M=1 on 1 device(s) not run: predicted to take 156 s, 50 s left within max_seconds"
+        == "probe 2 rows x M=1 on 1 device(s) not run: predicted to take 157 s, 50 s left within max_seconds"
     )
 
 
@@ -178,15 +178,19 @@ def test_a_first_probe_predicted_past_the_bound_is_not_built(monkeypatch):
 
     monkeypatch.setattr(calibration_lib, "split_step", split_step)
     prof = profile()
-    prof.trace_s = [10.0, 10.0, 10.0]  # 30 s of tracing alone: a probe at M=8 traced in 30 x (3 + 8 / 2) = 210 s
+    prof.trace_s = [
+        10.0,
+        10.0,
+        10.0,
+    ]  # 30 s of tracing alone: a probe at M=8 traced in 3 x 30 + 0.25 x (30 x 8) ** 1.45 s
     shape = probe_fits.Shape(4, 8, (2, 1))
     predicted = probe_fits.build_seconds(prof, shape)
     # and 12 steps of 8 micro-batches of 4 rows (18 s each), the warm-up's 0.5 s
-    assert predicted == pytest.approx(210.0 + 12 * 8 * 18.0 + 0.5)
-    progress = progress_lib.Progress(0, max_seconds=1900.0)
+    assert predicted == pytest.approx(90.0 + 0.25 * 240.0**1.45 + 12 * 8 * 18.0 + 0.5)
+    progress = progress_lib.Progress(0, max_seconds=2000.0)
     assert probe_fits.time_probes([[shape]], [None] * 3, None, DEVICES, "sgd", progress, prof) == {}
     assert made == [] and prof.not_run == [
-        "probe 4 rows x M=8 on 2 device(s) not run: predicted to take 1938 s, 1900 s left within max_seconds"
+        "probe 4 rows x M=8 on 2 device(s) not run: predicted to take 2525 s, 2000 s left within max_seconds"
     ]
     # with the time for it, it is built
     progress = progress_lib.Progress(0, max_seconds=predicted + 1.0)

@@ -277,14 +277,32 @@ def test_a_shortlisted_configuration_predicted_past_the_bound_is_not_timed_the_f
     monkeypatch.setattr(probe_fits, "STEPS", 0)  # the tracing alone is predicted
     monkeypatch.setattr(calibration_lib, "PROBE_WARM_SECONDS", 0.0)
     measured = profile(sizes=(1, 2, 4, 8))
-    measured.trace_s = [0.0, 0.0, 10.0]  # 10 s of tracing alone: 10 x (3 + 0.5 x 2 x 1.5) = 45 s at M=2, recomputing
+    measured.trace_s = [
+        0.0,
+        0.0,
+        10.0,
+    ]  # 10 s of tracing alone: traced in 3 x 10 + 0.25 x (10 x 2 x 1.5) ** 1.45 s at M=2, recomputing
     found = [candidate(2, 1, 2, "gpipe", 1.0, remat="always"), candidate(1, 1, 1, "gpipe", 1.1)]
     shape = probe_fits.shape_of(found[0].config, 8)
     assert shape == probe_fits.Shape(4, 2, (2, 1), "always")
     predicted = probe_fits.build_seconds(measured, shape)
-    assert predicted == pytest.approx(45.0 + 2 * 2 * 18.0)  # and two steps of 2 micro-batches of 4 rows (18 s each)
+    assert predicted == pytest.approx(
+        30.0 + 0.25 * 30.0**1.45 + 2 * 2 * 18.0
+    )  # and two steps of 2 micro-batches of 4 rows (18 s each)
     not_run: list[str] = []
     progress = progress_lib.Progress(0, max_seconds=predicted - 1.0)
     ordered = planner.verified(found, [], None, 8, DEVICES, "sgd", 2, None, progress, not_run, measured=measured)
     assert timed == [] and [c.measured_s for c in ordered] == [None, None]
     assert not_run == ["2 of the shortlist not timed: no time left; chosen by prediction alone"]
+
+
+def test_the_summary_says_when_planning_went_past_its_bound_and_its_longest_part():
+    plan = plans.from_candidates([candidate(2, 1, 8, "gpipe", 0.5)], DEVICES, 8, None, profile(), calibration(), 2)
+    plan.planning_seconds, plan.planning_bound = 99.0, 60.0
+    plan.planning_phases = {"measuring the 2 devices": 3.0, "measuring each of the 18 layers alone": 82.0}
+    assert plan.planning()[0] == (
+        "planning: 99 s, 198 steps of the chosen (past max_seconds=60; the longest part, measuring each of the 18 "
+        "layers alone: 82 s)"
+    )
+    plan.planning_bound = 100.0  # within it: nothing more said
+    assert plan.planning()[0] == "planning: 99 s, 198 steps of the chosen"
