@@ -297,6 +297,7 @@ def verified(
         progress.phase("timing the shortlist on the devices", len(listed))
 
     timed: dict[Config, tuple[float, float | None]] = {}
+    args = (layers, sample, batch_size, devices, optimizer, repeated_layers)
     for candidate in listed:  # one at a time while max_seconds leaves time for it
         shape = probe_fits.shape_of(candidate.config, batch_size)
         predicted = probe_fits.build_seconds(measured, shape) if measured is not None else None
@@ -305,7 +306,6 @@ def verified(
                 chosen = "; chosen by prediction alone" if len(timed) < 2 else ""
                 not_run.append(f"{len(listed) - len(timed)} of the shortlist not timed: no time left{chosen}")
             break
-        args = (layers, sample, batch_size, devices, optimizer, repeated_layers)
         timed[candidate.config] = _time_configured(candidate.config, *args, progress, predicted)
     return search.by_measured(candidates, len(timed), lambda config: timed[config], budget)
 
