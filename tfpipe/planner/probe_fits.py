@@ -260,7 +260,7 @@ def _time_group(
             if predicted is not None and expected is not None:
                 left, saved = max(progress.time_left(), 0.0), progress.kept() + rounds_s
                 why = f"predicted to take {expected:.0f} s, {left:.0f} s left within max_seconds"
-                why += f" ({saved:.0f} s of them kept for the rounds and the shortlist)" if saved >= 0.5 else ""
+                why += f", {saved:.0f} s kept for the rounds and the shortlist" if saved >= 0.5 else ""
             not_run.append(f"probe {describe(shape)} not run: {why}")
             continue
         began = time.monotonic()
