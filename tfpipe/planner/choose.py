@@ -233,13 +233,28 @@ def _measured(
             calibration, request.slots, recompute, request.space.replicas, progress, request.budget,
             request.repeated_layers,
         )  # fmt: skip
-    # what one W over all micro-batches joins
-    if not measured.joined_bytes and any(schedule_lib.batches_weights(s) for s in request.space.schedules):
-        progress.phase("reading the rows one W over all micro-batches joins (each kind of layer traced once)")
-        with _compat.custom_gradients_forgotten():  # its traced copies hold no memory once measured
-            measured.joined_bytes = joined.bytes_per_sample(request.layers, request.data, request.devices[0])
-        measured.time_source += "; one W over all micro-batches also copies the rows it joins (traced per layer)"
+    _joined(request, measured, progress)
     return measured, calibration
+
+
+def _joined(request: _Request, measured: profile_lib.Profile, progress: Progress) -> None:
+    """Read what one W over all micro-batches joins, where the search has a schedule that batches W; where
+    ``max_seconds`` has run out, such schedules leave the search instead (unless they are all it has)."""
+    batching = [s for s in request.space.schedules if schedule_lib.batches_weights(s)]
+    if measured.joined_bytes or not batching:
+        return
+    if progress.time_left() <= 0 and len(batching) < len(request.space.schedules):
+        kept = tuple(s for s in request.space.schedules if s not in batching)
+        request.space = dataclasses.replace(request.space, schedules=kept)
+        measured.not_run.append(
+            f"{', '.join(batching)} not searched: no time left within max_seconds to read what one W over all "
+            "micro-batches joins (each kind of layer traced once)"
+        )
+        return
+    progress.phase("reading the rows one W over all micro-batches joins (each kind of layer traced once)")
+    with _compat.custom_gradients_forgotten():  # its traced copies hold no memory once measured
+        measured.joined_bytes = joined.bytes_per_sample(request.layers, request.data, request.devices[0])
+    measured.time_source += "; one W over all micro-batches also copies the rows it joins (traced per layer)"
 
 
 def _timed(

@@ -306,3 +306,34 @@ def test_the_summary_says_when_planning_went_past_its_bound_and_its_longest_part
     )
     plan.planning_bound = 100.0  # within it: nothing more said
     assert plan.planning()[0] == "planning: 99 s, 198 steps of the chosen"
+
+
+def test_out_of_time_the_batched_w_schedule_leaves_the_search_rather_than_be_read(monkeypatch):
+    import types
+
+    from tfpipe.planner import choose
+    from tfpipe.planning import progress as progress_lib
+
+    read = []
+    monkeypatch.setattr(choose.joined, "bytes_per_sample", lambda *args: read.append(1) or [1.0, 1.0, 1.0])
+    clock = [0.0]
+    monkeypatch.setattr(progress_lib.time, "monotonic", lambda: clock[0])
+    progress = progress_lib.Progress(0, max_seconds=10.0)
+    clock[0] = 11.0  # past the bound
+    request = types.SimpleNamespace(space=search.Space(2, schedules=("gpipe", "gpipe_batched_w")), layers=[], data=None)
+    request.devices = DEVICES
+    measured = profile()
+    choose._joined(request, measured, progress)
+    assert read == [] and request.space.schedules == ("gpipe",) and measured.joined_bytes == []
+    assert measured.not_run == [
+        "gpipe_batched_w not searched: no time left within max_seconds to read what one W over all micro-batches "
+        "joins (each kind of layer traced once)"
+    ]
+    # where it is all the search has, it is read whatever the time; within the time, read
+    request.space = search.Space(2, schedules=("gpipe_batched_w",))
+    choose._joined(request, profile(), progress)
+    clock[0] = 0.0
+    request.space = search.Space(2, schedules=("gpipe", "gpipe_batched_w"))
+    measured = profile()
+    choose._joined(request, measured, progress)
+    assert read == [1, 1] and measured.joined_bytes == [1.0, 1.0, 1.0] and measured.not_run == []
