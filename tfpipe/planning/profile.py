@@ -275,6 +275,7 @@ def measure(
     alike: dict[str, list[_Timed]] = {}  # kind -> its units timed: their costs, their tracing
     copied = 0  # units given the times of those of their kind timed before them
     traces: list[float] = []
+    _pay_first_trace(device)
     for walked in units_lib.walk(units, sample, sizes[0], device):
         unit = len(outputs)
         with _compat.custom_gradients_forgotten():  # the copy, let go after, holds no memory then
@@ -301,6 +302,16 @@ def measure(
     if copied:
         found.time_source += f" ({copied} given the times of the first {ALIKE_TIMED} of their kind)"
     return found
+
+
+def _pay_first_trace(device: str) -> None:
+    """Trace a throwaway layer's forward and backward on ``device``: a process's first such trace also pays costs
+    paid once (0.16 s where a Dense(512)'s took 0.02), which would count to the first unit's ``Profile.trace_s``
+    (and through its kind's mean to each unit of its kind: 12 x Dense(512)'s probes were predicted at 2-3.5x)."""
+    with _compat.custom_gradients_forgotten():
+        layer = keras.layers.Dense(1)
+        layer.build((None, 1))
+        _Measured([layer], device).traced(tf.ones((1, 1)))
 
 
 _Costs = list[tuple[float, float, float, float]]  # per size: forward s, backward s, held bytes, working bytes

@@ -119,3 +119,15 @@ def test_bytes_read_on_a_stand_in_are_read_once_per_kind(monkeypatch):
     assert made == [["Dense16"], ["Dense8"]]  # the four alike Dense(16) read once
     assert [got for got, _ in out] == [[(2.0, 2.0), (4.0, 4.0)]] * 4 + [[(4.0, 2.0), (8.0, 4.0)]]
     assert all(over == set() for _, over in out)
+
+
+def test_the_first_trace_of_the_process_is_paid_before_any_unit_is_traced(monkeypatch):
+    order = []
+    real_pay, real_costs = profile_lib._pay_first_trace, profile_lib._unit_costs
+    monkeypatch.setattr(profile_lib, "_pay_first_trace", lambda device: order.append("paid") or real_pay(device))
+    monkeypatch.setattr(profile_lib, "_unit_costs", lambda *a, **k: order.append("unit") or real_costs(*a, **k))
+    layers = [keras.layers.Dense(8), keras.layers.Dense(4)]
+    measured = profile_lib.measure(layers, np.zeros((4, 8), "float32"), [2], "/CPU:0", repeats=1)
+    assert order == ["paid", "unit", "unit"]
+    # a Dense's tracing alone, the process's once-paid costs not in it: well under the 0.16 s they took
+    assert all(0.0 < t < 0.15 for t in measured.trace_s), measured.trace_s
