@@ -251,11 +251,10 @@ def measure(
     budget: float | None = None,
 ) -> Profile:
     """Profile ``units`` (``planning.units``: layers, or a Functional model's nodes) on ``device`` at each
-    micro-batch size in ``batch_sizes`` on data shaped like ``sample``: each copied, run once at the smallest size
-    (at the largest, a walk went over a budget), traced there and measured on its input's rows repeated to each
-    size. Bytes are read on ``stand_in(device)``, with copies of their own where that is another device. ``budget``:
-    a size at which a unit alone is predicted (from its smaller sizes) to hold more bytes is not run but scaled from
-    the largest size run, in proportion to the rows (``not_run``)."""
+    micro-batch size in ``batch_sizes`` on data like ``sample``: each copied, run and traced once at the smallest
+    size (at the largest, a walk went over a budget), then measured on its input's rows repeated to each size. Bytes
+    are read on ``stand_in(device)`` (copies of their own there). ``budget``: a size at which a unit alone is predicted
+    (from its smaller sizes) to hold more is not run but scaled from the largest size run by the rows (``not_run``)."""
     read_on = stand_in(device)
     memory = memory_name(read_on) if read_on else None
     sizes = sorted(set(int(b) for b in batch_sizes))
