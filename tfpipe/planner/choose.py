@@ -314,8 +314,9 @@ def verified(
     timed: dict[Config, tuple[float, float | None]] = {}
     args = (layers, sample, batch_size, devices, optimizer, repeated_layers)
     for candidate in listed:  # one at a time while max_seconds leaves time for it
-        shape = probe_fits.shape_of(candidate.config, batch_size)
-        predicted = probe_fits.build_seconds(measured, shape) if measured is not None else None
+        predicted = None
+        if measured is not None:
+            predicted = probe_fits.build_seconds(measured, probe_fits.shape_of(candidate.config, batch_size))
         if (timed or predicted is not None) and progress is not None and not progress.affords(1, predicted=predicted):
             if not_run is not None:
                 chosen = "; chosen by prediction alone" if len(timed) < 2 else ""

@@ -110,7 +110,7 @@ class Progress:
         prediction took against it (1 before any), else the mean of those built; None before any without one."""
         if predicted is not None:
             return predicted * (statistics.median(self._ratios) if self._ratios else 1.0)
-        return sum(self._probes) / len(self._probes) if self._probes else None
+        return self._pace()
 
     def affords(self, probes: int, also: float = 0.0, predicted: float | None = None) -> bool:
         """Whether ``probes`` more probes (each as ``probe_seconds(predicted)`` expects) and ``also`` seconds more fit
@@ -126,7 +126,12 @@ class Progress:
 
     def kept(self) -> float:
         """Seconds kept for the shortlist: ``reserve`` probes at the pace of those built (none before the first)."""
-        return self.reserve * sum(self._probes) / len(self._probes) if self._probes else 0.0
+        pace = self._pace()
+        return self.reserve * pace if pace is not None else 0.0
+
+    def _pace(self) -> float | None:
+        """The mean seconds of the probes built; None before the first."""
+        return sum(self._probes) / len(self._probes) if self._probes else None
 
     def _elapsed(self) -> str:
         return _seconds(self.seconds())
