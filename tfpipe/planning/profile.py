@@ -39,6 +39,13 @@ FROM_OUTPUTS = "estimated from output sizes (the allocator reports no bytes: set
 # many are timed alone and the rest given their mean (``tie_alike`` gives them all the mean anyway). Timing each of 12 x
 # Dense(1024) at 32, 256 and 2048 rows on a worker took 4.0 min of the planner's 4.2 before its first whole step.
 ALIKE_TIMED = 2
+WARM_S = 0.3  # each timed function's warm-up, at most (``median_seconds``)
+# Under ``max_seconds``, the layers alone may take this share of the time left when they start; the rest is the whole
+# steps' and the shortlist's. Where their pace says they would go past it, later layers are measured at fewer sizes
+# (``_Tally``), warmed up for PRESSED_WARM_S and only the first of a kind timed: 4-block AmoebaNet-D (18 units, none
+# alike but in pairs) took 77-82 s at three sizes under a 60 s bound, 0.9 s a size a unit of it warming up.
+LAYERS_SHARE = 0.5
+PRESSED_WARM_S = 0.1  # a unit running for milliseconds has not had the ~90 runs settling its kernels by 0.3 s either
 
 
 @dataclasses.dataclass
@@ -147,7 +154,7 @@ def stand_in(device: str) -> str | None:
     return local if memory_name(local) is not None else None
 
 
-def median_seconds(fn: Any, repeats: int, warm_s: float = 0.3) -> float:
+def median_seconds(fn: Any, repeats: int, warm_s: float = WARM_S) -> float:
     """Median seconds of ``fn()`` over ``repeats`` runs, after tracing and 100 runs or ``warm_s`` of warm-up."""
     fn()
     began = timeit.default_timer()
@@ -214,13 +221,13 @@ class _Measured:
         tf.test.experimental.sync_devices()
         return max(first - (timeit.default_timer() - began), 0.0)
 
-    def seconds(self, x: Any, repeats: int) -> tuple[float, float]:
-        """(forward s, backward s) fed ``x``."""
+    def seconds(self, x: Any, repeats: int, warm_s: float = WARM_S) -> tuple[float, float]:
+        """(forward s, backward s) fed ``x``, each function warmed up for ``warm_s`` at most."""
         # each measurement is one function call: take off what calling a function that does nothing costs, which
         # a cell's graph pays once per task, not once per layer
-        call_s = median_seconds(lambda: _passed_through(x), repeats)
-        f_s = max(median_seconds(lambda: self._forward(x), repeats) - call_s, 0.0)
-        fb_s = max(median_seconds(lambda: self._forward_backward(x), repeats) - call_s, 0.0)
+        call_s = median_seconds(lambda: _passed_through(x), repeats, warm_s)
+        f_s = max(median_seconds(lambda: self._forward(x), repeats, warm_s) - call_s, 0.0)
+        fb_s = max(median_seconds(lambda: self._forward_backward(x), repeats, warm_s) - call_s, 0.0)
         return f_s, max(fb_s - f_s, 0.0)
 
     def held(self, x: Any, memory: str) -> tuple[float, float]:
@@ -272,19 +279,18 @@ def measure(
         progress.phase(f"measuring each of the {len(names)} layers alone at {len(sizes)} micro-batch sizes", len(names))
     scaled: dict[int, set[int]] = {}  # size -> the units scaled to it from a smaller size, not run (over budget)
     alike: dict[str, list[_Timed]] = {}  # kind -> its units timed: their costs, their tracing
-    copied = 0  # units given the times of those of their kind timed before them
-    traces: list[float] = []
+    tally = _Tally(progress, len(names), sizes, by_batch)
     _pay_first_trace(device)
     for walked in units_lib.walk(units, sample, sizes[0], device):
-        unit = len(outputs)
+        unit, began = len(outputs), timeit.default_timer()
         with _compat.custom_gradients_forgotten():  # the copy, let go after, holds no memory then
             kinds.append(same_layer_key(walked.copy, walked.inputs))
             timed = alike.setdefault(kinds[-1], []) if kinds[-1] is not None else []
             given = known[unit] if known is not None else None
             read = memory if read_on == device else None
-            per_size, over, trace_s, reused = _own_or_alike(walked, timed, given, sizes, device, read, repeats, budget)
-        copied += reused
-        traces.append(trace_s)
+            run = tally.sizes(len(timed))
+            per_size, over, trace_s, reused = _own_or_alike(walked, timed, given, run, device, read, repeats, budget)
+        tally.took(unit, timeit.default_timer() - began, None if reused else run, trace_s)
         _record(by_batch, scaled, sizes, unit, per_size, over)
         if not nodes:  # a layer list's layers may be unbuilt: their built copies count
             weights.append(sum(tensor_bytes(v) for v in walked.copy.weights))
@@ -296,10 +302,10 @@ def measure(
         tie_alike(costs, kinds)
     found = Profile(
         device, weights, trainable, tensor_bytes(tf.nest.map_structure(lambda t: np.asarray(t)[:1], sample)), outputs,
-        by_batch, _source(read_on, device), read_on, tied=tied, not_run=_scaled_notes(scaled, names), trace_s=traces,
+        by_batch, _source(read_on, device), read_on, tied=tied, trace_s=tally.traces,
+        not_run=_scaled_notes(scaled, names) + tally.notes(names),
     )  # fmt: skip
-    if copied:
-        found.time_source += f" ({copied} given the times of the first {ALIKE_TIMED} of their kind)"
+    found.time_source += tally.given()
     return found
 
 
@@ -321,15 +327,15 @@ def _own_or_alike(
     walked: Any,
     timed: list[_Timed],
     given: tuple[list[tuple[float, float]], set[int]] | None,
-    sizes: list[int],
+    sizes: _Sizes | None,
     device: str,
     read: str | None,
     repeats: int,
     budget: float | None,
 ) -> tuple[_Costs, list[int], float, bool]:
     """A unit's costs at each size, the sizes it is predicted over the budget at (scaled there, not run), its tracing
-    seconds, and whether it took those of its kind's first ``ALIKE_TIMED`` (``timed``) rather than being timed."""
-    if len(timed) >= ALIKE_TIMED:
+    seconds, and whether it took those of its kind's ``timed`` before it (``sizes`` None) rather than being timed."""
+    if sizes is None:
         return _as_timed([costs for costs, _ in timed], given), [], float(np.mean([t for _, t in timed])), True
     per_size, over, trace_s = _unit_costs(walked, sizes, device, read, repeats, budget, given)
     timed.append((per_size, trace_s))
@@ -447,40 +453,42 @@ def _alone_bytes(walked: Any) -> float:
 
 def _unit_costs(
     walked: Any,
-    sizes: list[int],
+    run: _Sizes,
     device: str,
     memory: str | None,
     repeats: int,
     budget: float | None,
     known: tuple[list[tuple[float, float]], set[int]] | None = None,
 ) -> tuple[_Costs, list[int], float]:
-    """One walked unit's (forward s, backward s, held bytes, working bytes) at each of ``sizes`` (``measure``'s), the
-    sizes not run because the unit alone is predicted over ``budget`` there (scaled from the largest size run), and
-    the seconds its forward and backward took to trace at the smallest size.
+    """One walked unit's (forward s, backward s, held bytes, working bytes) at each of ``run.every`` (``measure``'s),
+    the sizes not run because the unit alone is predicted over ``budget`` there (scaled from the largest size run),
+    and the seconds its forward and backward took to trace at the smallest size. Sizes outside ``run.sizes`` are not
+    run (to keep to ``max_seconds``): ``run.scaled`` gives them from those run.
 
     Bytes are read from ``memory`` (the device's allocator), or ``known`` (read on a stand-in, with the sizes over the
     budget there), or else estimated from the unit's output.
     """
+    sizes = run.every
     x_in, measured = walked.inputs, _Measured([walked.copy], device)
     fixed, in_per_row = _alone_bytes(walked), tensor_bytes(x_in) / sizes[0]
     out_per_row = tensor_bytes(walked.outputs) / sizes[0]
-    costs: _Costs = []
+    costs: dict[int, tuple[float, float, float, float]] = {}
     over: list[int] = []
     ran: tuple[int, float, float, float, float] | None = None  # the largest size run: b, f_s, b_s, held, working
     trace_s = measured.traced(_rows(x_in, sizes[0]))
-    for j, b in enumerate(sizes):
+    for b in run.sizes:
         if known is not None:
             too_many = b in known[1]
         else:
             too_many = ran is not None and _over_budget(fixed, in_per_row, sum(ran[3:]) / ran[0], b, budget)
         if too_many and ran is not None:
             f_s, b_s, held, working = (value * b / ran[0] for value in ran[1:])
-            costs.append((f_s, b_s, *(known[0][j] if known is not None else (held, working))))
+            costs[b] = (f_s, b_s, *(known[0][sizes.index(b)] if known is not None else (held, working)))
             over.append(b)
             continue
-        f_s, b_s = measured.seconds(_rows(x_in, b), repeats)
+        f_s, b_s = measured.seconds(_rows(x_in, b), repeats, run.warm_s)
         if known is not None:
-            held, working = known[0][j]
+            held, working = known[0][sizes.index(b)]
         elif memory is not None:
             held, working = measured.held(_rows(x_in, b), memory)
         else:
@@ -488,8 +496,123 @@ def _unit_costs(
             # pre-activation, a normalization's statistics): a rough rule, said so
             held = working = 2.0 * out_per_row * b
         ran = (b, f_s, b_s, held, working)
-        costs.append((f_s, b_s, held, working))
-    return costs, over, trace_s
+        costs[b] = (f_s, b_s, held, working)
+    scaled = run.scaled(costs)
+    if known is not None:  # read at every size on the stand-in: those bytes, whatever was run here
+        scaled = [(f_s, b_s, *known[0][j]) for j, (f_s, b_s, _, _) in enumerate(scaled)]
+    return scaled, over, trace_s
+
+
+@dataclasses.dataclass
+class _Sizes:
+    """The sizes a unit is measured at: ``sizes`` of ``every`` (all of them unless ``_SizePace`` keeps to a bound).
+
+    ``ratios``: per size, the forward and the backward seconds of the units measured at every size, summed; a size
+    not run is given the nearest size run's times (in log) scaled by their ratio there, and its bytes by the rows.
+    ``warm_s``: each timed function's warm-up, at most.
+    """
+
+    every: list[int]
+    sizes: list[int] = dataclasses.field(default_factory=list)
+    ratios: dict[int, tuple[float, float]] = dataclasses.field(default_factory=dict)
+    warm_s: float = WARM_S
+
+    def __post_init__(self) -> None:
+        self.sizes = self.sizes or list(self.every)
+
+    def scaled(self, costs: dict[int, tuple[float, float, float, float]]) -> _Costs:
+        """``costs`` by size run, with each size not run scaled from the nearest one run."""
+        out: _Costs = []
+        for b in self.every:
+            if b in costs:
+                out.append(costs[b])
+                continue
+            near = min(costs, key=lambda r: abs(np.log2(b / r)))
+            f_s, b_s, held, working = costs[near]
+            rows = b / near
+            (f_b, b_b), (f_near, b_near) = self.ratios.get(b, (1.0, 1.0)), self.ratios.get(near, (1.0, 1.0))
+            forward = f_b / f_near if f_near > 0 else rows
+            backward = b_b / b_near if b_near > 0 else rows
+            out.append((f_s * forward, b_s * backward, held * rows, working * rows))
+        return out
+
+
+class _Tally:
+    """The units ``measure`` has done: their tracing, which took their kind's times, which were measured at which
+    sizes; and from their pace, the sizes the next is measured at so that the layers alone keep to ``LAYERS_SHARE`` of
+    the time left under ``max_seconds`` when they start: every size while their pace allows, then the smallest and the
+    largest (the middle interpolated, as the search's other sizes are), then the middle one alone. The first unit
+    timed is measured at every size: the ratios a size not run is scaled by come from such units (``_Sizes``)."""
+
+    def __init__(self, progress: Progress | None, units: int, sizes: list[int], by_batch: dict[int, LayerCosts]):
+        left = progress.time_left() if progress is not None else float("inf")
+        self._until = timeit.default_timer() + LAYERS_SHARE * left if np.isfinite(left) else float("inf")
+        self._units, self._every, self._by_batch = units, sizes, by_batch
+        self._done, self.copied = 0, 0  # units done; of them, given the times of those of their kind before them
+        self.pressed = False  # whether one was given its kind's first's times alone, to keep to the bound
+        self.traces: list[float] = []  # per unit: its tracing seconds (``Profile.trace_s``)
+        self._each: list[float] = []  # per unit timed: its seconds per size run, its tracing counted as one size
+        self._full: list[int] = []  # the units measured at every size
+        self._fewer: dict[tuple[int, ...], list[int]] = {}  # sizes run -> the units measured at them alone
+
+    def sizes(self, of_kind: int) -> _Sizes | None:
+        """The sizes the next unit is measured at, with the ratios the others are scaled by; None where it takes the
+        times of the ``of_kind`` units of its kind timed before it (``ALIKE_TIMED``; under pressure, one)."""
+        every = self._every
+        if of_kind >= ALIKE_TIMED:
+            return None
+        if not np.isfinite(self._until) or not self._each or not self._full:
+            return _Sizes(every)
+        ends = sorted({every[0], every[-1]})
+        choices = [every, ends, [every[len(every) // 2]]]
+        share = len(self._each) / self._done  # of the units so far, those timed (the rest took their kind's)
+        each, left = float(np.mean(self._each)), self._until - timeit.default_timer()
+        fitting = [c for c in choices if (self._units - self._done) * share * each * (1 + len(c)) <= left]
+        chosen = fitting[0] if fitting else choices[-1]
+        if len(chosen) == len(every):
+            return _Sizes(every)
+        if of_kind:
+            self.pressed = True
+            return None
+        ratios = {
+            b: (
+                sum(self._by_batch[b].forward_s[u] for u in self._full),
+                sum(self._by_batch[b].backward_s[u] for u in self._full),
+            )
+            for b in every
+        }
+        return _Sizes(every, list(chosen), ratios, PRESSED_WARM_S)
+
+    def took(self, unit: int, seconds: float, run: _Sizes | None, trace_s: float) -> None:
+        """Count ``unit`` done in ``seconds``, measured at ``run`` (None: given its kind's times), traced in
+        ``trace_s``."""
+        self._done += 1
+        self.traces.append(trace_s)
+        if run is None:
+            self.copied += 1
+            return
+        self._each.append(seconds / (1 + len(run.sizes)))
+        if len(run.sizes) == len(self._every):
+            self._full.append(unit)
+        else:
+            self._fewer.setdefault(tuple(run.sizes), []).append(unit)
+
+    def given(self) -> str:
+        """What the profile's time source says of the units given their kind's times ("" where none was)."""
+        if not self.copied:
+            return ""
+        pressed = ", or of the first alone to keep to max_seconds" if self.pressed else ""
+        return f" ({self.copied} given the times of the first {ALIKE_TIMED} of their kind{pressed})"
+
+    def notes(self, names: Sequence[str]) -> list[str]:
+        """What the summary says of the units measured at fewer sizes."""
+        return [
+            f"{len(units)} layer(s) ({', '.join(names[u] for u in units[:3])}{', ...' if len(units) > 3 else ''}) "
+            f"measured alone at {list(run)} of {self._every} rows only, to keep the layers to {LAYERS_SHARE:.0%} of "
+            f"the time left within max_seconds; their other sizes scaled by what the {len(self._full)} measured at "
+            "every size took there"
+            for run, units in self._fewer.items()
+        ]
 
 
 def _append(costs: LayerCosts, forward_s: float, backward_s: float, held: float, working: float) -> None:

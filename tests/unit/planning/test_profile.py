@@ -1,11 +1,15 @@
 """What the planner measures per layer: alike layers (same class, configuration and inputs) share their times."""
 
+import types
+
 import keras
 import numpy as np
+import pytest
 import tensorflow as tf
 
 from tfpipe.planning import profile as profile_lib
 from tfpipe.planning import walk
+from tfpipe.planning.progress import Progress
 
 
 def test_alike_layers_get_their_mean_times_and_the_total_is_kept():
@@ -131,3 +135,75 @@ def test_the_first_trace_of_the_process_is_paid_before_any_unit_is_traced(monkey
     assert order == ["paid", "unit", "unit"]
     # a Dense's tracing alone, the process's once-paid costs not in it: well under the 0.16 s they took
     assert all(0.0 < t < 0.15 for t in measured.trace_s), measured.trace_s
+
+
+def _clocked(monkeypatch):
+    """Each unit's tracing and each size it is measured at take 1 s of a fake clock; its times are units x rows^0.5
+    (forward) and twice that (backward), not in proportion to the rows: the ratios scaling a size not run must carry
+    that. Returns the rows each Dense(units) was run at, its warm-ups, and the units of each Dense measured."""
+    clock = [0.0]
+    run: dict[int, list[int]] = {}
+    warmed: dict[int, set[float]] = {}
+    traces: list[int] = []  # the units of each Dense traced (measured)
+
+    def seconds(self, x, repeats, warm_s):
+        clock[0] += 1.0
+        rows, units = int(x.shape[0]), self._copies[0].units
+        run.setdefault(units, []).append(rows)
+        warmed.setdefault(units, set()).add(warm_s)
+        return units * rows**0.5, 2 * units * rows**0.5
+
+    def traced(self, x):
+        clock[0] += 1.0
+        traces.append(self._copies[0].units)
+        return 0.01
+
+    monkeypatch.setattr(profile_lib, "timeit", types.SimpleNamespace(default_timer=lambda: clock[0]))
+    monkeypatch.setattr(profile_lib._Measured, "seconds", seconds)
+    monkeypatch.setattr(profile_lib._Measured, "traced", traced)
+    monkeypatch.setattr(profile_lib, "_pay_first_trace", lambda device: None)
+    return run, warmed, traces
+
+
+@pytest.mark.parametrize(
+    "max_seconds, later",
+    [(None, [2, 4, 8]), (39.0, [2, 8]), (29.0, [4])],  # none, then the ends, then the middle
+)
+def test_under_max_seconds_later_layers_are_measured_at_fewer_sizes_and_scaled_by_the_first(
+    monkeypatch, max_seconds, later
+):
+    run, warmed, _ = _clocked(monkeypatch)
+    layers = [keras.layers.Dense(units) for units in range(8, 14)]  # six kinds: each timed
+    # half of max_seconds for the layers: 4 s the first (three sizes and its tracing), 3 or 2 s each after
+    progress = Progress(verbose=0, max_seconds=max_seconds)
+    measured = profile_lib.measure(layers, np.zeros((8, 8), "float32"), [2, 4, 8], "/CPU:0", progress=progress)
+    assert run[8] == [2, 4, 8] and all(run[units] == later for units in range(9, 14)), str(run)
+    # those measured at fewer sizes warmed up for less
+    assert warmed[8] == {0.3} and all(warmed[u] == {0.3 if later == [2, 4, 8] else 0.1} for u in range(9, 14))
+    for b, costs in measured.by_batch.items():  # each layer's own times at every size, those not run scaled so
+        np.testing.assert_allclose(costs.forward_s, [units * b**0.5 for units in range(8, 14)])
+        np.testing.assert_allclose(costs.backward_s, [2 * units * b**0.5 for units in range(8, 14)])
+    notes = [n for n in measured.not_run if "measured alone at" in n]
+    if later == [2, 4, 8]:
+        assert notes == []
+    else:
+        assert notes == [
+            f"5 layer(s) ({', '.join(layer.name for layer in layers[1:4])}, ...) measured alone at {later} of [2, 4, 8]"
+            " rows only, to keep the layers to 50% of the time left within max_seconds; their other sizes scaled by "
+            "what the 1 measured at every size took there"
+        ]
+
+
+@pytest.mark.parametrize("max_seconds", [None, 29.0])
+def test_under_max_seconds_only_the_first_of_a_kind_is_timed(monkeypatch, max_seconds):
+    _, _, traces = _clocked(monkeypatch)
+    layers = [keras.layers.Dense(8), keras.layers.Dense(12), keras.layers.Dense(16), keras.layers.Dense(16)]
+    layers += [keras.layers.Dense(16)]  # the last three: the first reads 12 columns, the other two alike
+    progress = Progress(verbose=0, max_seconds=max_seconds)
+    measured = profile_lib.measure(layers, np.zeros((8, 8), "float32"), [2, 4, 8], "/CPU:0", progress=progress)
+    pressed = max_seconds is not None
+    # Dense(16) measured for the one reading 12 columns, then for the first reading 16, and (unbounded) the second
+    assert traces == [8, 12, 16, 16] + ([] if pressed else [16]), traces
+    expected = "(1 given the times of the first 2 of their kind, or of the first alone to keep to max_seconds)"
+    assert (expected in measured.time_source) == pressed, measured.time_source
+    assert measured.by_batch[8].forward_s[3] == measured.by_batch[8].forward_s[4]
