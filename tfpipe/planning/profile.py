@@ -505,11 +505,13 @@ def _unit_costs(
 
 @dataclasses.dataclass
 class _Sizes:
-    """The sizes a unit is measured at: ``sizes`` of ``every`` (all of them unless ``_SizePace`` keeps to a bound).
+    """The sizes a unit is measured at: ``sizes`` of ``every`` (all of them unless ``_Tally`` keeps to a bound).
 
-    ``ratios``: per size, the forward and the backward seconds of the units measured at every size, summed; a size
-    not run is given the nearest size run's times (in log) scaled by their ratio there, and its bytes by the rows.
-    ``warm_s``: each timed function's warm-up, at most.
+    A size not run between two run is interpolated between them, times in log(size) and log(time), bytes in the rows
+    (as ``fill`` does); a size outside those run is given the nearest one's times scaled as ``ratios`` (per size, the
+    forward and backward seconds of the unit timed last at several sizes: on 4-block AmoebaNet-D such a neighbour's
+    scaling gave 70% of its cells' times within 0.67-1.5x, the summed scaling of the first units 18-37%), and its
+    bytes by the rows. ``warm_s``: each timed function's warm-up, at most.
     """
 
     every: list[int]
@@ -521,19 +523,26 @@ class _Sizes:
         self.sizes = self.sizes or list(self.every)
 
     def scaled(self, costs: dict[int, tuple[float, float, float, float]]) -> _Costs:
-        """``costs`` by size run, with each size not run scaled from the nearest one run."""
+        """``costs`` by size run, with each size not run interpolated or scaled from those run."""
         out: _Costs = []
         for b in self.every:
+            below, above = [r for r in costs if r < b], [r for r in costs if r > b]
             if b in costs:
                 out.append(costs[b])
-                continue
-            near = min(costs, key=lambda r: abs(np.log2(b / r)))
-            f_s, b_s, held, working = costs[near]
-            rows = b / near
-            (f_b, b_b), (f_near, b_near) = self.ratios.get(b, (1.0, 1.0)), self.ratios.get(near, (1.0, 1.0))
-            forward = f_b / f_near if f_near > 0 else rows
-            backward = b_b / b_near if b_near > 0 else rows
-            out.append((f_s * forward, b_s * backward, held * rows, working * rows))
+            elif below and above:
+                lo, hi = costs[max(below)], costs[min(above)]
+                x, ends = np.log2(b), np.log2([max(below), min(above)])
+                times = [float(np.exp2(np.interp(x, ends, np.log2(np.maximum([lo[i], hi[i]], 1e-12))))) for i in (0, 1)]
+                held, working = (float(np.interp(b, [max(below), min(above)], [lo[i], hi[i]])) for i in (2, 3))
+                out.append((times[0], times[1], held, working))
+            else:
+                near = min(costs, key=lambda r: abs(np.log2(b / r)))
+                f_s, b_s, held, working = costs[near]
+                rows = b / near
+                (f_b, b_b), (f_near, b_near) = self.ratios.get(b, (1.0, 1.0)), self.ratios.get(near, (1.0, 1.0))
+                forward = f_b / f_near if f_near > 0 else rows
+                backward = b_b / b_near if b_near > 0 else rows
+                out.append((f_s * forward, b_s * backward, held * rows, working * rows))
         return out
 
 
@@ -542,7 +551,7 @@ class _Tally:
     sizes; and from their pace, the sizes the next is measured at so that the layers alone keep to ``LAYERS_SHARE`` of
     the time left under ``max_seconds`` when they start: every size while their pace allows, then the smallest and the
     largest (the middle interpolated, as the search's other sizes are), then the middle one alone. The first unit
-    timed is measured at every size: the ratios a size not run is scaled by come from such units (``_Sizes``)."""
+    timed is measured at every size (``_Sizes``: how the sizes not run are given)."""
 
     def __init__(self, progress: Progress | None, units: int, sizes: list[int], by_batch: dict[int, LayerCosts]):
         left = progress.time_left() if progress is not None else float("inf")
@@ -552,7 +561,7 @@ class _Tally:
         self.pressed = False  # whether one was given its kind's first's times alone, to keep to the bound
         self.traces: list[float] = []  # per unit: its tracing seconds (``Profile.trace_s``)
         self._each: list[float] = []  # per unit timed: its seconds per size run, its tracing counted as one size
-        self._full: list[int] = []  # the units measured at every size
+        self._last: int | None = None  # the unit timed last at several sizes: what one size is scaled by
         self._fewer: dict[tuple[int, ...], list[int]] = {}  # sizes run -> the units measured at them alone
 
     def sizes(self, of_kind: int) -> _Sizes | None:
@@ -561,7 +570,7 @@ class _Tally:
         every = self._every
         if of_kind >= ALIKE_TIMED:
             return None
-        if not np.isfinite(self._until) or not self._each or not self._full:
+        if not np.isfinite(self._until) or self._last is None:
             return _Sizes(every)
         ends = sorted({every[0], every[-1]})
         choices = [every, ends, [every[len(every) // 2]]]
@@ -574,13 +583,7 @@ class _Tally:
         if of_kind:
             self.pressed = True
             return None
-        ratios = {
-            b: (
-                sum(self._by_batch[b].forward_s[u] for u in self._full),
-                sum(self._by_batch[b].backward_s[u] for u in self._full),
-            )
-            for b in every
-        }
+        ratios = {b: (self._by_batch[b].forward_s[self._last], self._by_batch[b].backward_s[self._last]) for b in every}
         return _Sizes(every, list(chosen), ratios, PRESSED_WARM_S)
 
     def took(self, unit: int, seconds: float, run: _Sizes | None, trace_s: float) -> None:
@@ -592,9 +595,8 @@ class _Tally:
             self.copied += 1
             return
         self._each.append(seconds / (1 + len(run.sizes)))
-        if len(run.sizes) == len(self._every):
-            self._full.append(unit)
-        else:
+        self._last = unit if len(run.sizes) > 1 else self._last
+        if len(run.sizes) < len(self._every):
             self._fewer.setdefault(tuple(run.sizes), []).append(unit)
 
     def given(self) -> str:
@@ -609,8 +611,8 @@ class _Tally:
         return [
             f"{len(units)} layer(s) ({', '.join(names[u] for u in units[:3])}{', ...' if len(units) > 3 else ''}) "
             f"measured alone at {list(run)} of {self._every} rows only, to keep the layers to {LAYERS_SHARE:.0%} of "
-            f"the time left within max_seconds; their other sizes scaled by what the {len(self._full)} measured at "
-            "every size took there"
+            "the time left within max_seconds; "
+            + ("the sizes between interpolated" if len(run) > 1 else "the other sizes scaled as the layer before")
             for run, units in self._fewer.items()
         ]
 

@@ -169,7 +169,7 @@ def _clocked(monkeypatch):
     "max_seconds, later",
     [(None, [2, 4, 8]), (39.0, [2, 8]), (29.0, [4])],  # none, then the ends, then the middle
 )
-def test_under_max_seconds_later_layers_are_measured_at_fewer_sizes_and_scaled_by_the_first(
+def test_under_max_seconds_later_layers_are_measured_at_fewer_sizes_the_others_interpolated_or_scaled(
     monkeypatch, max_seconds, later
 ):
     run, warmed, _ = _clocked(monkeypatch)
@@ -180,7 +180,7 @@ def test_under_max_seconds_later_layers_are_measured_at_fewer_sizes_and_scaled_b
     assert run[8] == [2, 4, 8] and all(run[units] == later for units in range(9, 14)), str(run)
     # those measured at fewer sizes warmed up for less
     assert warmed[8] == {0.3} and all(warmed[u] == {0.3 if later == [2, 4, 8] else 0.1} for u in range(9, 14))
-    for b, costs in measured.by_batch.items():  # each layer's own times at every size, those not run scaled so
+    for b, costs in measured.by_batch.items():  # each layer's own times at every size, those not run given so
         np.testing.assert_allclose(costs.forward_s, [units * b**0.5 for units in range(8, 14)])
         np.testing.assert_allclose(costs.backward_s, [2 * units * b**0.5 for units in range(8, 14)])
     notes = [n for n in measured.not_run if "measured alone at" in n]
@@ -189,8 +189,8 @@ def test_under_max_seconds_later_layers_are_measured_at_fewer_sizes_and_scaled_b
     else:
         assert notes == [
             f"5 layer(s) ({', '.join(layer.name for layer in layers[1:4])}, ...) measured alone at {later} of [2, 4, 8]"
-            " rows only, to keep the layers to 50% of the time left within max_seconds; their other sizes scaled by "
-            "what the 1 measured at every size took there"
+            " rows only, to keep the layers to 50% of the time left within max_seconds; "
+            + ("the sizes between interpolated" if len(later) > 1 else "the other sizes scaled as the layer before")
         ]
 
 
