@@ -216,7 +216,20 @@ def replicated_step(
     replicas = [[d] for d in devices]
     n = len(units_lib.of(layers))
     optimizer = _fresh(optimizer)
-    return _probe(copies, [n], replicas, 1, x, y, optimizer, steps, _mean, kept=kept, repeated_layers=repeated_layers)
+    return _probe(
+        copies, [n], replicas, 1, x, y, optimizer, steps, _mean, per_device=True, kept=kept,
+        repeated_layers=repeated_layers,
+    )  # fmt: skip
+
+
+def largest_peak(probe: Probe, devices: Sequence[str], count: int) -> float | None:
+    """The largest of a probe's device peaks: each device's own, or where the ``count`` devices it ran on share one
+    allocator (logical CPUs), its total per device; None where neither can be read."""
+    if probe.device_peaks:
+        return max(probe.device_peaks)
+    if probe.peak_bytes is not None and peaks_readable(devices):
+        return probe.peak_bytes / count
+    return None
 
 
 def _fresh(optimizer: Any) -> keras.optimizers.Optimizer:

@@ -314,6 +314,12 @@ def verified(
     timed: dict[Config, tuple[float, float | None]] = {}
     args = (layers, sample, batch_size, devices, optimizer, repeated_layers)
     for candidate in listed:  # one at a time while max_seconds leaves time for it
+        stepped = measured.steps.get((batch_size, probe_fits.step_key(candidate.config))) if measured else None
+        if stepped is not None:  # a probe trained this very step: its times
+            timed[candidate.config] = stepped
+            if progress is not None:
+                progress.step(f"{candidate.config.describe()}, timed as a probe")
+            continue
         predicted = None
         if measured is not None:
             predicted = probe_fits.build_seconds(measured, probe_fits.shape_of(candidate.config, batch_size))
@@ -350,11 +356,7 @@ def _time_configured(
         if progress is not None:
             progress.probe_took(time.monotonic() - began, predicted)
             progress.step(config.describe())
-    if probe.device_peaks:
-        return probe.seconds, max(probe.device_peaks)
-    if probe.peak_bytes is not None and calibration_lib.peaks_readable(devices):  # one allocator's: per device
-        return probe.seconds, probe.peak_bytes / (config.num_devices * config.num_replicas)
-    return probe.seconds, None
+    return probe.seconds, calibration_lib.largest_peak(probe, devices, config.num_devices * config.num_replicas)
 
 
 def _count(name: str, count: Any) -> int:
@@ -382,7 +384,9 @@ def reused(profile: profile_lib.Profile, layers: Any) -> profile_lib.Profile:
             f"profile=... was measured on {len(profile.weight_bytes)} {unit} but {len(layers)} are planned; pass the "
             "profile of a plan of these layers, or leave profile out to measure them."
         )
-    return copy.deepcopy(profile)  # the search fills sizes in: the earlier plan's profile stays as it was
+    again = copy.deepcopy(profile)  # the search fills sizes in: the earlier plan's profile stays as it was
+    again.steps = {}  # timed on the earlier plan's devices and optimizer
+    return again
 
 
 def _devices(devices: Sequence[str] | None) -> list[str]:

@@ -102,6 +102,11 @@ def fit_model(
     probes = plan_probes(memory, layers, batch_size, recompute, replicas)
     groups = memory.groups(probes.shapes())
     took = time_probes(groups, layers, data, devices, optimizer, progress, measured, repeated_layers)
+    for shape, probe in took.items():  # the probes that trained a whole batch as a configuration would
+        config = config_of(shape, batch_size)
+        if config is not None:
+            count = len(shape.cut) * shape.replicas
+            measured.steps[(batch_size, config)] = (probe.seconds, calibration_lib.largest_peak(probe, devices, count))
     scaled = {s: took[s] for s in probes.scale.values() if s in took}
     if scaled:
         scale_to_whole_steps(measured, scaled, calibration, devices[0])
@@ -325,6 +330,20 @@ def shape_of(config: Config, batch_size: int) -> Shape:
     m, r = config.num_micro_batches, config.num_replicas
     remat = "never" if config.remat == "never" else "always"
     return Shape(max(batch_size // (m * r), 1), m, tuple(config.balance), remat, r, config.schedule)
+
+
+def config_of(shape: Shape, batch_size: int) -> Config | None:
+    """The configuration whose step a probe of ``shape`` trains, where it trains ``batch_size`` rows (else None)."""
+    if shape.b * shape.m * shape.replicas != batch_size:
+        return None
+    return Config(shape.cut, shape.replicas, shape.m, shape.remat, shape.schedule)
+
+
+def step_key(config: Config) -> Config:
+    """``config`` as the step it trains: at M=1 ``except_last`` recomputes nothing, as ``never``."""
+    if config.remat == "except_last" and config.num_micro_batches == 1:
+        return dataclasses.replace(config, remat="never")
+    return config
 
 
 def describe(shape: Shape) -> str:

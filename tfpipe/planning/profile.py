@@ -88,6 +88,10 @@ class Profile:
     # mean where it took its kind's times); what building a probe of the whole model is predicted from
     # (``probe_fits.build_seconds``). Empty where not measured (a profile made by hand)
     trace_s: list[float] = dataclasses.field(default_factory=list)
+    # whole steps of a batch that the planner's probes trained, by (batch size, the configuration each step is,
+    # ``predict.Config``): their median seconds and largest device peak (None where not read). The shortlist takes
+    # these rather than build such a configuration again; a profile reused for another plan has none
+    steps: dict[tuple[int, Any], tuple[float, float | None]] = dataclasses.field(default_factory=dict)
 
     def cell_weights(self, lo: int, hi: int) -> tuple[float, float, float]:
         """Units [lo, hi) as one cell: the bytes of the weights it holds, of the trainable ones it owns (their

@@ -337,3 +337,41 @@ def test_out_of_time_the_batched_w_schedule_leaves_the_search_rather_than_be_rea
     measured = profile()
     choose._joined(request, measured, progress)
     assert read == [1, 1] and measured.joined_bytes == [1.0, 1.0, 1.0] and measured.not_run == []
+
+
+def test_a_shortlisted_step_that_a_probe_trained_takes_its_times_and_is_not_built_again(monkeypatch):
+    built = []
+
+    def configured_step(layers, sample, batch_size, config, devices, optimizer, repeated_layers="-"):
+        built.append(config)
+        return calibration_lib.Probe(0.9, None)
+
+    monkeypatch.setattr(calibration_lib, "configured_step", configured_step)
+    # probes: K=1 at M=1 on the whole batch of 8, two replicas of 4 rows at M=1; one of 4 rows x M=1 is no batch's step
+    shapes = [probe_fits.Shape(8, 1, (3,)), probe_fits.Shape(4, 1, (3,), replicas=2), probe_fits.Shape(4, 1, (3,))]
+    assert [probe_fits.config_of(s, 8) for s in shapes] == [
+        Config((3,), 1, 1, "never", "gpipe"),
+        Config((3,), 2, 1, "never", "gpipe"),
+        None,
+    ]
+    measured = profile()
+    measured.steps[(8, Config((3,), 1, 1, "never", "gpipe"))] = (0.7, 5.0)
+    measured.steps[(8, Config((3,), 2, 1, "never", "gpipe"))] = (0.8, None)
+    found = [
+        candidate(2, 1, 4, "gpipe", 1.00),
+        candidate(1, 1, 1, "gpipe", 1.05, remat="except_last"),  # at M=1 recomputing nothing: the probe's step
+        candidate(1, 2, 1, "gpipe", 1.06),
+    ]
+    not_run: list[str] = []
+    ordered = planner.verified(found, [], None, 8, DEVICES, "sgd", 3, None, None, not_run, "inline", measured)
+    assert built == [found[0].config]  # the other two were trained by probes
+    assert [(c.config.num_partitions, c.config.num_replicas, c.measured_s) for c in ordered] == [
+        (1, 1, 0.7),
+        (1, 2, 0.8),
+        (2, 1, 0.9),
+    ]
+    # another batch size, or a profile reused for another plan: built again
+    built.clear()
+    planner.verified(found, [], None, 16, DEVICES, "sgd", 3, None, None, not_run, "inline", measured)
+    assert len(built) == 3
+    assert planner.reused(measured, [None] * len(measured.weight_bytes)).steps == {}
