@@ -17,7 +17,7 @@ import dataclasses
 import gc
 import time
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import tensorflow as tf
@@ -206,7 +206,7 @@ def _measured(
     else:  # each layer alone at three sizes (the smallest, the middle, the largest), the rest interpolated
         measured = profile_lib.measure(
             request.layers, request.data, probe_fits.profile_sizes(request.sizes), request.devices[0],
-            repeats=request.repeats, progress=progress, budget=request.budget,
+            repeats=request.repeats, progress=progress, budget=request.budget, auto_bound=_auto_bound(request),
         )  # fmt: skip
     profile_lib.fill(measured, request.sizes)
     if request.budget is not None and measured.memory_device is None:
@@ -235,6 +235,17 @@ def _measured(
         )  # fmt: skip
     _joined(request, measured, progress)
     return measured, calibration
+
+
+def _auto_bound(request: _Request) -> Callable[[float], float] | None:
+    """Under ``max_seconds="auto"``, the bound a step of the layers on one device (as far as they are measured) gives
+    while they are measured, before the search can give the fastest configuration: ``AUTO_STEPS`` steps of it spread
+    over the devices, at least ``AUTO_MIN_SECONDS`` (an estimate: the bound set after them goes by the search's
+    fastest configuration)."""
+    if request.max_seconds != "auto":
+        return None
+    devices = len(set(request.devices))
+    return lambda step: max(AUTO_STEPS * step / devices, AUTO_MIN_SECONDS)
 
 
 def _joined(request: _Request, measured: profile_lib.Profile, progress: Progress) -> None:

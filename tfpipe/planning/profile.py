@@ -18,7 +18,7 @@ import dataclasses
 import logging
 import os
 import timeit
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import keras
@@ -260,12 +260,15 @@ def measure(
     repeats: int = 5,
     progress: Progress | None = None,
     budget: float | None = None,
+    auto_bound: Callable[[float], float] | None = None,
 ) -> Profile:
     """Profile ``units`` (``planning.units``: layers, or a Functional model's nodes) on ``device`` at each
     micro-batch size in ``batch_sizes`` on data like ``sample``: each copied, run and traced once at the smallest
     size (at the largest, a walk went over a budget), then measured on its input's rows repeated to each size. Bytes
     are read on ``stand_in(device)`` (copies of their own there). ``budget``: a size at which a unit alone is predicted
-    (from its smaller sizes) to hold more is not run but scaled from the largest size run by the rows (``not_run``)."""
+    (from its smaller sizes) to hold more is not run but scaled from the largest size run by the rows (``not_run``).
+    Under ``progress``'s ``max_seconds``, or where that is yet to be set, the bound ``auto_bound`` gives for a step of
+    them all on one device, later units are measured at fewer sizes to keep to ``LAYERS_SHARE`` of it (``_Tally``)."""
     read_on = stand_in(device)
     memory = memory_name(read_on) if read_on else None
     sizes = sorted(set(int(b) for b in batch_sizes))
@@ -283,7 +286,7 @@ def measure(
         progress.phase(f"measuring each of the {len(names)} layers alone at {len(sizes)} micro-batch sizes", len(names))
     scaled: dict[int, set[int]] = {}  # size -> the units scaled to it from a smaller size, not run (over budget)
     alike: dict[str, list[_Timed]] = {}  # kind -> its units timed: their costs, their tracing
-    tally = _Tally(progress, len(names), sizes, by_batch)
+    tally = _Tally(progress, len(names), sizes, by_batch, auto_bound)
     _pay_first_trace(device)
     for walked in units_lib.walk(units, sample, sizes[0], device):
         unit, began = len(outputs), timeit.default_timer()
@@ -557,9 +560,18 @@ class _Tally:
     largest (the middle interpolated, as the search's other sizes are), then the middle one alone. The first unit
     timed is measured at every size (``_Sizes``: how the sizes not run are given)."""
 
-    def __init__(self, progress: Progress | None, units: int, sizes: list[int], by_batch: dict[int, LayerCosts]):
+    def __init__(
+        self,
+        progress: Progress | None,
+        units: int,
+        sizes: list[int],
+        by_batch: dict[int, LayerCosts],
+        auto_bound: Callable[[float], float] | None = None,
+    ):
         left = progress.time_left() if progress is not None else float("inf")
-        self._until = timeit.default_timer() + LAYERS_SHARE * left if np.isfinite(left) else float("inf")
+        self._began, self._elapsed = timeit.default_timer(), progress.seconds() if progress is not None else 0.0
+        self._until = self._began + LAYERS_SHARE * left if np.isfinite(left) else float("inf")
+        self._auto = auto_bound if progress is not None and not np.isfinite(left) else None
         self._units, self._every, self._by_batch = units, sizes, by_batch
         self._done, self.copied = 0, 0  # units done; of them, given the times of those of their kind before them
         self.pressed = False  # whether one was given its kind's first's times alone, to keep to the bound
@@ -574,12 +586,13 @@ class _Tally:
         every = self._every
         if of_kind >= ALIKE_TIMED:
             return None
-        if not np.isfinite(self._until) or self._last is None:
+        until = self._deadline()
+        if not np.isfinite(until) or self._last is None:
             return _Sizes(every)
         ends = sorted({every[0], every[-1]})
         choices = [every, ends, [every[len(every) // 2]]]
         share = len(self._each) / self._done  # of the units so far, those timed (the rest took their kind's)
-        each, left = float(np.mean(self._each)), self._until - timeit.default_timer()
+        each, left = float(np.mean(self._each)), until - timeit.default_timer()
         fitting = [c for c in choices if (self._units - self._done) * share * each * (1 + len(c)) <= left]
         chosen = fitting[0] if fitting else choices[-1]
         if len(chosen) == len(every):
@@ -589,6 +602,15 @@ class _Tally:
             return None
         ratios = {b: (self._by_batch[b].forward_s[self._last], self._by_batch[b].backward_s[self._last]) for b in every}
         return _Sizes(every, list(chosen), ratios, PRESSED_WARM_S)
+
+    def _deadline(self) -> float:
+        """When the layers' share of the bound ends: ``max_seconds``', or the one ``auto_bound`` gives for the step of
+        all the units on one device that those done so far extrapolate to (their times at the largest size)."""
+        if self._auto is None or not self._done:
+            return self._until
+        largest = self._by_batch[self._every[-1]]
+        done = sum(largest.forward_s[: self._done]) + sum(largest.backward_s[: self._done])
+        return self._began + LAYERS_SHARE * (self._auto(done * self._units / self._done) - self._elapsed)
 
     def took(self, unit: int, seconds: float, run: _Sizes | None, trace_s: float) -> None:
         """Count ``unit`` done in ``seconds``, measured at ``run`` (None: given its kind's times), traced in

@@ -207,3 +207,28 @@ def test_under_max_seconds_only_the_first_of_a_kind_is_timed(monkeypatch, max_se
     expected = "(1 given the times of the first 2 of their kind, or of the first alone to keep to max_seconds)"
     assert (expected in measured.time_source) == pressed, measured.time_source
     assert measured.by_batch[8].forward_s[3] == measured.by_batch[8].forward_s[4]
+
+
+def test_under_max_seconds_auto_the_layers_keep_to_the_bound_their_own_step_gives_as_they_go(monkeypatch):
+    run, _, _ = _clocked(monkeypatch)
+    steps = []
+
+    def auto_bound(step):  # the planner's: 200 such steps over the devices, at least 30 s; here as max_seconds=39
+        steps.append(step)
+        return 39.0
+
+    layers = [keras.layers.Dense(units) for units in range(8, 14)]
+    progress = Progress(verbose=0)  # "auto": no bound until the layers are measured
+    x = np.zeros((8, 8), "float32")
+    measured = profile_lib.measure(layers, x, [2, 4, 8], "/CPU:0", progress=progress, auto_bound=auto_bound)
+    assert all(run[units] == [2, 8] for units in range(9, 14)), str(run)  # as under max_seconds=39
+    # after the first layer: its step at the largest size, 8 rows, times the six layers; then the two done, ...
+    np.testing.assert_allclose(steps[0], 6 * 3 * 8 * 8**0.5)
+    np.testing.assert_allclose(steps[1], 6 * 3 * (8 + 9) * 8**0.5 / 2)
+    assert len(measured.by_batch[8].forward_s) == 6
+    # without auto_bound, or with a bound given, auto_bound is not asked
+    steps.clear()
+    profile_lib.measure(
+        layers, x, [2, 4, 8], "/CPU:0", progress=Progress(verbose=0, max_seconds=1e6), auto_bound=auto_bound
+    )
+    assert steps == []
