@@ -262,13 +262,11 @@ def measure(
     budget: float | None = None,
     auto_bound: Callable[[float], float] | None = None,
 ) -> Profile:
-    """Profile ``units`` (``planning.units``: layers, or a Functional model's nodes) on ``device`` at each
-    micro-batch size in ``batch_sizes`` on data like ``sample``: each copied, run and traced once at the smallest
-    size (at the largest, a walk went over a budget), then measured on its input's rows repeated to each size. Bytes
-    are read on ``stand_in(device)`` (copies of their own there). ``budget``: a size at which a unit alone is predicted
-    (from its smaller sizes) to hold more is not run but scaled from the largest size run by the rows (``not_run``).
-    Under ``progress``'s ``max_seconds``, or where that is yet to be set, the bound ``auto_bound`` gives for a step of
-    them all on one device, later units are measured at fewer sizes to keep to ``LAYERS_SHARE`` of it (``_Tally``)."""
+    """Profile ``units`` (``planning.units``: layers, or a Functional model's nodes) on ``device`` at each size in
+    ``batch_sizes`` on data like ``sample``: each copied, run and traced once at the smallest size (at the largest, a
+    walk went over a budget), then measured on its input's rows repeated to each size; bytes read on ``stand_in``.
+    ``budget``: a size at which a unit alone is predicted to hold more is scaled from one run (``not_run``). Kept to
+    ``progress``'s ``max_seconds`` (unset: to what ``auto_bound`` gives a one-device step of them) by ``_Tally``."""
     read_on = stand_in(device)
     memory = memory_name(read_on) if read_on else None
     sizes = sorted(set(int(b) for b in batch_sizes))
