@@ -554,7 +554,8 @@ class _Sizes:
 class _Tally:
     """The units ``measure`` has done: their tracing, which took their kind's times, which were measured at which
     sizes; and from their pace, the sizes the next is measured at so that the layers alone keep to ``LAYERS_SHARE`` of
-    the time left under ``max_seconds`` when they start: every size while their pace allows, then the smallest and the
+    the time left under ``max_seconds`` when they start (unset: of what ``auto_bound`` gives the one-device step those
+    done extrapolate to, ``_deadline``): every size while their pace allows, then the smallest and the
     largest (the middle interpolated, as the search's other sizes are), then the middle one alone. The first unit
     timed is measured at every size (``_Sizes``: how the sizes not run are given)."""
 
