@@ -325,7 +325,8 @@ def verified(
     timed: dict[Config, tuple[float, float | None]] = {}
     args = (layers, sample, batch_size, devices, optimizer, repeated_layers)
     for candidate in listed:  # one at a time while max_seconds leaves time for it
-        stepped = measured.steps.get((batch_size, probe_fits.step_key(candidate.config))) if measured else None
+        key = (batch_size, probe_fits.step_key(candidate.config))
+        stepped = measured.steps.get(key) if measured is not None else None
         if stepped is not None:  # a probe trained this very step: its times
             timed[candidate.config] = stepped
             if progress is not None:

@@ -488,7 +488,7 @@ def _unit_costs(
             too_many = ran is not None and _over_budget(fixed, in_per_row, sum(ran[3:]) / ran[0], b, budget)
         if too_many and ran is not None:
             f_s, b_s, held, working = (value * b / ran[0] for value in ran[1:])
-            costs[b] = (f_s, b_s, *(known[0][sizes.index(b)] if known is not None else (held, working)))
+            costs[b] = (f_s, b_s, held, working)  # the bytes read on a stand-in replace these below
             over.append(b)
             continue
         f_s, b_s = measured.seconds(_rows(x_in, b), repeats, run.warm_s)
@@ -535,11 +535,11 @@ class _Sizes:
             if b in costs:
                 out.append(costs[b])
             elif below and above:
-                lo, hi = costs[max(below)], costs[min(above)]
-                x, ends = np.log2(b), np.log2([max(below), min(above)])
-                times = [float(np.exp2(np.interp(x, ends, np.log2(np.maximum([lo[i], hi[i]], 1e-12))))) for i in (0, 1)]
-                held, working = (float(np.interp(b, [max(below), min(above)], [lo[i], hi[i]])) for i in (2, 3))
-                out.append((times[0], times[1], held, working))
+                ends = [max(below), min(above)]
+                f_s, b_s, held, working = (
+                    _interpolated(b, ends, [costs[r][i] for r in ends], times=i < 2) for i in range(4)
+                )
+                out.append((f_s, b_s, held, working))
             else:
                 near = min(costs, key=lambda r: abs(np.log2(b / r)))
                 f_s, b_s, held, working = costs[near]
@@ -678,6 +678,14 @@ def _rows(x: Any, n: int) -> Any:
     return tf.nest.map_structure(repeated, x)
 
 
+def _interpolated(b: int, sizes: Sequence[int], values: Any, times: bool) -> float:
+    """``values`` at the sorted ``sizes``, interpolated to ``b``: times in log(size) and log(time), bytes linearly in
+    the size (activations grow with the rows)."""
+    if times:
+        return float(np.exp2(np.interp(np.log2(b), np.log2(sizes), np.log2(np.maximum(values, 1e-12)))))
+    return float(np.interp(b, sizes, values))
+
+
 def fill(profile: Profile, sizes: Sequence[int]) -> None:
     """Add every size in ``sizes`` not measured, interpolated between the measured ones (per layer).
 
@@ -685,15 +693,11 @@ def fill(profile: Profile, sizes: Sequence[int]) -> None:
     Outside the measured range the nearest measured size's values are scaled (times and bytes by the size ratio).
     """
     measured = sorted(profile.by_batch)
-    logs = np.log2(measured)
     for b in sorted(set(sizes) - set(measured)):
         entry = LayerCosts([], [], [], [])
         for field in ("forward_s", "backward_s", "held_bytes", "working_bytes"):
             columns = np.array([getattr(profile.by_batch[m], field) for m in measured])  # sizes x layers
-            if field.endswith("_s"):
-                values = np.exp2([np.interp(np.log2(b), logs, np.log2(np.maximum(col, 1e-12))) for col in columns.T])
-            else:
-                values = np.array([np.interp(b, measured, col) for col in columns.T])
+            values = np.array([_interpolated(b, measured, col, field.endswith("_s")) for col in columns.T])
             nearest = min(max(b, measured[0]), measured[-1])
             if b != nearest:  # outside: proportional to the rows
                 values = columns[measured.index(nearest)] * b / nearest
