@@ -46,6 +46,10 @@ WARM_S = 0.3  # each timed function's warm-up, at most (``median_seconds``)
 # alike but in pairs) took 77-82 s at three sizes under a 60 s bound, 0.9 s a size a unit of it warming up.
 LAYERS_SHARE = 0.5
 PRESSED_WARM_S = 0.1  # a unit running for milliseconds has not had the ~90 runs settling its kernels by 0.3 s either
+# On a cluster the units' bytes are read on a stand-in first (``_bytes_on``), within this share of the time left; where
+# their pace says they would go past it, later units are read at one size: 4-block AmoebaNet-D's 18 units took 28 s at
+# three sizes on the client under "auto" (30 s)
+BYTES_SHARE = 0.25
 
 
 @dataclasses.dataclass
@@ -214,6 +218,11 @@ class _Measured:
     def _sources(self, inputs: Any) -> list[Any]:
         return [v.value for copy in self._copies for v in copy.trainable_variables] + _floats(inputs)
 
+    def prime(self, x: Any) -> None:
+        """Trace the forward fed ``x``: at other sizes it then runs a trace general in the rows (``reduce_retracing``),
+        as it does where it was first fed the smallest size."""
+        self._forward(x)
+
     def traced(self, x: Any) -> float:
         """Seconds the forward and backward take to trace and first run fed ``x``, beyond a later run."""
         began = timeit.default_timer()
@@ -277,9 +286,9 @@ def measure(
     outputs: list[float] = []
     kinds: list[str | None] = []
     names = units_lib.names(units)
-    known = None  # on a stand-in, the bytes are read first: a unit's bytes at a size are known before it runs there
+    known, bytes_notes = None, list[str]()  # on a stand-in, the bytes are read first: known at a size before it runs
     if read_on is not None and memory is not None and read_on != device:
-        known = _bytes_on(units, sample, sizes, read_on, memory, budget, progress)
+        known, bytes_notes = _bytes_on(units, sample, sizes, read_on, memory, budget, progress, auto_bound)
     if progress is not None:
         progress.phase(f"measuring each of the {len(names)} layers alone at {len(sizes)} micro-batch sizes", len(names))
     scaled: dict[int, set[int]] = {}  # size -> the units scaled to it from a smaller size, not run (over budget)
@@ -308,10 +317,21 @@ def measure(
     found = Profile(
         device, weights, trainable, tensor_bytes(tf.nest.map_structure(lambda t: np.asarray(t)[:1], sample)), outputs,
         by_batch, _source(read_on, device), read_on, tied=tied, trace_s=tally.traces,
-        not_run=_scaled_notes(scaled, names) + tally.notes(names),
+        not_run=_scaled_notes(scaled, names) + bytes_notes + tally.notes(names),
     )  # fmt: skip
     found.time_source += tally.given()
     return found
+
+
+def _bytes_deadline(progress: Progress | None, auto_bound: Callable[[float], float] | None) -> float:
+    """When reading the units' bytes on a stand-in should end (a ``timeit`` time): ``BYTES_SHARE`` of the time left
+    under ``max_seconds``, or under "auto" of the least bound ``auto_bound`` gives; inf without a bound."""
+    if progress is None:
+        return float("inf")
+    left = progress.time_left()
+    if not np.isfinite(left) and auto_bound is not None:
+        left = auto_bound(0.0) - progress.seconds()
+    return timeit.default_timer() + BYTES_SHARE * max(left, 0.0) if np.isfinite(left) else float("inf")
 
 
 def _pay_first_trace(device: str) -> None:
@@ -395,13 +415,16 @@ def _bytes_on(
     memory: str,
     budget: float | None,
     progress: Progress | None,
-) -> list[tuple[list[tuple[float, float]], set[int]]]:
+    auto_bound: Callable[[float], float] | None = None,
+) -> tuple[list[tuple[list[tuple[float, float]], set[int]]], list[str]]:
     """Per unit, read on ``read_on`` (a device's stand-in): (held, working) bytes at each of ``sizes``, and the sizes
-    over ``budget`` (predicted from the size before: scaled from it in proportion to the rows, not run).
+    over ``budget`` (predicted from the size before: scaled from it in proportion to the rows, not run); and what the
+    summary says of the units read at fewer sizes.
 
     A unit of a kind read before (``walk.same_layer_key``) gets that one's bytes: they hold the same tensors. Reading
     each of a 336-block Transformer's blocks at three sizes took 6 minutes on the client, before the planner's first
-    probe.
+    probe. Where their pace says they would go past ``BYTES_SHARE`` of the time left (``_bytes_deadline``), later units
+    are read at the middle size alone (``_BytesPace``).
     """
     names = units_lib.names(units)
     if progress is not None:
@@ -411,35 +434,110 @@ def _bytes_on(
     logger.setLevel(logging.ERROR)
     out: list[tuple[list[tuple[float, float]], set[int]]] = []
     read: dict[str, tuple[list[tuple[float, float]], set[int]]] = {}  # kind -> the first of its kind's bytes
+    pace = _BytesPace(sizes, len(names), _bytes_deadline(progress, auto_bound))
     try:
         for i, walked in enumerate(units_lib.walk(units, sample, sizes[0], read_on)):
             kind = same_layer_key(walked.copy, walked.inputs)
             if kind is not None and kind in read:
                 out.append((list(read[kind][0]), set(read[kind][1])))
-                if progress is not None:
-                    progress.step(names[i])
-                continue
-            with _compat.custom_gradients_forgotten():
-                measured, fixed = _Measured([walked.copy], read_on), _alone_bytes(walked)
-                in_per_row = tensor_bytes(walked.inputs) / sizes[0]
-                got: list[tuple[float, float]] = []
-                over: set[int] = set()
-                last, at = (0.0, 0.0), 0
-                for b in sizes:
-                    if at and _over_budget(fixed, in_per_row, sum(last) / at, b, budget):
-                        got.append((last[0] * b / at, last[1] * b / at))
-                        over.add(b)
-                        continue
-                    last, at = measured.held(_rows(walked.inputs, b), memory), b
-                    got.append(last)
-            out.append((got, over))
-            if kind is not None:
-                read[kind] = (got, over)
+            else:
+                began, run = timeit.default_timer(), pace.sizes()
+                with _compat.custom_gradients_forgotten():
+                    got, over = _read_bytes(walked, sizes, run, read_on, memory, budget, pace.full)
+                pace.took(i, timeit.default_timer() - began, run, got)
+                out.append((got, over))
+                if kind is not None:
+                    read[kind] = (got, over)
+            pace.done += 1
             if progress is not None:
                 progress.step(names[i])
     finally:
         logger.setLevel(level)
-    return out
+    return out, pace.notes(names, read_on)
+
+
+def _read_bytes(
+    walked: Any,
+    sizes: list[int],
+    run: list[int],
+    read_on: str,
+    memory: str,
+    budget: float | None,
+    full: list[tuple[float, float]] | None,
+) -> tuple[list[tuple[float, float]], set[int]]:
+    """One walked unit's (held, working) bytes at each of ``sizes``, read at those in ``run`` (but those predicted
+    over ``budget``), and the sizes over it. A size not read is scaled from the nearest read: as ``full`` (a unit
+    read at every size) scales between the two, else in proportion to the rows."""
+    measured, fixed = _Measured([walked.copy], read_on), _alone_bytes(walked)
+    in_per_row = tensor_bytes(walked.inputs) / sizes[0]
+    got: dict[int, tuple[float, float]] = {}
+    over: set[int] = set()
+    last, at = (0.0, 0.0), 0
+    if run[0] != sizes[0]:  # traced first at the smallest size, so that the others run the trace general in the rows
+        measured.prime(_rows(walked.inputs, sizes[0]))  # as read at every size: 1.8x the bytes held at 4 of 18 rows
+    for b in run:
+        if at and _over_budget(fixed, in_per_row, sum(last) / at, b, budget):
+            over.add(b)
+            continue
+        last, at = measured.held(_rows(walked.inputs, b), memory), b
+        got[b] = last
+    out = []
+    for j, b in enumerate(sizes):
+        if b in got:
+            out.append(got[b])
+            continue
+        near = max((r for r in got if r < b), default=None) if b in over else None
+        near = near or min(got, key=lambda r: abs(np.log2(b / r)))
+        ratios = [b / near] * 2
+        if full is not None and b not in over:  # as the unit read at every size scales from ``near`` to ``b``
+            k = sizes.index(near)
+            ratios = [full[j][i] / full[k][i] if full[k][i] > 0 else b / near for i in range(2)]
+        held, working = got[near][0] * ratios[0], got[near][1] * ratios[1]
+        if b > near and b not in over and _over_budget(fixed, in_per_row, (held + working) / b, b, budget):
+            over.add(b)  # not read, but predicted over the budget: not run on the device either
+        out.append((held, working))
+    return out, over
+
+
+class _BytesPace:
+    """Which sizes ``_bytes_on`` reads the next unit at: every size while the units' pace keeps them within ``until``,
+    else the middle one alone (the first unit read at every size), and what the summary says of those."""
+
+    def __init__(self, sizes: list[int], units: int, until: float):
+        self.every, self.units, self.until = sizes, units, until
+        self.done = 0  # units done, those of a kind read before included
+        self.full: list[tuple[float, float]] | None = None  # the last unit read at every size: its bytes
+        self._each: list[float] = []  # per unit read: its seconds per size read
+        self._fewer: list[int] = []  # the units read at the middle size alone
+
+    def sizes(self) -> list[int]:
+        """The sizes the next unit is read at."""
+        if self.full is None or not np.isfinite(self.until):
+            return list(self.every)
+        share = len(self._each) / max(self.done, 1)  # of the units so far, those read (the rest took their kind's)
+        left = self.until - timeit.default_timer()
+        if (self.units - self.done) * share * float(np.mean(self._each)) * len(self.every) <= left:
+            return list(self.every)
+        return [self.every[len(self.every) // 2]]
+
+    def took(self, unit: int, seconds: float, run: list[int], got: list[tuple[float, float]]) -> None:
+        """Count ``unit`` read at ``run`` in ``seconds`` (``got``: its bytes at every size)."""
+        self._each.append(seconds / len(run))
+        if len(run) == len(self.every):
+            self.full = got
+        else:
+            self._fewer.append(unit)
+
+    def notes(self, names: Sequence[str], read_on: str) -> list[str]:
+        """What the summary says of the units read at the middle size alone."""
+        if not self._fewer:
+            return []
+        units = ", ".join(names[u] for u in self._fewer[:3]) + (", ..." if len(self._fewer) > 3 else "")
+        return [
+            f"{len(self._fewer)} layer(s) ({units}) read for their bytes on {read_on} at "
+            f"{self.every[len(self.every) // 2]} of {self.every} rows only, to keep to {BYTES_SHARE:.0%} of the time "
+            "left within max_seconds; the other sizes scaled as the layer read at every size before them"
+        ]
 
 
 def _over_budget(fixed: float, in_per_row: float, held_per_row: float, rows: int, budget: float | None) -> bool:

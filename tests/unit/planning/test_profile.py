@@ -119,10 +119,77 @@ def test_bytes_read_on_a_stand_in_are_read_once_per_kind(monkeypatch):
 
     monkeypatch.setattr(profile_lib, "_Measured", Counted)
     layers = [keras.layers.Dense(16, activation="tanh") for _ in range(4)] + [keras.layers.Dense(8)]
-    out = profile_lib._bytes_on(layers, np.zeros((4, 16), "float32"), [2, 4], "/CPU:0", "CPU:0", None, None)
-    assert made == [["Dense16"], ["Dense8"]]  # the four alike Dense(16) read once
+    out, notes = profile_lib._bytes_on(layers, np.zeros((4, 16), "float32"), [2, 4], "/CPU:0", "CPU:0", None, None)
+    assert made == [["Dense16"], ["Dense8"]] and notes == []  # the four alike Dense(16) read once, at every size
     assert [got for got, _ in out] == [[(2.0, 2.0), (4.0, 4.0)]] * 4 + [[(4.0, 2.0), (8.0, 4.0)]]
     assert all(over == set() for _, over in out)
+
+
+def _bytes_clocked(monkeypatch):
+    """Reading a Dense(u)'s bytes at b rows takes 1 s of a fake clock and gives (u * b, b); the sizes each read at."""
+    clock, read = [0.0], {}
+
+    def held(self, x, memory):
+        clock[0] += 1.0
+        rows, units = int(tf.nest.flatten(x)[0].shape[0]), self._copies[0].units
+        read.setdefault(units, []).append(rows)
+        return float(units * rows), float(rows)
+
+    monkeypatch.setattr(profile_lib, "timeit", types.SimpleNamespace(default_timer=lambda: clock[0]))
+    monkeypatch.setattr(profile_lib._Measured, "held", held)
+    return read
+
+
+@pytest.mark.parametrize("max_seconds, later", [(None, [2, 4, 8]), (64.0, [2, 4, 8]), (24.0, [4])])
+def test_bytes_on_a_stand_in_are_read_at_the_middle_size_alone_where_their_pace_passes_their_share(
+    monkeypatch, max_seconds, later
+):
+    read = _bytes_clocked(monkeypatch)
+    layers = [keras.layers.Dense(units) for units in range(8, 13)]  # five kinds: each read
+    # A quarter of max_seconds for the bytes. The first at three sizes (3 s); then the four left at three sizes need
+    # 12 s: by 16 s they fit; by 6 s not, nor (each read at one size, 1 s) the three, two or one left after it
+    progress = Progress(verbose=0, max_seconds=max_seconds)
+    x = np.zeros((4, 8), "float32")
+    out, notes = profile_lib._bytes_on(layers, x, [2, 4, 8], "/CPU:0", "CPU:0", None, progress)
+    assert read[8] == [2, 4, 8] and all(read[u] == later for u in range(9, 13)), str(read)
+    # the sizes not read scaled as the first (read at every size) scales: here each unit's own bytes
+    assert [got for got, _ in out] == [[(u * b, b) for b in (2, 4, 8)] for u in range(8, 13)]
+    assert all(over == set() for _, over in out)
+    if later == [4]:
+        assert notes == [
+            f"4 layer(s) ({', '.join(layer.name for layer in layers[1:4])}, ...) read for their bytes on /CPU:0 at 4 "
+            "of [2, 4, 8] rows only, to keep to 25% of the time left within max_seconds; the other sizes scaled as "
+            "the layer read at every size before them"
+        ]
+    else:
+        assert notes == []
+
+
+def test_under_auto_the_bytes_keep_to_their_share_of_the_least_bound(monkeypatch):
+    monkeypatch.setattr(profile_lib, "timeit", types.SimpleNamespace(default_timer=lambda: 100.0))
+    asked = []
+
+    def auto_bound(step):  # the planner's: here its floor, whatever the step
+        asked.append(step)
+        return 30.0
+
+    until = profile_lib._bytes_deadline(Progress(verbose=0), auto_bound)
+    assert asked == [0.0] and 100.0 + 0.25 * 29.0 < until <= 100.0 + 0.25 * 30.0
+    assert profile_lib._bytes_deadline(Progress(verbose=0), None) == float("inf")  # no bound
+    assert profile_lib._bytes_deadline(None, auto_bound) == float("inf")
+    assert profile_lib._bytes_deadline(Progress(verbose=0, max_seconds=8.0), auto_bound) <= 102.0  # the bound given
+
+
+def test_a_size_not_read_but_predicted_over_the_budget_is_marked_over(monkeypatch):
+    _bytes_clocked(monkeypatch)
+    layers = [keras.layers.Dense(8), keras.layers.Dense(64)]
+    x = np.zeros((4, 8), "float32")
+    # Dense(64) read at 4 rows alone (no time left): at 8 rows its 8 * 64 + 8 bytes held, its weights, its
+    # input and output go over 5000 bytes; at 2 and 4 rows not
+    progress = Progress(verbose=0, max_seconds=0.0)
+    out, _ = profile_lib._bytes_on(layers, x, [2, 4, 8], "/CPU:0", "CPU:0", 5000.0, progress)
+    assert out[1][1] == {8} and out[0][1] == set()
+    assert out[1][0][2] == (64 * 8, 8)  # scaled as the first, all the same
 
 
 def test_the_first_trace_of_the_process_is_paid_before_any_unit_is_traced(monkeypatch):
