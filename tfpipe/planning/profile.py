@@ -473,8 +473,12 @@ def _read_bytes(
     got: dict[int, tuple[float, float]] = {}
     over: set[int] = set()
     last, at = (0.0, 0.0), 0
-    if run[0] != sizes[0]:  # traced first at the smallest size, so that the others run the trace general in the rows
-        measured.prime(_rows(walked.inputs, sizes[0]))  # as read at every size: 1.8x the bytes held at 4 of 18 rows
+    # Traced first at the smallest size, so that the others run the trace general in the rows, as where read at every
+    # size (a trace of 4 rows alone held half of that on AmoebaNet-D); under a budget read there, to predict the rest
+    if run[0] != sizes[0] and budget is None:
+        measured.prime(_rows(walked.inputs, sizes[0]))
+    elif run[0] != sizes[0]:
+        run = [sizes[0], *run]
     for b in run:
         if at and _over_budget(fixed, in_per_row, sum(last) / at, b, budget):
             over.add(b)

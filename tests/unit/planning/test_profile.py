@@ -181,13 +181,15 @@ def test_under_auto_the_bytes_keep_to_their_share_of_the_least_bound(monkeypatch
 
 
 def test_a_size_not_read_but_predicted_over_the_budget_is_marked_over(monkeypatch):
-    _bytes_clocked(monkeypatch)
+    read = _bytes_clocked(monkeypatch)
     layers = [keras.layers.Dense(8), keras.layers.Dense(64)]
     x = np.zeros((4, 8), "float32")
-    # Dense(64) read at 4 rows alone (no time left): at 8 rows its 8 * 64 + 8 bytes held, its weights, its
-    # input and output go over 5000 bytes; at 2 and 4 rows not
+    # Dense(64) read at 4 rows (no time left; under a budget at 2 rows first, to predict 4): its weights and
+    # gradients (4608 bytes), its input and output at 2 rows (576) and per row its input and bytes (32 + 65) go over
+    # 5800 bytes at 8 rows, not at 4
     progress = Progress(verbose=0, max_seconds=0.0)
-    out, _ = profile_lib._bytes_on(layers, x, [2, 4, 8], "/CPU:0", "CPU:0", 5000.0, progress)
+    out, _ = profile_lib._bytes_on(layers, x, [2, 4, 8], "/CPU:0", "CPU:0", 5800.0, progress)
+    assert read == {8: [2, 4, 8], 64: [2, 4]}
     assert out[1][1] == {8} and out[0][1] == set()
     assert out[1][0][2] == (64 * 8, 8)  # scaled as the first, all the same
 
