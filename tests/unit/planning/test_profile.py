@@ -126,8 +126,10 @@ def test_bytes_read_on_a_stand_in_are_read_once_per_kind(monkeypatch):
 
 
 def _bytes_clocked(monkeypatch):
-    """Reading a Dense(u)'s bytes at b rows takes 1 s of a fake clock and gives (u * b, b); the sizes each read at."""
-    clock, read = [0.0], {}
+    """Reading a Dense(u)'s bytes at b rows takes 1 s of a fake clock and gives (u * b, b); the sizes each read at,
+    and the rows each was traced at first without reading (``prime``)."""
+    clock, read, primed = [0.0], {}, {}
+    real_prime = profile_lib._Measured.prime
 
     def held(self, x, memory):
         clock[0] += 1.0
@@ -135,16 +137,21 @@ def _bytes_clocked(monkeypatch):
         read.setdefault(units, []).append(rows)
         return float(units * rows), float(rows)
 
+    def prime(self, x):
+        primed.setdefault(self._copies[0].units, []).append(int(x.shape[0]))
+        real_prime(self, x)
+
     monkeypatch.setattr(profile_lib, "timeit", types.SimpleNamespace(default_timer=lambda: clock[0]))
     monkeypatch.setattr(profile_lib._Measured, "held", held)
-    return read
+    monkeypatch.setattr(profile_lib._Measured, "prime", prime)
+    return read, primed
 
 
 @pytest.mark.parametrize("max_seconds, later", [(None, [2, 4, 8]), (64.0, [2, 4, 8]), (24.0, [4])])
 def test_bytes_on_a_stand_in_are_read_at_the_middle_size_alone_where_their_pace_passes_their_share(
     monkeypatch, max_seconds, later
 ):
-    read = _bytes_clocked(monkeypatch)
+    read, primed = _bytes_clocked(monkeypatch)
     layers = [keras.layers.Dense(units) for units in range(8, 13)]  # five kinds: each read
     # A quarter of max_seconds for the bytes. The first at three sizes (3 s); then the four left at three sizes need
     # 12 s: by 16 s they fit; by 6 s not, nor (each read at one size, 1 s) the three, two or one left after it
@@ -152,6 +159,8 @@ def test_bytes_on_a_stand_in_are_read_at_the_middle_size_alone_where_their_pace_
     x = np.zeros((4, 8), "float32")
     out, notes = profile_lib._bytes_on(layers, x, [2, 4, 8], "/CPU:0", "CPU:0", None, progress)
     assert read[8] == [2, 4, 8] and all(read[u] == later for u in range(9, 13)), str(read)
+    # one read at the middle alone traced at the smallest first, as one read at every size is
+    assert primed == ({} if later == [2, 4, 8] else {u: [2] for u in range(9, 13)})
     # the sizes not read scaled as the first (read at every size) scales: here each unit's own bytes
     assert [got for got, _ in out] == [[(u * b, b) for b in (2, 4, 8)] for u in range(8, 13)]
     assert all(over == set() for _, over in out)
@@ -181,7 +190,7 @@ def test_under_auto_the_bytes_keep_to_their_share_of_the_least_bound(monkeypatch
 
 
 def test_a_size_not_read_but_predicted_over_the_budget_is_marked_over(monkeypatch):
-    read = _bytes_clocked(monkeypatch)
+    read, primed = _bytes_clocked(monkeypatch)
     layers = [keras.layers.Dense(8), keras.layers.Dense(64)]
     x = np.zeros((4, 8), "float32")
     # Dense(64) read at 4 rows (no time left; under a budget at 2 rows first, to predict 4): its weights and
@@ -189,7 +198,7 @@ def test_a_size_not_read_but_predicted_over_the_budget_is_marked_over(monkeypatc
     # 5800 bytes at 8 rows, not at 4
     progress = Progress(verbose=0, max_seconds=0.0)
     out, _ = profile_lib._bytes_on(layers, x, [2, 4, 8], "/CPU:0", "CPU:0", 5800.0, progress)
-    assert read == {8: [2, 4, 8], 64: [2, 4]}
+    assert read == {8: [2, 4, 8], 64: [2, 4]} and primed == {}
     assert out[1][1] == {8} and out[0][1] == set()
     assert out[1][0][2] == (64 * 8, 8)  # scaled as the first, all the same
 
