@@ -490,12 +490,13 @@ def _read_bytes(
         if b in got:
             out.append(got[b])
             continue
-        near = max((r for r in got if r < b), default=None) if b in over else None
-        near = near or min(got, key=lambda r: abs(np.log2(b / r)))
-        ratios = [b / near] * 2
-        if full is not None and b not in over:  # as the unit read at every size scales from ``near`` to ``b``
+        if b in over:  # over the budget before it was read: in proportion to the rows from the size read below it
+            near = max(r for r in got if r < b)
+            ratios = [b / near] * 2
+        else:  # from the nearest size read, as the unit read at every size scales from there (else by the rows)
+            near = min(got, key=lambda r: abs(np.log2(b / r)))
             k = sizes.index(near)
-            ratios = [full[j][i] / full[k][i] if full[k][i] > 0 else b / near for i in range(2)]
+            ratios = [full[j][i] / full[k][i] if full is not None and full[k][i] > 0 else b / near for i in range(2)]
         held, working = got[near][0] * ratios[0], got[near][1] * ratios[1]
         if b > near and b not in over and _over_budget(fixed, in_per_row, (held + working) / b, b, budget):
             over.add(b)  # not read, but predicted over the budget: not run on the device either
