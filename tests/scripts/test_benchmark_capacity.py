@@ -45,9 +45,10 @@ def test_capacity_benchmark_writes_its_table_with_the_planned_configuration(tmp_
     assert "| plain Keras | 1 (cap) |" in text and "| tfpipe K=2 | 1 (cap) |" in text
     assert "budget 256 MiB per device" in text and "tfpipe as tfpipe.plan chose for each probe" in text
     assert "chose for each probe within max_seconds=5, M among 2" in text  # the narrowed search, said
-    # M as narrowed; K=2 cells, or more interleaved on the 2 devices (zbv), as the measured times choose
+    # M as narrowed; one cell, two, or more interleaved on the 2 devices (zbv), as the measured times choose (at
+    # this size one device's time is within noise of two's, so a loaded machine may pick either)
     assert rows["plain"]["config"] == "plain", rows["plain"]
-    assert re.match(r"K=(2|\d+ on 2 devices), M=2,", rows["2"]["config"]), rows["2"]
+    assert re.match(r"K=([12]|\d+ on 2 devices), M=2,", rows["2"]["config"]), rows["2"]
     # planning's own peaks apart from training's: its probes on the workers, the layers' bytes read in the client
     assert float(rows["2"]["planning_peak"]) > 0 and float(rows["2"]["planning_client_peak"]) > 0
     assert rows["plain"]["planning_peak"] == "" and "; planning's peaks: devices " in text
