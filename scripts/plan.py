@@ -32,7 +32,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
 from absl import app, flags  # noqa: E402
 
-from scripts import plan_measure  # noqa: E402
+from scripts import plan_layers, plan_measure  # noqa: E402
 from scripts.report import write_table  # noqa: E402
 
 FLAGS = flags.FLAGS
@@ -88,6 +88,13 @@ flags.DEFINE_list(
 )
 flags.DEFINE_float(
     "max_seconds", None, 'tfpipe.plan\'s max_seconds (default: its own, "auto"; 0: no bound).', lower_bound=0
+)
+flags.DEFINE_integer(
+    "pressed_rounds",
+    0,
+    "Instead of planning: this many rounds, in turn, of the layers profiled alone at every size and as "
+    "max_seconds='auto' presses them (fewer sizes each), on the first device; their summed times per size compared.",
+    lower_bound=0,
 )
 flags.DEFINE_string("_plan_child", None, "Internal: plan under the JSON budget in this process (--planning_budgets).")
 flags.DEFINE_integer("repeats", 1, "Measure each configuration this many times (interleaved).", lower_bound=1)
@@ -186,6 +193,9 @@ def main(argv: list[str]) -> None:
         return
     if FLAGS.planning_budgets:
         planning_budgets()
+        return
+    if FLAGS.pressed_rounds:
+        print(plan_layers.summary(plan_layers.rounds(model_spec(), FLAGS.pressed_rounds)), flush=True)
         return
     if FLAGS.png and not (FLAGS.measure or FLAGS.grid):
         raise app.UsageError("--png draws measured configurations: give --measure=N or --grid too.")

@@ -63,3 +63,25 @@ def test_the_amoebanet_model_gives_images_and_their_classes():
     assert x.shape == (2, 32, 32, 3) and y.shape == (2,) and set(y) <= set(range(10))
     logits = keras.Sequential(layers)(x)
     assert logits.shape == (2, 10) and np.isfinite(float(loss(y, logits)))
+
+
+def test_pressed_rounds_compare_the_layers_profiled_whole_and_pressed_per_size():
+    proc = run_script("plan.py", "--pressed_rounds=2", "--depth=3", "--width=16", "--batch_size=8")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rounds = re.findall(r"^whole \d+ s, pressed \d+ s: 1 rows .* ms \((\d+\.\d+)x\), 4 rows", proc.stdout, re.M)
+    assert len(rounds) == 2 and all(float(r) > 0 for r in rounds), proc.stdout
+    assert re.search(r"^8 rows: pressed / whole \d+\.\d+-\d+\.\d+x \(median \d+\.\d+\)$", proc.stdout, re.M)
+
+
+def test_pressed_rounds_summary_gives_min_median_max_per_size():
+    from scripts import plan_layers
+
+    found = [
+        {"ratios": {1: r, 8: 2 * r}, "pressed": {"notes": ["5 layer(s) ... measured alone at [4]"]}}
+        for r in (1.0, 1.2, 0.9)
+    ]
+    assert plan_layers.summary(found).splitlines() == [
+        "1 rows: pressed / whole 0.90-1.20x (median 1.00)",
+        "8 rows: pressed / whole 1.80-2.40x (median 2.00)",
+        "5 layer(s) ... measured alone at [4]",
+    ]

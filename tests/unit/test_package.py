@@ -135,6 +135,11 @@ TOOLS_READ = {
     ("scripts/plan_measure.py", "tfpipe.planning.predict"): "the planner's prediction of a shared allocator's peak",
     ("scripts/plan_measure.py", "tfpipe.planning.search"): "the planner's search re-run under other budgets",
     ("scripts/plan_measure.py", "tfpipe.planner"): "the planner's timing of its shortlist, for the re-run search",
+    ("scripts/plan_layers.py", "tfpipe.planning.profile"): "the layers profiled alone, whole and as planning presses",
+    ("scripts/plan_layers.py", "tfpipe.planning.progress"): "the bound planning presses the layers' profile to",
+    ("scripts/plan_layers.py", "tfpipe.planner.choose"): "the bound max_seconds='auto' gives a step",
+    ("scripts/plan_layers.py", "tfpipe.planner.probe_fits"): "the micro-batch sizes the planner profiles at",
+    ("scripts/plan_layers.py", "tfpipe.planning.search"): "the micro-batch sizes the planner's search takes",
 }
 PUBLIC_MODULES = {"tfpipe", *(f"tfpipe.{name}" for name in ("balance", "cluster", "cost", "schedule"))}
 

@@ -50,6 +50,13 @@ PRESSED_WARM_S = 0.1  # a unit running for milliseconds has not had the ~90 runs
 # their pace says they would go past it, later units are read at one size: 4-block AmoebaNet-D's 18 units took 28 s at
 # three sizes on the client under "auto" (30 s)
 BYTES_SHARE = 0.25
+# A unit timed at one size alone is given other sizes through a fixed part per op that the unit timed last at several
+# sizes showed (``_Sizes``), at most this share of its time: a 2.2 ms stem's fixed part per op, given to AmoebaNet-D's
+# cells of 1,000-1,300 ops, would be more than their whole time
+FIXED_SHARE = 0.9
+# ... and where a unit has more than this many times the ops of those that gave the fixed part, it is timed at two sizes
+# instead: a line through a stem of 110 ops, on a worker, gave AmoebaNet-D's cells of 1,000-1,300 none
+LINED_OPS = 4.0
 
 
 @dataclasses.dataclass
@@ -243,6 +250,12 @@ class _Measured:
         fb_s = max(median_seconds(lambda: self._forward_backward(x), repeats, warm_s) - call_s, 0.0)
         return f_s, max(fb_s - f_s, 0.0)
 
+    def ops(self, x: Any) -> tuple[int, int]:
+        """(forward ops, backward ops) of the functions traced fed ``x``: the backward's, forward and backward's less
+        the forward's (nested functions' ops counted)."""
+        forward = _op_count(self._forward.get_concrete_function(x))
+        return forward, max(_op_count(self._forward_backward.get_concrete_function(x)) - forward, 0)
+
     def held(self, x: Any, memory: str) -> tuple[float, float]:
         """(bytes held, backward working bytes) fed ``x``, read from the allocator ``memory``."""
         # The forward run under a tape keeps what the backward will read (a traced function's outputs and the
@@ -259,6 +272,12 @@ class _Measured:
         peak = tf.config.experimental.get_memory_info(memory)["peak"] - base
         del grads, tape, loss
         return float(max(held, 0)), float(max(peak - held, 0))
+
+
+def _op_count(function: Any) -> int:
+    """The ops of a concrete function's graph and of the functions it calls."""
+    graph = function.graph.as_graph_def()
+    return len(graph.node) + sum(len(f.node_def) for f in graph.library.function)
 
 
 def measure(
@@ -584,6 +603,7 @@ def _unit_costs(
     over: list[int] = []
     ran: tuple[int, float, float, float, float] | None = None  # the largest size run: b, f_s, b_s, held, working
     trace_s = measured.traced(_rows(x_in, sizes[0]))
+    run.count(measured.ops(_rows(x_in, run.sizes[0])))  # where the forward first runs: traced there
     for b in run.sizes:
         if known is not None:
             too_many = b in known[1]
@@ -616,19 +636,29 @@ class _Sizes:
     """The sizes a unit is measured at: ``sizes`` of ``every`` (all of them unless ``_Tally`` keeps to a bound).
 
     A size not run between two run is interpolated between them, times in log(size) and log(time), bytes in the rows
-    (as ``fill`` does); a size outside those run is given the nearest one's times scaled as ``ratios`` (per size, the
-    forward and backward seconds of the unit timed last at several sizes: on 4-block AmoebaNet-D such a neighbour's
-    scaling gave 70% of its cells' times within 0.67-1.5x, the summed scaling of the first units 18-37%), and its
-    bytes by the rows. ``warm_s``: each timed function's warm-up, at most.
+    (as ``fill`` does). Where one size alone was run, its times elsewhere are a line in the rows through it: a part
+    that does not scale, the unit's ``ops`` (set when it is measured) times ``fixed`` (per forward and backward op, of
+    the unit timed last at several sizes; at most ``FIXED_SHARE`` of its time), the rest in proportion to the rows; its
+    bytes by the rows. A unit to be timed at one size whose ops are more than ``LINED_OPS`` times ``typical_ops`` (of
+    those the fixed part comes from) is timed at the smallest and the largest instead (``count``), and joins them.
+    ``warm_s``: each timed function's warm-up, at most.
     """
 
     every: list[int]
     sizes: list[int] = dataclasses.field(default_factory=list)
-    ratios: dict[int, tuple[float, float]] = dataclasses.field(default_factory=dict)
+    fixed: tuple[float, float] = (0.0, 0.0)
     warm_s: float = WARM_S
+    ops: tuple[int, int] = (0, 0)
+    typical_ops: float = float("inf")
 
     def __post_init__(self) -> None:
         self.sizes = self.sizes or list(self.every)
+
+    def count(self, ops: tuple[int, int]) -> None:
+        """Take the unit's forward and backward ``ops``, counted once it is traced and before it is timed."""
+        self.ops = ops
+        if len(self.sizes) == 1 and sum(ops) > LINED_OPS * self.typical_ops:
+            self.sizes = sorted({self.every[0], self.every[-1]})
 
     def scaled(self, costs: dict[int, tuple[float, float, float, float]]) -> _Costs:
         """``costs`` by size run, with each size not run interpolated or scaled from those run."""
@@ -646,12 +676,22 @@ class _Sizes:
             else:
                 near = min(costs, key=lambda r: abs(np.log2(b / r)))
                 f_s, b_s, held, working = costs[near]
-                rows = b / near
-                (f_b, b_b), (f_near, b_near) = self.ratios.get(b, (1.0, 1.0)), self.ratios.get(near, (1.0, 1.0))
-                forward = f_b / f_near if f_near > 0 else rows
-                backward = b_b / b_near if b_near > 0 else rows
-                out.append((f_s * forward, b_s * backward, held * rows, working * rows))
+                forward, backward = (
+                    _through(seconds, per_op * ops, near, b)
+                    for seconds, per_op, ops in zip((f_s, b_s), self.fixed, self.ops)
+                )
+                out.append((forward, backward, held * b / near, working * b / near))
         return out
+
+
+def _through(seconds: float, fixed: float, rows: int, b: int) -> float:
+    """A time run at ``rows`` given at ``b`` rows: ``fixed`` of it (at most ``FIXED_SHARE``) whatever the rows, the
+    rest in proportion to them."""
+    fixed = min(fixed, FIXED_SHARE * seconds)
+    return fixed + (seconds - fixed) * b / rows
+
+
+_ONE_SIZE = "the other sizes by the rows beyond a fixed part per op, of the layers timed at several sizes"
 
 
 class _Tally:
@@ -679,7 +719,8 @@ class _Tally:
         self.pressed = False  # whether one was given its kind's first's times alone, to keep to the bound
         self.traces: list[float] = []  # per unit: its tracing seconds (``Profile.trace_s``)
         self._each: list[float] = []  # per unit timed: its seconds per size run, its tracing counted as one size
-        self._last: int | None = None  # the unit timed last at several sizes: what one size is scaled by
+        self._lined: list[int] = []  # the units timed at several sizes: what a unit timed at one is scaled by
+        self._lined_ops = [0, 0]  # their forward and backward ops
         self._fewer: dict[tuple[int, ...], list[int]] = {}  # sizes run -> the units measured at them alone
 
     def sizes(self, of_kind: int) -> _Sizes | None:
@@ -689,7 +730,7 @@ class _Tally:
         if of_kind >= ALIKE_TIMED:
             return None
         until = self._deadline()
-        if not np.isfinite(until) or self._last is None:
+        if not np.isfinite(until) or not self._lined:
             return _Sizes(every)
         ends = sorted({every[0], every[-1]})
         choices = [every, ends, [every[len(every) // 2]]]
@@ -702,8 +743,19 @@ class _Tally:
         if of_kind:
             self.pressed = True
             return None
-        ratios = {b: (self._by_batch[b].forward_s[self._last], self._by_batch[b].backward_s[self._last]) for b in every}
-        return _Sizes(every, list(chosen), ratios, PRESSED_WARM_S)
+        typical = sum(self._lined_ops) / len(self._lined)
+        return _Sizes(every, list(chosen), self._fixed_per_op(), PRESSED_WARM_S, typical_ops=typical)
+
+    def _fixed_per_op(self) -> tuple[float, float]:
+        """Of the units timed at several sizes together, the forward and backward seconds per op that do not scale with
+        the rows: their summed times' least-squares line in the rows at 0 rows (within 0 and their sum at the fewest),
+        over their ops. Together: one unit's times on a worker move by a millisecond run to run."""
+        every, fixed = self._every, []
+        for i, ops in enumerate(self._lined_ops):
+            summed = np.sum([_times_of(self._by_batch, every, unit)[i] for unit in self._lined], axis=0)
+            at_zero = float(np.polyfit(every, summed, 1)[1])
+            fixed.append(min(max(at_zero, 0.0), float(summed.min())) / ops if ops > 0 else 0.0)
+        return fixed[0], fixed[1]
 
     def _deadline(self) -> float:
         """When the layers' share of the bound ends: ``max_seconds``', or the one ``auto_bound`` gives for the step of
@@ -723,7 +775,9 @@ class _Tally:
             self.copied += 1
             return
         self._each.append(seconds / (1 + len(run.sizes)))
-        self._last = unit if len(run.sizes) > 1 else self._last
+        if len(run.sizes) > 1:
+            self._lined.append(unit)
+            self._lined_ops = [ops + more for ops, more in zip(self._lined_ops, run.ops)]
         if len(run.sizes) < len(self._every):
             self._fewer.setdefault(tuple(run.sizes), []).append(unit)
 
@@ -739,10 +793,14 @@ class _Tally:
         return [
             f"{len(units)} layer(s) ({', '.join(names[u] for u in units[:3])}{', ...' if len(units) > 3 else ''}) "
             f"measured alone at {list(run)} of {self._every} rows only, to keep the layers to {LAYERS_SHARE:.0%} of "
-            "the time left within max_seconds; "
-            + ("the sizes between interpolated" if len(run) > 1 else "the other sizes scaled as the layer before")
+            "the time left within max_seconds; " + ("the sizes between interpolated" if len(run) > 1 else _ONE_SIZE)
             for run, units in self._fewer.items()
         ]
+
+
+def _times_of(by_batch: dict[int, LayerCosts], sizes: Sequence[int], unit: int) -> tuple[list[float], list[float]]:
+    """``unit``'s forward and its backward seconds at each of ``sizes``."""
+    return [by_batch[b].forward_s[unit] for b in sizes], [by_batch[b].backward_s[unit] for b in sizes]
 
 
 def _append(costs: LayerCosts, forward_s: float, backward_s: float, held: float, working: float) -> None:

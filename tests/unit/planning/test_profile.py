@@ -203,6 +203,33 @@ def test_a_size_not_read_but_predicted_over_the_budget_is_marked_over(monkeypatc
     assert out[1][0][2] == (64 * 8, 8)  # scaled as the first, all the same
 
 
+def test_a_unit_run_at_one_size_is_a_line_in_the_rows_through_it_with_a_fixed_part_per_op():
+    sizes = profile_lib._Sizes([1, 4, 16], [4], fixed=(0.001, 0.002), ops=(100, 300))
+    got = sizes.scaled({4: (0.5, 1.0, 40.0, 80.0)})
+    # forward 0.1 s fixed (100 ops), its other 0.4 s by the rows; backward 0.6 fixed, 0.4 by the rows; bytes by the rows
+    np.testing.assert_allclose(got, [(0.2, 0.7, 10.0, 20.0), (0.5, 1.0, 40.0, 80.0), (1.7, 2.2, 160.0, 320.0)])
+    # a fixed part past FIXED_SHARE of the time (a small layer's per op, given to many ops) is cut there; none: by rows
+    got = profile_lib._Sizes([1, 4, 16], [4], fixed=(0.01, 0.0), ops=(100, 300)).scaled({4: (0.5, 1.0, 40.0, 80.0)})
+    fixed = profile_lib.FIXED_SHARE * 0.5
+    np.testing.assert_allclose([f for f, *_ in got], [fixed + (0.5 - fixed) / 4, 0.5, fixed + (0.5 - fixed) * 4])
+    np.testing.assert_allclose([b for _, b, *_ in got], [0.25, 1.0, 4.0])
+
+
+def test_a_units_ops_are_counted_in_its_traced_forward_and_backward():
+    x = tf.ones((4, 8))
+    counted = []
+    for n in (1, 2):
+        layers = [keras.layers.Dense(8) for _ in range(n)]
+        for layer in layers:
+            layer.build((None, 8))
+        measured = profile_lib._Measured(layers, "/CPU:0")
+        measured.seconds(x, 1, 0.0)
+        counted.append(measured.ops(x))
+    (forward_1, backward_1), (forward_2, backward_2) = counted
+    assert 0 < forward_1 < forward_2 and 0 < backward_1 < backward_2, counted
+    assert backward_1 > forward_1  # a Dense's gradients (its kernel's, its bias', its input's) outnumber its forward
+
+
 def test_the_first_trace_of_the_process_is_paid_before_any_unit_is_traced(monkeypatch):
     order = []
     real_pay, real_costs = profile_lib._pay_first_trace, profile_lib._unit_costs
@@ -216,9 +243,10 @@ def test_the_first_trace_of_the_process_is_paid_before_any_unit_is_traced(monkey
 
 
 def _clocked(monkeypatch):
-    """Each unit's tracing and each size it is measured at take 1 s of a fake clock; its times are units x rows^0.5
-    (forward) and twice that (backward), not in proportion to the rows: the ratios scaling a size not run must carry
-    that. Returns the rows each Dense(units) was run at, its warm-ups, and the units of each Dense measured."""
+    """Each unit's tracing and each size it is measured at take 1 s of a fake clock; its times are 1 s that does not
+    scale plus units x rows / 8 (forward) and twice that (backward), not in proportion to the rows: a size not run must
+    carry that. Each unit has 10 forward and 20 backward ops. Returns the rows each Dense(units) was run at, its
+    warm-ups, and the units of each Dense measured."""
     clock = [0.0]
     run: dict[int, list[int]] = {}
     warmed: dict[int, set[float]] = {}
@@ -229,7 +257,7 @@ def _clocked(monkeypatch):
         rows, units = int(x.shape[0]), self._copies[0].units
         run.setdefault(units, []).append(rows)
         warmed.setdefault(units, set()).add(warm_s)
-        return units * rows**0.5, 2 * units * rows**0.5
+        return _clocked_s(units, rows), 2 * _clocked_s(units, rows)
 
     def traced(self, x):
         clock[0] += 1.0
@@ -239,8 +267,13 @@ def _clocked(monkeypatch):
     monkeypatch.setattr(profile_lib, "timeit", types.SimpleNamespace(default_timer=lambda: clock[0]))
     monkeypatch.setattr(profile_lib._Measured, "seconds", seconds)
     monkeypatch.setattr(profile_lib._Measured, "traced", traced)
+    monkeypatch.setattr(profile_lib._Measured, "ops", lambda self, x: (10, 20))
     monkeypatch.setattr(profile_lib, "_pay_first_trace", lambda device: None)
     return run, warmed, traces
+
+
+def _clocked_s(units, rows):
+    return 1.0 + units * rows / 8
 
 
 @pytest.mark.parametrize(
@@ -259,8 +292,11 @@ def test_under_max_seconds_later_layers_are_measured_at_fewer_sizes_the_others_i
     # those measured at fewer sizes warmed up for less
     assert warmed[8] == {0.3} and all(warmed[u] == {0.3 if later == [2, 4, 8] else 0.1} for u in range(9, 14))
     for b, costs in measured.by_batch.items():  # each layer's own times at every size, those not run given so
-        np.testing.assert_allclose(costs.forward_s, [units * b**0.5 for units in range(8, 14)])
-        np.testing.assert_allclose(costs.backward_s, [2 * units * b**0.5 for units in range(8, 14)])
+        # run at 4 rows alone: the first's fixed part per op (1 s over 10 ops forward, 2 over 20 backward) and the
+        # rest by the rows give the line exactly; between two sizes run, interpolated in log-log (within 4% here)
+        rtol = 0.04 if b not in later else 1e-9
+        np.testing.assert_allclose(costs.forward_s, [_clocked_s(units, b) for units in range(8, 14)], rtol=rtol)
+        np.testing.assert_allclose(costs.backward_s, [2 * _clocked_s(units, b) for units in range(8, 14)], rtol=rtol)
     notes = [n for n in measured.not_run if "measured alone at" in n]
     if later == [2, 4, 8]:
         assert notes == []
@@ -268,8 +304,29 @@ def test_under_max_seconds_later_layers_are_measured_at_fewer_sizes_the_others_i
         assert notes == [
             f"5 layer(s) ({', '.join(layer.name for layer in layers[1:4])}, ...) measured alone at {later} of [2, 4, 8]"
             " rows only, to keep the layers to 50% of the time left within max_seconds; "
-            + ("the sizes between interpolated" if len(later) > 1 else "the other sizes scaled as the layer before")
+            + (
+                "the sizes between interpolated"
+                if len(later) > 1
+                else "the other sizes by the rows beyond a fixed part per op, of the layers timed at several sizes"
+            )
         ]
+
+
+def test_a_unit_of_many_more_ops_than_those_lined_is_timed_at_two_sizes_and_joins_them(monkeypatch):
+    run, _, _ = _clocked(monkeypatch)
+    ops = {12: (100, 200)}  # Dense(12) has ten times the ops of the others (10 forward, 20 backward)
+    monkeypatch.setattr(profile_lib._Measured, "ops", lambda self, x: ops.get(self._copies[0].units, (10, 20)))
+    layers = [keras.layers.Dense(units) for units in range(8, 14)]
+    progress = Progress(verbose=0, max_seconds=29.0)  # the middle alone, past the first (as above)
+    measured = profile_lib.measure(layers, np.zeros((8, 8), "float32"), [2, 4, 8], "/CPU:0", progress=progress)
+    assert [run[units] for units in range(8, 14)] == [[2, 4, 8], [4], [4], [4], [2, 8], [4]], str(run)
+    # Dense(13) after it: 1 s forward fixed over 10 ops and 1 over 100 together, 2/110 s per op, times its 10 ops
+    # (Dense(12)'s middle interpolated, so within 1%); 1 s of it alone (0.1 per op) would give 1 s
+    forward = [measured.by_batch[b].forward_s[5] for b in (2, 4, 8)]
+    fixed = 2.0 / 110 * 10
+    expected = [fixed + (_clocked_s(13, 4) - fixed) * b / 4 for b in (2, 4, 8)]
+    np.testing.assert_allclose(forward, expected, rtol=0.01)
+    assert abs(forward[0] - (1.0 + (_clocked_s(13, 4) - 1.0) / 2)) > 0.3
 
 
 @pytest.mark.parametrize("max_seconds", [None, 29.0])
@@ -301,8 +358,8 @@ def test_under_max_seconds_auto_the_layers_keep_to_the_bound_their_own_step_give
     measured = profile_lib.measure(layers, x, [2, 4, 8], "/CPU:0", progress=progress, auto_bound=auto_bound)
     assert all(run[units] == [2, 8] for units in range(9, 14)), str(run)  # as under max_seconds=39
     # after the first layer: its step at the largest size, 8 rows, times the six layers; then the two done, ...
-    np.testing.assert_allclose(steps[0], 6 * 3 * 8 * 8**0.5)
-    np.testing.assert_allclose(steps[1], 6 * 3 * (8 + 9) * 8**0.5 / 2)
+    np.testing.assert_allclose(steps[0], 6 * 3 * _clocked_s(8, 8))
+    np.testing.assert_allclose(steps[1], 6 * 3 * (_clocked_s(8, 8) + _clocked_s(9, 8)) / 2)
     assert len(measured.by_batch[8].forward_s) == 6
     # without auto_bound, or with a bound given, auto_bound is not asked
     steps.clear()

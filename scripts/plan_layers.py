@@ -1,0 +1,88 @@
+"""scripts/plan.py --pressed_rounds: the layers profiled alone at every size against as "auto" presses them, in turn."""
+
+from __future__ import annotations
+
+import statistics
+import timeit
+from typing import Any
+
+from scripts import plan_devices, plan_measure
+
+
+def _summed(profile: Any) -> dict[int, float]:
+    """Per micro-batch size, the layers' forward and backward seconds summed."""
+    return {b: sum(c.forward_s) + sum(c.backward_s) for b, c in sorted(profile.by_batch.items())}
+
+
+def _profile(layers: Any, x: Any, sizes: list[int], device: str, pressed: bool, devices: int) -> dict[str, Any]:
+    """One profile of ``layers`` on ``device``: at every size, or under ``max_seconds="auto"`` as ``tfpipe.plan``
+    bounds it on ``devices`` devices (``planner.choose``: 200 steps over them, at least 30 s)."""
+    from tfpipe.planner import choose
+    from tfpipe.planning import profile as profile_lib
+    from tfpipe.planning.progress import Progress
+
+    kwargs: dict[str, Any] = {}
+    if pressed:
+        bound = lambda step: max(choose.AUTO_STEPS * step / devices, choose.AUTO_MIN_SECONDS)  # noqa: E731
+        kwargs = dict(progress=Progress(verbose=0), auto_bound=bound)
+    began = timeit.default_timer()
+    found = profile_lib.measure(layers, x, sizes, device, **kwargs)
+    took = timeit.default_timer() - began
+    return {"seconds": took, "summed": _summed(found), "notes": [n for n in found.not_run if "measured alone" in n]}
+
+
+def rounds(spec: dict[str, Any], count: int) -> list[dict[str, Any]]:
+    """``count`` rounds of the model of ``spec``'s layers profiled at every size, then pressed, on its first device
+    (a logical one, or a LocalCluster's first worker); each round's summed times per size and the pressed over the
+    whole."""
+    import tfpipe
+    from tfpipe.planner import probe_fits
+    from tfpipe.planning import search
+
+    devices = None if spec.get("cluster") else plan_devices.logical_devices(spec["devices"], spec["device_type"])
+    layers, x, _, _ = plan_measure.model_and_data(spec)
+    space = search.Space(spec["devices"])
+    sizes = probe_fits.profile_sizes(search.micro_batch_sizes(spec["batch_size"], len(layers), space))
+    found = []
+    with tfpipe.cluster.LocalCluster(spec["devices"]) if devices is None else _Given(devices) as on:
+        for _ in range(count):
+            whole = _profile(layers, x, sizes, on.devices[0], False, spec["devices"])
+            pressed = _profile(layers, x, sizes, on.devices[0], True, spec["devices"])
+            ratios = {b: pressed["summed"][b] / whole["summed"][b] for b in sizes}
+            found.append({"whole": whole, "pressed": pressed, "ratios": ratios})
+            print(_line(found[-1]), flush=True)
+    return found
+
+
+class _Given:
+    """Logical devices in the shape of a LocalCluster's context: ``devices``."""
+
+    def __init__(self, devices: list[str]):
+        self.devices = devices
+
+    def __enter__(self) -> _Given:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        return None
+
+
+def _line(found: dict[str, Any]) -> str:
+    """One round: the summed ms per size, whole and pressed, and their ratio."""
+    whole, pressed = found["whole"], found["pressed"]
+    sizes = ", ".join(
+        f"{b} rows {whole['summed'][b] * 1e3:.1f} / {pressed['summed'][b] * 1e3:.1f} ms ({found['ratios'][b]:.2f}x)"
+        for b in whole["summed"]
+    )
+    return f"whole {whole['seconds']:.0f} s, pressed {pressed['seconds']:.0f} s: {sizes}"
+
+
+def summary(found: list[dict[str, Any]]) -> str:
+    """Per size, the pressed over the whole: min, median, max over the rounds; and the notes of the last."""
+    sizes = list(found[0]["ratios"])
+    lines = [
+        f"{b} rows: pressed / whole {min(r):.2f}-{max(r):.2f}x (median {statistics.median(r):.2f})"
+        for b in sizes
+        for r in [[f["ratios"][b] for f in found]]
+    ]
+    return "\n".join(lines + found[-1]["pressed"]["notes"])
