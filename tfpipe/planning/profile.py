@@ -50,12 +50,12 @@ PRESSED_WARM_S = 0.1  # a unit running for milliseconds has not had the ~90 runs
 # their pace says they would go past it, later units are read at one size: 4-block AmoebaNet-D's 18 units took 28 s at
 # three sizes on the client under "auto" (30 s)
 BYTES_SHARE = 0.25
-# A unit timed at one size alone is given other sizes through a fixed part per op that the unit timed last at several
-# sizes showed (``_Sizes``), at most this share of its time: a 2.2 ms stem's fixed part per op, given to AmoebaNet-D's
-# cells of 1,000-1,300 ops, would be more than their whole time
+# A unit timed at one size alone is given other sizes through a fixed part per op that the units timed at several
+# sizes showed (``_Sizes``), at most this share of its time: a stem's fixed part per op (110 ops forward and backward),
+# given to AmoebaNet-D's cells of 961-1,273, could be more than their whole time
 FIXED_SHARE = 0.9
 # ... and where a unit has more than this many times the ops of those that gave the fixed part, it is timed at two sizes
-# instead: a line through a stem of 110 ops, on a worker, gave AmoebaNet-D's cells of 1,000-1,300 none
+# instead: on a worker the stem's line alone gave AmoebaNet-D's cells no fixed part: 2.3x their summed time at 16 rows
 LINED_OPS = 4.0
 
 
@@ -638,10 +638,10 @@ class _Sizes:
     A size not run between two run is interpolated between them, times in log(size) and log(time), bytes in the rows
     (as ``fill`` does). Where one size alone was run, its times elsewhere are a line in the rows through it: a part
     that does not scale, the unit's ``ops`` (set when it is measured) times ``fixed`` (per forward and backward op, of
-    the unit timed last at several sizes; at most ``FIXED_SHARE`` of its time), the rest in proportion to the rows; its
-    bytes by the rows. A unit to be timed at one size whose ops are more than ``LINED_OPS`` times ``typical_ops`` (of
-    those the fixed part comes from) is timed at the smallest and the largest instead (``count``), and joins them.
-    ``warm_s``: each timed function's warm-up, at most.
+    the units timed at several sizes together; at most ``FIXED_SHARE`` of its time), the rest in proportion to the
+    rows; its bytes by the rows. A unit to be timed at one size whose ops are more than ``LINED_OPS`` times
+    ``typical_ops`` (of those the fixed part comes from) is timed at the smallest and the largest instead (``count``),
+    and joins them. ``warm_s``: each timed function's warm-up, at most.
     """
 
     every: list[int]
