@@ -39,7 +39,9 @@ def steps(dry_run: bool, out: str) -> list[tuple[str, list[str], int]]:
     overhead = ["--blocks=1", "--dim=16", "--steps=2", "--repeats=1"] if dry_run else ["--repeats=3", "--steps=20"]
     overhead.append("--jit_compile")  # with and without XLA per cell
     planner = (
+        # a short bound: "auto"'s 30 s floor is most of the dry run's planning, which checks the command alone
         ["--devices=2", "--width=16", "--depth=4", "--batch_size=32", "--micro_batches=1", "--measure=1"]
+        + ["--max_seconds=5"]
         if dry_run
         else ["--devices=2", "--width=2048", "--depth=12", "--batch_size=1024", "--grid", "--budgets=0.4,0.6,1.0"]
         # the one-cell schedules' 13 rows, as plan_gpu_mlp was measured, and interleaved 1F1B and ZB-V's three: the
