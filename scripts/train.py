@@ -357,6 +357,7 @@ def planned_model(task: Any, devices: list[str] | None) -> Any:
         memory_budget=FLAGS.memory_budget,
         sample=sample,
         optimizer=FLAGS.optimizer,
+        max_seconds="auto" if FLAGS.plan_seconds is None else (FLAGS.plan_seconds or None),
         **plan_choices(),
     )
     plan.summary()

@@ -92,6 +92,13 @@ flags.DEFINE_list(
     None,
     "With --plan: the micro-batch counts M it may choose from, e.g. 2,4 (default 1,2,4,8,16,32); fewer plan faster.",
 )
+flags.DEFINE_float(
+    "plan_seconds",
+    None,
+    "With --plan: how long planning may take, in seconds (tfpipe.plan's max_seconds; default its \"auto\": 200 "
+    "steps of the configuration it chooses, at least 30 s; 0: no bound).",
+    lower_bound=0,
+)
 flags.DEFINE_bool(
     "jit_compile", False, "Compile each cell by XLA on its device (compile(jit_compile=True)); meant for GPUs."
 )
@@ -184,7 +191,7 @@ PLAN_FIXES = {"micro_batches": "num_micro_batches", "remat": "remats", "schedule
 def check_plan_flags() -> None:
     """--plan and its flags: alone or with what it chooses (every model plans: layer lists and Functional ones)."""
     if not FLAGS.plan:
-        for name in ("memory_budget", "plan_micro_batches"):
+        for name in ("memory_budget", "plan_micro_batches", "plan_seconds"):
             if FLAGS[name].present:
                 raise UsageError(f"{flag_as_given(name)}: applies with --plan; give --plan too")
         return

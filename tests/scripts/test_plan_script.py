@@ -12,7 +12,7 @@ from tests.util import run_script
 ROW = re.compile(r"^\| \d+( on \d+)? \| \d+ \| \d+ \|")  # K, or "K on D" where cells share devices
 
 
-@pytest.mark.heavy(seconds=80)
+@pytest.mark.heavy(seconds=30)
 def test_a_plan_on_workers_is_measured_on_the_workers():
     proc = run_script(
         "plan.py",
