@@ -95,7 +95,7 @@ flags.DEFINE_list(
 flags.DEFINE_float(
     "plan_seconds",
     None,
-    "With --plan: how long planning may take, in seconds (tfpipe.plan's max_seconds; default its \"auto\": 200 "
+    'With --plan: how long planning may take, in seconds (tfpipe.plan\'s max_seconds; default its "auto": 200 '
     "steps of the configuration it chooses, at least 30 s; 0: no bound).",
     lower_bound=0,
 )
