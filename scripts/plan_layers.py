@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import timeit
+import types
 from typing import Any
 
 from scripts import plan_devices, plan_measure
@@ -42,9 +44,11 @@ def rounds(spec: dict[str, Any], count: int) -> list[dict[str, Any]]:
     devices = None if spec.get("cluster") else plan_devices.logical_devices(spec["devices"], spec["device_type"])
     layers, x, _, _ = plan_measure.model_and_data(spec)
     space = search.Space(spec["devices"])
-    sizes = probe_fits.profile_sizes(search.micro_batch_sizes(spec["batch_size"], len(layers), space))
+    # the sizes follow R and M, not K: one layer gives them, a keras_hub task too
+    sizes = probe_fits.profile_sizes(search.micro_batch_sizes(spec["batch_size"], 1, space))
     found = []
-    with tfpipe.cluster.LocalCluster(spec["devices"]) if devices is None else _Given(devices) as on:
+    given = contextlib.nullcontext(types.SimpleNamespace(devices=devices))  # logical devices, as a cluster gives its
+    with tfpipe.cluster.LocalCluster(spec["devices"]) if devices is None else given as on:
         for _ in range(count):
             whole = _profile(layers, x, sizes, on.devices[0], False, spec["devices"])
             pressed = _profile(layers, x, sizes, on.devices[0], True, spec["devices"])
@@ -52,19 +56,6 @@ def rounds(spec: dict[str, Any], count: int) -> list[dict[str, Any]]:
             found.append({"whole": whole, "pressed": pressed, "ratios": ratios})
             print(_line(found[-1]), flush=True)
     return found
-
-
-class _Given:
-    """Logical devices in the shape of a LocalCluster's context: ``devices``."""
-
-    def __init__(self, devices: list[str]):
-        self.devices = devices
-
-    def __enter__(self) -> _Given:
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        return None
 
 
 def _line(found: dict[str, Any]) -> str:
