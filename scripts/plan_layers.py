@@ -18,15 +18,14 @@ def _summed(profile: Any) -> dict[int, float]:
 
 def _profile(layers: Any, x: Any, sizes: list[int], device: str, pressed: bool, devices: int) -> dict[str, Any]:
     """One profile of ``layers`` on ``device``: at every size, or under ``max_seconds="auto"`` as ``tfpipe.plan``
-    bounds it on ``devices`` devices (``planner.choose``: 200 steps over them, at least 30 s)."""
+    bounds it on ``devices`` devices (``choose.auto_bound``)."""
     from tfpipe.planner import choose
     from tfpipe.planning import profile as profile_lib
     from tfpipe.planning.progress import Progress
 
     kwargs: dict[str, Any] = {}
     if pressed:
-        bound = lambda step: max(choose.AUTO_STEPS * step / devices, choose.AUTO_MIN_SECONDS)  # noqa: E731
-        kwargs = dict(progress=Progress(verbose=0), auto_bound=bound)
+        kwargs = dict(progress=Progress(verbose=0), auto_bound=choose.auto_bound(devices))
     began = timeit.default_timer()
     found = profile_lib.measure(layers, x, sizes, device, **kwargs)
     took = timeit.default_timer() - began

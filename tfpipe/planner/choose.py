@@ -238,13 +238,14 @@ def _measured(
 
 
 def _auto_bound(request: _Request) -> Callable[[float], float] | None:
-    """Under ``max_seconds="auto"``, the bound a step of the layers on one device (as far as they are measured) gives
-    while they are measured, before the search can give the fastest configuration: ``AUTO_STEPS`` steps of it spread
-    over the devices, at least ``AUTO_MIN_SECONDS`` (an estimate: the bound set after them goes by the search's
-    fastest configuration)."""
-    if request.max_seconds != "auto":
-        return None
-    devices = len(set(request.devices))
+    """Under ``max_seconds="auto"``, ``auto_bound`` for the request's devices; else None."""
+    return auto_bound(len(set(request.devices))) if request.max_seconds == "auto" else None
+
+
+def auto_bound(devices: int) -> Callable[[float], float]:
+    """The bound ``max_seconds="auto"`` gives while the layers are measured, before the search can give the fastest
+    configuration: ``AUTO_STEPS`` steps of a one-device step spread over ``devices``, at least ``AUTO_MIN_SECONDS`` (an
+    estimate: the bound set after them goes by the search's fastest configuration)."""
     return lambda step: max(AUTO_STEPS * step / devices, AUTO_MIN_SECONDS)
 
 

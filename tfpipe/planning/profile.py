@@ -658,7 +658,7 @@ class _Sizes:
         """Take the unit's forward and backward ``ops``, counted once it is traced and before it is timed."""
         self.ops = ops
         if len(self.sizes) == 1 and sum(ops) > LINED_OPS * self.typical_ops:
-            self.sizes = sorted({self.every[0], self.every[-1]})
+            self.sizes = _ends(self.every)
 
     def scaled(self, costs: dict[int, tuple[float, float, float, float]]) -> _Costs:
         """``costs`` by size run, with each size not run interpolated or scaled from those run."""
@@ -682,6 +682,11 @@ class _Sizes:
                 )
                 out.append((forward, backward, held * b / near, working * b / near))
         return out
+
+
+def _ends(sizes: list[int]) -> list[int]:
+    """The smallest and the largest of ``sizes``."""
+    return sorted({sizes[0], sizes[-1]})
 
 
 def _through(seconds: float, fixed: float, rows: int, b: int) -> float:
@@ -732,8 +737,7 @@ class _Tally:
         until = self._deadline()
         if not np.isfinite(until) or not self._lined:
             return _Sizes(every)
-        ends = sorted({every[0], every[-1]})
-        choices = [every, ends, [every[len(every) // 2]]]
+        choices = [every, _ends(every), [every[len(every) // 2]]]
         share = len(self._each) / self._done  # of the units so far, those timed (the rest took their kind's)
         each, left = float(np.mean(self._each)), until - timeit.default_timer()
         fitting = [c for c in choices if (self._units - self._done) * share * each * (1 + len(c)) <= left]
@@ -751,10 +755,10 @@ class _Tally:
         the rows: their summed times' least-squares line in the rows at 0 rows (within 0 and their sum at the fewest),
         over their ops. Together: one unit's times on a worker move by a millisecond run to run."""
         every, fixed = self._every, []
-        for i, ops in enumerate(self._lined_ops):
-            summed = np.sum([_times_of(self._by_batch, every, unit)[i] for unit in self._lined], axis=0)
-            at_zero = float(np.polyfit(every, summed, 1)[1])
-            fixed.append(min(max(at_zero, 0.0), float(summed.min())) / ops if ops > 0 else 0.0)
+        summed = np.sum([_times_of(self._by_batch, every, unit) for unit in self._lined], axis=0)  # forward, backward
+        for times, ops in zip(summed, self._lined_ops):
+            at_zero = float(np.polyfit(every, times, 1)[1])
+            fixed.append(min(max(at_zero, 0.0), float(times.min())) / ops if ops > 0 else 0.0)
         return fixed[0], fixed[1]
 
     def _deadline(self) -> float:
