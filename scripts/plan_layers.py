@@ -51,17 +51,26 @@ def rounds(spec: dict[str, Any], count: int) -> list[dict[str, Any]]:
         for _ in range(count):
             whole = _profile(layers, x, sizes, on.devices[0], False, spec["devices"])
             pressed = _profile(layers, x, sizes, on.devices[0], True, spec["devices"])
-            ratios = {b: pressed["summed"][b] / whole["summed"][b] for b in sizes}
+            ratios = {b: _ratio(pressed["summed"][b], whole["summed"][b]) for b in sizes}
             found.append({"whole": whole, "pressed": pressed, "ratios": ratios})
             print(_line(found[-1]), flush=True)
     return found
+
+
+def _ratio(pressed: float, whole: float) -> float:
+    """Pressed over whole; nan where the whole took no measurable time (tiny layers, their call's cost taken off)."""
+    return pressed / whole if whole > 0 else float("nan")
+
+
+def _shown(ratio: float) -> str:
+    return f"{ratio:.2f}x" if ratio == ratio else "n/a"
 
 
 def _line(found: dict[str, Any]) -> str:
     """One round: the summed ms per size, whole and pressed, and their ratio."""
     whole, pressed = found["whole"], found["pressed"]
     sizes = ", ".join(
-        f"{b} rows {whole['summed'][b] * 1e3:.1f} / {pressed['summed'][b] * 1e3:.1f} ms ({found['ratios'][b]:.2f}x)"
+        f"{b} rows {whole['summed'][b] * 1e3:.1f} / {pressed['summed'][b] * 1e3:.1f} ms ({_shown(found['ratios'][b])})"
         for b in whole["summed"]
     )
     return f"whole {whole['seconds']:.0f} s, pressed {pressed['seconds']:.0f} s: {sizes}"
@@ -72,7 +81,9 @@ def summary(found: list[dict[str, Any]]) -> str:
     sizes = list(found[0]["ratios"])
     lines = [
         f"{b} rows: pressed / whole {min(r):.2f}-{max(r):.2f}x (median {statistics.median(r):.2f})"
+        if r
+        else f"{b} rows: pressed / whole n/a (no measurable time timed whole)"
         for b in sizes
-        for r in [[f["ratios"][b] for f in found]]
+        for r in [[f["ratios"][b] for f in found if f["ratios"][b] == f["ratios"][b]]]
     ]
     return "\n".join(lines + found[-1]["pressed"]["notes"])

@@ -67,11 +67,13 @@ def test_the_amoebanet_model_gives_images_and_their_classes():
 
 
 def test_pressed_rounds_compare_the_layers_profiled_whole_and_pressed_per_size():
-    proc = run_script("plan.py", "--pressed_rounds=2", "--depth=3", "--width=16", "--batch_size=8")
+    # tiny layers' summed time can be 0 once their calls' cost is taken off (under the suite's load it was): n/a then
+    proc = run_script("plan.py", "--pressed_rounds=2", "--depth=3", "--width=512", "--batch_size=8")
     assert proc.returncode == 0, proc.stderr[-3000:]
-    rounds = re.findall(r"^whole \d+ s, pressed \d+ s: 1 rows .* ms \((\d+\.\d+)x\), 4 rows", proc.stdout, re.M)
-    assert len(rounds) == 2 and all(float(r) > 0 for r in rounds), proc.stdout
-    assert re.search(r"^8 rows: pressed / whole \d+\.\d+-\d+\.\d+x \(median \d+\.\d+\)$", proc.stdout, re.M)
+    rounds = re.findall(r"^whole \d+ s, pressed \d+ s: 1 rows .* ms \((\d+\.\d+x|n/a)\), 4 rows", proc.stdout, re.M)
+    assert len(rounds) == 2, proc.stdout
+    assert all(r == "n/a" or float(r[:-1]) > 0 for r in rounds), proc.stdout
+    assert re.search(r"^8 rows: pressed / whole (\d+\.\d+-\d+\.\d+x \(median \d+\.\d+\)|n/a .*)$", proc.stdout, re.M)
 
 
 def test_pressed_rounds_summary_gives_min_median_max_per_size():
@@ -85,4 +87,16 @@ def test_pressed_rounds_summary_gives_min_median_max_per_size():
         "1 rows: pressed / whole 0.90-1.20x (median 1.00)",
         "8 rows: pressed / whole 1.80-2.40x (median 2.00)",
         "5 layer(s) ... measured alone at [4]",
+    ]
+
+
+def test_pressed_rounds_leave_out_a_size_the_whole_profile_timed_at_no_time():
+    from scripts import plan_layers
+
+    assert plan_layers._ratio(1.0, 0.0) != plan_layers._ratio(1.0, 0.0)  # nan, not a division by zero
+    nan = float("nan")
+    found = [{"ratios": {1: nan, 8: r}, "pressed": {"notes": []}} for r in (nan, 1.5, 0.5)]
+    assert plan_layers.summary(found).splitlines() == [
+        "1 rows: pressed / whole n/a (no measurable time timed whole)",
+        "8 rows: pressed / whole 0.50-1.50x (median 1.00)",
     ]
