@@ -242,6 +242,50 @@ def test_timing_a_configuration_reads_each_workers_allocator_and_the_shared_ones
     assert result["total"] >= 8 * weights and result["readable"] == [True, True], result
 
 
+@pytest.mark.heavy(seconds=10)
+def test_a_layer_timed_on_a_worker_is_traced_once_and_each_warm_up_run_waited_for():
+    # A call on a remote device returns before it has run: a warm-up of 100 calls queued in no time made the first
+    # timed call wait for all of them (1-2 s a size for each of AmoebaNet-D's cells on a worker)
+    proc = run_fresh(
+        """
+        import numpy as np, keras, tensorflow as tf
+        from tfpipe.cluster import LocalCluster
+        from tfpipe.planning import profile
+
+        with LocalCluster(1, threads_per_worker=1) as cluster:
+            with tf.device(cluster.devices[0]):
+                runs, a = tf.Variable(0), tf.random.normal((384, 384))
+                layer = keras.layers.Dense(64)
+                layer.build((None, 32))
+
+            @tf.function
+            def slow():  # tens of milliseconds on one thread
+                b = a
+                for _ in range(8):
+                    b = tf.tanh(b @ b)
+                runs.assign_add(1)
+                return b[0, 0]
+
+            with tf.device(cluster.devices[0]):
+                profile.median_seconds(slow, 3, warm_s=0.05)
+            measured = profile._Measured([layer], cluster.devices[0])
+            x = tf.ones((2, 32))
+            measured.traced(x)
+            measured.ops(profile._rows(x, 8))
+            for rows in (8, 32):
+                measured.seconds(profile._rows(x, rows), 2, 0.0)
+            counts = [f.experimental_get_tracing_count() for f in (measured._forward, measured._forward_backward)]
+            print("RESULT", runs.numpy(), *counts)
+    """
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    runs, forward, forward_backward = map(int, proc.stdout.split("RESULT")[1].split())
+    # the first call, the warm-up up to 0.05 s, three timed: not the 100 a warm-up that ran ahead queued
+    assert 5 <= runs <= 30, runs
+    # one trace general in the rows serves every size (not one for the first size, then one general)
+    assert (forward, forward_backward) == (1, 1)
+
+
 @pytest.mark.heavy(seconds=45)
 def test_planning_keeps_to_the_budget_and_to_max_seconds_and_says_what_it_left_out():
     # 6 x Dense(256), Adam, batch 256 under 6 MiB per device: a step of the whole model on one device is predicted at

@@ -174,9 +174,12 @@ def median_seconds(fn: Any, repeats: int, warm_s: float = WARM_S) -> float:
     fn()
     began = timeit.default_timer()
     # TensorFlow's executor hands a kernel to its thread pool until the kernel's cost estimate has settled,
-    # about 90 runs: a small layer measured before that pays a thread's wake-up per op
+    # about 90 runs: a small layer measured before that pays a thread's wake-up per op. A call on a remote device
+    # returns before it has run: each is waited for, or 100 queued in no time ran on within the first timed call
+    # (1-2 s a size for each of AmoebaNet-D's cells on a worker)
     for _ in range(100):
         fn()
+        tf.test.experimental.sync_devices()
         if timeit.default_timer() - began > warm_s:
             break
     times = []
@@ -226,13 +229,14 @@ class _Measured:
         return [v.value for copy in self._copies for v in copy.trainable_variables] + _floats(inputs)
 
     def prime(self, x: Any) -> None:
-        """Trace the forward fed ``x``: at other sizes it then runs a trace general in the rows (``reduce_retracing``),
-        as it does where it was first fed the smallest size."""
-        self._forward(x)
+        """Trace the forward general in the rows of ``x``: every size then runs that one trace."""
+        self._forward.get_concrete_function(_general(x))
 
     def traced(self, x: Any) -> float:
-        """Seconds the forward and backward take to trace and first run fed ``x``, beyond a later run."""
+        """Seconds the forward and backward take to trace (general in the rows of ``x``) and first run fed ``x``,
+        beyond a later run."""
         began = timeit.default_timer()
+        self._forward_backward.get_concrete_function(_general(x))
         self._forward_backward(x)
         tf.test.experimental.sync_devices()
         first = timeit.default_timer() - began
@@ -253,8 +257,8 @@ class _Measured:
     def ops(self, x: Any) -> tuple[int, int]:
         """(forward ops, backward ops) of the functions traced fed ``x``: the backward's, forward and backward's less
         the forward's (nested functions' ops counted)."""
-        forward = _op_count(self._forward.get_concrete_function(x))
-        return forward, max(_op_count(self._forward_backward.get_concrete_function(x)) - forward, 0)
+        forward = _op_count(self._forward.get_concrete_function(_general(x)))
+        return forward, max(_op_count(self._forward_backward.get_concrete_function(_general(x))) - forward, 0)
 
     def held(self, x: Any, memory: str) -> tuple[float, float]:
         """(bytes held, backward working bytes) fed ``x``, read from the allocator ``memory``."""
@@ -272,6 +276,12 @@ class _Measured:
         peak = tf.config.experimental.get_memory_info(memory)["peak"] - base
         del grads, tape, loss
         return float(max(held, 0)), float(max(peak - held, 0))
+
+
+def _general(x: Any) -> Any:
+    """Specs of the tensors ``x`` general in their rows: traced once so, a unit runs one trace at every size (a trace
+    for one size, then one general, cost AmoebaNet-D's cells 0.7-1.3 s more each on a worker)."""
+    return tf.nest.map_structure(lambda t: tf.TensorSpec([None, *t.shape[1:]], t.dtype), x)
 
 
 def _op_count(function: Any) -> int:
@@ -492,11 +502,10 @@ def _read_bytes(
     got: dict[int, tuple[float, float]] = {}
     over: set[int] = set()
     last, at = (0.0, 0.0), 0
-    # Traced first at the smallest size, so that the others run the trace general in the rows, as where read at every
-    # size (a trace of 4 rows alone held half of that on AmoebaNet-D); under a budget read there, to predict the rest
-    if run[0] != sizes[0] and budget is None:
-        measured.prime(_rows(walked.inputs, sizes[0]))
-    elif run[0] != sizes[0]:
+    # Every size runs the trace general in the rows (a trace of 4 rows alone held half of that on AmoebaNet-D); under
+    # a budget the smallest is read first, to predict the rest
+    measured.prime(_rows(walked.inputs, sizes[0]))
+    if run[0] != sizes[0] and budget is not None:
         run = [sizes[0], *run]
     for b in run:
         if at and _over_budget(fixed, in_per_row, sum(last) / at, b, budget):

@@ -159,8 +159,8 @@ def test_bytes_on_a_stand_in_are_read_at_the_middle_size_alone_where_their_pace_
     x = np.zeros((4, 8), "float32")
     out, notes = profile_lib._bytes_on(layers, x, [2, 4, 8], "/CPU:0", "CPU:0", None, progress)
     assert read[8] == [2, 4, 8] and all(read[u] == later for u in range(9, 13)), str(read)
-    # one read at the middle alone traced at the smallest first, as one read at every size is
-    assert primed == ({} if later == [2, 4, 8] else {u: [2] for u in range(9, 13)})
+    # each read traced general in the rows first (fed the smallest size): every size it is read at runs that trace
+    assert primed == {u: [2] for u in range(8, 13)}
     # the sizes not read scaled as the first (read at every size) scales: here each unit's own bytes
     assert [got for got, _ in out] == [[(u * b, b) for b in (2, 4, 8)] for u in range(8, 13)]
     assert all(over == set() for _, over in out)
@@ -198,7 +198,7 @@ def test_a_size_not_read_but_predicted_over_the_budget_is_marked_over(monkeypatc
     # 5800 bytes at 8 rows, not at 4
     progress = Progress(verbose=0, max_seconds=0.0)
     out, _ = profile_lib._bytes_on(layers, x, [2, 4, 8], "/CPU:0", "CPU:0", 5800.0, progress)
-    assert read == {8: [2, 4, 8], 64: [2, 4]} and primed == {}
+    assert read == {8: [2, 4, 8], 64: [2, 4]} and primed == {8: [2], 64: [2]}
     assert out[1][1] == {8} and out[0][1] == set()
     assert out[1][0][2] == (64 * 8, 8)  # scaled as the first, all the same
 
