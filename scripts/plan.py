@@ -93,7 +93,8 @@ flags.DEFINE_integer(
     "pressed_rounds",
     0,
     "Instead of planning: this many rounds, in turn, of the layers profiled alone at every size and as "
-    "max_seconds='auto' presses them (fewer sizes each), on the first device; their summed times per size compared.",
+    "max_seconds='auto' presses them (fewer sizes each), on the first device, each showing its progress; their summed "
+    "times per size compared.",
     lower_bound=0,
 )
 flags.DEFINE_string("_plan_child", None, "Internal: plan under the JSON budget in this process (--planning_budgets).")

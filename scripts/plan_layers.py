@@ -16,18 +16,21 @@ def _summed(profile: Any) -> dict[int, float]:
     return {b: sum(c.forward_s) + sum(c.backward_s) for b, c in sorted(profile.by_batch.items())}
 
 
-def _profile(layers: Any, x: Any, sizes: list[int], device: str, pressed: bool, devices: int) -> dict[str, Any]:
+def _profile(
+    layers: Any, x: Any, sizes: list[int], device: str, pressed: bool, devices: int, round_: int
+) -> dict[str, Any]:
     """One profile of ``layers`` on ``device``: at every size, or under ``max_seconds="auto"`` as ``tfpipe.plan``
-    bounds it on ``devices`` devices (``choose.auto_bound``)."""
+    bounds it on ``devices`` devices (``choose.auto_bound``); its progress shown as the planner shows it."""
     from tfpipe.planner import choose
     from tfpipe.planning import profile as profile_lib
     from tfpipe.planning.progress import Progress
 
-    kwargs: dict[str, Any] = {}
-    if pressed:
-        kwargs = dict(progress=Progress(verbose=0), auto_bound=choose.auto_bound(devices))
+    # without max_seconds and auto_bound the profile is unbounded: the progress only shows it
+    progress = Progress(prefix=f"round {round_ + 1}, {'pressed' if pressed else 'every size'}")
+    bound = choose.auto_bound(devices) if pressed else None
     began = timeit.default_timer()
-    found = profile_lib.measure(layers, x, sizes, device, **kwargs)
+    found = profile_lib.measure(layers, x, sizes, device, progress=progress, auto_bound=bound)
+    progress.end()
     took = timeit.default_timer() - began
     return {"seconds": took, "summed": _summed(found), "notes": [n for n in found.not_run if "measured alone" in n]}
 
@@ -48,9 +51,9 @@ def rounds(spec: dict[str, Any], count: int) -> list[dict[str, Any]]:
     found = []
     given = contextlib.nullcontext(types.SimpleNamespace(devices=devices))  # logical devices, as a cluster gives its
     with tfpipe.cluster.LocalCluster(spec["devices"]) if devices is None else given as on:
-        for _ in range(count):
-            whole = _profile(layers, x, sizes, on.devices[0], False, spec["devices"])
-            pressed = _profile(layers, x, sizes, on.devices[0], True, spec["devices"])
+        for r in range(count):
+            whole = _profile(layers, x, sizes, on.devices[0], False, spec["devices"], r)
+            pressed = _profile(layers, x, sizes, on.devices[0], True, spec["devices"], r)
             ratios = {b: _ratio(pressed["summed"][b], whole["summed"][b]) for b in sizes}
             found.append({"whole": whole, "pressed": pressed, "ratios": ratios})
             print(_line(found[-1]), flush=True)

@@ -73,6 +73,8 @@ def test_pressed_rounds_compare_the_layers_profiled_whole_and_pressed_per_size()
     rounds = re.findall(r"^whole \d+ s, pressed \d+ s: 1 rows .* ms \((\d+\.\d+x|n/a)\), 4 rows", proc.stdout, re.M)
     assert len(rounds) == 2, proc.stdout
     assert all(r == "n/a" or float(r[:-1]) > 0 for r in rounds), proc.stdout
+    # each profile shows its progress, as the planner does: which round, which profile, how far
+    assert re.search(r"^round 2, pressed: measuring each of the 3 layers alone .*: done in \d+ s$", proc.stdout, re.M)
     assert re.search(r"^8 rows: pressed / whole (\d+\.\d+-\d+\.\d+x \(median \d+\.\d+\)|n/a .*)$", proc.stdout, re.M)
 
 
