@@ -124,7 +124,25 @@ def summarize(events: list[Event], windows: list[tuple[int, int]], device_names:
     lines.append(
         f"bubble (idle share of the step, mean over devices): measured {measured:.3f} vs ideal {ideal_bubble:.3f}"
     )
+    shares = step_shares(events, windows, len(device_names))
+    if len(shares) > 1:  # one step's slow spell moves the whole's share: each step's, to tell it from the rest
+        lines.append(
+            f"  each step's: min {min(shares):.3f}, median {statistics.median(shares):.3f}, max {max(shares):.3f}"
+        )
     return "\n".join(lines)
+
+
+def step_shares(events: list[Event], windows: list[tuple[int, int]], devices: int) -> list[float]:
+    """Each profiled step's idle share: one less the devices' mean busy time (their ops' union) over its window."""
+    busy = [[0.0] * devices for _ in windows]
+    spans: dict[tuple[int, int], list[tuple[float, float]]] = {}
+    for e in events:
+        step = _step_of(e, windows)
+        if step is not None:
+            spans.setdefault((step, e.device), []).append((e.start / 1e6, e.end / 1e6))
+    for (step, device), intervals in spans.items():
+        busy[step][device] = _union(intervals)
+    return [1 - sum(b) / devices / ((end - begin) / 1e6) for b, (begin, end) in zip(busy, windows)]
 
 
 def crossings(events: list[Event], windows: list[tuple[int, int]], device_names: list[str]) -> str:

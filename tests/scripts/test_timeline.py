@@ -184,3 +184,22 @@ def test_crossing_latency_is_from_a_send_to_the_waiting_receivers_next_op():
     assert waited == 2
     assert latency == pytest.approx(1.0)  # the median of 0.5 and 1.5
     assert crossing_latency(events[3:4], windows) == (0.0, 0)  # nothing crossed
+
+
+def test_each_steps_idle_share_is_its_devices_mean_idle_over_its_window():
+    from scripts.timeline_analysis import Event, step_shares, summarize
+
+    ms = 1_000_000
+    windows = [(0, 100 * ms), (200 * ms, 300 * ms)]
+    events = [  # step 0: device 0 busy 80 ms (two ops overlapping 10), device 1 60; step 1: 100 and 40
+        Event(0, "F_0_0", "forward", 0, 50 * ms),
+        Event(0, "F_0_1", "forward", 40 * ms, 80 * ms),
+        Event(1, "F_1_0", "forward", 10 * ms, 70 * ms),
+        Event(0, "B_0_0", "backward", 200 * ms, 300 * ms),
+        Event(1, "B_1_0", "backward", 230 * ms, 270 * ms),
+        Event(1, "F_1_9", "forward", 150 * ms, 160 * ms),  # between the windows: no step's
+    ]
+    assert step_shares(events, windows, 2) == pytest.approx([0.3, 0.3])
+    windows[1] = (200 * ms, 400 * ms)  # the second step slower: 0.65 idle
+    assert step_shares(events, windows, 2) == pytest.approx([0.3, 0.65])
+    assert "each step's: min 0.300, median 0.475, max 0.650" in summarize(events, windows, ["a", "b"], 0.1)
