@@ -106,9 +106,11 @@ def summarize(events: list[Event], windows: list[tuple[int, int]], device_names:
     ]
     header = f"{'device':<34} {'busy':>6} " + " ".join(f"{p[:9]:>9}" for p in PHASES) + f" {'idle':>9} {'2+ ops':>9}"
     lines += [header + "   (ms over all profiled steps; 2+ ops: op time beyond one op at a time)"]
+    busy_all = []  # per device: its ops' union over the profiled steps
     for d, name in enumerate(device_names):
         mine = [e for e in events if e.device == d and _step_of(e, windows) is not None]
         busy = _union([(e.start / 1e6, e.end / 1e6) for e in mine])
+        busy_all.append(busy)
         per = {p: _union([(e.start / 1e6, e.end / 1e6) for e in mine if e.phase == p]) for p in PHASES}
         overlap = sum(e.end - e.start for e in mine) / 1e6 - busy  # > 0: ops ran concurrently on one device
         lines.append(
@@ -116,10 +118,6 @@ def summarize(events: list[Event], windows: list[tuple[int, int]], device_names:
             + " ".join(f"{per[p]:9.1f}" for p in PHASES)
             + f" {wall - busy:9.1f} {overlap:9.1f}"
         )
-    busy_all = [
-        _union([(e.start / 1e6, e.end / 1e6) for e in events if e.device == d and _step_of(e, windows) is not None])
-        for d in range(len(device_names))
-    ]
     measured = 1 - sum(busy_all) / len(busy_all) / wall
     lines.append(
         f"bubble (idle share of the step, mean over devices): measured {measured:.3f} vs ideal {ideal_bubble:.3f}"
