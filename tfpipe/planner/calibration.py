@@ -30,7 +30,7 @@ from tfpipe.distributed.sendrecv import any_remote
 from tfpipe.model import PipelineModel
 from tfpipe.planning import units as units_lib
 from tfpipe.planning.predict import Calibration, Config
-from tfpipe.planning.profile import median_seconds, memory_name
+from tfpipe.planning.profile import median_difference, median_seconds, memory_name
 from tfpipe.step.unrolled import noinline_tasks
 
 _CALIBRATIONS: dict[tuple[Any, ...], Calibration] = {}  # one per set of devices and optimizer, per process
@@ -50,6 +50,9 @@ ROUNDS = 3
 # The calibration's step that calls its cells without inlining them (2K x 32 tasks on two workers) gave the same task
 # cost warmed up 20 steps as 100 (2026-11-30, six calibrations each: 0.111-0.129 ms against 0.115-0.133), 1 s sooner
 NOINLINE_WARM_STEPS = 20
+# The device's fixed costs per byte (a transfer, an update, a copy) are the difference of a large and a tiny run,
+# timed in this many pairs
+PAIRS = 9
 PROBE_SIZE = 16 * 2**20  # bytes of each tensor the calibration moves, joins and updates (without a budget)
 
 
@@ -462,35 +465,32 @@ def _bandwidth(devices: list[str], size: int = PROBE_SIZE) -> float:
     # sliced once, before timing: a slice made in each call is one more op (on a worker, one more round trip)
     # timed in the empty call only; between two workers the difference came out negative (15 PiB/s)
     one = x[:1, :1]
-    empty = median_seconds(lambda: move(one), 7)
-    seconds = median_seconds(lambda: move(x), 7) - empty
+    seconds = median_difference(lambda: move(x), lambda: move(one), PAIRS)
     # within a call's noise (two logical GPUs of one card copy 16 MiB in microseconds): too fast to count
     return float(x.shape.num_elements() * 4 / seconds) if seconds > 1e-6 else float("inf")
 
 
 def _update_seconds_per_byte(device: str, optimizer: Any, rows: int = 4096) -> float:
     """The optimizer's update time per byte of weights: one update of ``rows`` x 1024 floats less one of 16 x 1024, on
-    ``device``."""
+    ``device``, in turn (``median_difference``)."""
 
-    def seconds(rows: int) -> float:
+    def update(rows: int) -> Any:
         opt = _fresh(optimizer)
         with tf.device(device):
             variable = keras.Variable(np.zeros((rows, 1024), "float32"))
             gradient = tf.ones((rows, 1024))
             opt.build([variable])
-            return median_seconds(tf.function(lambda: opt.apply([gradient], [variable])), 7)
+            return tf.function(lambda: opt.apply([gradient], [variable]))
 
-    return max(seconds(rows) - seconds(16), 0.0) / ((rows - 16) * 1024 * 4)
+    return max(median_difference(update(rows), update(16), PAIRS), 0.0) / ((rows - 16) * 1024 * 4)
 
 
 def _copy_seconds_per_byte(device: str, rows: int = 4096) -> float:
     """Concatenating tensors on ``device``, per byte: four pieces of ``rows`` x 256 floats (4 MiB) joined, less four
-    of 1 KiB."""
-
-    def seconds(rows: int) -> float:
-        with tf.device(device):
-            pieces = [tf.ones((rows, 256)) for _ in range(4)]
-            join = tf.function(lambda *p: tf.reduce_sum(tf.concat(p, 0)[:1]))  # reads one row: the copy is the cost
-            return median_seconds(lambda: join(*pieces), 7)
-
-    return max(seconds(rows) - seconds(1), 0.0) / (4 * (rows - 1) * 256 * 4)
+    of 1 KiB, in turn (``median_difference``)."""
+    with tf.device(device):
+        pieces, small = [tf.ones((rows, 256)) for _ in range(4)], [tf.ones((1, 256)) for _ in range(4)]
+    join = tf.function(lambda *p: tf.reduce_sum(tf.concat(p, 0)[:1]))  # reads one row: the copy is the cost
+    with tf.device(device):
+        seconds = median_difference(lambda: join(*pieces), lambda: join(*small), PAIRS)
+    return max(seconds, 0.0) / (4 * (rows - 1) * 256 * 4)

@@ -171,6 +171,21 @@ def stand_in(device: str) -> str | None:
 
 def median_seconds(fn: Any, repeats: int, warm_s: float = WARM_S) -> float:
     """Median seconds of ``fn()`` over ``repeats`` runs, after tracing and 100 runs or ``warm_s`` of warm-up."""
+    _warm_up(fn, warm_s)
+    return float(np.median([_once(fn) for _ in range(repeats)]))
+
+
+def median_difference(fn: Any, base: Any, repeats: int, warm_s: float = WARM_S) -> float:
+    """Median over ``repeats`` pairs of ``fn()``'s seconds less ``base()``'s, the two run in turn, each warmed up as
+    ``median_seconds`` warms up: a slow spell of a shared machine then falls on both of a pair. Two medians taken one
+    after the other carried it whole into their difference (a copy's cost came out 0 under the test suite's load)."""
+    _warm_up(fn, warm_s)
+    _warm_up(base, warm_s)
+    return float(np.median([_once(fn) - _once(base) for _ in range(repeats)]))
+
+
+def _warm_up(fn: Any, warm_s: float) -> None:
+    """Trace ``fn`` and run it 100 times or for ``warm_s``, each run waited for."""
     fn()
     began = timeit.default_timer()
     # TensorFlow's executor hands a kernel to its thread pool until the kernel's cost estimate has settled,
@@ -182,13 +197,14 @@ def median_seconds(fn: Any, repeats: int, warm_s: float = WARM_S) -> float:
         tf.test.experimental.sync_devices()
         if timeit.default_timer() - began > warm_s:
             break
-    times = []
-    for _ in range(repeats):
-        began = timeit.default_timer()
-        fn()
-        tf.test.experimental.sync_devices()
-        times.append(timeit.default_timer() - began)
-    return float(np.median(times))
+
+
+def _once(fn: Any) -> float:
+    """Seconds of one run of ``fn()``, until every device has run it."""
+    began = timeit.default_timer()
+    fn()
+    tf.test.experimental.sync_devices()
+    return timeit.default_timer() - began
 
 
 @tf.function
