@@ -30,7 +30,7 @@ from tfpipe.distributed.sendrecv import any_remote
 from tfpipe.model import PipelineModel
 from tfpipe.planning import units as units_lib
 from tfpipe.planning.predict import Calibration, Config
-from tfpipe.planning.profile import median_difference, median_seconds, memory_name
+from tfpipe.planning.profile import median_difference, memory_name
 from tfpipe.step.unrolled import noinline_tasks
 
 _CALIBRATIONS: dict[tuple[Any, ...], Calibration] = {}  # one per set of devices and optimizer, per process

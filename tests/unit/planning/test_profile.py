@@ -1,5 +1,6 @@
 """What the planner measures per layer: alike layers (same class, configuration and inputs) share their times."""
 
+import time
 import types
 
 import keras
@@ -367,3 +368,26 @@ def test_under_max_seconds_auto_the_layers_keep_to_the_bound_their_own_step_give
         layers, x, [2, 4, 8], "/CPU:0", progress=Progress(verbose=0, max_seconds=1e6), auto_bound=auto_bound
     )
     assert steps == []
+
+
+def _sleeper(seconds: float, calls: list[int], spell: range) -> object:
+    """A run that sleeps ``seconds``, 20 ms more while the count of every sleeper's runs is in ``spell``."""
+
+    def run() -> None:
+        calls[0] += 1
+        time.sleep(seconds + (0.02 if calls[0] in spell else 0.0))
+
+    return run
+
+
+def test_a_difference_timed_in_pairs_keeps_out_a_slow_spell_that_two_medians_in_a_row_carry():
+    # warm-up (warm_s=0): a trace run and one more each; then 9 pairs, the first five within the slow spell
+    calls = [0]
+    paired = profile_lib.median_difference(
+        _sleeper(0.006, calls, range(5, 15)), _sleeper(0.002, calls, range(5, 15)), 9, warm_s=0.0
+    )
+    assert 0.002 < paired < 0.008  # 4 ms apart, spell or not
+    calls = [0]  # the same spell on two medians taken one after the other: it falls on the first alone
+    slow, fast = _sleeper(0.006, calls, range(3, 13)), _sleeper(0.002, calls, range(3, 13))
+    in_a_row = profile_lib.median_seconds(slow, 9, warm_s=0.0) - profile_lib.median_seconds(fast, 9, warm_s=0.0)
+    assert in_a_row > 0.015
