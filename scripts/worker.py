@@ -12,10 +12,12 @@ runs whatever the training process sends it: open the port to the training host 
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import signal
 import sys
+from typing import Any
 
 from absl import app, flags
 
@@ -51,16 +53,24 @@ def cluster_and_task() -> tuple[dict[str, list[str]], int]:
     return cluster, task
 
 
+def serving() -> Any:
+    """TensorFlow's runtime without its Python API (``tfpipe/_compat/runtime.py``, loaded by its path beside this
+    script: importing tfpipe would import TensorFlow and Keras whole): a server starts in about a second, not five."""
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tfpipe", "_compat", "runtime.py")
+    found = importlib.util.spec_from_file_location("tfpipe_worker_runtime", path)
+    assert found is not None and found.loader is not None  # a .py file's path
+    runtime = importlib.util.module_from_spec(found)
+    found.loader.exec_module(runtime)
+    return runtime.serving()
+
+
 def main(argv: list[str]) -> None:
     """Start the server and serve until stopped."""
     del argv
     cluster, task = cluster_and_task()
-    import tensorflow as tf
-
-    config = tf.compat.v1.ConfigProto(
-        intra_op_parallelism_threads=FLAGS.threads, inter_op_parallelism_threads=FLAGS.threads
-    )
-    server = tf.distribute.Server(tf.train.ClusterSpec(cluster), job_name=FLAGS.job, task_index=task, config=config)
+    tf = serving()
+    config = tf.ConfigProto(intra_op_parallelism_threads=FLAGS.threads, inter_op_parallelism_threads=FLAGS.threads)
+    server = tf.Server(tf.ClusterSpec(cluster), job_name=FLAGS.job, task_index=task, config=config)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     print(f"serving {FLAGS.job} task {task} at {cluster[FLAGS.job][task]} ({server.target})", flush=True)
     server.join()

@@ -13,24 +13,29 @@ import subprocess
 import threading
 from typing import Any
 
+from tfpipe._compat import runtime
 from tfpipe.distributed.faults import WorkerError
 
 JOB = "worker"  # the job name of a LocalCluster's workers
-# Run with ``python -c CODE spec_json task threads``: only TensorFlow, a server for the task, and the answering thread.
-CODE = (
-    """
-import json, sys, threading
-import tensorflow as tf
+# Run with ``python -c CODE spec_json task threads``: TensorFlow's runtime without its Python API
+# (``tfpipe._compat.runtime``, loaded by its path: a worker starts in about a second, not five), a server for the task,
+# and the answering thread.
+CODE = """
+import importlib.util, json, sys, threading
+found = importlib.util.spec_from_file_location("tfpipe_worker_runtime", %r)
+runtime = importlib.util.module_from_spec(found)
+found.loader.exec_module(runtime)
+tf = runtime.serving()
 spec, task, threads = json.loads(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
-config = tf.compat.v1.ConfigProto(intra_op_parallelism_threads=threads, inter_op_parallelism_threads=threads)
-server = tf.distribute.Server(tf.train.ClusterSpec(spec), job_name=%r, task_index=task, config=config, start=True)
+config = tf.ConfigProto(intra_op_parallelism_threads=threads, inter_op_parallelism_threads=threads)
+server = tf.Server(tf.ClusterSpec(spec), job_name=%r, task_index=task, config=config, start=True)
 
 def answer():
     for line in sys.stdin:
         try:
             if line.strip() == "reset":
-                tf.config.experimental.reset_memory_stats("CPU:0")
-            info = tf.config.experimental.get_memory_info("CPU:0")
+                tf.reset_memory_stats("CPU:0")
+            info = tf.get_memory_info("CPU:0")
         except Exception as err:  # an allocator that counts nothing (TF_CPU_ALLOCATOR_USE_BFC not true)
             info = {"error": str(err)}
         print(json.dumps(info), flush=True)
@@ -38,9 +43,7 @@ def answer():
 threading.Thread(target=answer, daemon=True).start()
 print("READY", flush=True)
 server.join()
-"""
-    % JOB
-)
+""" % (runtime.__file__, JOB)
 _asking = threading.Lock()  # one question and its answer at a time, whichever thread asks
 
 
