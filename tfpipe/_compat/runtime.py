@@ -30,11 +30,11 @@ def serving() -> types.SimpleNamespace:
         sys.modules["tensorflow"] = package
     from tensorflow.core.protobuf import config_pb2
     from tensorflow.python.compat import v2_compat
-    from tensorflow.python.framework import config, load_library
+    from tensorflow.python.framework import config
     from tensorflow.python.training import server_lib
 
     v2_compat.enable_v2_behavior()
-    _load_kernels(load_library, os.path.dirname(found.origin))
+    _load_kernels(os.path.dirname(found.origin))
     return types.SimpleNamespace(
         ConfigProto=config_pb2.ConfigProto,
         ClusterSpec=server_lib.ClusterSpec,
@@ -44,9 +44,11 @@ def serving() -> types.SimpleNamespace:
     )
 
 
-def _load_kernels(load_library: types.ModuleType, package_dir: str) -> None:
+def _load_kernels(package_dir: str) -> None:
     """Load the dynamic kernels and device plugins TensorFlow's ``__init__`` loads for a pip install: its
     ``core/kernels``, a ``tensorflow-plugins`` folder beside it, ``TF_PLUGGABLE_DEVICE_LIBRARY_PATH``."""
+    from tensorflow.python.framework import load_library
+
     kernels = os.path.join(package_dir, "core", "kernels")
     if os.path.exists(kernels):
         load_library.load_library(kernels)

@@ -488,9 +488,8 @@ def _update_seconds_per_byte(device: str, optimizer: Any, rows: int = 4096) -> f
 def _copy_seconds_per_byte(device: str, rows: int = 4096) -> float:
     """Concatenating tensors on ``device``, per byte: four pieces of ``rows`` x 256 floats (4 MiB) joined, less four
     of 1 KiB, in turn (``median_difference``)."""
-    with tf.device(device):
-        pieces, small = [tf.ones((rows, 256)) for _ in range(4)], [tf.ones((1, 256)) for _ in range(4)]
     join = tf.function(lambda *p: tf.reduce_sum(tf.concat(p, 0)[:1]))  # reads one row: the copy is the cost
     with tf.device(device):
+        pieces, small = [tf.ones((rows, 256)) for _ in range(4)], [tf.ones((1, 256)) for _ in range(4)]
         seconds = median_difference(lambda: join(*pieces), lambda: join(*small), PAIRS)
     return max(seconds, 0.0) / (4 * (rows - 1) * 256 * 4)
