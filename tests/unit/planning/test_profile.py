@@ -391,3 +391,15 @@ def test_a_difference_timed_in_pairs_keeps_out_a_slow_spell_that_two_medians_in_
     slow, fast = _sleeper(0.006, calls, range(3, 13)), _sleeper(0.002, calls, range(3, 13))
     in_a_row = profile_lib.median_seconds(slow, 9, warm_s=0.0) - profile_lib.median_seconds(fast, 9, warm_s=0.0)
     assert in_a_row > 0.015
+
+
+def test_a_difference_at_or_under_zero_is_timed_again():
+    # a spell on the base's runs of the first 9 pairs (calls 5-22: 2 warm-ups each, then base on even calls) makes
+    # their median negative; the second 9 pairs see none
+    calls = [0]
+    spell = range(6, 23, 2)
+    paired = profile_lib.median_difference(_sleeper(0.003, calls, range(0)), _sleeper(0.002, calls, spell), 9, 0.0)
+    assert calls[0] == 4 + 2 * 2 * 9 and 0.0005 < paired < 0.003
+    calls = [0]  # given one try, the spell's median is what comes back
+    once = profile_lib.median_difference(_sleeper(0.003, calls, range(0)), _sleeper(0.002, calls, spell), 9, 0.0, 1)
+    assert calls[0] == 4 + 2 * 9 and once < -0.01
