@@ -127,7 +127,38 @@ def summarize(events: list[Event], windows: list[tuple[int, int]], device_names:
         lines.append(
             f"  each step's: min {min(shares):.3f}, median {statistics.median(shares):.3f}, max {max(shares):.3f}"
         )
+    trips = round_trips(events, windows, len(device_names))
+    if trips:
+        before, after, inside = (statistics.median(t[i] for t in trips) for i in range(3))
+        lines.append(
+            f"  the call's round trip (medians): the first op {before:.2f} ms after the call, the call back "
+            f"{after:.2f} ms after the last op; idle share from the first op to the last {inside:.3f}"
+        )
     return "\n".join(lines)
+
+
+def round_trips(events: list[Event], windows: list[tuple[int, int]], devices: int) -> list[tuple[float, float, float]]:
+    """Per profiled step: ms from the client's call to the first op on any device, ms from the last op's end to the
+    call's return, and the idle share between the two (the devices' mean busy time over that span).
+
+    The client's dispatch and the return of the step's outputs are idle on every device whatever the schedule; the
+    share without them is what the schedule and its crossings leave idle.
+    """
+    spans: dict[tuple[int, int], list[tuple[float, float]]] = {}
+    for e in events:
+        step = _step_of(e, windows)
+        if step is not None:
+            spans.setdefault((step, e.device), []).append((e.start / 1e6, e.end / 1e6))
+    trips = []
+    for step, (begin, end) in enumerate(windows):
+        mine = [spans.get((step, d), []) for d in range(devices)]
+        if not all(mine):
+            continue
+        first = min(b for intervals in mine for b, _ in intervals)
+        last = max(e for intervals in mine for _, e in intervals)
+        busy = sum(_union(intervals) for intervals in mine) / devices
+        trips.append((first - begin / 1e6, end / 1e6 - last, 1 - busy / (last - first)))
+    return trips
 
 
 def step_shares(events: list[Event], windows: list[tuple[int, int]], devices: int) -> list[float]:

@@ -203,3 +203,24 @@ def test_each_steps_idle_share_is_its_devices_mean_idle_over_its_window():
     windows[1] = (200 * ms, 400 * ms)  # the second step slower: 0.65 idle
     assert step_shares(events, windows, 2) == pytest.approx([0.3, 0.65])
     assert "each step's: min 0.300, median 0.475, max 0.650" in summarize(events, windows, ["a", "b"], 0.1)
+
+
+def test_the_calls_round_trip_is_told_from_the_idle_share_between_the_first_op_and_the_last():
+    from scripts.timeline_analysis import Event, round_trips, summarize
+
+    ms = 1_000_000
+    windows = [(0, 100 * ms), (200 * ms, 300 * ms)]
+    events = [  # step 0: the first op 10 ms after the call, the last ends 20 ms before it returns; step 1: 5 and 15
+        Event(0, "F_0_0", "forward", 10 * ms, 50 * ms),
+        Event(1, "F_1_0", "forward", 30 * ms, 80 * ms),
+        Event(0, "B_0_0", "backward", 205 * ms, 285 * ms),
+        Event(1, "B_1_0", "backward", 225 * ms, 265 * ms),
+        Event(1, "F_1_9", "forward", 150 * ms, 160 * ms),  # between the windows: no step's
+    ]
+    # between the first op and the last: 70 ms with 40 and 50 busy (idle 0.357); 80 ms with 80 and 40 (0.25)
+    found = round_trips(events, windows, 2)
+    assert found == [pytest.approx((10.0, 20.0, 1 - 45 / 70)), pytest.approx((5.0, 15.0, 0.25))]
+    assert round_trips(events[:1], windows[:1], 2) == []  # a device without ops in a step: no span to tell
+    text = summarize(events, windows, ["a", "b"], 0.1)
+    assert "the first op 7.50 ms after the call, the call back 17.50 ms after the last op" in text
+    assert f"idle share from the first op to the last {(1 - 45 / 70 + 0.25) / 2:.3f}" in text
