@@ -144,11 +144,7 @@ def round_trips(events: list[Event], windows: list[tuple[int, int]], devices: in
     The client's dispatch and the return of the step's outputs are idle on every device whatever the schedule; the
     share without them is what the schedule and its crossings leave idle.
     """
-    spans: dict[tuple[int, int], list[tuple[float, float]]] = {}
-    for e in events:
-        step = _step_of(e, windows)
-        if step is not None:
-            spans.setdefault((step, e.device), []).append((e.start / 1e6, e.end / 1e6))
+    spans = _spans(events, windows)
     trips = []
     for step, (begin, end) in enumerate(windows):
         mine = [spans.get((step, d), []) for d in range(devices)]
@@ -164,14 +160,19 @@ def round_trips(events: list[Event], windows: list[tuple[int, int]], devices: in
 def step_shares(events: list[Event], windows: list[tuple[int, int]], devices: int) -> list[float]:
     """Each profiled step's idle share: one less the devices' mean busy time (their ops' union) over its window."""
     busy = [[0.0] * devices for _ in windows]
+    for (step, device), intervals in _spans(events, windows).items():
+        busy[step][device] = _union(intervals)
+    return [1 - sum(b) / devices / ((end - begin) / 1e6) for b, (begin, end) in zip(busy, windows)]
+
+
+def _spans(events: list[Event], windows: list[tuple[int, int]]) -> dict[tuple[int, int], list[tuple[float, float]]]:
+    """(step, device) -> the ms intervals of its ops within that step's window."""
     spans: dict[tuple[int, int], list[tuple[float, float]]] = {}
     for e in events:
         step = _step_of(e, windows)
         if step is not None:
             spans.setdefault((step, e.device), []).append((e.start / 1e6, e.end / 1e6))
-    for (step, device), intervals in spans.items():
-        busy[step][device] = _union(intervals)
-    return [1 - sum(b) / devices / ((end - begin) / 1e6) for b, (begin, end) in zip(busy, windows)]
+    return spans
 
 
 def crossings(events: list[Event], windows: list[tuple[int, int]], device_names: list[str]) -> str:

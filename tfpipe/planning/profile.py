@@ -181,8 +181,7 @@ def median_difference(fn: Any, base: Any, repeats: int, warm_s: float = WARM_S, 
     after the other carried it whole into their difference (a copy's cost came out 0 under the test suite's load).
 
     ``fn`` does more than ``base`` by construction: a median at or under 0 is a spell that fell on ``base``'s runs
-    of most pairs (a 16 MiB copy came out free under the suite's load), so the pairs are timed again, up to ``tries``
-    times in all.
+    of most pairs (it happened once more, in CI), so the pairs are timed again, up to ``tries`` times in all.
     """
     _warm_up(fn, warm_s)
     _warm_up(base, warm_s)
