@@ -398,8 +398,8 @@ def test_a_difference_at_or_under_zero_is_timed_again():
     # their median negative; the second 9 pairs see none
     calls = [0]
     spell = range(6, 23, 2)
-    paired = profile_lib.median_difference(_sleeper(0.003, calls, range(0)), _sleeper(0.002, calls, spell), 9, 0.0)
-    assert calls[0] == 4 + 2 * 2 * 9 and 0.0005 < paired < 0.003
+    paired = profile_lib.median_difference(_sleeper(0.006, calls, range(0)), _sleeper(0.002, calls, spell), 9, 0.0)
+    assert calls[0] == 4 + 2 * 2 * 9 and 0.002 < paired < 0.008  # 4 ms apart
     calls = [0]  # given one try, the spell's median is what comes back
-    once = profile_lib.median_difference(_sleeper(0.003, calls, range(0)), _sleeper(0.002, calls, spell), 9, 0.0, 1)
+    once = profile_lib.median_difference(_sleeper(0.006, calls, range(0)), _sleeper(0.002, calls, spell), 9, 0.0, 1)
     assert calls[0] == 4 + 2 * 9 and once < -0.01
