@@ -216,12 +216,12 @@ def op_flops(op: tf.Operation) -> float | None:
         return float(out)
     if kind in _REDUCTIONS:
         return float(_elements(op.inputs[0].shape) or 0)
-    if kind == "MatMul":
+    if kind == "MatMul":  # the inner dimension may be unknown where the output's is not (a weight's gradient)
         a = op.inputs[0].shape
-        return 2.0 * out * int(a[0] if op.get_attr("transpose_a") else a[1])
+        return _times_inner(out, a[0] if op.get_attr("transpose_a") else a[1])
     if kind in ("BatchMatMul", "BatchMatMulV2", "BatchMatMulV3"):
         a = op.inputs[0].shape
-        return 2.0 * out * int(a[-2] if op.get_attr("adj_x") else a[-1])
+        return _times_inner(out, a[-2] if op.get_attr("adj_x") else a[-1])
     if kind == "Einsum":
         return _einsum_flops(op)
     if kind in ("Conv2D", "Conv3D"):  # Conv1D is a Conv2D in the graph
@@ -267,6 +267,11 @@ def _cudnn_rnn_flops(op: tf.Operation) -> float | None:
         per_step = 2 * batch * gates * units * (inputs + units) + 2 * batch * gates * units  # products, gating
         total += directions * steps * per_step
     return float(total)
+
+
+def _times_inner(out: int, inner: int | None) -> float | None:
+    """A product's FLOPs, two per output element and inner index; None where the inner dimension is unknown."""
+    return None if inner is None else 2.0 * out * int(inner)
 
 
 def _einsum_flops(op: tf.Operation) -> float | None:

@@ -232,6 +232,24 @@ def test_loops_and_function_calls_are_counted_through():
     assert called == 2 * 5 * 6
 
 
+def test_a_product_over_an_unknown_dimension_is_an_unknown_op_not_an_error():
+    # A weight's gradient in a graph general in its rows: x^T g has a known output (the kernel's shape) and an inner
+    # dimension of None (the rows); it is counted as unknown, as an op of unknown output is
+    import tensorflow as tf
+
+    from tfpipe.planning import flops
+
+    graph = tf.Graph()
+    with graph.as_default():
+        x = tf.compat.v1.placeholder(tf.float32, [None, 3])
+        g = tf.compat.v1.placeholder(tf.float32, [None, 4])
+        tf.matmul(x, g, transpose_a=True)
+        tf.linalg.matmul(tf.reshape(x, [1, -1, 3]), tf.reshape(g, [1, -1, 4]), adjoint_a=True)
+        tf.matmul(tf.ones([2, 3]), tf.ones([3, 4]))  # known: 2 x 4 outputs, 3 inner
+    total, unknown = flops.graph_flops(graph)
+    assert total >= 2 * 2 * 4 * 3 and unknown >= {"MatMul", "BatchMatMulV2"}, unknown
+
+
 @pytest.mark.parametrize("layer,mode", [(keras.layers.LSTM, "lstm"), (keras.layers.GRU, "gru")])
 def test_a_cudnn_recurrence_counts_like_the_layer_it_runs(layer, mode):
     # On a GPU, Keras runs an LSTM or GRU as one CudnnRNNV3 op; a balance by FLOPs must see the same work there.
