@@ -177,11 +177,11 @@ def median_seconds(fn: Any, repeats: int, warm_s: float = WARM_S) -> float:
 
 def median_difference(fn: Any, base: Any, repeats: int, warm_s: float = WARM_S, tries: int = 3) -> float:
     """Median over ``repeats`` pairs of ``fn()``'s seconds less ``base()``'s, the two run in turn, each warmed up as
-    ``median_seconds`` warms up: a slow spell of a shared machine then falls on both of a pair. Two medians taken one
-    after the other carried it whole into their difference (a copy's cost came out 0 under the test suite's load).
+    ``median_seconds`` warms up: a slow spell of a shared machine then falls on both of a pair, where two medians
+    taken one after the other carry it whole into their difference.
 
     ``fn`` does more than ``base`` by construction: a median at or under 0 is a spell that fell on ``base``'s runs
-    of most pairs (it happened once more, in CI), so the pairs are timed again, up to ``tries`` times in all.
+    of most pairs, so the pairs are timed again, up to ``tries`` times in all.
     """
     _warm_up(fn, warm_s)
     _warm_up(base, warm_s)
