@@ -250,17 +250,20 @@ def auto_bound(devices: int) -> Callable[[float], float]:
 
 
 def _joined(request: _Request, measured: profile_lib.Profile, progress: Progress) -> None:
-    """Read what one W over all micro-batches joins, where the search has a schedule that batches W; where
-    ``max_seconds`` has run out, such schedules leave the search instead (unless they are all it has)."""
+    """Read what one W over all micro-batches joins, where the search has a schedule that batches W; where that
+    is predicted past ``max_seconds`` (it traces each kind of layer once: at most the layers' tracing, summed), such
+    schedules leave the search instead (unless they are all it has)."""
     batching = [s for s in request.space.schedules if schedule_lib.batches_weights(s)]
     if measured.joined_bytes or not batching:
         return
-    if progress.time_left() <= 0 and len(batching) < len(request.space.schedules):
+    predicted, left = sum(measured.trace_s), progress.time_left()
+    if left <= predicted and len(batching) < len(request.space.schedules):
         kept = tuple(s for s in request.space.schedules if s not in batching)
         request.space = dataclasses.replace(request.space, schedules=kept)
         measured.not_run.append(
-            f"{', '.join(batching)} not searched: no time left within max_seconds to read what one W over all "
-            "micro-batches joins (each kind of layer traced once)"
+            f"{', '.join(batching)} not searched: reading what one W over all micro-batches joins (each kind of "
+            f"layer traced once) is predicted to take up to {predicted:.0f} s, {max(left, 0):.0f} s left within "
+            "max_seconds"
         )
         return
     progress.phase("reading the rows one W over all micro-batches joins (each kind of layer traced once)")

@@ -29,6 +29,7 @@ from tfpipe import _compat
 from tfpipe import cost as cost_lib
 from tfpipe.graph import cpu_gradients
 from tfpipe.partition import functional, hub, specs
+from tfpipe.planning import held as held_lib
 from tfpipe.planning import units as units_lib
 from tfpipe.planning.progress import Progress
 from tfpipe.planning.walk import same_layer_key, tensor_bytes
@@ -45,6 +46,10 @@ WARM_S = 0.3  # each timed function's warm-up, at most (``median_seconds``)
 # (``_Tally``), warmed up for PRESSED_WARM_S and only the first of a kind timed: 4-block AmoebaNet-D (18 units, none
 # alike but in pairs) took 77-82 s at three sizes under a 60 s bound, 0.9 s a size a unit of it warming up.
 LAYERS_SHARE = 0.5
+# ... and their bytes are given by the tensors their backward reads, counted in their traces (``planning.held``),
+# times the median of what the allocator showed per counted byte of the units read before them, once this many were
+# read at the size: reading traces each unit's backward a second time (0.6-1.2 s an AmoebaNet-D cell)
+COUNTED_FROM = 2
 PRESSED_WARM_S = 0.1  # a unit running for milliseconds has not had the ~90 runs settling its kernels by 0.3 s either
 # On a cluster the units' bytes are read on a stand-in first (``_bytes_on``), within this share of the time left; where
 # their pace says they would go past it, later units are read at one size: 4-block AmoebaNet-D's 18 units took 28 s at
@@ -237,6 +242,7 @@ class _Measured:
         self._copies, self._device = list(copies), device
         self._forward = tf.function(self._chain, reduce_retracing=True)
         self._forward_backward = tf.function(self._gradients, reduce_retracing=True)
+        self._held: tuple[float, float] | None = None  # counted in the forward and backward's trace (``counted``)
 
     def _chain(self, inputs: Any) -> Any:
         with cpu_gradients.scope(self._device):  # the gradients a cell on this device gets
@@ -247,8 +253,13 @@ class _Measured:
     def _gradients(self, inputs: Any) -> Any:
         with tf.GradientTape() as tape:
             tape.watch(_floats(inputs))
-            loss = _loss_of(self._chain(inputs))
-        return tape.gradient(loss, self._sources(inputs), unconnected_gradients=tf.UnconnectedGradients.ZERO)
+            outputs = self._chain(inputs)
+            loss = _loss_of(outputs)
+        graph = tf.compat.v1.get_default_graph()
+        forward_ops = len(graph.get_operations())
+        grads = tape.gradient(loss, self._sources(inputs), unconnected_gradients=tf.UnconnectedGradients.ZERO)
+        self._held = held_lib.counted(graph.get_operations(), forward_ops, tf.nest.flatten(outputs))
+        return grads
 
     def _sources(self, inputs: Any) -> list[Any]:
         return [v.value for copy in self._copies for v in copy.trainable_variables] + _floats(inputs)
@@ -284,6 +295,11 @@ class _Measured:
         the forward's (nested functions' ops counted)."""
         forward = _op_count(self._forward.get_concrete_function(_general(x)))
         return forward, max(_op_count(self._forward_backward.get_concrete_function(_general(x))) - forward, 0)
+
+    def counted(self, rows: int) -> float | None:
+        """The bytes the backward reads of the forward at ``rows`` rows, counted in their trace (``traced`` first;
+        ``planning.held``); None where they cannot be counted."""
+        return None if self._held is None else self._held[1] + self._held[0] * rows
 
     def held(self, x: Any, memory: str) -> tuple[float, float]:
         """(bytes held, backward working bytes) fed ``x``, read from the allocator ``memory``."""
@@ -652,7 +668,7 @@ def _unit_costs(
         if known is not None:
             held, working = known[0][sizes.index(b)]
         elif memory is not None:
-            held, working = measured.held(_rows(x_in, b), memory)
+            held, working = _read_or_counted(measured, _rows(x_in, b), b, memory, run)
         else:
             # Without an allocator that counts, a unit is taken to hold its output and as much again inside (a Dense'
             # pre-activation, a normalization's statistics): a rough rule, said so
@@ -665,6 +681,44 @@ def _unit_costs(
     return scaled, over, trace_s
 
 
+class _Counted:
+    """What the units whose bytes were read showed per byte counted in their traces (``planning.held``), by size:
+    what a unit whose bytes are not read is given (``_read_or_counted``)."""
+
+    def __init__(self) -> None:
+        self._read: dict[int, list[tuple[float, float]]] = {}  # rows -> per unit read: (held, working) per counted
+
+    def add(self, rows: int, count: float, held: float, working: float) -> None:
+        """Note a unit's bytes read at ``rows`` against its ``count``."""
+        self._read.setdefault(rows, []).append((held / count, working / count))
+
+    def ratios(self, rows: int) -> tuple[float, float] | None:
+        """(held, working) bytes per counted byte at the size read nearest ``rows``: the median over the units
+        read there (one unit's read at one size can be far off: 0 to 2.4x the count at 1-4 rows of an AmoebaNet-D
+        cell); None before ``COUNTED_FROM`` units were read there."""
+        if not self._read:
+            return None
+        near = min(self._read, key=lambda r: abs(np.log2(rows / r)))
+        if len(self._read[near]) < COUNTED_FROM:
+            return None
+        held, working = np.median(np.asarray(self._read[near]), axis=0)
+        return float(held), float(working)
+
+
+def _read_or_counted(measured: _Measured, x: Any, rows: int, memory: str, run: _Sizes) -> tuple[float, float]:
+    """A unit's (held, working) bytes fed ``x`` of ``rows`` rows: read from the allocator ``memory`` and noted
+    against their count, or where ``run.by_count``, their count times what the units read showed per counted byte."""
+    count = measured.counted(rows)
+    ratios = run.counted.ratios(rows) if run.counted is not None and run.by_count and count else None
+    if count and ratios is not None:
+        run.counted_at.append(rows)
+        return count * ratios[0], count * ratios[1]
+    held, working = measured.held(x, memory)
+    if count and run.counted is not None:
+        run.counted.add(rows, count, held, working)
+    return held, working
+
+
 @dataclasses.dataclass
 class _Sizes:
     """The sizes a unit is measured at: ``sizes`` of ``every`` (all of them unless ``_Tally`` keeps to a bound).
@@ -675,7 +729,9 @@ class _Sizes:
     the units timed at several sizes together; at most ``FIXED_SHARE`` of its time), the rest in proportion to the
     rows; its bytes by the rows. A unit to be timed at one size whose ops are more than ``LINED_OPS`` times
     ``typical_ops`` (of those the fixed part comes from) is timed at the smallest and the largest instead (``count``),
-    and joins them. ``warm_s``: each timed function's warm-up, at most.
+    and joins them. ``warm_s``: each timed function's warm-up, at most. Bytes read are noted in ``counted`` against
+    the bytes counted in the unit's trace; where ``by_count``, they are given from it instead (``_read_or_counted``:
+    the sizes given so in ``counted_at``).
     """
 
     every: list[int]
@@ -684,6 +740,9 @@ class _Sizes:
     warm_s: float = WARM_S
     ops: tuple[int, int] = (0, 0)
     typical_ops: float = float("inf")
+    counted: _Counted | None = None
+    by_count: bool = False
+    counted_at: list[int] = dataclasses.field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.sizes = self.sizes or list(self.every)
@@ -761,6 +820,8 @@ class _Tally:
         self._lined: list[int] = []  # the units timed at several sizes: what a unit timed at one is scaled by
         self._lined_ops = [0, 0]  # their forward and backward ops
         self._fewer: dict[tuple[int, ...], list[int]] = {}  # sizes run -> the units measured at them alone
+        self._counted = _Counted()  # the bytes read per byte counted, for the units measured at fewer sizes
+        self._by_count: list[int] = []  # the units given their bytes by their count
 
     def sizes(self, of_kind: int) -> _Sizes | None:
         """The sizes the next unit is measured at, with the ratios the others are scaled by; None where it takes the
@@ -770,19 +831,22 @@ class _Tally:
             return None
         until = self._deadline()
         if not np.isfinite(until) or not self._lined:
-            return _Sizes(every)
+            return _Sizes(every, counted=self._counted)
         choices = [every, _ends(every), [every[len(every) // 2]]]
         share = len(self._each) / self._done  # of the units so far, those timed (the rest took their kind's)
         each, left = float(np.mean(self._each)), until - timeit.default_timer()
         fitting = [c for c in choices if (self._units - self._done) * share * each * (1 + len(c)) <= left]
         chosen = fitting[0] if fitting else choices[-1]
         if len(chosen) == len(every):
-            return _Sizes(every)
+            return _Sizes(every, counted=self._counted)
         if of_kind:
             self.pressed = True
             return None
         typical = sum(self._lined_ops) / len(self._lined)
-        return _Sizes(every, list(chosen), self._fixed_per_op(), PRESSED_WARM_S, typical_ops=typical)
+        return _Sizes(
+            every, list(chosen), self._fixed_per_op(), PRESSED_WARM_S, typical_ops=typical, counted=self._counted,
+            by_count=True,
+        )  # fmt: skip
 
     def _fixed_per_op(self) -> tuple[float, float]:
         """Of the units timed at several sizes together, the forward and backward seconds per op that do not scale with
@@ -818,6 +882,8 @@ class _Tally:
             self._lined_ops = [ops + more for ops, more in zip(self._lined_ops, run.ops)]
         if len(run.sizes) < len(self._every):
             self._fewer.setdefault(tuple(run.sizes), []).append(unit)
+        if run.counted_at:
+            self._by_count.append(unit)
 
     def given(self) -> str:
         """What the profile's time source says of the units given their kind's times ("" where none was)."""
@@ -827,13 +893,24 @@ class _Tally:
         return f" ({self.copied} given the times of the first {ALIKE_TIMED} of their kind{pressed})"
 
     def notes(self, names: Sequence[str]) -> list[str]:
-        """What the summary says of the units measured at fewer sizes."""
-        return [
-            f"{len(units)} layer(s) ({', '.join(names[u] for u in units[:3])}{', ...' if len(units) > 3 else ''}) "
-            f"measured alone at {list(run)} of {self._every} rows only, to keep the layers to {LAYERS_SHARE:.0%} of "
-            "the time left within max_seconds; " + ("the sizes between interpolated" if len(run) > 1 else _ONE_SIZE)
+        """What the summary says of the units measured at fewer sizes, and of those given their bytes by count."""
+        notes = [
+            f"{_listed(units, names)} measured alone at {list(run)} of {self._every} rows only, to keep the layers to "
+            f"{LAYERS_SHARE:.0%} of the time left within max_seconds; "
+            + ("the sizes between interpolated" if len(run) > 1 else _ONE_SIZE)
             for run, units in self._fewer.items()
         ]
+        if self._by_count:
+            notes.append(
+                f"{_listed(self._by_count, names)}' bytes not read (to keep to max_seconds): the tensors their "
+                "backward reads, counted in their traces, times what the layers read before showed per counted byte"
+            )
+        return notes
+
+
+def _listed(units: Sequence[int], names: Sequence[str]) -> str:
+    """``units`` as the summary names them: their count and the first three's names."""
+    return f"{len(units)} layer(s) ({', '.join(names[u] for u in units[:3])}{', ...' if len(units) > 3 else ''})"
 
 
 def _times_of(by_batch: dict[int, LayerCosts], sizes: Sequence[int], unit: int) -> tuple[list[float], list[float]]:

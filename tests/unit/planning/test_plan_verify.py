@@ -323,12 +323,18 @@ def test_out_of_time_the_batched_w_schedule_leaves_the_search_rather_than_be_rea
     request = types.SimpleNamespace(space=search.Space(2, schedules=("gpipe", "gpipe_batched_w")), layers=[], data=None)
     request.devices = DEVICES
     measured = profile()
+    measured.trace_s = [1.5, 2.0, 1.5]
     choose._joined(request, measured, progress)
     assert read == [] and request.space.schedules == ("gpipe",) and measured.joined_bytes == []
     assert measured.not_run == [
-        "gpipe_batched_w not searched: no time left within max_seconds to read what one W over all micro-batches "
-        "joins (each kind of layer traced once)"
+        "gpipe_batched_w not searched: reading what one W over all micro-batches joins (each kind of layer traced "
+        "once) is predicted to take up to 5 s, 0 s left within max_seconds"
     ]
+    # within the bound, but the layers' tracing summed is past what is left: not read either
+    clock[0] = 6.0
+    request.space = search.Space(2, schedules=("gpipe", "gpipe_batched_w"))
+    choose._joined(request, measured, progress)
+    assert read == [] and request.space.schedules == ("gpipe",) and "4 s left" in measured.not_run[-1]
     # where it is all the search has, it is read whatever the time; within the time, read
     request.space = search.Space(2, schedules=("gpipe_batched_w",))
     choose._joined(request, profile(), progress)

@@ -403,3 +403,49 @@ def test_a_difference_at_or_under_zero_is_timed_again():
     calls = [0]  # given one try, the spell's median is what comes back
     once = profile_lib.median_difference(_sleeper(0.006, calls, range(0)), _sleeper(0.002, calls, spell), 9, 0.0, 1)
     assert calls[0] == 4 + 2 * 9 and once < -0.01
+
+
+def test_under_max_seconds_later_layers_bytes_are_their_count_times_what_those_read_showed(monkeypatch):
+    run, _, _ = _clocked(monkeypatch)
+    read: dict[int, list[int]] = {}  # per Dense(units): the rows its bytes were read at
+
+    def held(self, x, memory):
+        rows, units = int(x.shape[0]), self._copies[0].units
+        read.setdefault(units, []).append(rows)
+        count = units * rows * 4.0
+        return 3.0 * count, count  # three times its count held, once more working
+
+    monkeypatch.setattr(profile_lib._Measured, "held", held)
+    monkeypatch.setattr(profile_lib._Measured, "counted", lambda self, rows: self._copies[0].units * rows * 4.0)
+    monkeypatch.setattr(profile_lib, "stand_in", lambda device: device)
+    monkeypatch.setattr(profile_lib, "memory_name", lambda device: "CPU:0")
+    layers = [keras.layers.Dense(units) for units in range(8, 14)]
+    progress = Progress(verbose=0, max_seconds=29.0)  # past the first, each at the middle size alone
+    measured = profile_lib.measure(layers, np.zeros((8, 8), "float32"), [2, 4, 8], "/CPU:0", progress=progress)
+    assert run[9] == [4] and run[13] == [4], str(run)
+    # read: the first at every size, the second (one read at 4 rows before it: too few to go by) at 4; the rest
+    # given their count times the median of what those two showed per counted byte
+    assert read == {8: [2, 4, 8], 9: [4]}
+    costs = measured.by_batch[4]
+    np.testing.assert_allclose(costs.held_bytes, [3.0 * units * 16 for units in range(8, 14)])
+    np.testing.assert_allclose(costs.working_bytes, [units * 16.0 for units in range(8, 14)])
+    assert [n for n in measured.not_run if "bytes not read" in n] == [
+        f"4 layer(s) ({', '.join(layer.name for layer in layers[2:5])}, ...)' bytes not read (to keep to "
+        "max_seconds): the tensors their backward reads, counted in their traces, times what the layers read before "
+        "showed per counted byte"
+    ]
+    # without a bound every layer's bytes are read
+    read.clear()
+    profile_lib.measure(layers, np.zeros((8, 8), "float32"), [2, 4, 8], "/CPU:0", progress=Progress(verbose=0))
+    assert read == {units: [2, 4, 8] for units in range(8, 14)}
+
+
+def test_counted_ratios_are_the_median_of_those_read_at_the_nearest_size_once_two_were():
+    counted = profile_lib._Counted()
+    counted.add(4, 100.0, 300.0, 50.0)
+    assert counted.ratios(4) is None  # one unit read is not enough to go by
+    counted.add(4, 200.0, 400.0, 200.0)
+    counted.add(4, 100.0, 900.0, 100.0)
+    counted.add(1, 10.0, 0.0, 10.0)
+    assert counted.ratios(4) == (3.0, 1.0) and counted.ratios(8) == (3.0, 1.0)  # 8 rows: 4 is nearest
+    assert counted.ratios(1) is None
