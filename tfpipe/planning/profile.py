@@ -48,8 +48,10 @@ WARM_S = 0.3  # each timed function's warm-up, at most (``median_seconds``)
 LAYERS_SHARE = 0.5
 # ... and their bytes are given by the tensors their backward reads, counted in their traces (``planning.held``),
 # times the median of what the allocator showed per counted byte of the units read before them, once this many were
-# read at the size: reading traces each unit's backward a second time (0.6-1.2 s an AmoebaNet-D cell)
-COUNTED_FROM = 2
+# read at the size: reading traces each unit's backward a second time (0.6-1.2 s an AmoebaNet-D cell). Three: of
+# two, AmoebaNet-D's stem (1.25 working bytes per counted one) and first cell (0.3-0.5), the median gave its later
+# cells 2-3x the working bytes read
+COUNTED_FROM = 3
 PRESSED_WARM_S = 0.1  # a unit running for milliseconds has not had the ~90 runs settling its kernels by 0.3 s either
 # On a cluster the units' bytes are read on a stand-in first (``_bytes_on``), within this share of the time left; where
 # their pace says they would go past it, later units are read at one size: 4-block AmoebaNet-D's 18 units took 28 s at
@@ -373,6 +375,8 @@ def measure(
             given = known[unit] if known is not None else None
             read = memory if read_on == device else None
             run = tally.sizes(len(timed))
+            if run is not None and known is not None and given is None:
+                run.by_count = True  # not read on the stand-in, to keep to max_seconds: counted in its trace here
             per_size, over, trace_s, reused = _own_or_alike(walked, timed, given, run, device, read, repeats, budget)
         tally.took(unit, timeit.default_timer() - began, None if reused else run, trace_s)
         _record(by_batch, scaled, sizes, unit, per_size, over)
@@ -486,15 +490,16 @@ def _bytes_on(
     budget: float | None,
     progress: Progress | None,
     auto_bound: Callable[[float], float] | None = None,
-) -> tuple[list[tuple[list[tuple[float, float]], set[int]]], list[str]]:
+) -> tuple[list[tuple[list[tuple[float, float]], set[int]] | None], list[str]]:
     """Per unit, read on ``read_on`` (a device's stand-in): (held, working) bytes at each of ``sizes``, and the sizes
-    over ``budget`` (predicted from the size before: scaled from it in proportion to the rows, not run); and what the
-    summary says of the units read at fewer sizes.
+    over ``budget`` (predicted from the size before: scaled from it in proportion to the rows, not run), or None
+    where it is left to be counted in its trace on the device (``_by_count``); and what the summary says of the units
+    read at fewer sizes.
 
     A unit of a kind read before (``walk.same_layer_key``) gets that one's bytes: they hold the same tensors. Reading
     each of a 336-block Transformer's blocks at three sizes took 6 minutes on the client, before the planner's first
     probe. Where their pace says they would go past ``BYTES_SHARE`` of the time left (``_bytes_deadline``), later units
-    are read at the middle size alone (``_BytesPace``).
+    are read at the middle size alone, or once ``COUNTED_FROM`` were read at every size, not at all (``_BytesPace``).
     """
     names = units_lib.names(units)
     if progress is not None:
@@ -502,7 +507,7 @@ def _bytes_on(
     # each copy traced once per size and called once: TensorFlow's warning about frequent tracing is not the user's
     logger, level = tf.get_logger(), tf.get_logger().level
     logger.setLevel(logging.ERROR)
-    out: list[tuple[list[tuple[float, float]], set[int]]] = []
+    out: list[tuple[list[tuple[float, float]], set[int]] | None] = []
     read: dict[str, tuple[list[tuple[float, float]], set[int]]] = {}  # kind -> the first of its kind's bytes
     pace = _BytesPace(sizes, len(names), _bytes_deadline(progress, auto_bound))
     try:
@@ -510,8 +515,10 @@ def _bytes_on(
             kind = same_layer_key(walked.copy, walked.inputs)
             if kind is not None and kind in read:
                 out.append((list(read[kind][0]), set(read[kind][1])))
+            elif not (run := pace.sizes()):
+                out.append(None)  # counted in its trace on the device instead (``_by_count``)
             else:
-                began, run = timeit.default_timer(), pace.sizes()
+                began = timeit.default_timer()
                 with _compat.custom_gradients_forgotten():
                     got, over = _read_bytes(walked, sizes, run, read_on, memory, budget, pace.full)
                 pace.took(i, timeit.default_timer() - began, run, got)
@@ -575,12 +582,14 @@ def _read_bytes(
 
 class _BytesPace:
     """Which sizes ``_bytes_on`` reads the next unit at: every size while the units' pace keeps them within ``until``,
-    else the middle one alone (the first unit read at every size), and what the summary says of those."""
+    else the middle one alone (the first unit read at every size), or none once ``COUNTED_FROM`` were read at every
+    size (what they hold per byte counted gives the rest), and what the summary says of those."""
 
     def __init__(self, sizes: list[int], units: int, until: float):
         self.every, self.units, self.until = sizes, units, until
         self.done = 0  # units done, those of a kind read before included
         self.full: list[tuple[float, float]] | None = None  # the last unit read at every size: its bytes
+        self.fully = 0  # the units read at every size
         self._each: list[float] = []  # per unit read: its seconds per size read
         self._fewer: list[int] = []  # the units read at the middle size alone
 
@@ -592,13 +601,13 @@ class _BytesPace:
         left = self.until - timeit.default_timer()
         if (self.units - self.done) * share * float(np.mean(self._each)) * len(self.every) <= left:
             return list(self.every)
-        return [self.every[len(self.every) // 2]]
+        return [] if self.fully >= COUNTED_FROM else [self.every[len(self.every) // 2]]
 
     def took(self, unit: int, seconds: float, run: list[int], got: list[tuple[float, float]]) -> None:
         """Count ``unit`` read at ``run`` in ``seconds`` (``got``: its bytes at every size)."""
         self._each.append(seconds / len(run))
         if len(run) == len(self.every):
-            self.full = got
+            self.full, self.fully = got, self.fully + 1
         else:
             self._fewer.append(unit)
 
@@ -648,11 +657,19 @@ def _unit_costs(
     sizes = run.every
     x_in, measured = walked.inputs, _Measured([walked.copy], device)
     fixed, in_per_row = _alone_bytes(walked), tensor_bytes(x_in) / sizes[0]
+    grads = float(sum(tensor_bytes(v) for v in walked.copy.trainable_variables))  # a backward's, in its working bytes
     out_per_row = tensor_bytes(walked.outputs) / sizes[0]
     costs: dict[int, tuple[float, float, float, float]] = {}
     over: list[int] = []
     ran: tuple[int, float, float, float, float] | None = None  # the largest size run: b, f_s, b_s, held, working
     trace_s = measured.traced(_rows(x_in, sizes[0]))
+    if known is None and run.by_count:  # its bytes by its count, as if read: the sizes over the budget known first
+        known = _by_count(measured, run, grads, fixed, in_per_row, budget)
+    elif known is not None and run.counted is not None:
+        for j, b in enumerate(sizes):
+            count = measured.counted(b)
+            if count and b not in known[1]:
+                run.counted.add(b, count, *known[0][j], grads)
     run.count(measured.ops(_rows(x_in, run.sizes[0])))  # where the forward first runs: traced there
     for b in run.sizes:
         if known is not None:
@@ -668,7 +685,10 @@ def _unit_costs(
         if known is not None:
             held, working = known[0][sizes.index(b)]
         elif memory is not None:
-            held, working = _read_or_counted(measured, _rows(x_in, b), b, memory, run)
+            held, working = measured.held(_rows(x_in, b), memory)
+            count = measured.counted(b)
+            if count and run.counted is not None:
+                run.counted.add(b, count, held, working, grads)
         else:
             # Without an allocator that counts, a unit is taken to hold its output and as much again inside (a Dense'
             # pre-activation, a normalization's statistics): a rough rule, said so
@@ -676,47 +696,53 @@ def _unit_costs(
         ran = (b, f_s, b_s, held, working)
         costs[b] = (f_s, b_s, held, working)
     scaled = run.scaled(costs)
-    if known is not None:  # read at every size on the stand-in: those bytes, whatever was run here
+    if known is not None:  # read at every size on the stand-in (or counted): those bytes, whatever was run here
         scaled = [(f_s, b_s, *known[0][j]) for j, (f_s, b_s, _, _) in enumerate(scaled)]
     return scaled, over, trace_s
 
 
 class _Counted:
     """What the units whose bytes were read showed per byte counted in their traces (``planning.held``), by size:
-    what a unit whose bytes are not read is given (``_read_or_counted``)."""
+    what a unit whose bytes are not read is given (``_by_count``)."""
 
     def __init__(self) -> None:
         self._read: dict[int, list[tuple[float, float]]] = {}  # rows -> per unit read: (held, working) per counted
 
-    def add(self, rows: int, count: float, held: float, working: float) -> None:
-        """Note a unit's bytes read at ``rows`` against its ``count``."""
-        self._read.setdefault(rows, []).append((held / count, working / count))
+    def add(self, rows: int, count: float, held: float, working: float, grads: float) -> None:
+        """Note a unit's bytes read at ``rows`` against its ``count``: its working bytes less its weights'
+        gradients (``grads``), which do not go by the rows."""
+        self._read.setdefault(rows, []).append((held / count, max(working - grads, 0.0) / count))
 
     def ratios(self, rows: int) -> tuple[float, float] | None:
-        """(held, working) bytes per counted byte at the size read nearest ``rows``: the median over the units
-        read there (one unit's read at one size can be far off: 0 to 2.4x the count at 1-4 rows of an AmoebaNet-D
-        cell); None before ``COUNTED_FROM`` units were read there."""
-        if not self._read:
+        """(held, working less gradients) bytes per counted byte: the median over the units read at the size nearest
+        ``rows`` that ``COUNTED_FROM`` were read at (one unit's read at one size can be far off: 0 to 2.4x the count
+        at 1-4 rows of an AmoebaNet-D cell); None before any size was."""
+        enough = [r for r, read in self._read.items() if len(read) >= COUNTED_FROM]
+        if not enough:
             return None
-        near = min(self._read, key=lambda r: abs(np.log2(rows / r)))
-        if len(self._read[near]) < COUNTED_FROM:
-            return None
+        near = min(enough, key=lambda r: abs(np.log2(rows / r)))
         held, working = np.median(np.asarray(self._read[near]), axis=0)
         return float(held), float(working)
 
 
-def _read_or_counted(measured: _Measured, x: Any, rows: int, memory: str, run: _Sizes) -> tuple[float, float]:
-    """A unit's (held, working) bytes fed ``x`` of ``rows`` rows: read from the allocator ``memory`` and noted
-    against their count, or where ``run.by_count``, their count times what the units read showed per counted byte."""
-    count = measured.counted(rows)
-    ratios = run.counted.ratios(rows) if run.counted is not None and run.by_count and count else None
-    if count and ratios is not None:
-        run.counted_at.append(rows)
-        return count * ratios[0], count * ratios[1]
-    held, working = measured.held(x, memory)
-    if count and run.counted is not None:
-        run.counted.add(rows, count, held, working)
-    return held, working
+def _by_count(
+    measured: _Measured, run: _Sizes, grads: float, fixed: float, in_per_row: float, budget: float | None
+) -> tuple[list[tuple[float, float]], set[int]] | None:
+    """A unit's (held, working) bytes at each of ``run.every`` not read but given: its count there times what the
+    units read showed per counted byte (``run.counted``; its weights' gradients ``grads`` added to its working
+    bytes), and the sizes that puts it over ``budget`` at; None where it has no count or too few units were read."""
+    out: list[tuple[float, float]] = []
+    over: set[int] = set()
+    for b in run.every:
+        count, ratios = measured.counted(b), run.counted.ratios(b) if run.counted is not None else None
+        if not count or ratios is None:
+            return None
+        held, working = count * ratios[0], grads + count * ratios[1]
+        if _over_budget(fixed, in_per_row, (held + working) / b, b, budget):
+            over.add(b)
+        out.append((held, working))
+    run.counted_at = list(run.every)
+    return out, over
 
 
 @dataclasses.dataclass
@@ -730,8 +756,8 @@ class _Sizes:
     rows; its bytes by the rows. A unit to be timed at one size whose ops are more than ``LINED_OPS`` times
     ``typical_ops`` (of those the fixed part comes from) is timed at the smallest and the largest instead (``count``),
     and joins them. ``warm_s``: each timed function's warm-up, at most. Bytes read are noted in ``counted`` against
-    the bytes counted in the unit's trace; where ``by_count``, they are given from it instead (``_read_or_counted``:
-    the sizes given so in ``counted_at``).
+    the bytes counted in the unit's trace; where ``by_count``, they are given from it instead (``_by_count``: the
+    sizes given so in ``counted_at``).
     """
 
     every: list[int]

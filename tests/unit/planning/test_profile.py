@@ -405,6 +405,11 @@ def test_a_difference_at_or_under_zero_is_timed_again():
     assert calls[0] == 4 + 2 * 9 and once < -0.01
 
 
+def _grads(units):
+    """The bytes of a chain of Dense(8), Dense(9), ... fed 8 features: Dense(units)' weights' gradients."""
+    return 4.0 * units * (max(units - 1, 8) + 1)
+
+
 def test_under_max_seconds_later_layers_bytes_are_their_count_times_what_those_read_showed(monkeypatch):
     run, _, _ = _clocked(monkeypatch)
     read: dict[int, list[int]] = {}  # per Dense(units): the rows its bytes were read at
@@ -413,7 +418,7 @@ def test_under_max_seconds_later_layers_bytes_are_their_count_times_what_those_r
         rows, units = int(x.shape[0]), self._copies[0].units
         read.setdefault(units, []).append(rows)
         count = units * rows * 4.0
-        return 3.0 * count, count  # three times its count held, once more working
+        return 3.0 * count, count + _grads(units)  # three times its count held, once more and its gradients working
 
     monkeypatch.setattr(profile_lib._Measured, "held", held)
     monkeypatch.setattr(profile_lib._Measured, "counted", lambda self, rows: self._copies[0].units * rows * 4.0)
@@ -423,14 +428,16 @@ def test_under_max_seconds_later_layers_bytes_are_their_count_times_what_those_r
     progress = Progress(verbose=0, max_seconds=29.0)  # past the first, each at the middle size alone
     measured = profile_lib.measure(layers, np.zeros((8, 8), "float32"), [2, 4, 8], "/CPU:0", progress=progress)
     assert run[9] == [4] and run[13] == [4], str(run)
-    # read: the first at every size, the second (one read at 4 rows before it: too few to go by) at 4; the rest
-    # given their count times the median of what those two showed per counted byte
-    assert read == {8: [2, 4, 8], 9: [4]}
-    costs = measured.by_batch[4]
-    np.testing.assert_allclose(costs.held_bytes, [3.0 * units * 16 for units in range(8, 14)])
-    np.testing.assert_allclose(costs.working_bytes, [units * 16.0 for units in range(8, 14)])
+    # read: the first at every size, the next two (too few read at 4 rows before them to go by) at 4; the rest
+    # given their count times the median of what those three showed per counted byte
+    assert profile_lib.COUNTED_FROM == 3 and read == {8: [2, 4, 8], 9: [4], 10: [4]}
+    for b, costs in measured.by_batch.items():  # at 4 rows all; at every size the counted, by their count there
+        counted = range(8, 14) if b == 4 else range(11, 14)
+        np.testing.assert_allclose([costs.held_bytes[u - 8] for u in counted], [3.0 * u * b * 4 for u in counted])
+        working = [u * b * 4.0 + _grads(u) for u in counted]
+        np.testing.assert_allclose([costs.working_bytes[u - 8] for u in counted], working)
     assert [n for n in measured.not_run if "bytes not read" in n] == [
-        f"4 layer(s) ({', '.join(layer.name for layer in layers[2:5])}, ...)' bytes not read (to keep to "
+        f"3 layer(s) ({', '.join(layer.name for layer in layers[3:6])})' bytes not read (to keep to "
         "max_seconds): the tensors their backward reads, counted in their traces, times what the layers read before "
         "showed per counted byte"
     ]
@@ -440,12 +447,43 @@ def test_under_max_seconds_later_layers_bytes_are_their_count_times_what_those_r
     assert read == {units: [2, 4, 8] for units in range(8, 14)}
 
 
-def test_counted_ratios_are_the_median_of_those_read_at_the_nearest_size_once_two_were():
+def test_counted_ratios_are_the_median_at_the_nearest_size_two_units_were_read_at():
     counted = profile_lib._Counted()
-    counted.add(4, 100.0, 300.0, 50.0)
-    assert counted.ratios(4) is None  # one unit read is not enough to go by
-    counted.add(4, 200.0, 400.0, 200.0)
-    counted.add(4, 100.0, 900.0, 100.0)
-    counted.add(1, 10.0, 0.0, 10.0)
-    assert counted.ratios(4) == (3.0, 1.0) and counted.ratios(8) == (3.0, 1.0)  # 8 rows: 4 is nearest
-    assert counted.ratios(1) is None
+    counted.add(4, 100.0, 300.0, 50.0, 0.0)
+    counted.add(4, 200.0, 400.0, 260.0, 60.0)  # working bytes less the gradients: 200
+    assert counted.ratios(4) is None  # two units read are not enough to go by
+    counted.add(4, 100.0, 900.0, 100.0, 0.0)
+    counted.add(1, 10.0, 0.0, 10.0, 0.0)
+    counted.add(1, 10.0, 0.0, 10.0, 0.0)
+    # at 8 rows 4 is the nearest read; at 1 row too: two units read at 1 are not enough to go by
+    assert counted.ratios(4) == counted.ratios(8) == counted.ratios(1) == (3.0, 1.0)
+
+
+def test_a_stand_in_reads_no_more_units_once_three_were_read_at_every_size_and_their_pace_passes():
+    pace = profile_lib._BytesPace([2, 4, 8], 6, until=0.0)
+    assert pace.sizes() == [2, 4, 8]  # the first: at every size
+    for unit in range(profile_lib.COUNTED_FROM):
+        pace.took(unit, 3.0, [2, 4, 8], [(1.0, 1.0)] * 3)
+        pace.done += 1
+        # past the time: the middle alone while fewer were read at every size; then none, counted on the device
+        assert pace.sizes() == ([4] if unit + 1 < profile_lib.COUNTED_FROM else [])
+
+
+def test_units_a_stand_in_left_unread_are_counted_in_their_trace_on_the_device(monkeypatch):
+    _clocked(monkeypatch)
+    held_calls = []
+    monkeypatch.setattr(profile_lib._Measured, "held", lambda self, x, memory: held_calls.append(1))
+    monkeypatch.setattr(profile_lib._Measured, "counted", lambda self, rows: self._copies[0].units * rows * 4.0)
+    monkeypatch.setattr(profile_lib, "stand_in", lambda device: "/CPU:9")
+    monkeypatch.setattr(profile_lib, "memory_name", lambda device: "CPU:9")
+    # twice the count held; half of it working, beside the weights' gradients
+    read = [[(2.0 * u * b * 4, 0.5 * u * b * 4 + _grads(u)) for b in (2, 4, 8)] for u in (8, 9, 10)]
+    monkeypatch.setattr(profile_lib, "_bytes_on", lambda *a: ([(r, set()) for r in read] + [None] * 3, []))
+    layers = [keras.layers.Dense(units) for units in range(8, 14)]
+    measured = profile_lib.measure(layers, np.zeros((8, 8), "float32"), [2, 4, 8], "/CPU:0", progress=Progress(0))
+    assert held_calls == []  # nothing read on the device itself
+    for b in (2, 4, 8):
+        np.testing.assert_allclose(measured.by_batch[b].held_bytes, [2.0 * u * b * 4 for u in range(8, 14)])
+        working = [0.5 * u * b * 4 + _grads(u) for u in range(8, 14)]
+        np.testing.assert_allclose(measured.by_batch[b].working_bytes, working)
+    assert any(n.startswith("3 layer(s) (") and "' bytes not read" in n for n in measured.not_run)
