@@ -374,9 +374,7 @@ def measure(
             timed = alike.setdefault(kinds[-1], []) if kinds[-1] is not None else []
             given = known[unit] if known is not None else None
             read = memory if read_on == device else None
-            run = tally.sizes(len(timed))
-            if run is not None and known is not None and given is None:
-                run.by_count = True  # not read on the stand-in, to keep to max_seconds: counted in its trace here
+            run = tally.sizes(len(timed), unread=known is not None and given is None)  # a stand-in left it unread
             per_size, over, trace_s, reused = _own_or_alike(walked, timed, given, run, device, read, repeats, budget)
         tally.took(unit, timeit.default_timer() - began, None if reused else run, trace_s)
         _record(by_batch, scaled, sizes, unit, per_size, over)
@@ -657,19 +655,12 @@ def _unit_costs(
     sizes = run.every
     x_in, measured = walked.inputs, _Measured([walked.copy], device)
     fixed, in_per_row = _alone_bytes(walked), tensor_bytes(x_in) / sizes[0]
-    grads = float(sum(tensor_bytes(v) for v in walked.copy.trainable_variables))  # a backward's, in its working bytes
     out_per_row = tensor_bytes(walked.outputs) / sizes[0]
     costs: dict[int, tuple[float, float, float, float]] = {}
     over: list[int] = []
     ran: tuple[int, float, float, float, float] | None = None  # the largest size run: b, f_s, b_s, held, working
     trace_s = measured.traced(_rows(x_in, sizes[0]))
-    if known is None and run.by_count:  # its bytes by its count, as if read: the sizes over the budget known first
-        known = _by_count(measured, run, grads, fixed, in_per_row, budget)
-    elif known is not None and run.counted is not None:
-        for j, b in enumerate(sizes):
-            count = measured.counted(b)
-            if count and b not in known[1]:
-                run.counted.add(b, count, *known[0][j], grads)
+    known = _given_bytes(measured, run, known, walked, fixed, in_per_row, budget)
     run.count(measured.ops(_rows(x_in, run.sizes[0])))  # where the forward first runs: traced there
     for b in run.sizes:
         if known is not None:
@@ -686,9 +677,8 @@ def _unit_costs(
             held, working = known[0][sizes.index(b)]
         elif memory is not None:
             held, working = measured.held(_rows(x_in, b), memory)
-            count = measured.counted(b)
-            if count and run.counted is not None:
-                run.counted.add(b, count, held, working, grads)
+            if run.counted is not None and (count := measured.counted(b)):
+                run.counted.add(b, count, held, working, _grads(walked))
         else:
             # Without an allocator that counts, a unit is taken to hold its output and as much again inside (a Dense'
             # pre-activation, a normalization's statistics): a rough rule, said so
@@ -723,6 +713,31 @@ class _Counted:
         near = min(enough, key=lambda r: abs(np.log2(rows / r)))
         held, working = np.median(np.asarray(self._read[near]), axis=0)
         return float(held), float(working)
+
+
+def _grads(walked: Any) -> float:
+    """The bytes of a walked unit's weights' gradients: in its backward's working bytes, whatever the rows."""
+    return float(sum(tensor_bytes(v) for v in walked.copy.trainable_variables))
+
+
+def _given_bytes(
+    measured: _Measured,
+    run: _Sizes,
+    known: tuple[list[tuple[float, float]], set[int]] | None,
+    walked: Any,
+    fixed: float,
+    in_per_row: float,
+    budget: float | None,
+) -> tuple[list[tuple[float, float]], set[int]] | None:
+    """A unit's bytes at every size and the sizes over the budget, where it is not to be read on its device: read on
+    a stand-in (``known``, noted in ``run.counted`` against its count), or by its count where ``run.by_count``."""
+    if known is None:
+        return _by_count(measured, run, _grads(walked), fixed, in_per_row, budget) if run.by_count else None
+    if run.counted is not None:
+        for j, b in enumerate(run.every):
+            if b not in known[1] and (count := measured.counted(b)):
+                run.counted.add(b, count, *known[0][j], _grads(walked))
+    return known
 
 
 def _by_count(
@@ -849,22 +864,23 @@ class _Tally:
         self._counted = _Counted()  # the bytes read per byte counted, for the units measured at fewer sizes
         self._by_count: list[int] = []  # the units given their bytes by their count
 
-    def sizes(self, of_kind: int) -> _Sizes | None:
+    def sizes(self, of_kind: int, unread: bool = False) -> _Sizes | None:
         """The sizes the next unit is measured at, with the ratios the others are scaled by; None where it takes the
-        times of the ``of_kind`` units of its kind timed before it (``ALIKE_TIMED``; under pressure, one)."""
+        times of the ``of_kind`` units of its kind timed before it (``ALIKE_TIMED``; under pressure, one). Its bytes
+        go by its count where it is pressed to fewer sizes or ``unread`` (left so by a stand-in)."""
         every = self._every
         if of_kind >= ALIKE_TIMED:
             return None
         until = self._deadline()
         if not np.isfinite(until) or not self._lined:
-            return _Sizes(every, counted=self._counted)
+            return _Sizes(every, counted=self._counted, by_count=unread)
         choices = [every, _ends(every), [every[len(every) // 2]]]
         share = len(self._each) / self._done  # of the units so far, those timed (the rest took their kind's)
         each, left = float(np.mean(self._each)), until - timeit.default_timer()
         fitting = [c for c in choices if (self._units - self._done) * share * each * (1 + len(c)) <= left]
         chosen = fitting[0] if fitting else choices[-1]
         if len(chosen) == len(every):
-            return _Sizes(every, counted=self._counted)
+            return _Sizes(every, counted=self._counted, by_count=unread)
         if of_kind:
             self.pressed = True
             return None
