@@ -497,7 +497,7 @@ def _bytes_on(
     A unit of a kind read before (``walk.same_layer_key``) gets that one's bytes: they hold the same tensors. Reading
     each of a 336-block Transformer's blocks at three sizes took 6 minutes on the client, before the planner's first
     probe. Where their pace says they would go past ``BYTES_SHARE`` of the time left (``_bytes_deadline``), later units
-    are read at the middle size alone, or once ``COUNTED_FROM`` were read at every size, not at all (``_BytesPace``).
+    are read at the middle size alone, or once ``COUNTED_FROM`` were read, not at all (``_BytesPace``).
     """
     names = units_lib.names(units)
     if progress is not None:
@@ -580,14 +580,13 @@ def _read_bytes(
 
 class _BytesPace:
     """Which sizes ``_bytes_on`` reads the next unit at: every size while the units' pace keeps them within ``until``,
-    else the middle one alone (the first unit read at every size), or none once ``COUNTED_FROM`` were read at every
-    size (what they hold per byte counted gives the rest), and what the summary says of those."""
+    else the middle one alone (the first unit read at every size), or none once ``COUNTED_FROM`` were read (what
+    they hold per byte counted gives the rest), and what the summary says of those."""
 
     def __init__(self, sizes: list[int], units: int, until: float):
         self.every, self.units, self.until = sizes, units, until
         self.done = 0  # units done, those of a kind read before included
         self.full: list[tuple[float, float]] | None = None  # the last unit read at every size: its bytes
-        self.fully = 0  # the units read at every size
         self._each: list[float] = []  # per unit read: its seconds per size read
         self._fewer: list[int] = []  # the units read at the middle size alone
 
@@ -599,13 +598,13 @@ class _BytesPace:
         left = self.until - timeit.default_timer()
         if (self.units - self.done) * share * float(np.mean(self._each)) * len(self.every) <= left:
             return list(self.every)
-        return [] if self.fully >= COUNTED_FROM else [self.every[len(self.every) // 2]]
+        return [] if len(self._each) >= COUNTED_FROM else [self.every[len(self.every) // 2]]
 
     def took(self, unit: int, seconds: float, run: list[int], got: list[tuple[float, float]]) -> None:
         """Count ``unit`` read at ``run`` in ``seconds`` (``got``: its bytes at every size)."""
         self._each.append(seconds / len(run))
         if len(run) == len(self.every):
-            self.full, self.fully = got, self.fully + 1
+            self.full = got
         else:
             self._fewer.append(unit)
 

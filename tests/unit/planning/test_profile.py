@@ -159,17 +159,20 @@ def test_bytes_on_a_stand_in_are_read_at_the_middle_size_alone_where_their_pace_
     progress = Progress(verbose=0, max_seconds=max_seconds)
     x = np.zeros((4, 8), "float32")
     out, notes = profile_lib._bytes_on(layers, x, [2, 4, 8], "/CPU:0", "CPU:0", None, progress)
-    assert read[8] == [2, 4, 8] and all(read[u] == later for u in range(9, 13)), str(read)
+    # at one size, once three were read (COUNTED_FROM) the rest are not: counted on the device (``_by_count``)
+    read_units = range(8, 11) if later == [4] else range(8, 13)
+    assert read[8] == [2, 4, 8] and all(read[u] == later for u in read_units[1:]), str(read)
+    assert sorted(read) == list(read_units) and out[len(read_units) :] == [None] * (13 - read_units[-1] - 1)
     # each read traced general in the rows first (fed the smallest size): every size it is read at runs that trace
-    assert primed == {u: [2] for u in range(8, 13)}
+    assert primed == {u: [2] for u in read_units}
     # the sizes not read scaled as the first (read at every size) scales: here each unit's own bytes
-    assert [got for got, _ in out] == [[(u * b, b) for b in (2, 4, 8)] for u in range(8, 13)]
-    assert all(over == set() for _, over in out)
+    assert [got for got, _ in out[: len(read_units)]] == [[(u * b, b) for b in (2, 4, 8)] for u in read_units]
+    assert all(over == set() for _, over in out[: len(read_units)])
     if later == [4]:
         assert notes == [
-            f"4 layer(s) ({', '.join(layer.name for layer in layers[1:4])}, ...) read for their bytes on /CPU:0 at 4 "
-            "of [2, 4, 8] rows only, to keep to 25% of the time left within max_seconds; the other sizes scaled as "
-            "the layer read at every size before them"
+            f"2 layer(s) ({layers[1].name}, {layers[2].name}) read for their bytes on /CPU:0 at 4 of [2, 4, 8] rows "
+            "only, to keep to 25% of the time left within max_seconds; the other sizes scaled as the layer read at "
+            "every size before them"
         ]
     else:
         assert notes == []
@@ -459,14 +462,15 @@ def test_counted_ratios_are_the_median_at_the_nearest_size_two_units_were_read_a
     assert counted.ratios(4) == counted.ratios(8) == counted.ratios(1) == (3.0, 1.0)
 
 
-def test_a_stand_in_reads_no_more_units_once_three_were_read_at_every_size_and_their_pace_passes():
+def test_a_stand_in_reads_no_more_units_once_three_were_read_and_their_pace_passes():
     pace = profile_lib._BytesPace([2, 4, 8], 6, until=0.0)
     assert pace.sizes() == [2, 4, 8]  # the first: at every size
-    for unit in range(profile_lib.COUNTED_FROM):
-        pace.took(unit, 3.0, [2, 4, 8], [(1.0, 1.0)] * 3)
+    pace.took(0, 3.0, [2, 4, 8], [(1.0, 1.0)] * 3)
+    for unit in range(1, profile_lib.COUNTED_FROM + 1):
         pace.done += 1
-        # past the time: the middle alone while fewer were read at every size; then none, counted on the device
-        assert pace.sizes() == ([4] if unit + 1 < profile_lib.COUNTED_FROM else [])
+        # past the time: the middle alone while fewer were read; then none, counted on the device
+        assert pace.sizes() == ([4] if unit < profile_lib.COUNTED_FROM else [])
+        pace.took(unit, 1.0, [4], [(1.0, 1.0)] * 3)
 
 
 def test_units_a_stand_in_left_unread_are_counted_in_their_trace_on_the_device(monkeypatch):
