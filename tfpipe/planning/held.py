@@ -2,9 +2,9 @@
 
 The planner reads a layer's held bytes from the allocator by running its forward under a ``tf.GradientTape``, which
 makes TensorFlow trace the layer's backward a second time (beside the trace that times it): 0.6-1.2 s for each
-AmoebaNet-D cell on a 2-core CPU, a third of measuring it. Under ``max_seconds`` the layers measured late are given
-their bytes from the tensors their forward-and-backward graph carries from the forward to the backward instead,
-scaled by what the allocator showed of the layers read before them (``profile._Counted``).
+AmoebaNet-D cell on a 2-core CPU, a third of measuring it. Under ``max_seconds`` the layers measured late (and on
+a cluster, those its stand-in left unread) are given their bytes from the tensors their forward-and-backward graph
+carries from the forward to the backward instead, scaled by what the allocator showed of the layers read before them.
 """
 
 from __future__ import annotations

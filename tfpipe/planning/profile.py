@@ -860,7 +860,7 @@ class _Tally:
         self._lined: list[int] = []  # the units timed at several sizes: what a unit timed at one is scaled by
         self._lined_ops = [0, 0]  # their forward and backward ops
         self._fewer: dict[tuple[int, ...], list[int]] = {}  # sizes run -> the units measured at them alone
-        self._counted = _Counted()  # the bytes read per byte counted, for the units measured at fewer sizes
+        self._counted = _Counted()  # the bytes read per byte counted, for the units whose bytes go by count
         self._by_count: list[int] = []  # the units given their bytes by their count
 
     def sizes(self, of_kind: int, unread: bool = False) -> _Sizes | None:
