@@ -513,8 +513,9 @@ def _bytes_on(
             kind = same_layer_key(walked.copy, walked.inputs)
             if kind is not None and kind in read:
                 out.append((list(read[kind][0]), set(read[kind][1])))
-            elif not (run := pace.sizes()):
-                out.append(None)  # counted in its trace on the device instead (``_by_count``)
+            elif not (run := pace.sizes()):  # this one and the rest counted in their traces on the device instead
+                out.extend([None] * (len(names) - i))  # (``_by_count``): the walk here ends
+                break
             else:
                 began = timeit.default_timer()
                 with _compat.custom_gradients_forgotten():
