@@ -46,7 +46,7 @@ def counted(operations: Sequence[Any], forward_ops: int, outputs: Sequence[tf.Te
         dims = tensor.shape.as_list() if tensor.shape.rank is not None else None
         if dims is None or None in dims[1:]:
             return None
-        size = float(np.prod([d for d in dims[1:]], dtype=np.float64)) * tensor.dtype.size
+        size = float(np.prod(dims[1:], dtype=np.float64)) * tensor.dtype.size
         if dims and dims[0] is None:
             per_row += size
         else:

@@ -613,9 +613,8 @@ class _BytesPace:
         """What the summary says of the units read at the middle size alone."""
         if not self._fewer:
             return []
-        units = ", ".join(names[u] for u in self._fewer[:3]) + (", ..." if len(self._fewer) > 3 else "")
         return [
-            f"{len(self._fewer)} layer(s) ({units}) read for their bytes on {read_on} at "
+            f"{_listed(self._fewer, names)} read for their bytes on {read_on} at "
             f"{self.every[len(self.every) // 2]} of {self.every} rows only, to keep to {BYTES_SHARE:.0%} of the time "
             "left within max_seconds; the other sizes scaled as the layer read at every size before them"
         ]
@@ -734,9 +733,10 @@ def _given_bytes(
     if known is None:
         return _by_count(measured, run, _grads(walked), fixed, in_per_row, budget) if run.by_count else None
     if run.counted is not None:
+        grads = _grads(walked)
         for j, b in enumerate(run.every):
             if b not in known[1] and (count := measured.counted(b)):
-                run.counted.add(b, count, *known[0][j], _grads(walked))
+                run.counted.add(b, count, *known[0][j], grads)
     return known
 
 
@@ -756,7 +756,7 @@ def _by_count(
         if _over_budget(fixed, in_per_row, (held + working) / b, b, budget):
             over.add(b)
         out.append((held, working))
-    run.counted_at = list(run.every)
+    run.given_by_count = True
     return out, over
 
 
@@ -771,8 +771,8 @@ class _Sizes:
     rows; its bytes by the rows. A unit to be timed at one size whose ops are more than ``LINED_OPS`` times
     ``typical_ops`` (of those the fixed part comes from) is timed at the smallest and the largest instead (``count``),
     and joins them. ``warm_s``: each timed function's warm-up, at most. Bytes read are noted in ``counted`` against
-    the bytes counted in the unit's trace; where ``by_count``, they are given from it instead (``_by_count``: the
-    sizes given so in ``counted_at``).
+    the bytes counted in the unit's trace; where ``by_count``, they are given from it instead (``_by_count``: then
+    ``given_by_count``).
     """
 
     every: list[int]
@@ -783,7 +783,7 @@ class _Sizes:
     typical_ops: float = float("inf")
     counted: _Counted | None = None
     by_count: bool = False
-    counted_at: list[int] = dataclasses.field(default_factory=list)
+    given_by_count: bool = False
 
     def __post_init__(self) -> None:
         self.sizes = self.sizes or list(self.every)
@@ -924,7 +924,7 @@ class _Tally:
             self._lined_ops = [ops + more for ops, more in zip(self._lined_ops, run.ops)]
         if len(run.sizes) < len(self._every):
             self._fewer.setdefault(tuple(run.sizes), []).append(unit)
-        if run.counted_at:
+        if run.given_by_count:
             self._by_count.append(unit)
 
     def given(self) -> str:
