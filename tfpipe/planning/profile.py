@@ -53,6 +53,9 @@ LAYERS_SHARE = 0.5
 # cells 2-3x the working bytes read
 COUNTED_FROM = 3
 PRESSED_WARM_S = 0.1  # a unit running for milliseconds has not had the ~90 runs settling its kernels by 0.3 s either
+# ... and their forwards are neither traced nor timed alone (an AmoebaNet-D cell's: 0.26 s traced and first run, and a
+# third of its timing): each takes the forward's share of the units timed at several sizes. Timed alone, one cell's
+# share moved 0.18-0.61 between sizes of one profile, the cells' shares 0.22-0.48 at one size
 # On a cluster the units' bytes are read on a stand-in first (``_bytes_on``), within this share of the time left; where
 # their pace says they would go past it, later units are read at one size: 4-block AmoebaNet-D's 18 units took 28 s at
 # three sizes on the client under "auto" (30 s)
@@ -245,6 +248,7 @@ class _Measured:
         self._forward = tf.function(self._chain, reduce_retracing=True)
         self._forward_backward = tf.function(self._gradients, reduce_retracing=True)
         self._held: tuple[float, float] | None = None  # counted in the forward and backward's trace (``counted``)
+        self._forward_ops = 0  # the forward's ops in that trace (``ops``)
 
     def _chain(self, inputs: Any) -> Any:
         with cpu_gradients.scope(self._device):  # the gradients a cell on this device gets
@@ -259,6 +263,7 @@ class _Measured:
             loss = _loss_of(outputs)
         graph = tf.compat.v1.get_default_graph()
         forward_ops = len(graph.get_operations())
+        self._forward_ops = _op_count(graph)
         grads = tape.gradient(loss, self._sources(inputs), unconnected_gradients=tf.UnconnectedGradients.ZERO)
         self._held = held_lib.counted(graph.get_operations(), forward_ops, tf.nest.flatten(outputs))
         return grads
@@ -283,20 +288,25 @@ class _Measured:
         tf.test.experimental.sync_devices()
         return max(first - (timeit.default_timer() - began), 0.0)
 
-    def seconds(self, x: Any, repeats: int, warm_s: float = WARM_S) -> tuple[float, float]:
-        """(forward s, backward s) fed ``x``, each function warmed up for ``warm_s`` at most."""
+    def seconds(
+        self, x: Any, repeats: int, warm_s: float = WARM_S, forward_share: float | None = None
+    ) -> tuple[float, float]:
+        """(forward s, backward s) fed ``x``, each function warmed up for ``warm_s`` at most. Given a
+        ``forward_share``, the forward is neither traced nor timed alone: that share of the forward and backward's."""
         # each measurement is one function call: take off what calling a function that does nothing costs, which
         # a cell's graph pays once per task, not once per layer
         call_s = median_seconds(lambda: _passed_through(x), repeats, warm_s)
-        f_s = max(median_seconds(lambda: self._forward(x), repeats, warm_s) - call_s, 0.0)
         fb_s = max(median_seconds(lambda: self._forward_backward(x), repeats, warm_s) - call_s, 0.0)
+        if forward_share is not None:
+            return fb_s * forward_share, fb_s * (1.0 - forward_share)
+        f_s = max(median_seconds(lambda: self._forward(x), repeats, warm_s) - call_s, 0.0)
         return f_s, max(fb_s - f_s, 0.0)
 
     def ops(self, x: Any) -> tuple[int, int]:
-        """(forward ops, backward ops) of the functions traced fed ``x``: the backward's, forward and backward's less
-        the forward's (nested functions' ops counted)."""
-        forward = _op_count(self._forward.get_concrete_function(_general(x)))
-        return forward, max(_op_count(self._forward_backward.get_concrete_function(_general(x))) - forward, 0)
+        """(forward ops, backward ops) of the forward and backward's trace fed ``x`` (``traced`` first), split where
+        the gradient begins (nested functions' ops counted)."""
+        total = _op_count(self._forward_backward.get_concrete_function(_general(x)).graph)
+        return self._forward_ops, max(total - self._forward_ops, 0)
 
     def counted(self, rows: int) -> float | None:
         """The bytes the backward reads of the forward at ``rows`` rows, counted in their trace (``traced`` first;
@@ -327,10 +337,10 @@ def _general(x: Any) -> Any:
     return tf.nest.map_structure(lambda t: tf.TensorSpec([None, *t.shape[1:]], t.dtype), x)
 
 
-def _op_count(function: Any) -> int:
-    """The ops of a concrete function's graph and of the functions it calls."""
-    graph = function.graph.as_graph_def()
-    return len(graph.node) + sum(len(f.node_def) for f in graph.library.function)
+def _op_count(graph: tf.Graph) -> int:
+    """The ops of a graph and of the functions it calls."""
+    defined = graph.as_graph_def()
+    return len(defined.node) + sum(len(f.node_def) for f in defined.library.function)
 
 
 def measure(
@@ -671,7 +681,7 @@ def _unit_costs(
             costs[b] = (f_s, b_s, held, working)  # the bytes read on a stand-in replace these below
             over.append(b)
             continue
-        f_s, b_s = measured.seconds(_rows(x_in, b), repeats, run.warm_s)
+        f_s, b_s = measured.seconds(_rows(x_in, b), repeats, run.warm_s, run.timed_share())
         if known is not None:
             held, working = known[0][sizes.index(b)]
         elif memory is not None:
@@ -770,9 +780,10 @@ class _Sizes:
     the units timed at several sizes together; at most ``FIXED_SHARE`` of its time), the rest in proportion to the
     rows; its bytes by the rows. A unit to be timed at one size whose ops are more than ``LINED_OPS`` times
     ``typical_ops`` (of those the fixed part comes from) is timed at the smallest and the largest instead (``count``),
-    and joins them. ``warm_s``: each timed function's warm-up, at most. Bytes read are noted in ``counted`` against
-    the bytes counted in the unit's trace; where ``by_count``, they are given from it instead (``_by_count``: then
-    ``given_by_count``).
+    and joins them. ``warm_s``: each timed function's warm-up, at most. Timed at one size, its forward is not timed
+    alone: it takes ``forward_share`` of its forward and backward (``timed_share``). Bytes read are noted in
+    ``counted`` against the bytes counted in the unit's trace; where ``by_count``, they are given from it instead
+    (``_by_count``: then ``given_by_count``).
     """
 
     every: list[int]
@@ -784,6 +795,11 @@ class _Sizes:
     counted: _Counted | None = None
     by_count: bool = False
     given_by_count: bool = False
+    forward_share: float | None = None
+
+    def timed_share(self) -> float | None:
+        """The forward's share its forward and backward's time is split by, where it is timed at one size alone."""
+        return self.forward_share if len(self.sizes) == 1 else None
 
     def __post_init__(self) -> None:
         self.sizes = self.sizes or list(self.every)
@@ -887,8 +903,16 @@ class _Tally:
         typical = sum(self._lined_ops) / len(self._lined)
         return _Sizes(
             every, list(chosen), self._fixed_per_op(), PRESSED_WARM_S, typical_ops=typical, counted=self._counted,
-            by_count=True,
+            by_count=True, forward_share=self._forward_share(),
         )  # fmt: skip
+
+    def _forward_share(self) -> float:
+        """Of the units timed at several sizes, their forwards' share of their summed forward and backward seconds."""
+        forward = backward = 0.0
+        for costs in self._by_batch.values():
+            forward += sum(costs.forward_s[u] for u in self._lined)
+            backward += sum(costs.backward_s[u] for u in self._lined)
+        return forward / (forward + backward) if forward + backward > 0 else 0.5
 
     def _fixed_per_op(self) -> tuple[float, float]:
         """Of the units timed at several sizes together, the forward and backward seconds per op that do not scale with

@@ -250,17 +250,21 @@ def _clocked(monkeypatch):
     """Each unit's tracing and each size it is measured at take 1 s of a fake clock; its times are 1 s that does not
     scale plus units x rows / 8 (forward) and twice that (backward), not in proportion to the rows: a size not run must
     carry that. Each unit has 10 forward and 20 backward ops. Returns the rows each Dense(units) was run at, its
-    warm-ups, and the units of each Dense measured."""
+    warm-ups, the units of each Dense measured, and the forward shares each was timed with."""
     clock = [0.0]
     run: dict[int, list[int]] = {}
     warmed: dict[int, set[float]] = {}
+    shares: dict[int, set[float | None]] = {}  # the forward shares each Dense was timed with (None: timed alone)
     traces: list[int] = []  # the units of each Dense traced (measured)
 
-    def seconds(self, x, repeats, warm_s):
+    def seconds(self, x, repeats, warm_s, forward_share=None):
         clock[0] += 1.0
         rows, units = int(x.shape[0]), self._copies[0].units
         run.setdefault(units, []).append(rows)
         warmed.setdefault(units, set()).add(warm_s)
+        shares.setdefault(units, set()).add(forward_share)
+        if forward_share is not None:  # the forward not timed alone: the share of the two together
+            return 3 * _clocked_s(units, rows) * forward_share, 3 * _clocked_s(units, rows) * (1 - forward_share)
         return _clocked_s(units, rows), 2 * _clocked_s(units, rows)
 
     def traced(self, x):
@@ -273,7 +277,7 @@ def _clocked(monkeypatch):
     monkeypatch.setattr(profile_lib._Measured, "traced", traced)
     monkeypatch.setattr(profile_lib._Measured, "ops", lambda self, x: (10, 20))
     monkeypatch.setattr(profile_lib, "_pay_first_trace", lambda device: None)
-    return run, warmed, traces
+    return run, warmed, traces, shares
 
 
 def _clocked_s(units, rows):
@@ -287,14 +291,17 @@ def _clocked_s(units, rows):
 def test_under_max_seconds_later_layers_are_measured_at_fewer_sizes_the_others_interpolated_or_scaled(
     monkeypatch, max_seconds, later
 ):
-    run, warmed, _ = _clocked(monkeypatch)
+    run, warmed, _, shares = _clocked(monkeypatch)
     layers = [keras.layers.Dense(units) for units in range(8, 14)]  # six kinds: each timed
     # half of max_seconds for the layers: 4 s the first (three sizes and its tracing), 3 or 2 s each after
     progress = Progress(verbose=0, max_seconds=max_seconds)
     measured = profile_lib.measure(layers, np.zeros((8, 8), "float32"), [2, 4, 8], "/CPU:0", progress=progress)
     assert run[8] == [2, 4, 8] and all(run[units] == later for units in range(9, 14)), str(run)
-    # those measured at fewer sizes warmed up for less
+    # those measured at fewer sizes warmed up for less; those at one size timed their forward and backward together,
+    # split by the forward's share of the first (a third)
     assert warmed[8] == {0.3} and all(warmed[u] == {0.3 if later == [2, 4, 8] else 0.1} for u in range(9, 14))
+    split = [1 / 3] if len(later) == 1 else [None]
+    assert shares[8] == {None} and all(list(shares[u]) == pytest.approx(split) for u in range(9, 14))
     for b, costs in measured.by_batch.items():  # each layer's own times at every size, those not run given so
         # run at 4 rows alone: the first's fixed part per op (1 s over 10 ops forward, 2 over 20 backward) and the
         # rest by the rows give the line exactly; between two sizes run, interpolated in log-log (within 4% here)
@@ -317,7 +324,7 @@ def test_under_max_seconds_later_layers_are_measured_at_fewer_sizes_the_others_i
 
 
 def test_a_unit_of_many_more_ops_than_those_lined_is_timed_at_two_sizes_and_joins_them(monkeypatch):
-    run, _, _ = _clocked(monkeypatch)
+    run, _, _, _ = _clocked(monkeypatch)
     ops = {12: (100, 200)}  # Dense(12) has ten times the ops of the others (10 forward, 20 backward)
     monkeypatch.setattr(profile_lib._Measured, "ops", lambda self, x: ops.get(self._copies[0].units, (10, 20)))
     layers = [keras.layers.Dense(units) for units in range(8, 14)]
@@ -335,7 +342,7 @@ def test_a_unit_of_many_more_ops_than_those_lined_is_timed_at_two_sizes_and_join
 
 @pytest.mark.parametrize("max_seconds", [None, 29.0])
 def test_under_max_seconds_only_the_first_of_a_kind_is_timed(monkeypatch, max_seconds):
-    _, _, traces = _clocked(monkeypatch)
+    _, _, traces, _ = _clocked(monkeypatch)
     layers = [keras.layers.Dense(8), keras.layers.Dense(12), keras.layers.Dense(16), keras.layers.Dense(16)]
     layers += [keras.layers.Dense(16)]  # the last three: the first reads 12 columns, the other two alike
     progress = Progress(verbose=0, max_seconds=max_seconds)
@@ -349,7 +356,7 @@ def test_under_max_seconds_only_the_first_of_a_kind_is_timed(monkeypatch, max_se
 
 
 def test_under_max_seconds_auto_the_layers_keep_to_the_bound_their_own_step_gives_as_they_go(monkeypatch):
-    run, _, _ = _clocked(monkeypatch)
+    run, _, _, _ = _clocked(monkeypatch)
     steps = []
 
     def auto_bound(step):  # the planner's: 200 such steps over the devices, at least 30 s; here as max_seconds=39
@@ -414,7 +421,7 @@ def _grads(units):
 
 
 def test_under_max_seconds_later_layers_bytes_are_their_count_times_what_those_read_showed(monkeypatch):
-    run, _, _ = _clocked(monkeypatch)
+    run, _, _, _ = _clocked(monkeypatch)
     read: dict[int, list[int]] = {}  # per Dense(units): the rows its bytes were read at
 
     def held(self, x, memory):
@@ -491,3 +498,18 @@ def test_units_a_stand_in_left_unread_are_counted_in_their_trace_on_the_device(m
         working = [0.5 * u * b * 4 + _grads(u) for u in range(8, 14)]
         np.testing.assert_allclose(measured.by_batch[b].working_bytes, working)
     assert any(n.startswith("3 layer(s) (") and "' bytes not read" in n for n in measured.not_run)
+
+
+def test_a_unit_timed_with_a_forward_share_never_traces_its_forward_alone():
+    dense = keras.layers.Dense(16, activation="tanh")
+    x = tf.zeros((4, 8))
+    dense(x)
+    measured = profile_lib._Measured([dense], "/CPU:0")
+    measured.traced(x)
+    forward_ops, backward_ops = measured.ops(x)  # split in the forward and backward's own trace
+    assert 0 < forward_ops < backward_ops
+    forward_s, backward_s = measured.seconds(x, repeats=3, warm_s=0.0, forward_share=0.25)
+    assert forward_s > 0 and backward_s == pytest.approx(3 * forward_s)
+    assert measured._forward.experimental_get_tracing_count() == 0
+    measured.seconds(x, repeats=3, warm_s=0.0)  # timed alone: traced now
+    assert measured._forward.experimental_get_tracing_count() == 1
