@@ -299,6 +299,7 @@ class _Measured:
         fb_s = max(median_seconds(lambda: self._forward_backward(x), repeats, warm_s) - call_s, 0.0)
         if forward_share is not None:
             return fb_s * forward_share, fb_s * (1.0 - forward_share)
+        self.prime(x)  # traced general in the rows: every size runs that one trace
         f_s = max(median_seconds(lambda: self._forward(x), repeats, warm_s) - call_s, 0.0)
         return f_s, max(fb_s - f_s, 0.0)
 
