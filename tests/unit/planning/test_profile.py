@@ -501,8 +501,8 @@ def test_units_a_stand_in_left_unread_are_counted_in_their_trace_on_the_device(m
 
 
 def test_a_unit_timed_with_a_forward_share_never_traces_its_forward_alone():
-    dense = keras.layers.Dense(16, activation="tanh")
-    x = tf.zeros((4, 8))
+    dense = keras.layers.Dense(1024, activation="tanh")  # milliseconds a run: well above a call's cost, under load too
+    x = tf.ones((256, 1024))
     dense(x)
     measured = profile_lib._Measured([dense], "/CPU:0")
     measured.traced(x)
