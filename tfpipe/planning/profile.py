@@ -909,11 +909,8 @@ class _Tally:
 
     def _forward_share(self) -> float:
         """Of the units timed at several sizes, their forwards' share of their summed forward and backward seconds."""
-        forward = backward = 0.0
-        for costs in self._by_batch.values():
-            forward += sum(costs.forward_s[u] for u in self._lined)
-            backward += sum(costs.backward_s[u] for u in self._lined)
-        return forward / (forward + backward) if forward + backward > 0 else 0.5
+        forward, backward = np.sum([_times_of(self._by_batch, self._every, unit) for unit in self._lined], axis=(0, 2))
+        return float(forward / (forward + backward)) if forward + backward > 0 else 0.5
 
     def _fixed_per_op(self) -> tuple[float, float]:
         """Of the units timed at several sizes together, the forward and backward seconds per op that do not scale with
