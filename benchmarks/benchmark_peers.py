@@ -7,7 +7,10 @@ layers (the same shapes, FLOPs, loss and SGD step) and keep their models and pro
 Runs alternate, tfpipe first, ``--pairs`` pairs per configuration, after one warm-up per side (tfpipe: untimed steps
 for ``--warmup_s``, at most 100, as benchmark_speed.py; torch: as many, at most 3). Each row gives each side's min /
 median / max run, the median of the per-pair ratios tfpipe / torch, and each side's speed-up over its own K=1
-reference (one worker or process, the whole model, M=1, no recomputation).
+reference (one worker or process, the whole model, M=1, no recomputation). With ``--limits`` (the default) each side
+also runs K=1 at every M (its micro-batches one after the other), and each pipelined row without recomputation gives
+the share of that side's own limit it reaches: what its schedule allows times its K=1 speed at that M over its
+reference. Where tfpipe misses its limit, that says whether the peer on the same machine is bound too.
 
 What a timed step holds. tfpipe: Keras' on_train_batch_begin to on_train_batch_end around one call of the train
 function (the batch from the prefetched dataset, the pipelined forward and backward, the SGD update on every worker,
@@ -82,6 +85,13 @@ flags.DEFINE_integer(
     "cells_per_device", 2, "v: cells (stages) per device of the schedules that share devices (zbv: 2).", lower_bound=1
 )
 flags.DEFINE_list("default_remat_at", ["8"], "Values of M with a row of tfpipe's default remat='except_last' (GPipe).")
+flags.DEFINE_bool(
+    "limits",
+    True,
+    "A K=1 row at each M > 1 (the M micro-batches one after the other on one worker / process), and beside each "
+    "pipelined row without recomputation each side's limit: what its schedule allows times its own K=1 speed at that "
+    "M over its K=1, M=1 (smaller matrices run slower per row), and the share of it reached.",
+)
 flags.DEFINE_float("lr", 1e-3, "SGD learning rate on both sides.")
 flags.DEFINE_bool(
     "check",
@@ -155,6 +165,8 @@ def configs(spec: dict[str, Any], k: int) -> list[Config]:
     for m in (int(m) for m in FLAGS.micro_batches):
         if spec["batch"] % m:
             continue
+        if FLAGS.limits and m > 1:  # each side's kernels at this M, the limit's second factor
+            rows.append(Config(1, m, "gpipe", "never", "plain"))
         for schedule in FLAGS.schedules if m > 1 else FLAGS.schedules[:1]:  # at M=1 all run F then B
             rows.append(Config(k, m, schedule, "never", PEER[schedule], _v(schedule)))
         if m > 1 and m in {int(v) for v in FLAGS.default_remat_at}:  # at M=1 except_last recomputes nothing
@@ -305,9 +317,10 @@ def measure(
     return ours, theirs, setup
 
 
-def row(name: str, config: Config, measured: tuple[list[float], list[float], dict], ref: dict | None = None) -> dict:
+def row(name: str, config: Config, measured: tuple[list[float], list[float], dict], earlier: list[dict]) -> dict:
     """The CSV row of one configuration (``measure``'s result): ms per step on each side, the median ratio, each
-    side's speed-up over ``ref`` (the reference row; none: this is it)."""
+    side's speed-up over the reference (``earlier[0]``; none: this is it) and, with a K=1 row at this M in
+    ``earlier``, each side's limit and the share of it reached."""
     ours, theirs, setup = measured
     ratios = [a / b for a, b in zip(ours, theirs)]
     out = {"model": name, **dataclasses.asdict(config), "pairs": len(ours), **setup}
@@ -316,28 +329,78 @@ def row(name: str, config: Config, measured: tuple[list[float], list[float], dic
         out[f"{side}_runs_ms"] = " ".join(f"{1e3 * t:.2f}" for t in runs)
     out["ratio_median"] = float(np.median(ratios))
     out["ratio_min"], out["ratio_max"] = min(ratios), max(ratios)
-    base = ref or out
+    base = earlier[0] if earlier else out
     out["tfpipe_speedup"] = base["tfpipe_median_ms"] / out["tfpipe_median_ms"]
     out["torch_speedup"] = base["torch_median_ms"] / out["torch_median_ms"]
+    same_m = next((r for r in earlier if r["k"] == 1 and r["m"] == config.m), None)
+    if config.k > 1 and config.remat == "never" and same_m is not None:
+        out.update(limits(config, out, same_m))
     return out
 
 
+def limits(config: Config, out: dict, same_m: dict) -> dict[str, float]:
+    """Each side's limit for pipelined ``config`` (row ``out``): what its schedule allows with equal cells and free
+    transfers (``schedule.allowed_speedup``) times its K=1 speed-up at this M (row ``same_m``), and the share of it
+    that ``out``'s speed-up reaches."""
+    from tfpipe import schedule
+
+    got = {}
+    for side, name in zip(SIDES, (config.schedule, config.peer)):
+        allowed = schedule.allowed_speedup(name, config.cells, config.m, num_devices=config.k)
+        got[f"{side}_limit"] = allowed * same_m[f"{side}_speedup"]
+        got[f"{side}_of_limit"] = out[f"{side}_speedup"] / got[f"{side}_limit"]
+    return got
+
+
 def markdown(rows: list[dict]) -> str:
-    """One table: a row per configuration, each side as min / median / max ms per step."""
+    """One table: a row per configuration, each side as min / median / max ms per step, its speed-up over its own
+    K=1 and, where measured, the share of its limit reached."""
     lines = [
         "| K | M | tfpipe schedule | remat | torch schedule | tfpipe ms/step min / median / max "
         "| torch ms/step min / median / max | tfpipe / torch (median of pairs) "
-        "| tfpipe speed-up over its K=1 | torch speed-up over its K=1 |",
+        "| tfpipe speed-up over its K=1 (of its limit) | torch speed-up over its K=1 (of its limit) |",
         "|---" * 10 + "|",
     ]
     for r in rows:
         ms = [" / ".join(f"{r[f'{side}_{s}_ms']:.2f}" for s in ("min", "median", "max")) for side in SIDES]
         schedule = "-" if r["k"] == 1 else r["schedule"] + (f" (v={r['v']})" if r["v"] > 1 else "")
+        ups = [
+            f"{r[f'{side}_speedup']:.2f}x"
+            + (f" ({100 * r[f'{side}_of_limit']:.0f}% of {r[f'{side}_limit']:.2f}x)" if f"{side}_limit" in r else "")
+            for side in SIDES
+        ]
         lines.append(
             f"| {r['k']} | {r['m']} | {schedule} | {r['remat']} | {r['peer']} | {ms[0]} | {ms[1]} "
-            f"| {r['ratio_median']:.2f} | {r['tfpipe_speedup']:.2f}x | {r['torch_speedup']:.2f}x |"
+            f"| {r['ratio_median']:.2f} | {ups[0]} | {ups[1]} |"
         )
     return "\n".join(lines)
+
+
+def limits_markdown(rows: list[dict]) -> str:
+    """One table over every model: at each pipelined M, each side's fastest schedule without recomputation, its
+    speed-up over its own K=1 and the share of its own limit reached ('' where no row has a limit)."""
+    lines = []
+    for model, m in dict.fromkeys((r["model"], r["m"]) for r in rows if r["k"] > 1 and r["m"] > 1):
+        timed = [r for r in rows if (r["model"], r["m"]) == (model, m) and "tfpipe_limit" in r]
+        if not timed:
+            continue
+        cells = []
+        for side in SIDES:
+            best = max(timed, key=lambda r: r[f"{side}_speedup"])
+            name = best["schedule"] if side == "tfpipe" else best["peer"]
+            share = max(r[f"{side}_of_limit"] for r in timed)
+            cells.append(
+                f"{name} {best[f'{side}_speedup']:.2f}x ({100 * best[f'{side}_of_limit']:.0f}% of "
+                f"{best[f'{side}_limit']:.2f}x) | {100 * share:.0f}%"
+            )
+        lines.append(f"| {model} | {m} | {cells[0]} | {cells[1]} |")
+    if not lines:
+        return ""
+    head = (
+        "| model | M | tfpipe's fastest: speed-up over its K=1 (of its limit) | tfpipe's highest share "
+        "| torch's fastest: speed-up over its K=1 (of its limit) | torch's highest share |\n" + "|---" * 6 + "|\n"
+    )
+    return head + "\n".join(lines)
 
 
 def check(name: str, spec: dict[str, Any], cluster: Any, peers: TorchPeers, tmp: str) -> bool:
@@ -394,13 +457,14 @@ def main(argv: list[str]) -> None:
                 np.savez(path, x=x, y=y)
                 mine: list[dict] = []
                 for config in configs(spec, k):
-                    mine.append(row(name, config, measure(spec, config, cluster, peers, x, y, path), *mine[:1]))
+                    mine.append(row(name, config, measure(spec, config, cluster, peers, x, y, path), mine))
                     r = mine[-1]
                     print(
                         f"{name} K={config.k} M={config.m} {config.schedule}/{config.remat} vs torch {config.peer}: "
                         f"tfpipe {r['tfpipe_median_ms']:.2f} ms ({r['tfpipe_runs_ms']}), torch "
                         f"{r['torch_median_ms']:.2f} ms ({r['torch_runs_ms']}), ratio {r['ratio_median']:.2f}; "
-                        f"speed-up tfpipe {r['tfpipe_speedup']:.2f}x torch {r['torch_speedup']:.2f}x; built and "
+                        f"speed-up tfpipe {r['tfpipe_speedup']:.2f}x torch {r['torch_speedup']:.2f}x{_of_limits(r)}; "
+                        "built and "
                         f"warmed up in {r['tfpipe_setup_s']:.1f} s / {r['torch_setup_s']:.1f} s (gc {r['gc_s']:.1f} s) "
                         f"[{time.perf_counter() - began:.0f} s]",
                         flush=True,
@@ -410,14 +474,35 @@ def main(argv: list[str]) -> None:
     finally:
         peers.close()
     if rows:
-        table = (
-            f"K={k}: one-thread LocalCluster workers / one-thread gloo processes; {FLAGS.pairs} pairs of runs, each "
-            f"{FLAGS.steps} timed steps after {FLAGS.warmup} untimed; ms per step: each run's median step.\n\n"
-        ) + "\n\n".join(tables)
+        table = report(k, rows, tables)
         print("\n" + table)
         if FLAGS.out:
-            write_table(FLAGS.out, rows, table)
+            write_table(FLAGS.out, rows, table, fields=list(dict.fromkeys(c for r in rows for c in r)))
     print(f"\ntook {time.perf_counter() - began:.0f} s")
+
+
+def report(k: int, rows: list[dict], tables: list[str]) -> str:
+    """The whole markdown report: a heading line, each model's table, then each side against its own limit."""
+    text = (
+        f"K={k}: one-thread LocalCluster workers / one-thread gloo processes; {FLAGS.pairs} pairs of runs, each "
+        f"{FLAGS.steps} timed steps after {FLAGS.warmup} untimed; ms per step: each run's median step.\n\n"
+    ) + "\n\n".join(tables)
+    shares = limits_markdown(rows)
+    if shares:
+        text += (
+            "\n\n### Each side against its own limit\n\nThe limit: what the schedule allows with equal cells "
+            "and free transfers (`tfpipe.schedule.allowed_speedup`) times the side's own K=1 speed at M "
+            "micro-batches over its K=1, M=1.\n\n" + shares
+        )
+    return text
+
+
+def _of_limits(r: dict) -> str:
+    """'; of the limit tfpipe 87% of 1.62x, torch ...' where row ``r`` has limits, else ''."""
+    if "tfpipe_limit" not in r:
+        return ""
+    shares = (f"{s} {100 * r[f'{s}_of_limit']:.0f}% of {r[f'{s}_limit']:.2f}x" for s in SIDES)
+    return "; of the limit " + ", ".join(shares)
 
 
 def _is_size(item: str) -> bool:

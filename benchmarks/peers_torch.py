@@ -13,7 +13,8 @@ there is torch's own output and is ignored):
   share devices) with ``ScheduleGPipe``, ``Schedule1F1B``, ``ScheduleInterleavedZeroBubble``,
   ``ScheduleInterleaved1F1B``, ``ScheduleLoopedBFS`` or ``ScheduleZBVZeroBubble`` over ``m`` micro-batches.
   At ``k`` = 1 rank 0 holds the whole
-  model (the reference: plain forward, backward and step) and the others wait.
+  model (the reference: plain forward, backward and step; at ``m`` > 1 the micro-batches' forwards and backwards
+  one after the other, then one step) and the others wait.
 - ``{"cmd": "run", "steps": N, "warmup": W}``: W untimed steps, then N timed ones; answers the
   N step times in seconds (rank 0's are the ones reported) and, on the last stage, each step's loss.
 - ``{"cmd": "exit"}``.
@@ -157,9 +158,11 @@ class Peer:
 
     def step(self, losses: list[float] | None) -> None:
         """One training step: forward, backward and SGD (pipelined at k > 1, then one all_reduce)."""
-        if self.k == 1:
-            loss = self.loss_fn(self.module(self.x), self.y)
-            loss.backward()
+        if self.k == 1:  # M micro-batches one after the other, their gradients summed, then one step
+            m = self.spec.get("m", 1)
+            for x, y in zip(self.x.chunk(m), self.y.chunk(m)):
+                loss = self.loss_fn(self.module(x), y) / m
+                loss.backward()
             self.optimizer.step()
             self.optimizer.zero_grad()
             if losses is not None:
