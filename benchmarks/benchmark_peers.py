@@ -19,7 +19,7 @@ the loss back in the client; scripts/report.py ``timed_fit``). torch, on rank 0:
 stepped); at K=1 forward, backward, step, zero_grad. Garbage (earlier rows' models) is collected before each row is
 built, never inside a run.
 
-    python benchmarks/benchmark_peers.py                          # every model, K=2, M in 1,4,8,16: ~20 min, 2 cores
+    python benchmarks/benchmark_peers.py                          # every model, K=2, M in 1,4,8,16: ~30 min, 2 cores
     python benchmarks/benchmark_peers.py --models=floor,mlp512 --micro_batches=1,8 --pairs=3 --out=/tmp/peers
     python benchmarks/benchmark_peers.py --check --pairs=0         # only: both sides' losses from the same weights
 Needs the ``peers`` extra (torch); tfpipe itself never imports torch, nor does this process.
