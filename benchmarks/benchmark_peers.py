@@ -365,8 +365,7 @@ def markdown(rows: list[dict]) -> str:
         ms = [" / ".join(f"{r[f'{side}_{s}_ms']:.2f}" for s in ("min", "median", "max")) for side in SIDES]
         schedule = "-" if r["k"] == 1 else r["schedule"] + (f" (v={r['v']})" if r["v"] > 1 else "")
         ups = [
-            f"{r[f'{side}_speedup']:.2f}x"
-            + (f" ({100 * r[f'{side}_of_limit']:.0f}% of {r[f'{side}_limit']:.2f}x)" if f"{side}_limit" in r else "")
+            f"{r[f'{side}_speedup']:.2f}x" + (f" ({_of_limit(r, side)})" if f"{side}_limit" in r else "")
             for side in SIDES
         ]
         lines.append(
@@ -389,10 +388,7 @@ def limits_markdown(rows: list[dict]) -> str:
             best = max(timed, key=lambda r: r[f"{side}_speedup"])
             name = best["schedule"] if side == "tfpipe" else best["peer"]
             share = max(r[f"{side}_of_limit"] for r in timed)
-            cells.append(
-                f"{name} {best[f'{side}_speedup']:.2f}x ({100 * best[f'{side}_of_limit']:.0f}% of "
-                f"{best[f'{side}_limit']:.2f}x) | {100 * share:.0f}%"
-            )
+            cells.append(f"{name} {best[f'{side}_speedup']:.2f}x ({_of_limit(best, side)}) | {100 * share:.0f}%")
         lines.append(f"| {model} | {m} | {cells[0]} | {cells[1]} |")
     if not lines:
         return ""
@@ -501,8 +497,12 @@ def _of_limits(r: dict) -> str:
     """'; of the limit tfpipe 87% of 1.62x, torch ...' where row ``r`` has limits, else ''."""
     if "tfpipe_limit" not in r:
         return ""
-    shares = (f"{s} {100 * r[f'{s}_of_limit']:.0f}% of {r[f'{s}_limit']:.2f}x" for s in SIDES)
-    return "; of the limit " + ", ".join(shares)
+    return "; of the limit " + ", ".join(f"{side} {_of_limit(r, side)}" for side in SIDES)
+
+
+def _of_limit(r: dict, side: str) -> str:
+    """'87% of 1.62x': the share of ``side``'s limit that row ``r`` reached, and the limit."""
+    return f"{100 * r[f'{side}_of_limit']:.0f}% of {r[f'{side}_limit']:.2f}x"
 
 
 def _is_size(item: str) -> bool:
