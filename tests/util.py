@@ -9,8 +9,20 @@ import textwrap
 
 import keras
 import numpy as np
+import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def covering(cases: list, kept: list) -> list:
+    """``cases`` as pytest parameters, those not in ``kept`` marked slow: the default suite runs ``kept``, a sample in
+    which each value of each argument appears, and ``pytest -m slow`` the rest of the matrix (the suite's time on two
+    cores is spent on TensorFlow tracing each case's steps)."""
+    missing = [case for case in kept if case not in cases]
+    if missing:
+        raise ValueError(f"covering: kept cases {missing} are not among the cases")
+    to_tuple = lambda case: case if isinstance(case, tuple) else (case,)
+    return [pytest.param(*to_tuple(case), marks=() if case in kept else pytest.mark.slow) for case in cases]
 
 
 def cpu_devices(k: int) -> list[str]:

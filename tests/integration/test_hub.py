@@ -94,7 +94,7 @@ def test_every_k_and_m_trains_like_the_tasks_own_fit(name, k, m):
 
 @pytest.mark.parametrize(
     "name",
-    ["opt", *[pytest.param(name, marks=pytest.mark.slow) for name in ("mistral", "phi3", "bart", "distil_bert")]],
+    [pytest.param(name, marks=pytest.mark.slow) for name in ("opt", "mistral", "phi3", "bart", "distil_bert")],
 )
 def test_more_architectures_train_like_their_own_fit(name):
     reference, model, x = _fit_both(name, 2, 2)
@@ -174,6 +174,7 @@ def test_the_preprocessor_turns_strings_into_tokens_in_fit_evaluate_and_predict_
     assert model.preprocess is not None and tfpipe.PipelineModel(hub.task("gpt2"), num_partitions=2).preprocess is None
 
 
+@pytest.mark.slow  # 22 s of CPU
 def test_lora_trains_only_the_lora_weights_like_the_tasks_own_fit():
     def make():
         task = hub.task("gemma")
@@ -194,6 +195,7 @@ def test_lora_trains_only_the_lora_weights_like_the_tasks_own_fit():
     _assert_same(reference, model, x)
 
 
+@pytest.mark.slow  # 38 s of CPU
 def test_generate_after_fit_runs_the_trained_weights_also_when_traced_before(tmp_path):
     reference, own = hub.task("gpt2"), hub.task("gpt2")
     x, y, weights = _data(reference, "causal_lm", 6)
@@ -235,6 +237,7 @@ def test_mixed_bfloat16_policy_step_matches_the_tasks_own_within_the_mixed_preci
     assert per_layer_error(model.pipeline_layers, _layers(reference)) < 5e-2  # README: bfloat16 within 5e-2
 
 
+@pytest.mark.slow  # bfloat16 is tested by the mixed policy test
 def test_a_bfloat16_backbone_trains_like_its_own_fit_within_bfloat16_resolution():
     reference, model, x = _fit_both("llama", 2, 2, epochs=1, dtype="bfloat16", learning_rate=1.0)
     assert {v.dtype for v in model.trainable_variables} == {"bfloat16"}
@@ -242,6 +245,7 @@ def test_a_bfloat16_backbone_trains_like_its_own_fit_within_bfloat16_resolution(
     assert per_layer_error(model.pipeline_layers, _layers(reference)) < 1e-2
 
 
+@pytest.mark.slow  # dropout's masks are tested per schedule in tests/integration/test_schedules.py
 def test_dropout_at_m1_draws_the_masks_the_task_draws():
     reference, model, x = _fit_both("gpt2", 2, 1, dropout=0.3)
     _assert_same(reference, model, x)

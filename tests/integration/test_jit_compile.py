@@ -28,8 +28,8 @@ def _train(net, n, jit_compile, optimizer="adam"):
 @pytest.mark.parametrize(
     "k,m,n,remat,schedule,unroll",
     [
-        (2, 4, 10, "never", "gpipe", True),
-        (2, 3, 7, "except_last", "zero_bubble", True),
+        pytest.param(2, 4, 10, "never", "gpipe", True, marks=pytest.mark.slow),  # the cases below hold each part
+        pytest.param(2, 3, 7, "except_last", "zero_bubble", True, marks=pytest.mark.slow),
         (2, 4, 9, "always", "gpipe", False),  # loops calling the compiled cells
         (4, 16, 32, "never", "gpipe_batched_w", True),  # 128 tasks: calls TensorFlow does not inline
     ],

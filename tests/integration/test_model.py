@@ -8,7 +8,7 @@ import pytest
 import tensorflow as tf
 
 import tfpipe
-from tests.util import cpu_devices, mlp_layers
+from tests.util import covering, cpu_devices, mlp_layers
 
 
 def _classification(n=64, seed=0):
@@ -242,7 +242,7 @@ def test_train_on_batch_traces_its_step_once():
     assert second < first
 
 
-@pytest.mark.parametrize("m", [2, 16])
+@pytest.mark.parametrize("m", covering([2, 16], [16]))
 def test_steps_per_execution_trains_as_one_step_per_call(m):
     """Keras runs 3 steps per call in a loop (the last call 1): weights, losses and Dropout's masks as with 1."""
     rng = np.random.default_rng(0)

@@ -135,7 +135,7 @@ def test_sigterm_writes_a_backup_stops_the_workers_and_the_same_command_resumes(
     assert not os.path.exists(backup)  # Keras deletes the backup after a finished fit
 
 
-@pytest.mark.heavy(seconds=45)
+@pytest.mark.slow  # a restart after connect() is tested across hosts in tests/integration/test_hosts.py (51 s of CPU)
 def test_after_connect_fit_waits_for_a_restarted_worker_and_reaches_the_uninterrupted_weights(tmp_path):
     # The workers are plain TensorFlow servers this process starts itself, as a supervisor on each host would.
     proc = run_fresh(

@@ -6,7 +6,7 @@ import pytest
 import tensorflow as tf
 
 import tfpipe
-from tests.util import cpu_devices, max_rel_error, per_layer_error, run_fresh
+from tests.util import covering, cpu_devices, max_rel_error, per_layer_error, run_fresh
 from tfpipe import updates
 from tfpipe.models import transformer
 from tfpipe.partition import repeats
@@ -34,7 +34,9 @@ def _lm(remat, schedule, repeated, depth=4):
 
 
 @pytest.mark.heavy(seconds=20)
-@pytest.mark.parametrize("remat, schedule", [("except_last", "1f1b"), ("never", "zero_bubble")])
+@pytest.mark.parametrize(
+    "remat, schedule", covering([("except_last", "1f1b"), ("never", "zero_bubble")], [("never", "zero_bubble")])
+)
 def test_called_blocks_train_a_transformer_with_dropout_as_inline_ones(remat, schedule):
     called, called_loss = _lm(remat, schedule, "call")
     inline, inline_loss = _lm(remat, schedule, "inline")
@@ -161,7 +163,7 @@ OPTIMIZERS = {
 }
 
 
-@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+@pytest.mark.parametrize("name", covering(sorted(OPTIMIZERS), ["adam", "adamw", "lion"]))  # moments, decay, a sign
 def test_called_optimizer_updates_give_keras_own_weights(name):
     def train(repeated):
         keras.utils.set_random_seed(4)
@@ -205,7 +207,7 @@ def _functional(repeated, name):
 
 
 @pytest.mark.heavy(seconds=15)
-@pytest.mark.parametrize("name", ["tied", "llama"])
+@pytest.mark.parametrize("name", covering(["tied", "llama"], ["llama"]))
 def test_called_blocks_of_a_functional_model_and_a_keras_hub_task_train_as_inline_ones(name):
     # keras_hub's Llama decoder block cannot give its config (it reads an attribute it never set): its blocks are
     # found alike by what they hold instead.
@@ -216,7 +218,7 @@ def test_called_blocks_of_a_functional_model_and_a_keras_hub_task_train_as_inlin
     assert [c.repeats.num_traces for c in called._pipeline.cells] == [1, 1]
 
 
-@pytest.mark.heavy(seconds=35)
+@pytest.mark.slow  # called blocks are tested in one process above, cells on workers in test_cluster.py
 def test_called_blocks_and_updates_on_workers_train_as_inline_ones():
     # Cells and their called blocks in other processes, two cells a worker (the calls are made where the cell runs)
     proc = run_fresh("""

@@ -8,7 +8,7 @@ import pytest
 import tensorflow as tf
 
 import tfpipe
-from tests.util import max_rel_error, mlp_layers, per_layer_error, small_unet, stateful_layers, unet_data
+from tests.util import covering, max_rel_error, mlp_layers, per_layer_error, small_unet, stateful_layers, unet_data
 
 GRID = [["/CPU:0", "/CPU:1"], ["/CPU:2", "/CPU:3"]]  # R=2 replicas of K=2 cells
 
@@ -27,8 +27,14 @@ def _fit(net, n, optimizer="adam", epochs=2):
     return net
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zero_bubble"])
-@pytest.mark.parametrize("m,n,remat", [(1, 8, "never"), (3, 13, "except_last"), (2, 7, "always")])
+@pytest.mark.parametrize(
+    "schedule,m,n,remat",
+    covering(
+        [(s, *shape) for s in ("gpipe", "1f1b", "zero_bubble") for shape in [(1, 8, "never"), (3, 13, "except_last")]]
+        + [(s, 2, 7, "always") for s in ("gpipe", "1f1b", "zero_bubble")],
+        [("gpipe", 1, 8, "never"), ("1f1b", 3, 13, "except_last"), ("zero_bubble", 2, 7, "always")],
+    ),
+)
 def test_replicas_train_like_plain_keras_on_the_whole_batch(schedule, m, n, remat):  # uneven N across replicas
     keras.utils.set_random_seed(0)
     plain = keras.Sequential([keras.Input((8,)), *mlp_layers()])
@@ -118,7 +124,7 @@ def test_replica_cells_run_on_their_devices_and_the_variables_live_once_on_repli
             assert any(d.endswith(device.replace("/CPU", "device:CPU")) for d in used), (device, used)
 
 
-@pytest.mark.parametrize("remat", ["always", "never"])
+@pytest.mark.parametrize("remat", covering(["always", "never"], ["always"]))
 def test_replicas_are_one_pipeline_over_r_x_m_micro_batches_with_dropout_and_batchnorm(remat):
     # Replica r's micro-batch j is micro-batch rM + j of one pipeline with R x M: the same Dropout masks, and
     # BatchNorm's moving statistics merged from all of them. SGD keeps a bias that feeds only BatchNorm at noise.

@@ -9,7 +9,7 @@ import pytest
 from tests.util import run_fresh, run_script
 
 
-@pytest.mark.heavy(seconds=90)
+@pytest.mark.slow  # its command runs in gpu_checks' dry run (tests/scripts/test_gpu_checks.py)
 def test_capacity_benchmark_writes_its_table_with_the_planned_configuration(tmp_path):
     pytest.importorskip("keras_hub")
     out = str(tmp_path / "capacity")

@@ -8,7 +8,7 @@ import pytest
 from tests.util import run_script
 
 
-@pytest.mark.heavy(seconds=30)
+@pytest.mark.slow  # a benchmark's whole run (38 s of CPU)
 def test_the_client_keeps_more_ops_and_memory_at_more_blocks(tmp_path):
     out = str(tmp_path / "client")
     # the Functional model with tied embeddings, built under deferred_weights as its tfpipe rows are

@@ -29,6 +29,7 @@ def test_every_entry_point_is_timed_at_both_k_against_fit(tmp_path):
     assert "| floor | `train_on_batch` |" in open(out + ".md").read()
 
 
+@pytest.mark.slow  # a flag's error, a whole process
 def test_torchs_figure_needs_its_model():
     pytest.importorskip("torch")  # the peers extra: without it there is no figure to refuse
     proc = run_script("benchmark_entry_points.py", "--layers=4", "--torch")

@@ -13,7 +13,7 @@ pytestmark = pytest.mark.skipif(WHY is not None, reason=f"simulated hosts need n
 TINY = ("--rounds=1", "--steps=3", "--depth=4", "--width=32", "--batch_size=32", "--micro_batches=2")
 
 
-@pytest.mark.heavy(seconds=40)
+@pytest.mark.slow  # a benchmark's whole run on two network namespaces (35 s of CPU)
 def test_both_setups_run_in_turn_and_the_ratio_is_printed():
     proc = run_script("benchmark_hosts.py", *TINY)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -23,6 +23,7 @@ def test_both_setups_run_in_turn_and_the_ratio_is_printed():
     )
 
 
+@pytest.mark.slow  # the setups' run is tested above; the delay's flag is a second whole run
 def test_a_delay_is_added_where_the_kernel_has_netem_and_named_where_not():
     proc = run_script("benchmark_hosts.py", *TINY, "--delay_ms=1")
     if proc.returncode == 0:  # a kernel with netem: the step pays the latency

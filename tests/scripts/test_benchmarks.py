@@ -143,6 +143,7 @@ def test_scale_benchmark_refuses_a_bad_config():
     assert proc.returncode != 0 and "--repeated_layers: ['calls'] holds a value other than inline, call" in proc.stderr
 
 
+@pytest.mark.slow  # a benchmark's whole run
 def test_kernel_benchmark_prints_a_row_per_size():
     proc = run_script("benchmark_kernels.py", "--dim=16", "--layers=1", "--rows=4,2", "--repeats=3")
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -170,6 +171,7 @@ def test_speed_benchmark_times_replicas_against_one_worker(tmp_path):
     assert "| R x K \\ M | 2 |" in open(out + ".md").read() and "| 2 x 1 |" in open(out + ".md").read()
 
 
+@pytest.mark.slow  # a benchmark's whole run
 def test_replica_sums_benchmark_times_the_in_graph_sum():
     proc = run_script("benchmark_replica_sums.py", "--dims=64", "--tensors=2", "--repeats=3", "--nocollective")
     assert proc.returncode == 0, proc.stderr[-3000:]

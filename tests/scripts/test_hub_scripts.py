@@ -41,9 +41,9 @@ def _train(runs: list[list[str]], before: str = "", timeout: int = 600) -> tuple
 
 
 @pytest.mark.heavy(seconds=35)
-def test_gpt2_and_gemma_learn_the_sort_task_in_two_cells():
+def test_gpt2_learns_the_sort_task_in_two_cells():
     # (Llama trains across two worker processes in the benchmark test below; every causal LM: the slow sweep.)
-    names = ["gpt2", "gemma"]
+    names = ["gpt2"]
     reports, out = _train([[f"--model=hub:{name}", *TINY, "--examples=128", "--epochs=2"] for name in names])
     lines = LOSS.findall(out)
     assert len(lines) == len(names), out[-3000:]
@@ -52,8 +52,8 @@ def test_gpt2_and_gemma_learn_the_sort_task_in_two_cells():
         assert report["final_accuracy"] > report["start_accuracy"], (name, report)
         assert scored == "sorted tokens" and float(final) < float(start)
         assert len(report["balance"]) == 2 and report["micro_batches"] == 2 and report["epochs_run"] == 2
-    assert out.count("2 cells, balance=") == 2 and "Tied weights: cell 1 also uses token_embedding" in out
-    assert out.count("balance [") == 2 and "on ['/CPU:0', '/CPU:1'], 2 micro-batches" in out
+    assert out.count("2 cells, balance=") == 1 and "Tied weights: cell 1 also uses token_embedding" in out
+    assert out.count("balance [") == 1 and "on ['/CPU:0', '/CPU:1'], 2 micro-batches" in out
 
 
 BAD_FLAGS = [

@@ -12,7 +12,7 @@ from tests.util import run_script
 ROW = re.compile(r"^\| \d+( on \d+)? \| \d+ \| \d+ \|")  # K, or "K on D" where cells share devices
 
 
-@pytest.mark.heavy(seconds=30)
+@pytest.mark.slow  # timing on workers is tested in tests/integration/test_plan.py (56 s of CPU)
 def test_a_plan_on_workers_is_measured_on_the_workers():
     proc = run_script(
         "plan.py",
@@ -66,6 +66,7 @@ def test_the_amoebanet_model_gives_images_and_their_classes():
     assert logits.shape == (2, 10) and np.isfinite(float(loss(y, logits)))
 
 
+@pytest.mark.slow  # a diagnostic's whole run
 def test_pressed_rounds_compare_the_layers_profiled_whole_and_pressed_per_size():
     # tiny layers' summed time can be 0 once their calls' cost is taken off (under the suite's load it was): n/a then
     proc = run_script("plan.py", "--pressed_rounds=2", "--depth=3", "--width=512", "--batch_size=8")

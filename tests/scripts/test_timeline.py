@@ -79,6 +79,7 @@ def test_zero_bubble_draws_its_w_tasks_and_its_own_ideal(tmp_path):
     assert "of which W" in proc.stdout and 0 < _ideal_bubble(proc.stdout) < 1  # tiny cells: costs are noise
 
 
+@pytest.mark.slow  # W tasks are drawn in the zero bubble test above
 def test_batched_w_draws_one_w_task_per_cell_counted_per_micro_batch(tmp_path):
     from tfpipe import schedule
     from tfpipe.analysis.graph_tasks import task_scope_name
@@ -127,6 +128,7 @@ def test_without_matplotlib_a_png_request_names_the_extra():
     assert proc.returncode != 0 and 'pip install -e ".[timeline]"' in proc.stderr
 
 
+@pytest.mark.slow  # a flag's error, a whole process
 def test_bad_devices_flag_is_refused():
     proc = run_script("timeline.py", "--devices=gpu:2", timeout=120)
     assert proc.returncode != 0 and "cpu:N" in proc.stderr

@@ -38,6 +38,7 @@ def test_small_default_run_lowers_the_loss():
     assert re.search(r"\(sorted tokens\); held-out accuracy [01]\.\d{3}", proc.stdout)  # never trained on
 
 
+@pytest.mark.slow  # Functional models train by command in the keras.applications test (U-Nets: tests/integration)
 def test_unet_a_functional_model_learns_the_segmentation_task():
     proc = _run(
         "--model=unet",
@@ -55,13 +56,14 @@ def test_unet_a_functional_model_learns_the_segmentation_task():
     assert "Cut 2|3:" in proc.stdout  # the summary lists the tensors crossing each cut
 
 
+@pytest.mark.slow  # --schedule is passed on as --micro_batches is; the schedules: tests/integration
 def test_other_schedules_train_from_the_command_line():
     # One process runs the script's main for each schedule (a process each took 60 s of the suite).
     proc = run_fresh(f"""
         import contextlib, io, sys
         sys.argv = ["train.py"]
         from scripts import train
-        for schedule in ["1f1b", "zero_bubble", "gpipe_batched_w"]:
+        for schedule in ["zero_bubble", "gpipe_batched_w"]:  # 1F1B: the --schedule flag is passed on alike
             train.FLAGS.unparse_flags()
             out = io.StringIO()
             with contextlib.redirect_stdout(out):
@@ -71,7 +73,7 @@ def test_other_schedules_train_from_the_command_line():
     """)
     assert proc.returncode == 0, proc.stderr[-3000:]
     runs = dict(line.split(" ", 2)[1:] for line in proc.stdout.splitlines() if line.startswith("RUN "))
-    assert sorted(runs) == ["1f1b", "gpipe_batched_w", "zero_bubble"], proc.stdout[-2000:]
+    assert sorted(runs) == ["gpipe_batched_w", "zero_bubble"], proc.stdout[-2000:]
     for schedule, stdout in runs.items():
         stdout = eval(stdout)
         start, final = _losses(stdout)
@@ -94,6 +96,7 @@ def test_replicas_train_from_the_command_line_with_each_cell_compiled_by_xla():
     assert "on [['/CPU:0', '/CPU:1'], ['/CPU:2', '/CPU:3']], 2 micro-batches" in proc.stdout
 
 
+@pytest.mark.slow  # keras.applications models train in tests/integration/test_applications.py
 def test_a_keras_application_trains_by_name():
     proc = _run(
         "--model=keras:MobileNet",

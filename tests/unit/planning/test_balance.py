@@ -101,6 +101,7 @@ def test_partition_errors():
         balance.partition([1, 2], 2, boundary_bytes=[3])
 
 
+@pytest.mark.slow  # a benchmark's whole run
 def test_benchmark_script_runs_in_its_smallest_mode():
     from tests.util import run_script
 

@@ -7,7 +7,7 @@ import pytest
 import tensorflow as tf
 
 import tfpipe
-from tests.util import cpu_devices, mlp_layers, run_fresh
+from tests.util import covering, cpu_devices, mlp_layers, run_fresh
 from tfpipe import schedule
 from tfpipe.analysis.graph_tasks import assign_tasks, task_scope_name
 
@@ -249,7 +249,9 @@ def test_what_crosses_between_the_client_and_the_cells_devices():
     assert len(adam_reads) == 4, adam_reads  # the learning rate and the step counter, once per device
 
 
-@pytest.mark.parametrize("schedule_name", [s for s in schedule.SCHEDULES if not schedule.batches_weights(s)])
+@pytest.mark.parametrize(
+    "schedule_name", covering([s for s in schedule.SCHEDULES if not schedule.batches_weights(s)], ["zero_bubble"])
+)
 def test_a_recomputed_forward_is_not_merged_into_the_forward_it_repeats(schedule_name):
     """After Grappler, each forward task keeps its own MatMuls and each backward recomputes them.
 
