@@ -41,7 +41,8 @@ def steps(dry_run: bool, out: str) -> list[tuple[str, list[str], int]]:
     script = lambda name: os.path.join(REPO, "benchmarks" if name.startswith("benchmark_") else "scripts", name)
     device, kind = ("/CPU:0", "CPU") if dry_run else ("/GPU:0", "GPU")
     overhead = ["--blocks=1", "--dim=16", "--steps=2", "--repeats=1"] if dry_run else ["--repeats=3", "--steps=20"]
-    overhead.append("--jit_compile")  # with and without XLA per cell
+    if not dry_run:  # with and without XLA per cell (the dry run: without; the flag: tests/scripts, pytest -m slow)
+        overhead.append("--jit_compile")
     planner = (
         # a short bound: "auto"'s 30 s floor is most of the dry run's planning, which checks the command alone
         ["--devices=2", "--width=16", "--depth=4", "--batch_size=32", "--micro_batches=1", "--measure=1"]

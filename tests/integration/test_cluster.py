@@ -113,6 +113,7 @@ def test_outputs_and_their_gradients_cross_processes_through_explicit_sends_the_
     assert deep_weights > shallow_weights and deep == shallow and shallow <= 8, (shallow, deep)
 
 
+@pytest.mark.slow  # a Functional model across hosts: test_hosts.py; its skips' routes: test_functional.py
 def test_a_functional_model_sends_each_skip_straight_to_the_worker_that_reads_it():
     """A U-Net on 3 workers: cell 0's first skip goes to worker 2 by its own send, not through worker 1."""
     proc = run_fresh("""

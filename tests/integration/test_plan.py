@@ -155,7 +155,7 @@ def test_a_reused_profile_is_checked_before_anything_is_measured(planned):
         tfpipe.plan(_layers()[:3], 32, DEVICES, sample=x, profile=plan.profile, calibration=plan.calibration)
 
 
-@pytest.mark.heavy(seconds=30)
+@pytest.mark.slow  # plan='auto' at the first fit: test_plan_graphs' Functional model
 def test_plan_auto_plans_at_the_first_fit_on_its_batch_and_trains_as_planned():
     x = np.random.default_rng(0).standard_normal((64, 16)).astype("float32")
     y = np.tanh(x[:, :4])

@@ -106,7 +106,7 @@ with LocalCluster(2) as cluster:
 """
 
 
-@pytest.mark.heavy(seconds=55)
+@pytest.mark.slow  # 49 s of CPU; a restart from a backup: the dead or hung worker test above, and test_callbacks
 @pytest.mark.skipif(sys.platform == "win32", reason="SIGTERM")
 def test_sigterm_writes_a_backup_stops_the_workers_and_the_same_command_resumes(tmp_path):
     backup = str(tmp_path / "backup")

@@ -112,6 +112,7 @@ def test_a_keras_application_trains_by_name():
     assert "balance [" in proc.stdout and "Cut 0|1:" in proc.stdout
 
 
+@pytest.mark.slow  # 34 s of CPU; a fit resumed from its backup: tests/integration/test_callbacks.py
 def test_resume_from_model_dir_continues_where_the_backup_left_off(tmp_path):
     model_dir = str(tmp_path / "run")
     first = _run(*TINY_TRANSFORMER, "--epochs=1", f"--model_dir={model_dir}", "--tensorboard")

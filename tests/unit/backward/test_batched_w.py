@@ -81,6 +81,7 @@ def test_regularizers_train_like_plain_keras(activity_first):
         assert caught == []
 
 
+@pytest.mark.slow  # batched W on attention and LayerNorm: the keras_hub BERT test
 def test_batched_weight_gradients_train_a_transformer_like_gpipe():
     # Embedding gradients are slices (concatenated), attention's are einsums, LayerNorm's sums; Dropout's
     # masks are each micro-batch's own.

@@ -41,6 +41,7 @@ def test_dropout_and_batchnorm_in_loops_match_the_unrolled_step():
     np.testing.assert_allclose(looped.predict(x, verbose=0), unrolled.predict(x, verbose=0), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow  # an embedding's sparse gradient in loops: test_transparency.py
 def test_embedding_gradients_in_loops_match_the_unrolled_step():
     """An LM with an Embedding (sparse gradients) and int token inputs, uneven micro-batches."""
     from scripts.data import random_lm
