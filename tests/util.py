@@ -15,9 +15,9 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def covering(cases: list, kept: list) -> list:
-    """``cases`` as pytest parameters, those not in ``kept`` marked slow: the default suite runs ``kept``, a sample in
-    which each value of each argument appears, and ``pytest -m slow`` the rest of the matrix (the suite's time on two
-    cores is spent on TensorFlow tracing each case's steps)."""
+    """``cases`` as pytest parameters, those not in ``kept`` marked slow: the default suite runs ``kept`` (a sample in
+    which each value of each argument appears, where the matrix allows one) and ``pytest -m slow`` the rest (the
+    suite's time on two cores is spent on TensorFlow tracing each case's steps)."""
     missing = [case for case in kept if case not in cases]
     if missing:
         raise ValueError(f"covering: kept cases {missing} are not among the cases")

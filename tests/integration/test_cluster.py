@@ -238,7 +238,9 @@ def test_connect_joins_servers_started_elsewhere_from_tf_config():
     assert float(proc.stdout.split("LOSS")[1]) >= 0
 
 
-@pytest.mark.parametrize("how", covering(["SIGKILL", "SIGSTOP"], ["SIGKILL"]))  # a stopped one: the resume test below
+@pytest.mark.parametrize(
+    "how", covering(["SIGKILL", "SIGSTOP"], ["SIGKILL"])
+)  # a stopped one: tests/unit/distributed/test_health.py
 def test_a_killed_or_stopped_worker_ends_fit_naming_the_worker(how):  # a stopped one within its timeout=20
     proc = run_fresh(
         """

@@ -23,7 +23,7 @@ def test_both_setups_run_in_turn_and_the_ratio_is_printed():
     )
 
 
-@pytest.mark.slow  # the setups' run is tested above; the delay's flag is a second whole run
+@pytest.mark.slow  # a second whole run of the benchmark, with the delay
 def test_a_delay_is_added_where_the_kernel_has_netem_and_named_where_not():
     proc = run_script("benchmark_hosts.py", *TINY, "--delay_ms=1")
     if proc.returncode == 0:  # a kernel with netem: the step pays the latency

@@ -38,7 +38,7 @@ def test_small_default_run_lowers_the_loss():
     assert re.search(r"\(sorted tokens\); held-out accuracy [01]\.\d{3}", proc.stdout)  # never trained on
 
 
-@pytest.mark.slow  # Functional models train by command in the keras.applications test (U-Nets: tests/integration)
+@pytest.mark.slow  # U-Nets train in tests/integration/test_functional.py; --model: the default run above
 def test_unet_a_functional_model_learns_the_segmentation_task():
     proc = _run(
         "--model=unet",
