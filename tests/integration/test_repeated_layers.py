@@ -204,8 +204,8 @@ def _functional(repeated, name):
     return model, history.history["loss"]
 
 
-@pytest.mark.heavy(seconds=15)
-@pytest.mark.parametrize("name", covering(["tied", "llama"], ["llama"]))
+@pytest.mark.slow  # called blocks: the optimizer, stateful and one-block tests above and below
+@pytest.mark.parametrize("name", ["tied", "llama"])
 def test_called_blocks_of_a_functional_model_and_a_keras_hub_task_train_as_inline_ones(name):
     # keras_hub's Llama decoder block cannot give its config (it reads an attribute it never set): its blocks are
     # found alike by what they hold instead.

@@ -7,7 +7,7 @@ import pytest
 from tests.util import run_script
 
 
-@pytest.mark.heavy(seconds=40)
+@pytest.mark.slow  # a benchmark's whole run (33 s of CPU)
 def test_every_entry_point_is_timed_at_both_k_against_fit(tmp_path):
     out = str(tmp_path / "entry")
     proc = run_script(

@@ -96,6 +96,7 @@ def test_batched_w_draws_one_w_task_per_cell_counted_per_micro_batch(tmp_path):
     assert "of which W" in proc.stdout and 0 < _ideal_bubble(proc.stdout) < 1
 
 
+@pytest.mark.slow  # a second whole run; several cells a device train in test_interleaved.py
 def test_two_cells_per_device_are_drawn_on_their_device_with_their_schedules_ideal(tmp_path):
     from tfpipe import schedule
 
