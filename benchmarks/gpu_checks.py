@@ -7,7 +7,8 @@ budgets, and the capacity table on logical GPUs whose ``memory_limit`` is the bu
 to ``--out_dir`` (``$OUT`` on the device machine) under the names docs/benchmarks.md reads from ``docs/results/``
 (``overhead_gpu``, ``plan_gpu_mlp``, ``capacity_gpu``: copy them there), and a summary (step, status, seconds, its
 last line) is printed and written as ``summary.md``. ``--dry_run`` runs the
-same steps on the CPU at toy sizes, to check the command before a GPU is lent (tests/scripts/test_gpu_checks.py).
+same steps on the CPU at toy sizes (the overhead step without XLA, which is slow to compile on a CPU), to check the
+command before a GPU is lent (tests/scripts/test_gpu_checks.py).
 
     python benchmarks/gpu_checks.py --out_dir="$OUT"         # on the GPU machine
     python benchmarks/gpu_checks.py --dry_run --out_dir=/tmp/gpu_checks
@@ -41,7 +42,7 @@ def steps(dry_run: bool, out: str) -> list[tuple[str, list[str], int]]:
     script = lambda name: os.path.join(REPO, "benchmarks" if name.startswith("benchmark_") else "scripts", name)
     device, kind = ("/CPU:0", "CPU") if dry_run else ("/GPU:0", "GPU")
     overhead = ["--blocks=1", "--dim=16", "--steps=2", "--repeats=1"] if dry_run else ["--repeats=3", "--steps=20"]
-    if not dry_run:  # with and without XLA per cell (the dry run: without; the flag: tests/scripts, pytest -m slow)
+    if not dry_run:  # with and without XLA per cell; the flag's smoke test: test_benchmark_overhead.py (pytest -m slow)
         overhead.append("--jit_compile")
     planner = (
         # a short bound: "auto"'s 30 s floor is most of the dry run's planning, which checks the command alone
