@@ -11,10 +11,14 @@ import os
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 os.environ.setdefault("TFPIPE_TEST_CUDA_VISIBLE_DEVICES", os.environ.get("CUDA_VISIBLE_DEVICES", "unset"))
 os.environ["CUDA_VISIBLE_DEVICES"] = ""
-# One thread per kernel, here and in every process the tests start (they inherit it): the suite runs three test
-# processes on two cores, each with worker processes and scripts of its own, and kernels split over threads
-# oversubscribe them (measured: the suite's test time 1,732 s against 2,201 s with TensorFlow's default)
+# One thread per kernel and one to run ops, here and in every process the tests start (they inherit it): the suite
+# runs three test processes on two cores, each with worker processes and scripts of its own, and threads beyond the
+# cores oversubscribe them (measured: the suite's test time 1,732 s against 2,201 s with TensorFlow's default
+# kernel threads; with one op thread too, 17:54 against 18:56 wall and 34:56 against 36:51 CPU, one run each on
+# the AMD machine, 2026-12-02). The tests check results, not overlap: ops of logical devices taking turns gives the
+# same numbers.
 os.environ.setdefault("TF_NUM_INTRAOP_THREADS", "1")
+os.environ.setdefault("TF_NUM_INTEROP_THREADS", "1")
 
 import pytest  # noqa: E402
 import tensorflow as tf  # noqa: E402
