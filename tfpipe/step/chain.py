@@ -1,9 +1,12 @@
 """Control-dependency chains: each device runs its tasks in the schedule's order, each task a named scope.
 
+
 TensorFlow runs any op whose inputs are ready; the only way to make a device run its tasks in the
 schedule's order is to give each task a control dependency on the previous task of the same
 device. Each task is also a name scope ``F_i_j`` / ``B_i_j`` / ``W_i_j`` so that the order can be
-read back from the graph (``tfpipe.analysis.graph_tasks``).
+read back from the graph (``tfpipe.analysis.graph_tasks``). A cell's summed gradients also wait for the
+last task of its device that sends to another (``Chain.held``), so that its optimizer update does not run among
+the ops another device waits for.
 """
 
 from __future__ import annotations
@@ -32,6 +35,9 @@ class Chain:
     def __init__(self, cells: Sequence[Cell]):
         self._cells = cells
         self._last: dict[str, list[tf.Tensor]] = {}
+        self._count: dict[str, int] = {}  # tasks built so far on each device
+        self._sent: dict[str, tuple[int, list[tf.Tensor]]] = {}  # each device's latest task that sends: (number, end)
+        self._done: dict[int, int] = {}  # each cell's latest task's number on its device
 
     @contextlib.contextmanager
     def task(self, task: schedule.Task, extra_deps: Sequence[tf.Tensor] = ()) -> Iterator[list[tf.Tensor]]:
@@ -47,10 +53,47 @@ class Chain:
             start = tf.no_op(name=TASK_START)
             yield produced
             self._last[device] = task_end(produced) or [start]  # a task that computes nothing passes it on
+        number = self._count[device] = self._count.get(device, 0) + 1
+        self._done[task.cell] = number
+        if self._sends(task):
+            self._sent[device] = (number, self._last[device])
         if graph is not None:
             for op in graph.get_operations()[made_before:]:
                 if op.type in _UNORDERED:
                     _compat.run_independently(op)
+
+    def _sends(self, task: schedule.Task) -> bool:
+        """Whether ``task``'s results go to another device: a forward's to the next cell, a backward's to the one
+        before (a Functional model's skips may also go further; the order they follow is a matter of speed only)."""
+        device = self._cells[task.cell].device
+        if task.kind == "F":
+            return task.cell + 1 < len(self._cells) and self._cells[task.cell + 1].device != device
+        return task.kind == "B" and task.cell > 0 and self._cells[task.cell - 1].device != device
+
+    def held(self, cell: int, gradients: Sequence[Any]) -> list[Any]:
+        """Cell ``cell``'s summed ``gradients``, made to wait for the last task of its device that sends to another.
+
+        With several cells a device, a cell's backward can end before another cell's input gradients leave its
+        device (interleaved 1F1B: cell 3's last B comes before cell 1's). Otherwise its optimizer update, ready
+        then, runs between those backwards' ops on a one-thread worker and holds back the device that waits for
+        them (Adam: the step 0.89x with it made to wait, docs/benchmarks.md#schedules); made to wait, it runs while
+        that device works. A cell whose device sends nothing after the cell's last task is left as it is.
+        """
+        device = self._cells[cell].device
+        number, end = self._sent.get(device, (0, []))
+        if tf.executing_eagerly() or number <= self._done.get(cell, 0):
+            return list(gradients)
+        with devices.scope(device), tf.control_dependencies(end):
+            return [_waiting(g) for g in gradients]
+
+
+def _waiting(gradient: Any) -> Any:
+    """``gradient`` through an identity made under the caller's control dependencies (None stays None)."""
+    if gradient is None:
+        return None
+    if isinstance(gradient, tf.IndexedSlices):
+        return tf.IndexedSlices(tf.identity(gradient.values), gradient.indices, gradient.dense_shape)
+    return tf.identity(gradient)
 
 
 def task_end(produced: Sequence[Any]) -> list[Any]:

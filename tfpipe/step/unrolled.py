@@ -203,7 +203,7 @@ class Pipeline(Executor):
             [step.outputs[j] for j in range(m)],
             [step.losses[j] for j in range(m)] if loss_fn is not None else None,
             step.added,
-            step.grads,
+            [chain.held(i, grads) for i, grads in enumerate(step.grads)],
             step.new_state,
             step.weights,
             fractions if training and merge else None,

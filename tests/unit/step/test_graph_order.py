@@ -95,6 +95,34 @@ def test_a_device_with_two_cells_runs_their_tasks_in_its_schedules_order(name):
                 assert _ancestors(op) & earlier_ops, f"{op.name} of {later} can start before {earlier} ends"
 
 
+def test_a_cells_gradients_wait_for_the_last_its_device_sends():
+    """Interleaved 1F1B's cell 3 ends its backward before cell 1 (on the same device) sends its last input
+    gradient, which the other device waits for: cell 3's gradients reach the optimizer after that send, so its
+    update does not run between that backward's ops (on a one-thread worker Adam's math there holds it back)."""
+    name = "interleaved_1f1b"  # ZB-V's last tasks are W, after its last sends: nothing waits there
+    model = tfpipe.PipelineModel(
+        mlp_layers(depth=3), num_partitions=4, devices=cpu_devices(2), num_micro_batches=3, schedule=name
+    )
+    graph = _train_graph(model, batch=3)
+    order = schedule.device_orders(name, 4, 3, 2)[1]
+    assert {t.cell for t in order} == {1, 3} and task_scope_name(order[-1]) == "B_1_2"  # after cell 3's last B
+    ends = {op.name for op in _task_ops(graph)["B_1_2"]}
+    inside = {id(outer): inner for outer, inner in graph.captures}
+    for variable in model.cells[3].trainable_variables:
+        (update,) = [o for o in inside[id(variable.value.handle)].consumers() if o.type == "AssignSubVariableOp"]
+        gradient = _step_gradient(update.inputs[1].op)
+        assert _ancestors(gradient.op) & ends, variable.path
+
+
+def _step_gradient(update_value):
+    """The gradient as the step gave it to the optimizer: SGD's value ``rate * gradient``'s gradient, before the
+    optimizer's sum over replicas (an ``IdentityN`` of each device's gradients, which would join them all)."""
+    for tensor in update_value.inputs:
+        if tensor.op.type == "IdentityN":
+            return tensor.op.inputs[tensor.value_index]
+    raise AssertionError(f"no gradient found among the inputs of {update_value.name}")
+
+
 def test_task_ops_are_placed_on_their_cells_device():
     model = tfpipe.PipelineModel(
         mlp_layers(depth=2), num_partitions=2, devices=["/CPU:2", "/CPU:3"], num_micro_batches=2
