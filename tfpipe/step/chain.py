@@ -70,19 +70,20 @@ class Chain:
             return task.cell + 1 < len(self._cells) and self._cells[task.cell + 1].device != device
         return task.kind == "B" and task.cell > 0 and self._cells[task.cell - 1].device != device
 
-    def held(self, cell: int, gradients: Sequence[Any]) -> list[Any]:
+    def held(self, cell: int, gradients: Sequence[Any] | None) -> Sequence[Any] | None:
         """Cell ``cell``'s summed ``gradients``, made to wait for the last task of its device that sends to another.
 
         With several cells a device, a cell's backward can end before another cell's input gradients leave its
         device (interleaved 1F1B: cell 3's last B comes before cell 1's). Otherwise its optimizer update, ready
         then, runs between those backwards' ops on a one-thread worker and holds back the device that waits for
         them (Adam: the step 0.89x with it made to wait, docs/benchmarks.md#schedules); made to wait, it runs while
-        that device works. A cell whose device sends nothing after the cell's last task is left as it is.
+        that device works. A cell whose device sends nothing after the cell's last task is left as it is, and so are
+        ``gradients`` None (a step without a backward).
         """
         device = self._cells[cell].device
         number, end = self._sent.get(device, (0, []))
-        if tf.executing_eagerly() or number <= self._done.get(cell, 0):
-            return list(gradients)
+        if gradients is None or tf.executing_eagerly() or number <= self._done.get(cell, 0):
+            return gradients
         with devices.scope(device), tf.control_dependencies(end):
             return [_waiting(g) for g in gradients]
 
