@@ -1,6 +1,5 @@
 """Control-dependency chains: each device runs its tasks in the schedule's order, each task a named scope.
 
-
 TensorFlow runs any op whose inputs are ready; the only way to make a device run its tasks in the
 schedule's order is to give each task a control dependency on the previous task of the same
 device. Each task is also a name scope ``F_i_j`` / ``B_i_j`` / ``W_i_j`` so that the order can be
