@@ -37,6 +37,7 @@ from scripts.report import write_table  # noqa: E402
 from scripts.timeline_analysis import Event, crossing_latency, crossings, draw, ideal_costs, summarize, task_rows  # noqa: E402
 from tfpipe import schedule  # noqa: E402
 from tfpipe.analysis.graph_tasks import TRANSFER_TYPES, OpInfo, attribute, lookup, parse_task_name  # noqa: E402
+from tfpipe.step.unrolled import noinline_tasks  # noqa: E402
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string(
@@ -298,7 +299,8 @@ def main(argv: list[str]) -> None:
     )
     m, n = FLAGS.micro_batches, FLAGS.cells_per_device * k
     f_cost, b_cost, w_cost = ideal_costs(events, windows, n, ratio, m)
-    ideal = schedule.simulate(n, m, f_cost, b_cost, FLAGS.schedule, w_cost=w_cost, num_devices=k)
+    first = 2 * n * m < noinline_tasks(devices)  # a whole backward sends its input gradients first (inlined step)
+    ideal = schedule.simulate(n, m, f_cost, b_cost, FLAGS.schedule, w_cost=w_cost, num_devices=k, inputs_first=first)
     print(summarize(events, windows, devices, schedule.idle_fraction(ideal, k)))
     print(crossings(events, windows, devices))
     ideal_ms = max(end for _, _, end in ideal)
@@ -307,7 +309,7 @@ def main(argv: list[str]) -> None:
         f"ideal step from the measured task costs: {ideal_ms:.1f} ms (F per cell "
         f"{', '.join(f'{c:.2f}' for c in f_cost)} ms; backward {', '.join(f'{c:.2f}' for c in b_cost)} ms{w_text})"
     )
-    print(_with_crossings(events, windows, n, m, f_cost, b_cost, w_cost, k))
+    print(_with_crossings(events, windows, n, m, f_cost, b_cost, w_cost, k, first))
     print(f"wrote {FLAGS.out}.csv" + (f" and {FLAGS.out}.png" if have_plot else ""))
     if have_plot:
         last = windows[-1]
@@ -332,12 +334,15 @@ def _with_crossings(
     b_cost: list[float],
     w_cost: list[float] | None,
     k: int,
+    inputs_first: bool,
 ) -> str:
     """The ideal again with each crossing's measured latency, where a receiver ever waited for one."""
     latency, waited = crossing_latency(events, windows)
     if not waited:
         return "ideal with crossings: no receiver waited for a send (one process, or none crossed)"
-    crossed = schedule.simulate(n, m, f_cost, b_cost, FLAGS.schedule, w_cost=w_cost, num_devices=k, crossing=latency)
+    crossed = schedule.simulate(
+        n, m, f_cost, b_cost, FLAGS.schedule, w_cost=w_cost, num_devices=k, crossing=latency, inputs_first=inputs_first
+    )
     return (
         f"ideal with each crossing {latency:.2f} ms (a send's end to the waiting receiver's next op, median of "
         f"{waited}): bubble {schedule.idle_fraction(crossed, k):.3f}, step {max(e for _, _, e in crossed):.1f} ms"

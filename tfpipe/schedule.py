@@ -621,17 +621,20 @@ def simulate(
     recomputed: Collection[int] = (),
     num_devices: int | None = None,
     crossing: float = 0.0,
+    inputs_first: bool = False,
 ) -> list[tuple[Task, float, float]]:
     """(task, start, end) of every task of schedule ``name``, cell i taking f_cost[i] per F and b_cost[i] per
     whole backward on its device (``placement``; one per cell unless ``num_devices`` says fewer).
 
     ``w_cost[i]`` is the part of b_cost[i] that computes weight gradients (default: half,
     the zero-bubble paper's T_B = T_W): a schedule that splits backwards runs it as W and
-    the rest as B. The B task of each micro-batch in ``recomputed`` first recomputes the
-    cell's forward, r_cost[i] more (default: f_cost[i]), as tfpipe does once the incoming
-    gradient is there. Tasks come in the order of ``steps``; a task starts when its device
-    has finished the task before it and the tasks it ``depends_on`` have, ``crossing`` later
-    where one of those ran on another device (a transfer's latency; default: none).
+    the rest as B. With ``inputs_first`` (as tfpipe's inlined steps run), a whole backward
+    whose input gradients go to another device hands them over w_cost[i] before its end.
+    The B task of each micro-batch in ``recomputed`` first recomputes the cell's forward,
+    r_cost[i] more (default: f_cost[i]), as tfpipe does once the incoming gradient is there.
+    Tasks come in the order of ``steps``; a task starts when its device has finished the task
+    before it and the tasks it ``depends_on`` have, ``crossing`` later where one of those ran
+    on another device (a transfer's latency; default: none).
     """
     positive_int("num_cells", num_cells)
     m = positive_int("num_micro_batches", num_micro_batches)
@@ -647,12 +650,8 @@ def simulate(
     if bad:
         raise ValueError(f"recomputed holds {bad}: it lists micro-batch indices from 0 to {m - 1}.")
     split = splits_backward(name)
-    cost = {
-        "F": f_cost,
-        "B": [b - w for b, w in zip(b_cost, w_cost)] if split else b_cost,
-        "W": w_cost,
-    }
-    done: dict[Task, float] = {}
+    cost = {"F": f_cost, "B": [b - w for b, w in zip(b_cost, w_cost)] if split else b_cost, "W": w_cost}
+    done: dict[Task, float] = {}  # when each task's results are there for the tasks that depend on it
     free = [0.0] * (max(where) + 1)
     out = []
     for task in steps(name, num_cells, m, num_devices=num_devices):
@@ -665,8 +664,10 @@ def simulate(
         duration = cost[task.kind][task.cell] * (m if task.micro_batch == ALL else 1)
         if task.kind == "B" and task.micro_batch in recomputed:
             duration += r_cost[task.cell]
-        done[task] = free[device] = start + duration
-        out.append((task, start, done[task]))
+        free[device] = start + duration
+        early = inputs_first and not split and task.kind == "B" and task.cell and where[task.cell - 1] != device
+        done[task] = free[device] - (w_cost[task.cell] if early else 0.0)
+        out.append((task, start, free[device]))
     return out
 
 

@@ -118,7 +118,8 @@ def test_replica_cells_run_on_their_devices_and_the_variables_live_once_on_repli
     model.compile(optimizer="sgd", loss="mse")
     step = tf.function(lambda x, y: model.train_step((x, y)))
     graph = step.get_concrete_function(tf.TensorSpec((8, 8)), tf.TensorSpec((8, 3))).graph
-    used = {op.device for op in graph.get_operations() if "tfpipe_cell" in op.name or "/F_" in op.name}
+    forwards = [op for op in graph.get_operations() if op.name.startswith("F_") or "/F_" in op.name]
+    used = {op.device for op in forwards + [op for op in graph.get_operations() if "tfpipe_cell" in op.name]}
     for row in GRID:
         for device in row:
             assert any(d.endswith(device.replace("/CPU", "device:CPU")) for d in used), (device, used)

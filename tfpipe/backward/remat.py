@@ -130,10 +130,19 @@ class Checkpoint:
         if self._parts is not None and not recompute:
             self._parts.part("forward", recompute=False)(self._env)
             self.outputs = self._parts.unpack(self._env)
+        elif self._parts is not None:  # its forward ops alone, returning only the outputs: B runs them again
+            outputs = [name for name in self._parts.outputs if name is not None]
+            self._parts.cut("outputs", "forward", self._parts.ops("forward"), outputs)(self._env)
+            self.outputs = self._parts.unpack(self._env)
         elif recompute:
             self.outputs = fn(*self._sources, *self._extras, forward=UNRECORDED)
         else:
             self._tape, self.outputs = self._record(self._sources, self._extras, RECORDED)
+
+    @property
+    def cut(self) -> bool:
+        """Whether the VJP is traced cut in B and W parts (split, in a graph, the cell traceable)."""
+        return self._parts is not None
 
     @property
     def sources(self) -> list[tf.Tensor]:

@@ -203,7 +203,8 @@ def timeline(
         profile.output_bytes[hi - 1] * b / calibration.bandwidth if i < k - 1 and where[i] != where[i + 1] else 0.0
         for i, (_, hi) in enumerate(cells)
     ]
-    task_s = calibration.task_seconds(inlined(k, m, calibration.noinline_tasks))
+    inline = inlined(k, m, calibration.noinline_tasks)  # a whole backward then sends its input gradients first
+    task_s = calibration.task_seconds(inline)
     f_cost = [f + task_s + (moved[i - 1] if i else 0.0) for i, f in enumerate(fwd)]
     b_cost = [x + task_s + moved[i] for i, x in enumerate(bwd)]
     w_cost = None
@@ -212,7 +213,7 @@ def timeline(
     r_cost = [f * profile.recompute_ratio(config.num_devices) for f in fwd]
     return schedule_lib.simulate(
         k, m, f_cost, b_cost, config.schedule, w_cost=w_cost, r_cost=r_cost,
-        recomputed=recomputed_micro_batches(config), num_devices=config.num_devices,
+        recomputed=recomputed_micro_batches(config), num_devices=config.num_devices, inputs_first=inline,
     )  # fmt: skip
 
 

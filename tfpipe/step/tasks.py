@@ -3,6 +3,8 @@
 A forward records a ``backward.remat.Checkpoint`` (kept or to recompute, by ``remat``); its
 backward is one VJP, or with a split schedule ("zero_bubble") the input gradients at B and the
 weights' at W, which "gpipe_batched_w" takes once over all micro-batches (``backward.batched_w``).
+A whole backward whose input gradients go to another device is cut the same way and runs both parts,
+the input gradients first (``Tasks._inputs_first``).
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from tfpipe.leaves import fill, flat
 from tfpipe.partition import state
 from tfpipe.partition.cell import Cell
 from tfpipe.step import loss
-from tfpipe.step.chain import Chain
+from tfpipe.step.chain import Chain, task_end
 from tfpipe.step.handoff import Handoff
 from tfpipe.step.wiring import Wiring
 
@@ -116,7 +118,7 @@ class Tasks:
             extras=extras,
             traced=cell.vjps if cell.traceable else None,
             key=repr(tf.nest.map_structure(lambda t: t is None, x)),
-            split=(len(trainable), differentiated) if schedule.splits_backward(self.schedule) else None,
+            split=(len(trainable), differentiated) if self._cut(i) else None,
         )
         step.records[(i, j)] = record
         return record.outputs
@@ -141,6 +143,10 @@ class Tasks:
             dx = self._vjp(task, record, grads_out, step, produced)
             produced.extend([g for g in dx if g is not None])
             self.wiring.pass_back(task, dx, step, produced)
+            if self._inputs_first(record):  # the weights' part after the input gradients have left
+                with tf.control_dependencies(task_end(produced)):
+                    step.grads[i] = record.weight_vjp(step.running(i))
+                produced.extend(step.grads[i])
 
     def _vjp(self, task: schedule.Task, record: remat_lib.Checkpoint, grads_out, step: Handoff, produced) -> list:
         """B(i, j)'s input gradients; the weights' are added to their sums here, or left to W(i, j) or W(i, all)."""
@@ -151,12 +157,12 @@ class Tasks:
             dx = record.input_vjp(grads_out, batched)[: len(record.sources) - n_w]
             step.records[(i, j)] = record
             produced.extend(record.computed)
-        elif schedule.splits_backward(self.schedule):
+        elif schedule.splits_backward(self.schedule) or self._inputs_first(record):
             dx = record.input_vjp(grads_out)[: len(record.sources) - n_w]
             if schedule.batches_weights(self.schedule):  # this cell's W does not batch: it runs here
                 step.grads[i] = record.weight_vjp(step.running(i))
                 produced.extend(step.grads[i])
-            else:  # W(i, j) takes the weights' gradients later
+            elif not self._inputs_first(record):  # W(i, j) takes the weights' gradients later
                 step.records[(i, j)] = record
             produced.extend(record.computed)
         else:
@@ -164,6 +170,23 @@ class Tasks:
             dx, step.grads[i] = grads[: len(grads) - n_w], grads[len(grads) - n_w :]
             produced.extend(step.grads[i])
         return dx
+
+    def _cut(self, i: int) -> bool:
+        """Whether cell i's backward is cut in B and W: under a split schedule, and where its input gradients go to
+        another device in a step that inlines its cells (``_inputs_first``; a called cell's forward would hold
+        less than the planner counts for a whole backward, where the bubble is small anyway: 2KM >= 64 tasks)."""
+        cell = self.cells[i]
+        sends = i > 0 and self.cells[i - 1].device != cell.device
+        return schedule.splits_backward(self.schedule) or (sends and cell.traceable and not cell.noinline)
+
+    def _inputs_first(self, record: remat_lib.Checkpoint) -> bool:
+        """Whether a whole backward runs cut (``_cut``): its input gradients first, sent, then its weights'.
+
+        The device that waits for them gets them about half a backward sooner (a Dense layer's input gradient is
+        one of its two MatMuls); with ops of both parts ready together, a one-thread worker ran them mixed and sent
+        at the end. Interleaved 1F1B's step 0.95x and 1F1B's 0.90x at M=4 (docs/benchmarks.md#schedules).
+        """
+        return record.cut and not schedule.splits_backward(self.schedule)
 
     def weight(self, task: schedule.Task, step: Handoff, chain: Chain) -> None:
         """W(i, j) (zero bubble): cell i's weight gradients on micro-batch j, added to their running sums.

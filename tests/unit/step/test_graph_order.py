@@ -114,6 +114,27 @@ def test_a_cells_gradients_wait_for_the_last_its_device_sends():
         assert _ancestors(gradient.op) & ends, variable.path
 
 
+@pytest.mark.parametrize("name,k,remat", [("1f1b", 2, "never"), ("interleaved_1f1b", 4, "except_last")])
+def test_a_whole_backward_sends_its_input_gradients_before_it_computes_its_weights(name, k, remat):
+    """A backward whose input gradients go to another device runs cut: its weights' part waits for the input
+    gradients' part, and the backward that reads those gradients does not wait for the weights' part."""
+    model = tfpipe.PipelineModel(
+        mlp_layers(depth=3), num_partitions=k, devices=cpu_devices(2), num_micro_batches=2, schedule=name,
+        remat=remat,
+    )  # fmt: skip
+    tasks = _task_ops(_train_graph(model))
+
+    def call(task, part):
+        (op,) = [o for o in tasks[task] if o.type in CALLS and o.get_attr("f").name.count(f"_{part}_")]
+        return op
+
+    for i in range(1, k):
+        for j in range(2):
+            inputs, weights = call(f"B_{i}_{j}", "inputs"), call(f"B_{i}_{j}", "weights")
+            assert inputs.name in _ancestors(weights)
+            assert not any(weights.name in _ancestors(op) for op in tasks[f"B_{i - 1}_{j}"])
+
+
 def _step_gradient(update_value):
     """The gradient as the step gave it to the optimizer: SGD's value ``rate * gradient``'s gradient, before the
     optimizer's sum over replicas (an ``IdentityN`` of each device's gradients, which would join them all)."""

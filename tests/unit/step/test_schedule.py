@@ -107,6 +107,25 @@ def test_a_crossing_delays_only_the_tasks_that_read_another_devices_result():
         schedule.simulate(2, 2, [1, 2], [2, 4], crossing=-1)
 
 
+def test_a_whole_backward_sending_its_inputs_first_hands_them_over_before_its_weights():
+    timed = schedule.simulate(2, 2, [1, 2], [2, 4], w_cost=[1, 3], inputs_first=True)
+    assert [(str(task), start, end) for task, start, end in timed] == [
+        ("F(0,0)", 0, 1),
+        ("F(0,1)", 1, 2),
+        ("F(1,0)", 1, 3),
+        ("F(1,1)", 3, 5),
+        ("B(1,1)", 5, 9),  # its input gradients at 6, its weights' to 9
+        ("B(1,0)", 9, 13),
+        ("B(0,1)", 6, 8),
+        ("B(0,0)", 10, 12),  # cell 0 sends nothing back: its device free at 12, not 15
+    ]
+    # where the cells share a device nothing is sent, and a split schedule's B is already only the inputs' part
+    one = schedule.simulate(2, 2, [1, 2], [2, 4], "interleaved_1f1b", num_devices=1, inputs_first=True)
+    assert max(end for _, _, end in one) == 18
+    split = schedule.simulate(2, 2, [1, 2], [2, 4], "zero_bubble", inputs_first=True)
+    assert split == schedule.simulate(2, 2, [1, 2], [2, 4], "zero_bubble")
+
+
 def test_simulated_tasks_respect_every_dependency():
     timed = {task: (start, end) for task, start, end in schedule.simulate(3, 4, [1, 3, 2], [2, 1, 5])}
     for task, (start, end) in timed.items():
