@@ -75,7 +75,7 @@ class Chain:
         With several cells a device, a cell's backward can end before another cell's input gradients leave its
         device (interleaved 1F1B: cell 3's last B comes before cell 1's). Otherwise its optimizer update, ready
         then, runs between those backwards' ops on a one-thread worker and holds back the device that waits for
-        them (Adam: the step 0.89x with it made to wait, docs/benchmarks.md#schedules); made to wait, it runs while
+        them (Adam: the step 0.93x with it made to wait, docs/benchmarks.md#schedules); made to wait, it runs while
         that device works. A cell whose device sends nothing after the cell's last task is left as it is, and so are
         ``gradients`` None (a step without a backward).
         """

@@ -174,7 +174,8 @@ class Tasks:
     def _cut(self, i: int) -> bool:
         """Whether cell i's backward is cut in B and W: under a split schedule, and where its input gradients go to
         another device in a step that inlines its cells (``_inputs_first``; a called cell's forward would hold
-        less than the planner counts for a whole backward, where the bubble is small anyway: 2KM >= 64 tasks)."""
+        less than the planner counts for a whole backward, where the bubble is small anyway: from 64 tasks, 128
+        with cells in other processes)."""
         cell = self.cells[i]
         sends = i > 0 and self.cells[i - 1].device != cell.device
         return schedule.splits_backward(self.schedule) or (sends and cell.traceable and not cell.noinline)
@@ -184,7 +185,8 @@ class Tasks:
 
         The device that waits for them gets them about half a backward sooner (a Dense layer's input gradient is
         one of its two MatMuls); with ops of both parts ready together, a one-thread worker ran them mixed and sent
-        at the end. Interleaved 1F1B's step 0.95x and 1F1B's 0.90x at M=4 (docs/benchmarks.md#schedules).
+        at the end. On two workers GPipe's step 0.90x, 1F1B's 0.93x, interleaved 1F1B's 0.96x at M=4
+        (docs/benchmarks.md#schedules).
         """
         return record.cut and not schedule.splits_backward(self.schedule)
 

@@ -68,18 +68,24 @@ def test_one_device_s_shared_peak_is_its_own_peak():
 
 def test_devices_sharing_one_allocator_peak_together_only_where_the_schedule_holds_together():
     prof, slots = profile(), 2
-    config = Config((2, 1), 1, 1, "never", "gpipe")  # F0 F1 B1 B0: the backwards' working sets never overlap
+    config = Config((2, 1), 1, 1, "never", "gpipe")  # F0 F1 B1 B0
     cell = [predict.cell_bytes(prof, 2, lo, hi, lo == 0, slots, 1) for lo, hi in predict.bounds((2, 1))]
     held = sum(c.static + c.cell_input + c.activations for c in cell)
-    # the most: all held while cell 1's backward runs but cell 0's gradients, made only by cell 0's backward; by
-    # then cell 1 has let its micro-batch go
+    # B1 hands its input gradients over before its weights' part (inputs first): B0 starts while B1 still holds its
+    # micro-batch and working set, and makes cell 0's gradients. The most is then everything, as the sum of peaks.
+    assert cell[0].gradients == pytest.approx(sum(prof.trainable_bytes[:2]))  # one copy where the cells are inlined
+    everything = held + sum(c.working for c in cell)
+    assert predict.shared_peak_bytes(prof, calibration(), 2, config, slots) == pytest.approx(everything)
+    assert sum(predict.peak_bytes(prof, 2, config, slots)) == pytest.approx(everything)
+    # where B1 sends at its end (a step that calls its cells), B0 starts after cell 1 has let its micro-batch go
+    called = dataclasses.replace(calibration(), noinline_tasks=1)
+    cell = [predict.cell_bytes(prof, 2, lo, hi, lo == 0, slots, 1, inline=False) for lo, hi in predict.bounds((2, 1))]
+    held = sum(c.static + c.cell_input + c.activations for c in cell)
     expected = max(
         held - cell[0].gradients + cell[1].working,
         held - cell[1].cell_input - cell[1].activations + cell[0].working,
     )
-    assert cell[0].gradients == pytest.approx(sum(prof.trainable_bytes[:2]))  # one copy where the cells are inlined
-    assert predict.shared_peak_bytes(prof, calibration(), 2, config, slots) == pytest.approx(expected)
-    assert sum(predict.peak_bytes(prof, 2, config, slots)) == pytest.approx(held + sum(c.working for c in cell))
+    assert predict.shared_peak_bytes(prof, called, 2, config, slots) == pytest.approx(expected)
     # 1F1B on four cells: cell i holds its most (K - i) at different moments; the sum of peaks overstates
     deep = profile(
         forward=(1.0,) * 4, backward=(2.0,) * 4, weights=(1.0,) * 4, trainable=(1.0,) * 4,
