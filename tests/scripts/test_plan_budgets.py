@@ -39,13 +39,18 @@ def test_devices_of_one_allocator_are_compared_with_their_predicted_peak_togethe
     from tests.unit.planning.handmade import calibration, profile
     from tfpipe.planning import predict, search
 
-    prof, cal = profile(), calibration()
-    config = predict.Config((1, 1, 1), 1, 8, "never", "1f1b")
+    # four cells that hold their most at different moments (tests/unit/planning/test_plan_timeline.py)
+    prof = profile(
+        forward=(1.0,) * 4, backward=(2.0,) * 4, weights=(1.0,) * 4, trainable=(1.0,) * 4,
+        outputs=(10.0,) * 4, held=(40.0,) * 4, working=(5.0,) * 4,
+    )  # fmt: skip
+    cal = calibration()
+    config = predict.Config((1, 1, 1, 1), 1, 8, "never", "1f1b")
     peaks = predict.peak_bytes(prof, 16, config, 2)
     found = search.Candidate(config, predict.Prediction(1.0, 1.0, 0.0, 0.0, peaks), True)
     plan = types.SimpleNamespace(candidates=[found], profile=prof, calibration=cal, batch_size=16, optimizer_slots=2)
     measured = lambda _: {"step_s": 1.0, "peak_bytes": 1000.0}  # noqa: E731
-    shape = (3, 1, 8, "never", "1f1b")
+    shape = (4, 1, 8, "never", "1f1b")
     apart = plan_measure.compare(plan, [shape], measured, 1)[0]["memory_error"]
     together = plan_measure.compare(plan, [shape], measured, 1, shared=True)[0]["memory_error"]
     assert apart == round(sum(peaks) / 1000.0 - 1, 3)

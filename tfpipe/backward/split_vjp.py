@@ -73,17 +73,21 @@ class SplitVJP:
             found["dw"] = [t for g in dw for t in _components(g)]
             return [t for t in leaves if t is not None] + found["dx"] + found["dw"]
 
-        self._whole = _compat.wrap_function(traced, specs)
+        whole = _compat.wrap_function(traced, specs)
+        # Only its graph is kept: the parts are cut from it and called, never the whole. Kept, the whole's
+        # function outlived the step (its cell's traces hold the outer graph) and, after a worker restart and a new
+        # connection, TensorFlow's removal of it from the old context failed the restore (tfpipe.recovery).
+        self._graph: tf.Graph = whole.graph
         self._wrap, self._call = wrap, call
         self._template = found["template"]
-        self.inputs = [t.name for t in self._whole.inputs]  # the sources and extras, in order
+        self.inputs = [t.name for t in whole.inputs]  # the sources and extras, in order
         self.dys = [t.name for t in found["dys"]]
         self.dy_specs = [tf.TensorSpec(t.shape, t.dtype) for t in found["dys"]]
         self.outputs = [None if t is None else t.name for t in found["outputs"]]
         self.dx = [t.name for t in found["dx"]]
         self.dw = [t.name for t in found["dw"]]
         self.sparse = found["sparse"]  # positions among the weight gradients that are slices
-        graph = self._whole.graph
+        graph = self._graph
         placeholders = {graph.get_tensor_by_name(name).op for name in self.inputs + self.dys}
         forward = ancestors(graph.get_tensor_by_name(n) for n in self.outputs if n is not None) - placeholders
         backward = ancestors(graph.get_tensor_by_name(n) for n in self.dx) - forward - placeholders
@@ -95,7 +99,7 @@ class SplitVJP:
     @property
     def graph(self) -> tf.Graph:
         """The traced graph of the forward and VJP, whose tensor names the parts and ``env`` use."""
-        return self._whole.graph
+        return self._graph
 
     def unpack(self, env: dict[str, tf.Tensor]) -> Any:
         """The outputs, as ``body`` returned them, from the tensors in ``env``."""
@@ -130,7 +134,7 @@ class SplitVJP:
 
     def _inside(self, tensor: str, ops: set[tf.Operation]) -> bool:
         """Whether a part with ``ops`` computes ``tensor`` itself (a constant, every part copies)."""
-        op = self._whole.graph.get_tensor_by_name(tensor).op
+        op = self._graph.get_tensor_by_name(tensor).op
         return op in ops or op.type == "Const"
 
     def _needs(self, name: str, recompute: bool) -> list[str]:
@@ -159,7 +163,7 @@ class SplitVJP:
     def _make(self, name: str, ops: set[tf.Operation], wanted: Sequence[str]) -> _Part:
         fetches = list(dict.fromkeys(n for n in wanted if self._inside(n, ops)))
         feeds = _read(ops, set().union(*self._sets.values()) - ops)
-        graph = self._whole.graph
+        graph = self._graph
         specs = [tf.TensorSpec(graph.get_tensor_by_name(n).shape, graph.get_tensor_by_name(n).dtype) for n in feeds]
         subgraph = self._subgraph(ops | {graph.get_tensor_by_name(n).op for n in fetches})
 
@@ -177,7 +181,7 @@ class SplitVJP:
         ops with several outputs of which only some are fed.)
         """
         if self._graph_def is None:
-            self._graph_def = self._whole.graph.as_graph_def()
+            self._graph_def = self._graph.as_graph_def()
         names = {op.name for op in ops} | {t.op.name for op in ops for t in op.inputs if t.op.type == "Const"}
         subgraph = type(self._graph_def)()
         subgraph.versions.CopyFrom(self._graph_def.versions)

@@ -1,6 +1,7 @@
 """Zero bubble's split backward: B and W give the VJP's gradients, and W redoes nothing of B."""
 
 import contextlib
+import gc
 
 import numpy as np
 import pytest
@@ -132,3 +133,19 @@ def test_input_vjp_needs_a_split_checkpoint():
     record = remat.Checkpoint(_mlp, [x, w1, w2], recompute=True)
     with pytest.raises(ValueError, match=r"input_vjp needs a Checkpoint made with split="):
         record.input_vjp([tf.ones((4, 8)), tf.constant(1.0)])
+
+
+def test_only_the_parts_stay_registered_not_the_whole_they_were_cut_from():
+    """The whole forward-and-VJP function is never called; kept, it outlived its step and, removed from a context
+    that a reconnection had replaced, failed a restore after a worker restart (tfpipe.recovery)."""
+    from tensorflow.python.eager.wrap_function import WrappedFunction  # the type wrap_function traces into
+
+    traced = _traced_vjps()
+    step, made = _split_step(False, traced)
+    values = _values()
+    step.get_concrete_function(*values)
+    gc.collect()
+    record = made["record"]
+    assert record.cut
+    graph = record._parts.graph  # noqa: SLF001 - the graph the parts were cut from
+    assert not [o for o in gc.get_objects() if isinstance(o, WrappedFunction) and o.graph is graph]
