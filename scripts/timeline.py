@@ -37,6 +37,7 @@ from scripts.report import write_table  # noqa: E402
 from scripts.timeline_analysis import Event, crossing_latency, crossings, draw, ideal_costs, summarize, task_rows  # noqa: E402
 from tfpipe import schedule  # noqa: E402
 from tfpipe.analysis.graph_tasks import TRANSFER_TYPES, OpInfo, attribute, lookup, parse_task_name  # noqa: E402
+from tfpipe.planning.predict import inlined  # noqa: E402
 from tfpipe.step.unrolled import noinline_tasks  # noqa: E402
 
 FLAGS = flags.FLAGS
@@ -299,7 +300,7 @@ def main(argv: list[str]) -> None:
     )
     m, n = FLAGS.micro_batches, FLAGS.cells_per_device * k
     f_cost, b_cost, w_cost = ideal_costs(events, windows, n, ratio, m)
-    first = 2 * n * m < noinline_tasks(devices)  # a whole backward sends its input gradients first (inlined step)
+    first = inlined(n, m, noinline_tasks(devices))  # a whole backward sends its input gradients first (inlined step)
     ideal = schedule.simulate(n, m, f_cost, b_cost, FLAGS.schedule, w_cost=w_cost, num_devices=k, inputs_first=first)
     print(summarize(events, windows, devices, schedule.idle_fraction(ideal, k)))
     print(crossings(events, windows, devices))

@@ -130,7 +130,8 @@ def test_internal_paths_of_old_are_gone_and_an_unknown_attribute_is_an_attribute
 # module a tool reads, and why no public one serves (issue 65).
 TOOLS_READ = {
     ("scripts/timeline.py", "tfpipe.analysis.graph_tasks"): "the step graph's task scopes, which the timeline draws",
-    ("scripts/timeline.py", "tfpipe.step.unrolled"): "whether the step inlines its cells, as its ideal assumes",
+    ("scripts/timeline.py", "tfpipe.step.unrolled"): "from how many tasks the step calls its cells (its ideal)",
+    ("scripts/timeline.py", "tfpipe.planning.predict"): "the step's rule for inlining its cells (``inlined``)",
     ("scripts/timeline_analysis.py", "tfpipe.analysis.graph_tasks"): "the timeline's task names and phases",
     ("scripts/plan_measure.py", "tfpipe.planner.calibration"): "steps timed as the planner times them, to compare",
     ("scripts/plan_measure.py", "tfpipe.planning.predict"): "the planner's prediction of a shared allocator's peak",

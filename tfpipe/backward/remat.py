@@ -127,12 +127,8 @@ class Checkpoint:
         if split and traced is not None and not tf.executing_eagerly():
             self._parts = traced.lookup(self._split_key(), functools.partial(self._trace_split, traced))
             self._env = dict(zip(self._parts.inputs, self._sources + self._extras))
-        if self._parts is not None and not recompute:
-            self._parts.part("forward", recompute=False)(self._env)
-            self.outputs = self._parts.unpack(self._env)
-        elif self._parts is not None:  # its forward ops alone, returning only the outputs: B runs them again
-            outputs = [name for name in self._parts.outputs if name is not None]
-            self._parts.cut("outputs", "forward", self._parts.ops("forward"), outputs)(self._env)
+        if self._parts is not None:
+            self._parts.part("forward", recompute)(self._env)
             self.outputs = self._parts.unpack(self._env)
         elif recompute:
             self.outputs = fn(*self._sources, *self._extras, forward=UNRECORDED)

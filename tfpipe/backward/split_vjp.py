@@ -147,6 +147,8 @@ class SplitVJP:
     def _cut(self, name: str, recompute: bool) -> _Part:
         ops = self._ops(name, recompute)
         later = ("weights",) if name == "inputs" else PARTS[PARTS.index(name) + 1 :]
+        if name == "forward" and recompute:  # B runs the forward again and hands W what it reads: only the outputs
+            later = ()
         wanted = self._wanted(name) + [n for p in later for n in self._needs(p, recompute)]
         return self._make(name, ops, wanted)
 
