@@ -8,6 +8,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository (not installed)
 
 import statistics
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -439,6 +440,7 @@ def planning(spec: dict[str, Any], budget: float) -> dict[str, Any]:
         for pid in cluster.pids:
             with open(f"/proc/{pid}/clear_refs", "w") as f:
                 f.write("5")  # the high-water mark starts again from the resident size
+        began = time.monotonic()
         try:
             plan = tfpipe.plan(
                 layers,
@@ -451,16 +453,21 @@ def planning(spec: dict[str, Any], budget: float) -> dict[str, Any]:
                 max_seconds=bound(spec),
                 verbose=0,
             )
-        except ValueError as err:  # nothing fits: said in the row
-            return {"chosen": f"none fits ({str(err).split(':')[1].strip()})"}
+        except tfpipe.NothingFits as err:  # said in the row, with what planning held and took all the same
+            plan = None
+            nothing = f"none fits ({str(err).split(': ', 1)[1].split('. Pass')[0]})"  # the smallest peak, with what
+            peaks, not_run = err.planning_peaks, len(err.profile.not_run)
         process = [plan_devices.status_bytes(pid, "VmHWM") - base for pid, base in zip(cluster.pids, rss)]
+    held = {"planning_s": time.monotonic() - began, "process_bytes": max(process)}
+    if plan is None:
+        return {"chosen": nothing, **held, "probe_bytes": max((peaks or {0: 0.0}).values()), "not_run": not_run}
     chosen = plan.candidates[0].config
     return {
         **_config_of(chosen),
         "chosen": chosen.describe(),
+        **held,
         "planning_s": plan.planning_seconds,
         "probe_bytes": max((plan.planning_peaks or {0: 0.0}).values()),
-        "process_bytes": max(process),
         "not_run": len(plan.profile.not_run),
     }
 
@@ -479,8 +486,18 @@ def planning_rows(
     for fraction in fractions:
         budget = fraction * reference["peak_bytes"] / k
         planned = plan_in_child(budget)
-        if "planning_s" not in planned:
-            out.append({"fraction": fraction, "budget_mib": round(budget / MIB, 2), "chosen": planned["chosen"]})
+        if "balance" not in planned:  # none fits: planning's own time and peaks, no choice to run
+            out.append(
+                {
+                    "fraction": fraction,
+                    "budget_mib": round(budget / MIB, 2),
+                    "planning_s": round(planned["planning_s"], 1),
+                    "probe_mib": round(planned["probe_bytes"] / MIB, 2),
+                    "probe_process_mib": round(planned["process_bytes"] / MIB, 1),
+                    "not_run": planned["not_run"],
+                    "chosen": planned["chosen"],
+                }
+            )
             continue
         ran = run({key: planned[key] for key in ("balance", "replicas", "m", "remat", "schedule")})
         used = len(planned["balance"]) * planned["replicas"]
@@ -512,8 +529,11 @@ def planning_markdown(rows: Sequence[dict[str, Any]]) -> str:
         "|" + "---|" * 12,
     ]
     for r in rows:
-        if "planning_s" not in r:
-            lines.append(f"| {r['fraction']} | {r['budget_mib']} |" + " - |" * 5 + f" {r['chosen']} |" + " - |" * 4)
+        if "measured_ms" not in r:  # none fits: planning's own figures, nothing run
+            lines.append(
+                f"| {r['fraction']} | {r['budget_mib']} | {r['planning_s']} | - | {r['probe_mib']} | "
+                f"{r['probe_process_mib']} | {r['not_run']} | {r['chosen']} |" + " - |" * 4
+            )
             continue
         lines.append(
             f"| {r['fraction']} | {r['budget_mib']} | {r['planning_s']} | {r['planning_steps']} | {r['probe_mib']} | "

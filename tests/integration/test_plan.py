@@ -12,6 +12,9 @@ import tensorflow as tf
 
 import tfpipe
 from tests.util import cpu_devices, run_fresh
+from tfpipe.planner import calibration as calibration_lib
+from tfpipe.planner import probe_fits
+from tfpipe.planning import profile as profile_lib
 from tfpipe.planning import search
 
 DEVICES = cpu_devices(2)
@@ -87,16 +90,28 @@ def test_the_summary_says_where_each_prediction_comes_from(planned):
     assert "one W over all micro-batches also copies the rows it joins" in text
 
 
-def test_no_configuration_fits_names_the_budget_that_would_and_that_budget_fits(planned):
+def test_no_configuration_fits_names_the_budget_that_would_and_that_budget_fits(planned, monkeypatch):
     plan, x = planned
     # the plan's measurements reused: planned again under other budgets without measuring
     kwargs = dict(sample=x, optimizer="sgd", num_micro_batches=[1, 2, 4], calibration=plan.calibration)
     kwargs["profile"] = plan.profile
-    with pytest.raises(ValueError, match=r"No configuration fits memory_budget=1 KiB on every device: .* Pass "):
+    with pytest.raises(
+        tfpipe.NothingFits, match=r"No configuration fits memory_budget=1 KiB on every device: .* Pass "
+    ):
         tfpipe.plan(_layers(), 32, DEVICES, "1KiB", **kwargs)
     smallest = min(max(c.prediction.peak_bytes) for c in plan.candidates)
     again = tfpipe.plan(_layers(), 32, DEVICES, smallest, **kwargs)
     assert max(again.peak_bytes) <= smallest
+    # as a user would: the budget the error names, planned with what the error carries
+    with pytest.raises(tfpipe.NothingFits) as raised:
+        tfpipe.plan(_layers(), 32, DEVICES, "1KiB", **kwargs)
+    error = raised.value
+    assert error.smallest_budget == pytest.approx(smallest) and error.calibration == plan.calibration
+    named = dict(kwargs, calibration=error.calibration, profile=error.profile)
+    for module, name in ((calibration_lib, "calibrate"), (profile_lib, "measure"), (probe_fits, "fit_model")):
+        monkeypatch.setattr(module, name, lambda *a, **k: pytest.fail("measured again"))
+    fitted = tfpipe.plan(_layers(), 32, DEVICES, error.smallest_budget, **named)
+    assert max(fitted.peak_bytes) <= error.smallest_budget
     # without a budget, the first plan's predictions again; its profile left as it was
     same = tfpipe.plan(_layers(), 32, DEVICES, verify=0, **kwargs)
     first = {c.config: c.prediction.step_s for c in plan.candidates}

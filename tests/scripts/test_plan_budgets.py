@@ -68,8 +68,15 @@ def test_planning_rows_scale_the_budget_from_gpipes_peak_per_worker_and_count_st
         return {"step_s": 0.25, "peak_bytes": 100 * mib, "process_bytes": 300 * mib}
 
     def plan_in_child(budget):
-        if budget < 50 * mib:
-            return {"chosen": "none fits (the smallest predicted peak is 60 MiB)"}  # its error, said in the row
+        if budget < 50 * mib:  # its error said in the row, with what planning took and held all the same
+            chosen = "none fits (the smallest predicted peak is 60 MiB)"
+            return {
+                "chosen": chosen,
+                "planning_s": 20.04,
+                "probe_bytes": 30 * mib,
+                "process_bytes": 90 * mib,
+                "not_run": 9,
+            }
         return {
             "balance": [3, 3], "replicas": 1, "m": 4, "remat": "never", "schedule": "1f1b", "chosen": "K=2, M=4",
             "planning_s": 50.0, "probe_bytes": 40 * mib, "process_bytes": 120 * mib, "not_run": 5,
@@ -78,16 +85,19 @@ def test_planning_rows_scale_the_budget_from_gpipes_peak_per_worker_and_count_st
     rows = plan_measure.planning_rows({}, [0.4, 1.0], run, plan_in_child)
     assert ran[0] == {"partitions": 2, "replicas": 1, "m": 8, "remat": "never", "schedule": "gpipe"}
     assert rows[0] == {
-        "fraction": 0.4,
-        "budget_mib": 40.0,
-        "chosen": "none fits (the smallest predicted peak is 60 MiB)",
-    }
+        "fraction": 0.4, "budget_mib": 40.0, "planning_s": 20.0, "probe_mib": 30.0, "probe_process_mib": 90.0,
+        "not_run": 9, "chosen": "none fits (the smallest predicted peak is 60 MiB)",
+    }  # fmt: skip
+    assert len(ran) == 2  # the reference and the one choice: nothing run where none fits
     assert rows[1] == {
         "fraction": 1.0, "budget_mib": 100.0, "planning_s": 50.0, "planning_steps": 200, "probe_mib": 40.0,
         "probe_process_mib": 120.0, "not_run": 5, "chosen": "K=2, M=4", "measured_ms": 250.0, "measured_mib": 50.0,
         "measured_process_mib": 150.0, "fits": True,
     }  # fmt: skip
     table = plan_measure.planning_markdown(rows)
-    assert "| 0.4 | 40.0 | - | - | - | - | - | none fits" in table and "| 1.0 | 100.0 | 50.0 | 200 | 40.0 |" in table
+    assert (
+        "| 0.4 | 40.0 | 20.0 | - | 30.0 | 90.0 | 9 | none fits (the smallest predicted peak is 60 MiB) | - |" in table
+        and "| 1.0 | 100.0 | 50.0 | 200 | 40.0 |" in table
+    )
     assert plan_measure.bound({}) == "auto" and plan_measure.bound({"max_seconds": 0.0}) is None
     assert plan_measure.bound({"max_seconds": 90.0}) == 90.0

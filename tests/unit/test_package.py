@@ -73,6 +73,7 @@ CALLS_UP = {("auto_plan", "planner")}
 
 def test_public_api_is_what_all_names():
     assert sorted(tfpipe.__all__) == [
+        "NothingFits",
         "PipelineModel",
         "Plan",
         "balance",

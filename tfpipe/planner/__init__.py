@@ -3,6 +3,15 @@ devices (``calibration``), and what it fits on their times (``probe_fits``). Bel
 holds the cost model it predicts with (profiles, the schedule simulated as data, the search).
 """
 
-from tfpipe.planner.choose import AUTO_MIN_SECONDS, AUTO_STEPS, Plan, optimizer_slots, plan, reused, verified
+from tfpipe.planner.choose import (
+    AUTO_MIN_SECONDS,
+    AUTO_STEPS,
+    NothingFits,
+    Plan,
+    optimizer_slots,
+    plan,
+    reused,
+    verified,
+)
 
-__all__ = ["AUTO_MIN_SECONDS", "AUTO_STEPS", "Plan", "optimizer_slots", "plan", "reused", "verified"]
+__all__ = ["AUTO_MIN_SECONDS", "AUTO_STEPS", "NothingFits", "Plan", "optimizer_slots", "plan", "reused", "verified"]

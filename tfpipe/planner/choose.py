@@ -34,11 +34,11 @@ from tfpipe.planning import budget as budget_lib
 from tfpipe.planning import joined, plans, search
 from tfpipe.planning import profile as profile_lib
 from tfpipe.planning import units as units_lib
-from tfpipe.planning.plans import Plan, gib
+from tfpipe.planning.plans import NothingFits, Plan, gib
 from tfpipe.planning.predict import SLOTS, Calibration, Config
 from tfpipe.planning.progress import Progress
 
-__all__ = ["Plan", "plan"]
+__all__ = ["NothingFits", "Plan", "plan"]
 
 # max_seconds="auto": planning takes at most as long as this many steps of the fastest configuration predicted from
 # the layers alone (what a user gives up to planning on a run of thousands), and at least AUTO_MIN_SECONDS: tracing
@@ -81,8 +81,9 @@ def plan(
     (``plan.calibration``) instead of measuring the devices; with ``profile`` (``plan.profile``) too, the model's
     measurements are reused as well, and nothing is measured before the search (e.g. to plan again under another
     budget). ``verify``: time this many configurations predicted near the fastest that fit (one per K, R and
-    schedule) on the devices and choose the fastest measured; 0 chooses by prediction alone. A ValueError names the
-    smallest budget that would fit when none does. ``max_seconds``: how long planning may take; it measures fewer
+    schedule) on the devices and choose the fastest measured; 0 chooses by prediction alone. Where none fits,
+    ``NothingFits`` (a ValueError) names the smallest budget that would and carries the measurements to plan under it
+    without measuring again. ``max_seconds``: how long planning may take; it measures fewer
     whole steps and times fewer configurations to keep to it, and ``Plan.summary`` says what it left out. "auto":
     the time of ``AUTO_STEPS`` steps of the fastest configuration predicted from the layers alone, at least
     ``AUTO_MIN_SECONDS``; None: no bound. Every probe keeps to ``memory_budget`` on its devices: one predicted over it
@@ -115,7 +116,7 @@ def _chosen(
 ) -> Plan:
     """The plan of ``candidates`` (the chosen first), with what planning took: its time, its phases, its peaks."""
     chosen = plans.from_candidates(
-        candidates, request.devices, request.batch_size, request.budget, measured, fitted, request.slots
+        candidates, request.devices, request.batch_size, request.budget, measured, fitted, request.slots, peaks
     )
     chosen.planning_seconds, chosen.planning_peaks = progress.seconds(), peaks
     chosen.planning_bound, chosen.planning_phases = progress.max_seconds, dict(progress.phases)

@@ -57,6 +57,24 @@ def gib(nbytes: float, up: bool = False) -> str:
     return ""
 
 
+class NothingFits(ValueError):
+    """No configuration fits ``memory_budget`` on every device. It carries what planning measured, so that a plan under
+    another budget (``smallest_budget``, say) measures nothing again: ``tfpipe.plan(..., calibration=err.calibration,
+    profile=err.profile)``; and what planning itself held (``planning_peaks``, as ``Plan.planning_peaks``)."""
+
+    def __init__(
+        self,
+        message: str,
+        smallest_budget: float,
+        profile: Profile,
+        calibration: Calibration,
+        planning_peaks: dict[str, float] | None = None,
+    ):
+        super().__init__(message)
+        self.smallest_budget = smallest_budget  # bytes a device: the smallest predicted peak of any configuration
+        self.profile, self.calibration, self.planning_peaks = profile, calibration, planning_peaks
+
+
 @dataclasses.dataclass
 class Plan:
     """A configuration predicted to fit the budget on every device: the fastest of those timed, else of those predicted.
@@ -244,19 +262,26 @@ def from_candidates(
     profile: Profile,
     calibration: Calibration,
     slots: int,
+    planning_peaks: dict[str, float] | None = None,
 ) -> Plan:
-    """The plan of the first candidate (the fastest that fits); a ValueError naming the smallest budget if none fits."""
+    """The plan of the first candidate (the fastest that fits); ``NothingFits`` naming the smallest budget if none fits
+    (with ``planning_peaks``, what planning held: ``Plan.planning_peaks``)."""
     if not candidates:
         raise ValueError("No configuration to plan: give at least one layer, device and micro-batch count.")
     best = candidates[0]
     if not best.fits:
         smallest = min(candidates, key=lambda c: max(c.prediction.peak_bytes))
         needed = gib(max(smallest.prediction.peak_bytes), up=True)
-        raise ValueError(
+        message = (
             f"No configuration fits memory_budget={gib(budget or 0)} on every device: the smallest predicted peak is "
             f"{needed}, with {smallest.config.describe()}. Pass memory_budget={needed!r} or more, more devices, or a "
-            "smaller batch_size."
+            "smaller batch_size; tfpipe.plan(..., calibration=e.calibration, profile=e.profile), e this NothingFits, "
+            "plans again without measuring."
         )
+        device, held = max((planning_peaks or {"": 0.0}).items(), key=lambda item: item[1])
+        if held > 0:  # nothing measured (a profile reused) holds nothing
+            message += f" Planning itself held at most {gib(held)} on {device}."
+        raise NothingFits(message, max(smallest.prediction.peak_bytes), profile, calibration, planning_peaks)
     config = best.config
     k, r = config.num_devices, config.num_replicas
     chosen = [list(devices[i * k : (i + 1) * k]) for i in range(r)]

@@ -192,8 +192,15 @@ def test_from_candidates_names_the_smallest_budget_that_would_fit():
         f"No configuration fits memory_budget=1 B on every device: the smallest predicted peak is "
         f"{plans.gib(max(smallest.prediction.peak_bytes))}, with {smallest.config.describe()}"
     )
-    with pytest.raises(ValueError, match=re.escape(message)):
-        plans.from_candidates(found, DEVICES, 8, 1.0, prof, cal, 2)
+    with pytest.raises(plans.NothingFits, match=re.escape(message)) as raised:
+        plans.from_candidates(found, DEVICES, 8, 1.0, prof, cal, 2, {DEVICES[0]: 3 * 2**20, DEVICES[1]: 2**20})
+    error = raised.value
+    assert isinstance(error, ValueError) and error.smallest_budget == max(smallest.prediction.peak_bytes)
+    assert error.profile is prof and error.calibration is cal
+    assert str(error).endswith(f"plans again without measuring. Planning itself held at most 3 MiB on {DEVICES[0]}.")
+    # planned from a reused profile, nothing measured: nothing held, nothing said of it
+    with pytest.raises(plans.NothingFits, match=r"plans again without measuring\.$"):
+        plans.from_candidates(found, DEVICES, 8, 1.0, prof, cal, 2, dict.fromkeys(DEVICES, 0.0))
     with pytest.raises(ValueError, match="No configuration to plan"):
         plans.from_candidates([], DEVICES, 8, None, prof, cal, 2)
 
