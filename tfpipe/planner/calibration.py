@@ -78,6 +78,9 @@ def calibrate(
         return _CALIBRATIONS[key]
     with _compat.custom_gradients_forgotten():  # its probes, once let go, hold no memory
         result = _calibrate(device_list, optimizer, steps, size, noinline)
+    # now, not at some later collection: the update's weights and slots (half the budget on the first device, in
+    # reference cycles of its functions) would otherwise sit under what the layers are measured with next
+    gc.collect()
     _CALIBRATIONS[key] = result
     return result
 
@@ -476,8 +479,8 @@ def _update_seconds_per_byte(device: str, optimizer: Any, rows: int = 4096) -> f
 
     def update(rows: int) -> Any:
         opt = _fresh(optimizer)
-        with tf.device(device):
-            variable = keras.Variable(np.zeros((rows, 1024), "float32"))
+        with tf.device(device):  # made there: a value sent from here would pass through a worker's own heap
+            variable = keras.Variable(tf.zeros((rows, 1024)))
             gradient = tf.ones((rows, 1024))
             opt.build([variable])
             return tf.function(lambda: opt.apply([gradient], [variable]))
