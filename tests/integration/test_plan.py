@@ -361,11 +361,13 @@ def test_planning_keeps_to_the_budget_and_to_max_seconds_and_says_what_it_left_o
     assert name == "2 logical devices' one allocator" and 0 < peak <= 2 * budget, result["peaks"]
     assert max(result["chosen"]) <= budget
     one_device = [line for line in result["not_run"] if "on 1 device(s) not run: predicted to peak at" in line]
-    # the rest: probes over the budget, and perhaps the fastest configuration left untimed as too near it
+    # the rest: probes over the budget or within its headroom, and perhaps the fastest configuration left untimed as
+    # too near it
     near = [line for line in result["not_run"] if " not timed: predicted to peak at " in line]
     assert all(line.endswith("of the budget") for line in near), near
     over = [line for line in result["not_run"] if line not in near]
-    assert one_device and all(line.endswith("over the budget") for line in over), result["not_run"]
+    ends = ("over the budget", "within 13% of the budget")
+    assert one_device and all(line.endswith(ends) for line in over), result["not_run"]
     summary = "\n".join(result["summary"])
     assert "not scaled to whole steps: no one-cell step was run" in summary
     assert f"  planning: {result['seconds']:.0f} s, " in summary and "its probes held at most" in summary

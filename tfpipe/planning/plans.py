@@ -59,8 +59,8 @@ def gib(nbytes: float, up: bool = False) -> str:
 
 class NothingFits(ValueError):
     """No configuration fits ``memory_budget`` on every device. It carries what planning measured, so that a plan under
-    another budget (``smallest_budget``, say) measures nothing again: ``tfpipe.plan(..., calibration=err.calibration,
-    profile=err.profile)``; and what planning itself held (``planning_peaks``, as ``Plan.planning_peaks``)."""
+    another budget (``smallest_budget``, say) measures nothing again: ``tfpipe.plan(..., calibration=e.calibration,
+    profile=e.profile)``; and what planning itself held (``planning_peaks``, as ``Plan.planning_peaks``)."""
 
     def __init__(
         self,

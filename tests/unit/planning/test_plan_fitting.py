@@ -6,7 +6,7 @@ import pytest
 from tests.unit.planning.handmade import DEVICES, calibration, profile
 from tfpipe.planner import calibration as calibration_lib
 from tfpipe.planner import probe_fits
-from tfpipe.planning import predict
+from tfpipe.planning import predict, search
 from tfpipe.planning import profile as profile_lib
 from tfpipe.planning import progress as progress_lib
 from tfpipe.planning.predict import Config
@@ -91,7 +91,8 @@ def test_probes_keep_to_the_budget_in_groups_and_one_predicted_over_it_is_not_ru
     whole = probe_fits.Shape(8, 1, (3,))  # all three layers on one device at 8 rows
     halves = probe_fits.Shape(1, 8, (2, 1))
     small = probe_fits.Shape(1, 8, (3,))
-    memory = lambda budget: probe_fits.ProbeMemory(prof, cal, 2, DEVICES, budget)  # noqa: E731
+    # each figure below is the room a budget leaves: the budget less the headroom a prediction may be short by
+    memory = lambda room: probe_fits.ProbeMemory(prof, cal, 2, DEVICES, _budget(room))  # noqa: E731
     peaks = {s: memory(None).bytes(s)[0] for s in (whole, halves, small)}
     kept = {s: memory(None).bytes(s)[1] for s in (whole, halves, small)}
     # what a model keeps between steps: weights, two Adam slots per trainable weight, the batch on its first device
@@ -106,10 +107,16 @@ def test_probes_keep_to_the_budget_in_groups_and_one_predicted_over_it_is_not_ru
     groups = memory(620.0).groups([whole, halves, small])
     assert groups == [[halves], [small]]
     assert prof.not_run == [
-        "probe 8 rows x M=1 on 1 device(s) not run: predicted to peak at 626 B on /CPU:0, over the budget"
+        "probe 8 rows x M=1 on 1 device(s) not run: predicted to peak at 626 B on /CPU:0, within 13% of the budget"
     ]
+    assert memory(620.0).room == pytest.approx(620.0) and memory(620.0).budget == pytest.approx(712.64, abs=0.01)
     # with room for both at once: one group
     assert memory(768.0).groups([halves, small]) == [[halves, small]]
+    # a budget of 620 leaves room for 539: the small probe, predicted under the budget but not within the room, is
+    # not run either
+    prof.not_run.clear()
+    assert probe_fits.ProbeMemory(prof, cal, 2, DEVICES, 620.0).groups([whole, halves, small]) == [[halves]]
+    assert [line.rsplit(", ", 1)[1] for line in prof.not_run] == ["over the budget", "within 13% of the budget"]
 
 
 def test_each_group_of_several_is_timed_in_its_own_rounds_and_a_time_bound_stops_the_building(monkeypatch):
@@ -207,9 +214,14 @@ def test_time_probes_of_none_says_so_and_opens_no_phase(capsys):
     assert "no probe of the whole model is predicted to fit the budget (see summary())" in said
 
 
-def _probes_under(budget, monkeypatch):
-    """fit_model's probes of the three handmade layers under ``budget``: the fitted calibration, the profile, and
-    each probe made as (b, M, cut, remat, schedule)."""
+def _budget(room):
+    """The budget that leaves ``room`` bytes for a probe's predicted peak (``ProbeMemory.room``)."""
+    return None if room is None else room / search.TIMED_HEADROOM
+
+
+def _probes_under(room, monkeypatch):
+    """fit_model's probes of the three handmade layers under the budget that leaves ``room``: the fitted calibration,
+    the profile, and each probe made as (b, M, cut, remat, schedule)."""
     cal, prof = calibration(parallelism=2.0), profile(sizes=(1, 2, 4, 8), outputs=(4.0, 4.0, 4.0))
     made = []
 
@@ -219,7 +231,9 @@ def _probes_under(budget, monkeypatch):
 
     monkeypatch.setattr(calibration_lib, "split_step", split_step)
     monkeypatch.setattr(calibration_lib, "in_rounds", lambda probes, kept, steps: probes)
-    fitted = probe_fits.fit_model(prof, [None] * 3, None, 8, DEVICES, "sgd", cal, 2, replicas=False, budget=budget)
+    fitted = probe_fits.fit_model(
+        prof, [None] * 3, None, 8, DEVICES, "sgd", cal, 2, replicas=False, budget=_budget(room)
+    )
     return fitted, prof, made
 
 
@@ -232,7 +246,8 @@ def test_a_probe_over_the_budget_in_gpipe_order_runs_in_1f1b_order_and_is_fitted
     assert all(b < 4 for b, *_ in made)
     assert "measured at [1, 2] samples" in prof.time_source
     assert prof.not_run == [
-        "probe 4 rows x M=2 on 1 device(s), 1f1b not run: predicted to peak at 497 B on /CPU:0, over the budget",
+        "probe 4 rows x M=2 on 1 device(s), 1f1b not run: predicted to peak at 497 B on /CPU:0, within 13% of the "
+        "budget",
         "probe 8 rows x M=1 on 1 device(s) not run: predicted to peak at 626 B on /CPU:0, over the budget",
     ]
     assert sorted(prof.recompute_ratios) == [1, 2]  # both K's pairs ran, K=1's in 1F1B's order
@@ -244,7 +259,7 @@ def test_the_cut_probe_recomputes_then_shrinks_until_it_fits_the_budget():
     # order, 843 in 1F1B's, 773 recomputing; at 2 rows 787.5, 481.5, 446.5; at 1 row 453.75, 300.75, 283.25
 
     def fitted(budget):
-        cut = probe_fits.ProbeMemory(prof, cal, 2, DEVICES, budget).fitting_cut(shape)
+        cut = probe_fits.ProbeMemory(prof, cal, 2, DEVICES, _budget(budget)).fitting_cut(shape)
         return cut.b, cut.remat, cut.schedule
 
     assert fitted(None) == fitted(1500.0) == (4, "never", "gpipe")
@@ -274,7 +289,7 @@ def test_without_the_whole_model_probes_the_fit_uses_what_ran(monkeypatch):
     assert sorted(prof.recompute_ratios) == [2]  # K=1's probes did not run: only K=2's ratio is fitted
     pipeline = predict.step_seconds(prof, fitted, 8, Config((2, 1), 1, 8, "never", "1f1b")).step_s
     assert pipeline == pytest.approx(20.0 / 2 + 8, rel=1e-3)
-    assert all("over the budget" in line for line in prof.not_run) and prof.not_run
+    assert prof.not_run and all(line.endswith(("over the budget", "of the budget")) for line in prof.not_run)
 
 
 def test_a_probe_that_runs_out_of_memory_is_left_out_and_said(monkeypatch):
