@@ -436,8 +436,8 @@ class ProbeMemory:
         the largest of their steps' own bytes fit every device together. Predicted from the layers measured alone
         (before a step's held bytes are fitted): an inlined step holds less than that (docs/benchmarks.md#planning).
         """
-        budget = self.room
-        if budget is None:
+        room = self.room
+        if room is None:
             return [list(shapes)] if shapes else []
         groups: list[list[Shape]] = []
         kept: dict[str, float] = {}
@@ -445,7 +445,7 @@ class ProbeMemory:
         for shape in shapes:
             peaks, keeps = self.bytes(shape)
             fullest = max(peaks, key=lambda d: peaks[d])
-            if peaks[fullest] > budget:
+            if peaks[fullest] > room:
                 near = f"within {1 - search.TIMED_HEADROOM:.0%} of the budget"
                 over = "over the budget" if peaks[fullest] > (self.budget or 0.0) else near
                 self.measured.not_run.append(
@@ -454,7 +454,7 @@ class ProbeMemory:
                 continue
             together = {d: kept.get(d, 0.0) + keeps[d] for d in peaks}
             most = {d: max(stepping.get(d, 0.0), peaks[d] - keeps[d]) for d in peaks}
-            if groups and all(together[d] + most[d] <= budget for d in peaks):
+            if groups and all(together[d] + most[d] <= room for d in peaks):
                 groups[-1].append(shape)
                 kept.update(together)
                 stepping.update(most)

@@ -381,3 +381,31 @@ def test_a_shortlisted_step_that_a_probe_trained_takes_its_times_and_is_not_buil
     planner.verified(found, [], None, 16, DEVICES, "sgd", 3, None, None, not_run, "inline", measured)
     assert len(built) == 3
     assert planner.reused(measured, [None] * len(measured.weight_bytes)).steps == {}
+
+
+def test_the_auto_bound_tightens_to_what_the_fitted_predictions_give_and_never_grows(capsys):
+    from types import SimpleNamespace
+
+    from tfpipe.planner import choose
+    from tfpipe.planning import progress as progress_lib
+
+    def candidate(step_s, fits=True):
+        return SimpleNamespace(prediction=SimpleNamespace(step_s=step_s), fits=fits)
+
+    # the layers alone predicted 549 ms (a 110 s bound); whole steps fitted say 300 ms, and a faster one over the
+    # budget does not count
+    progress = progress_lib.Progress(1, max_seconds=110.0)
+    choose._tightened(progress, [candidate(0.2, fits=False), candidate(0.3), candidate(0.4)])
+    assert progress.max_seconds == pytest.approx(60.0)
+    assert (
+        "planning within 60 s (200 steps of 300.0 ms, the fastest the whole steps predict)" in capsys.readouterr().out
+    )
+    # never longer than the first bound, never under AUTO_MIN_SECONDS
+    choose._tightened(progress, [candidate(0.5)])
+    assert progress.max_seconds == pytest.approx(60.0)
+    choose._tightened(progress, [candidate(0.01)])
+    assert progress.max_seconds == pytest.approx(choose.AUTO_MIN_SECONDS)
+    # none fits: the fastest of all is the bound's step
+    unfitted = progress_lib.Progress(0, max_seconds=110.0)
+    choose._tightened(unfitted, [candidate(0.25, fits=False)])
+    assert unfitted.max_seconds == pytest.approx(50.0)
