@@ -87,8 +87,8 @@ def plan(
     whole steps and times fewer configurations to keep to it, and ``Plan.summary`` says what it left out. "auto":
     the time of ``AUTO_STEPS`` steps of the fastest configuration predicted from the layers alone, at least
     ``AUTO_MIN_SECONDS``, and of the fitted predictions' fastest before the shortlist where that is sooner; None: no
-    bound. Every probe keeps to ``memory_budget`` on its devices: one predicted over it
-    is not run, and the plan records its probes' largest peaks (``Plan.planning_peaks``). ``repeated_layers``: the
+    bound. Every probe keeps to ``memory_budget`` on its devices: one predicted past 87%
+    of it is not run, and the plan records its probes' largest peaks (``Plan.planning_peaks``). ``repeated_layers``: the
     model's, as its probes are built. ``verbose``: 1 shows each phase, its progress and time left; 0 nothing.
     """
     request = _Request.checked(
