@@ -454,20 +454,26 @@ def planning(spec: dict[str, Any], budget: float) -> dict[str, Any]:
                 verbose=0,
             )
         except tfpipe.NothingFits as err:  # said in the row, with what planning held and took all the same
-            plan = None
-            nothing = f"none fits ({str(err).split(': ', 1)[1].split('. Pass')[0]})"  # the smallest peak, with what
-            peaks, not_run = err.planning_peaks, len(err.profile.not_run)
+            plan, nothing, took = None, err, time.monotonic() - began
         process = [plan_devices.status_bytes(pid, "VmHWM") - base for pid, base in zip(cluster.pids, rss)]
-    held = {"planning_s": time.monotonic() - began, "process_bytes": max(process)}
     if plan is None:
-        return {"chosen": nothing, **held, "probe_bytes": max((peaks or {0: 0.0}).values()), "not_run": not_run}
+        smallest = (
+            f"the smallest predicted peak is {nothing.smallest_budget / MIB:.0f} MiB, with {nothing.config.describe()}"
+        )
+        return {
+            "chosen": f"none fits ({smallest})",
+            "planning_s": took,
+            "probe_bytes": max((nothing.planning_peaks or {0: 0.0}).values()),
+            "process_bytes": max(process),
+            "not_run": len(nothing.profile.not_run),
+        }
     chosen = plan.candidates[0].config
     return {
         **_config_of(chosen),
         "chosen": chosen.describe(),
-        **held,
         "planning_s": plan.planning_seconds,
         "probe_bytes": max((plan.planning_peaks or {0: 0.0}).values()),
+        "process_bytes": max(process),
         "not_run": len(plan.profile.not_run),
     }
 

@@ -100,7 +100,7 @@ def plan(
     measured, fitted = _measured(request, calibration, profile, progress)
     progress.phase("predicting every configuration")
     candidates = search.run(measured, fitted, request.batch_size, request.space, request.budget, request.slots)
-    if request.max_seconds == "auto" and progress.max_seconds is not None:
+    if request.max_seconds == "auto":
         _tightened(progress, candidates)
     candidates = _timed(request, candidates, measured, progress)
     progress.end()
@@ -224,8 +224,8 @@ def _measured(
     if profile is None:
         if request.max_seconds == "auto":  # from the fastest configuration the layers alone predict
             found = search.run(measured, calibration, request.batch_size, request.space, None, request.slots)
-            fastest = found[0].prediction.step_s if found else 0.0
-            progress.max_seconds = max(AUTO_STEPS * fastest, AUTO_MIN_SECONDS)
+            fastest = _fastest_step(found)
+            progress.max_seconds = auto_bound(1)(fastest)
             progress.end()
             progress.say(
                 f"planning within {progress.max_seconds:.0f} s (max_seconds='auto': {AUTO_STEPS} steps of "
@@ -245,12 +245,11 @@ def _tightened(progress: Progress, candidates: Sequence[search.Candidate]) -> No
     """``max_seconds="auto"``'s bound again, where the predictions fitted to whole steps give a faster fastest
     configuration than the layers alone did: the layers run alone at small micro-batches predicted a Transformer's
     step at 549 ms on two workers where its choice ran at 300, and the shortlist then took 53 s of a 99 s plan (339
-    steps). Never longer than the first bound."""
-    fitting = [c for c in candidates if c.fits] or list(candidates)
-    if not fitting:
+    steps). Never longer than the first bound; where none was set (a profile reused: nothing measured), none is set."""
+    if not candidates:
         return
-    fastest = min(c.prediction.step_s for c in fitting)
-    bound = max(AUTO_STEPS * fastest, AUTO_MIN_SECONDS)
+    fastest = _fastest_step(candidates)
+    bound = auto_bound(1)(fastest)
     if progress.max_seconds is not None and bound < progress.max_seconds:
         progress.max_seconds = bound
         progress.end()
@@ -258,6 +257,12 @@ def _tightened(progress: Progress, candidates: Sequence[search.Candidate]) -> No
             f"planning within {bound:.0f} s ({AUTO_STEPS} steps of {fastest * 1e3:.1f} ms, the fastest the whole "
             "steps predict)"
         )
+
+
+def _fastest_step(candidates: Sequence[search.Candidate]) -> float:
+    """The fastest predicted step of the ``candidates`` that fit (of all where none does); 0 where there are none."""
+    fitting = [c for c in candidates if c.fits] or list(candidates)
+    return min((c.prediction.step_s for c in fitting), default=0.0)
 
 
 def _auto_bound(request: _Request) -> Callable[[float], float] | None:
@@ -340,10 +345,7 @@ def verified(
     fastest = search.shortlist(candidates, 1)  # the headroom aside
     if budget is not None and count and fastest and fastest[0] not in listed and not_run is not None:  # too near it
         peak = gib(max(fastest[0].prediction.peak_bytes))
-        not_run.append(
-            f"{fastest[0].config.describe()} not timed: predicted to peak at {peak}, within "
-            f"{1 - search.TIMED_HEADROOM:.0%} of the budget"
-        )
+        not_run.append(f"{fastest[0].config.describe()} not timed: predicted to peak at {peak}, {search.NEAR_BUDGET}")
     if len(listed) < 2:  # one worth timing: nothing to choose between
         return list(candidates)
     if progress is not None:

@@ -446,8 +446,7 @@ class ProbeMemory:
             peaks, keeps = self.bytes(shape)
             fullest = max(peaks, key=lambda d: peaks[d])
             if peaks[fullest] > room:
-                near = f"within {1 - search.TIMED_HEADROOM:.0%} of the budget"
-                over = "over the budget" if peaks[fullest] > (self.budget or 0.0) else near
+                over = "over the budget" if peaks[fullest] > (self.budget or 0.0) else search.NEAR_BUDGET
                 self.measured.not_run.append(
                     f"probe {describe(shape)} not run: predicted to peak at {gib(peaks[fullest])} on {fullest}, {over}"
                 )

@@ -9,7 +9,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, cast
 
 from tfpipe.planning import search
-from tfpipe.planning.predict import Calibration
+from tfpipe.planning.predict import Calibration, Config
 from tfpipe.planning.profile import Profile
 from tfpipe.planning.search import Candidate
 
@@ -66,12 +66,14 @@ class NothingFits(ValueError):
         self,
         message: str,
         smallest_budget: float,
+        config: Config,
         profile: Profile,
         calibration: Calibration,
         planning_peaks: dict[str, float] | None = None,
     ):
         super().__init__(message)
         self.smallest_budget = smallest_budget  # bytes a device: the smallest predicted peak of any configuration
+        self.config = config  # the configuration that peaks at it
         self.profile, self.calibration, self.planning_peaks = profile, calibration, planning_peaks
 
 
@@ -281,7 +283,9 @@ def from_candidates(
         device, held = max((planning_peaks or {"": 0.0}).items(), key=lambda item: item[1])
         if held > 0:  # nothing measured (a profile reused) holds nothing
             message += f" Planning itself held at most {gib(held)} on {device}."
-        raise NothingFits(message, max(smallest.prediction.peak_bytes), profile, calibration, planning_peaks)
+        raise NothingFits(
+            message, max(smallest.prediction.peak_bytes), smallest.config, profile, calibration, planning_peaks
+        )
     config = best.config
     k, r = config.num_devices, config.num_replicas
     chosen = [list(devices[i * k : (i + 1) * k]) for i in range(r)]

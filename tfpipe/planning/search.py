@@ -34,6 +34,7 @@ SHORTLIST_BAND = 0.25
 # chosen by its prediction where fewer than two others are timed (12 x Dense(1024) on two workers: a shortlisted step
 # predicted to fit 166 MiB held 168)
 TIMED_HEADROOM = 0.87
+NEAR_BUDGET = f"within {1 - TIMED_HEADROOM:.0%} of the budget"  # what the summary says of one left out so
 
 
 @dataclasses.dataclass

@@ -196,7 +196,7 @@ def test_from_candidates_names_the_smallest_budget_that_would_fit():
         plans.from_candidates(found, DEVICES, 8, 1.0, prof, cal, 2, {DEVICES[0]: 3 * 2**20, DEVICES[1]: 2**20})
     error = raised.value
     assert isinstance(error, ValueError) and error.smallest_budget == max(smallest.prediction.peak_bytes)
-    assert error.profile is prof and error.calibration is cal
+    assert error.profile is prof and error.calibration is cal and error.config == smallest.config
     assert str(error).endswith(f"plans again without measuring. Planning itself held at most 3 MiB on {DEVICES[0]}.")
     # planned from a reused profile, nothing measured: nothing held, nothing said of it
     with pytest.raises(plans.NothingFits, match=r"plans again without measuring\.$"):

@@ -409,3 +409,7 @@ def test_the_auto_bound_tightens_to_what_the_fitted_predictions_give_and_never_g
     unfitted = progress_lib.Progress(0, max_seconds=110.0)
     choose._tightened(unfitted, [candidate(0.25, fits=False)])
     assert unfitted.max_seconds == pytest.approx(50.0)
+    # a profile reused: no bound was set, none is set now
+    reused = progress_lib.Progress(0)
+    choose._tightened(reused, [candidate(0.3)])
+    assert reused.max_seconds is None
